@@ -1,0 +1,234 @@
+//! The Envoy-style admin endpoint: `/ready`, `/stats/prometheus`, `/config_dump`, `/clusters`,
+//! `/server_info`.
+
+pub mod stats;
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use envoy_types::pb::envoy::admin::v3 as admin;
+use envoy_types::pb::google::protobuf::{Any, Timestamp};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use prost::Name;
+
+use crate::snapshot::cluster::Health;
+use crate::State;
+
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("admin accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(handle(&req, &state)) }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await
+            {
+                tracing::debug!("admin connection: {e}");
+            }
+        });
+    }
+}
+
+fn reply(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
+    if let Ok(v) = http::HeaderValue::from_str(content_type) {
+        r.headers_mut().insert(http::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
+    let query = req.uri().query().unwrap_or("");
+    match req.uri().path() {
+        "/ready" => {
+            if state.ready.load(Ordering::Relaxed) {
+                reply(200, "text/plain", "LIVE\n")
+            } else {
+                reply(503, "text/plain", "PRE_INITIALIZING\n")
+            }
+        }
+        "/stats/prometheus" => {
+            let snap = state.snapshot.load_full();
+            let text = state.stats.render(&|name| {
+                snap.clusters
+                    .get(name)
+                    .map(|c| (c.healthy_count(), c.endpoints.hosts.len()))
+            });
+            reply(200, "text/plain; version=0.0.4", text)
+        }
+        "/config_dump" => match config_dump(state, query.contains("include_eds")) {
+            Ok(v) => reply(200, "application/json", serde_json::to_string_pretty(&v).unwrap_or_default()),
+            Err(e) => reply(500, "text/plain", format!("config dump failed: {e}\n")),
+        },
+        "/clusters" => reply(200, "text/plain", clusters(state)),
+        "/server_info" => {
+            let state_name = if state.ready.load(Ordering::Relaxed) { "LIVE" } else { "PRE_INITIALIZING" };
+            let v = serde_json::json!({
+                "version": concat!("portico/", env!("CARGO_PKG_VERSION")),
+                "state": state_name,
+                "uptime_current_epoch": format!("{}s", state.started.elapsed().as_secs()),
+                "node": state.bootstrap_node_json(),
+            });
+            reply(200, "application/json", v.to_string())
+        }
+        "/" => reply(
+            200,
+            "text/plain",
+            "admin commands are:\n  /clusters\n  /config_dump\n  /ready\n  /server_info\n  /stats/prometheus\n",
+        ),
+        _ => reply(404, "text/plain", "invalid path. admin commands are: /clusters /config_dump /ready /server_info /stats/prometheus\n"),
+    }
+}
+
+/// Envoy's `/clusters` text format: one `cluster::host::stat::value` line per fact.
+fn clusters(state: &State) -> String {
+    let snap = state.snapshot.load_full();
+    let mut names: Vec<_> = snap.clusters.keys().collect();
+    names.sort();
+    let mut out = String::new();
+    for name in names {
+        let Some(c) = snap.clusters.get(name) else { continue };
+        let _ = writeln!(out, "{name}::observability_name::{name}");
+        for (i, h) in c.endpoints.hosts.iter().enumerate() {
+            let a = h.addr;
+            let active = c.active.get(i).map_or(0, |v| v.load(Ordering::Relaxed));
+            let _ = writeln!(out, "{name}::{a}::rq_active::{active}");
+            let _ = writeln!(out, "{name}::{a}::weight::{}", h.weight);
+            let _ = writeln!(out, "{name}::{a}::priority::{}", h.priority);
+            let flags = match h.health {
+                Health::Healthy => "healthy",
+                Health::Unhealthy => "/failed_eds_health",
+                Health::Degraded => "/degraded_eds_health",
+            };
+            let _ = writeln!(out, "{name}::{a}::health_flags::{flags}");
+        }
+    }
+    out
+}
+
+fn pack<M: prost::Message + Name>(m: &M) -> Any {
+    Any {
+        type_url: M::type_url(),
+        value: m.encode_to_vec(),
+    }
+}
+
+fn ts(t: SystemTime) -> Option<Timestamp> {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).ok()?;
+    Some(Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    })
+}
+
+/// `/config_dump` in Envoy's shape: the bootstrap, then clusters, listeners, routes (and
+/// endpoints when asked), each split into static and dynamic.
+pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value, String> {
+    let store = state.store.load_full();
+    let mut configs = Vec::new();
+    if let Some(b) = &state.bootstrap {
+        configs.push(pack(&admin::BootstrapConfigDump {
+            bootstrap: Some(b.clone()),
+            last_updated: ts(state.started_at),
+        }));
+    }
+    let version = |k| store.versions.get(&k).cloned().unwrap_or_default();
+    use crate::xds::types::Kind;
+    let mut cd = admin::ClustersConfigDump {
+        version_info: version(Kind::Cluster),
+        ..Default::default()
+    };
+    for item in store.clusters.values() {
+        let any = Some(pack(item.proto.as_ref()));
+        if item.is_static {
+            cd.static_clusters.push(admin::clusters_config_dump::StaticCluster {
+                cluster: any,
+                last_updated: ts(item.last_updated),
+            });
+        } else {
+            cd.dynamic_active_clusters.push(admin::clusters_config_dump::DynamicCluster {
+                version_info: item.version.clone(),
+                cluster: any,
+                last_updated: ts(item.last_updated),
+                ..Default::default()
+            });
+        }
+    }
+    configs.push(pack(&cd));
+    let mut ld = admin::ListenersConfigDump {
+        version_info: version(Kind::Listener),
+        ..Default::default()
+    };
+    let snap = state.snapshot.load_full();
+    for (name, item) in &store.listeners {
+        let any = Some(pack(item.proto.as_ref()));
+        if item.is_static {
+            ld.static_listeners.push(admin::listeners_config_dump::StaticListener {
+                listener: any,
+                last_updated: ts(item.last_updated),
+            });
+        } else {
+            let st = admin::listeners_config_dump::DynamicListenerState {
+                version_info: item.version.clone(),
+                listener: any,
+                last_updated: ts(item.last_updated),
+            };
+            let warm = snap.listeners.get(name).is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
+            ld.dynamic_listeners.push(admin::listeners_config_dump::DynamicListener {
+                name: name.clone(),
+                active_state: warm.then(|| st.clone()),
+                warming_state: (!warm).then_some(st),
+                ..Default::default()
+            });
+        }
+    }
+    configs.push(pack(&ld));
+    let mut rd = admin::RoutesConfigDump::default();
+    for item in store.routes.values() {
+        rd.dynamic_route_configs.push(admin::routes_config_dump::DynamicRouteConfig {
+            version_info: item.version.clone(),
+            route_config: Some(pack(item.proto.as_ref())),
+            last_updated: ts(item.last_updated),
+            ..Default::default()
+        });
+    }
+    configs.push(pack(&rd));
+    if include_eds {
+        let mut ed = admin::EndpointsConfigDump::default();
+        for item in store.endpoints.values() {
+            ed.dynamic_endpoint_configs.push(admin::endpoints_config_dump::DynamicEndpointConfig {
+                version_info: item.version.clone(),
+                endpoint_config: Some(pack(item.proto.as_ref())),
+                last_updated: ts(item.last_updated),
+                ..Default::default()
+            });
+        }
+        configs.push(pack(&ed));
+    }
+    let dump = admin::ConfigDump { configs };
+    crate::protojson::to_json("envoy.admin.v3.ConfigDump", &dump).map_err(|e| e.to_string())
+}
+
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}

@@ -1,0 +1,56 @@
+//! Portico: an ingress gateway that speaks Envoy's xDS contract, on pingora.
+//!
+//! Data flow: ADS stream ([`xds::client`]) -> accepted resources ([`xds::store`]) -> immutable
+//! [`snapshot::Snapshot`] swapped into [`State::snapshot`] -> the request path ([`proxy`]) loads
+//! it once per request and routes with [`router`] and [`lb`].
+
+pub mod admin;
+pub mod bootstrap;
+pub mod demo;
+pub mod lb;
+pub mod protojson;
+pub mod proxy;
+pub mod router;
+pub mod server;
+pub mod snapshot;
+pub mod xds;
+
+use std::sync::atomic::AtomicBool;
+use std::time::{Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+
+/// What the data path and the admin endpoint share with the control side.
+#[derive(Debug)]
+pub struct State {
+    pub snapshot: ArcSwap<snapshot::Snapshot>,
+    pub store: ArcSwap<xds::store::Store>,
+    pub stats: admin::stats::Stats,
+    /// True once every subscribed xDS type was accepted once; never goes back.
+    pub ready: AtomicBool,
+    pub bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>,
+    pub started: Instant,
+    pub started_at: SystemTime,
+}
+
+impl State {
+    pub fn new(bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>) -> State {
+        State {
+            snapshot: ArcSwap::from_pointee(snapshot::Snapshot::default()),
+            store: ArcSwap::from_pointee(xds::store::Store::default()),
+            stats: admin::stats::Stats::new(),
+            ready: AtomicBool::new(false),
+            bootstrap,
+            started: Instant::now(),
+            started_at: SystemTime::now(),
+        }
+    }
+
+    pub fn bootstrap_node_json(&self) -> serde_json::Value {
+        let node = self.bootstrap.as_ref().and_then(|b| b.node.as_ref());
+        match node {
+            Some(n) => serde_json::json!({ "id": n.id, "cluster": n.cluster }),
+            None => serde_json::Value::Null,
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Binds and unbinds LDS listeners at runtime and feeds accepted connections to pingora.
+//!
+//! Sockets are bound on the control thread when a listener is accepted (so a bind failure can
+//! NACK the push), and served by accept loops on the worker runtime once the listener is warm.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use pingora_core::apps::{HttpServerOptions, ServerApp};
+use pingora_core::server::configuration::ServerConf;
+use pingora_proxy::HttpProxy;
+use tokio::runtime::Handle;
+use tokio::sync::watch;
+
+use super::Gateway;
+use crate::snapshot::listener::Codec;
+use crate::snapshot::Snapshot;
+use crate::State;
+
+struct Running {
+    addr: SocketAddr,
+    codec: Codec,
+    /// Tells the accept loop to stop and open connections to close after their current request.
+    shutdown: watch::Sender<bool>,
+}
+
+pub struct ListenerManager {
+    workers: Handle,
+    state: Arc<State>,
+    conf: Arc<ServerConf>,
+    bound: HashMap<SocketAddr, std::net::TcpListener>,
+    running: HashMap<String, Running>,
+}
+
+impl ListenerManager {
+    pub fn new(workers: Handle, state: Arc<State>, threads: usize) -> ListenerManager {
+        let conf = ServerConf {
+            threads,
+            ..ServerConf::default()
+        };
+        ListenerManager {
+            workers,
+            state,
+            conf: Arc::new(conf),
+            bound: HashMap::new(),
+            running: HashMap::new(),
+        }
+    }
+
+    /// Binds every address not bound yet. On any failure nothing new stays bound.
+    pub fn prepare(&mut self, wanted: &BTreeMap<String, SocketAddr>) -> Result<(), Vec<String>> {
+        let mut fresh = HashMap::new();
+        let mut errors = Vec::new();
+        for (name, addr) in wanted {
+            if self.bound.contains_key(addr) || fresh.contains_key(addr) {
+                continue;
+            }
+            match bind(*addr) {
+                Ok(l) => {
+                    fresh.insert(*addr, l);
+                }
+                Err(e) => errors.push(format!("listener '{name}': cannot bind {addr}: {e}")),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        self.bound.extend(fresh);
+        Ok(())
+    }
+
+    /// Starts accept loops for listeners that became active, stops removed ones, and closes
+    /// sockets no listener wants any more.
+    pub fn reconcile(&mut self, snap: &Snapshot, wanted: &BTreeMap<String, SocketAddr>) {
+        self.running.retain(|name, r| {
+            let keep = snap
+                .listeners
+                .get(name)
+                .is_some_and(|l| l.def.addr == r.addr && l.def.hcm.codec == r.codec);
+            if !keep {
+                tracing::info!(listener = %name, addr = %r.addr, "listener stopped; draining open connections");
+                let _ = r.shutdown.send(true);
+            }
+            keep
+        });
+        for (name, l) in &snap.listeners {
+            if self.running.contains_key(name) {
+                continue;
+            }
+            let addr = l.def.addr;
+            let Some(sock) = self.bound.get(&addr) else {
+                tracing::warn!(listener = %name, %addr, "listener is active but its socket is not bound");
+                continue;
+            };
+            let sock = match sock.try_clone() {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(listener = %name, %addr, "cannot share listening socket: {e}");
+                    continue;
+                }
+            };
+            let (tx, rx) = watch::channel(false);
+            let mut proxy = HttpProxy::new(
+                Gateway {
+                    listener: name.clone(),
+                    state: self.state.clone(),
+                    hcm_stats: self.state.stats.hcm(&l.def.hcm.stat_prefix),
+                },
+                self.conf.clone(),
+            );
+            let mut opts = HttpServerOptions::default();
+            opts.h2c = l.def.hcm.codec != Codec::Http1;
+            proxy.server_options = Some(opts);
+            proxy.handle_init_modules();
+            let app = Arc::new(proxy);
+            let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
+            tracing::info!(listener = %name, %addr, "listener serving");
+            self.workers.spawn(accept_loop(sock, app, rx, hcm_stats));
+            self.running.insert(
+                name.clone(),
+                Running {
+                    addr,
+                    codec: l.def.hcm.codec,
+                    shutdown: tx,
+                },
+            );
+        }
+        let in_use: Vec<SocketAddr> = wanted.values().copied().collect();
+        self.bound.retain(|addr, _| in_use.contains(addr));
+    }
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    // std sets SO_REUSEADDR on Unix, so a restart does not wait out TIME_WAIT.
+    let l = std::net::TcpListener::bind(addr)?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+async fn accept_loop(
+    sock: std::net::TcpListener,
+    app: Arc<HttpProxy<Gateway>>,
+    mut shutdown: watch::Receiver<bool>,
+    hcm_stats: Arc<crate::admin::stats::HcmStats>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(sock) {
+        Ok(l) => pingora_core::protocols::l4::listener::Listener::from(l),
+        Err(e) => {
+            tracing::error!("cannot register listening socket: {e}");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(mut stream) => {
+                    if let Err(e) = stream.set_nodelay() {
+                        tracing::debug!("set_nodelay failed: {e}");
+                    }
+                    hcm_stats.cx_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let app = app.clone();
+                    let shutdown = shutdown.clone();
+                    tokio::spawn(async move {
+                        let mut stream: pingora_core::protocols::Stream = Box::new(stream);
+                        while let Some(next) = app.process_new(stream, &shutdown).await {
+                            stream = next;
+                        }
+                    });
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            },
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    break;
+                }
+            }
+        }
+    }
+}

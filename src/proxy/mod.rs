@@ -1,0 +1,438 @@
+//! The request path: a pingora `ProxyHttp` that routes on one snapshot per request.
+
+pub mod listeners;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::header::HeaderName;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::{Error, ErrorSource, ErrorType, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+
+use crate::admin::stats::HcmStats;
+use crate::router::{self, RequestView};
+use crate::snapshot::cluster::Cluster;
+use crate::snapshot::route::{Action, Forward, Redirect, Target};
+use crate::snapshot::{ActiveListener, Snapshot};
+use crate::State;
+
+/// One per listener: the listener's name is how a request finds its config in the snapshot.
+pub struct Gateway {
+    pub listener: String,
+    pub state: Arc<State>,
+    pub hcm_stats: Arc<HcmStats>,
+}
+
+/// Per-request state: the snapshot loaded once, and what routing decided.
+#[derive(Default)]
+pub struct Ctx {
+    snapshot: Option<Arc<Snapshot>>,
+    listener: Option<Arc<ActiveListener>>,
+    cluster: Option<Arc<Cluster>>,
+    host_index: usize,
+    peer: Option<SocketAddr>,
+    prefix_rewrite: Option<(usize, String)>,
+    host_rewrite: Option<String>,
+    upstream_start: Option<Instant>,
+    counted_active: bool,
+}
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// A random UUID v4, as Envoy generates for `x-request-id`.
+fn request_id() -> String {
+    let r = fastrand::u128(..);
+    let r = (r & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
+    let h = format!("{r:032x}");
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// The request's authority, lowercased, with the port stripped as the HCM asks.
+fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
+    let raw = req
+        .uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| req.headers.get(http::header::HOST).and_then(|h| h.to_str().ok()))
+        .unwrap_or("");
+    let mut host = raw.to_ascii_lowercase();
+    let hcm = &listener.def.hcm;
+    if hcm.strip_any_host_port || hcm.strip_matching_host_port {
+        // IPv6 literals keep their colons inside brackets.
+        let colon = if host.starts_with('[') {
+            host.find("]:").map(|i| i + 1)
+        } else {
+            host.rfind(':')
+        };
+        if let Some(i) = colon {
+            let port_matches = host[i + 1..].parse::<u16>().ok() == Some(listener.def.addr.port());
+            if hcm.strip_any_host_port || port_matches {
+                host.truncate(i);
+            }
+        }
+    }
+    host
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) to remove, including those named in `Connection`.
+/// Returns the names to drop and whether `te: trailers` must be set in place of `te`.
+fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
+    let mut names: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for h in [&http::header::CONNECTION, &KEEP_ALIVE, &PROXY_CONNECTION, &http::header::UPGRADE] {
+        if headers.contains_key(h) {
+            names.push(h.clone());
+        }
+    }
+    let mut te_trailers = false;
+    if let Some(te) = headers.get(http::header::TE) {
+        // Only "trailers" may travel on.
+        te_trailers = te
+            .to_str()
+            .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("trailers")));
+        names.push(http::header::TE);
+    }
+    (names, te_trailers)
+}
+
+fn strip_request(req: &mut RequestHeader) -> Result<()> {
+    let (names, te) = hop_by_hop(&req.headers);
+    for n in &names {
+        req.remove_header(n);
+    }
+    if te {
+        req.insert_header(http::header::TE, "trailers")?;
+    }
+    Ok(())
+}
+
+fn strip_response(resp: &mut ResponseHeader) {
+    let (names, _) = hop_by_hop(&resp.headers);
+    for n in &names {
+        resp.remove_header(n);
+    }
+}
+
+impl Gateway {
+    async fn local_reply(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        status: u16,
+        body: Option<Bytes>,
+        extra: &[(HeaderName, String)],
+    ) -> Result<bool> {
+        let mut resp = ResponseHeader::build(status, Some(4))?;
+        let len = body.as_ref().map_or(0, |b| b.len());
+        resp.insert_header(http::header::CONTENT_LENGTH, len.to_string())?;
+        if len > 0 {
+            resp.insert_header(http::header::CONTENT_TYPE, "text/plain")?;
+        }
+        for (k, v) in extra {
+            resp.insert_header(k.clone(), v.as_str())?;
+        }
+        if let Some(l) = &ctx.listener {
+            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        }
+        let head_only = session.req_header().method == http::Method::HEAD;
+        session
+            .write_response_header(Box::new(resp), body.is_none() || head_only)
+            .await?;
+        if let Some(b) = body {
+            if !head_only {
+                session.write_response_body(Some(b), true).await?;
+            }
+        }
+        Ok(true)
+    }
+
+    async fn redirect(&self, session: &mut Session, ctx: &Ctx, r: &Redirect, host: &str) -> Result<bool> {
+        let req = session.req_header();
+        let scheme = r.scheme.clone().unwrap_or_else(|| "http".to_string());
+        let (orig_host, orig_port) = match host.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h.to_string(), Some(p.to_string())),
+            _ => (host.to_string(), None),
+        };
+        let mut new_host = r.host.clone().unwrap_or(orig_host);
+        match (r.port, r.scheme.is_some()) {
+            (Some(p), _) => new_host = format!("{new_host}:{p}"),
+            // A scheme change drops the original port unless it is explicitly kept.
+            (None, true) => {}
+            (None, false) => {
+                if let Some(p) = orig_port {
+                    new_host = format!("{new_host}:{p}");
+                }
+            }
+        }
+        let full = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        let (path, query) = match full.split_once('?') {
+            Some((p, q)) => (p.to_string(), Some(q.to_string())),
+            None => (full.to_string(), None),
+        };
+        let new_path = if let Some(p) = &r.path {
+            p.clone()
+        } else if let (Some(pre), Some(route_prefix)) = (&r.prefix_rewrite, &ctx.prefix_rewrite) {
+            format!("{pre}{}", path.get(route_prefix.0..).unwrap_or(""))
+        } else {
+            path
+        };
+        let mut location = format!("{scheme}://{new_host}{new_path}");
+        if !r.strip_query && r.path.as_ref().is_none_or(|p| !p.contains('?')) {
+            if let Some(q) = query {
+                location.push('?');
+                location.push_str(&q);
+            }
+        }
+        self.local_reply(session, ctx, r.status.as_u16(), None, &[(http::header::LOCATION, location)])
+            .await
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx::default()
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        self.hcm_stats.rq_active.fetch_add(1, Relaxed);
+        ctx.counted_active = true;
+        let snap = self.state.snapshot.load_full();
+        let Some(listener) = snap.listeners.get(&self.listener).cloned() else {
+            // The listener was removed while this connection was open.
+            session.set_keepalive(None);
+            return self.local_reply(session, ctx, 404, None, &[]).await;
+        };
+        ctx.listener = Some(listener.clone());
+        ctx.snapshot = Some(snap.clone());
+        let host = authority(session.req_header(), &listener);
+        let req = session.req_header();
+        let path = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        let scheme = req.uri.scheme_str().unwrap_or("http");
+        let view = RequestView {
+            host: &host,
+            path,
+            method: req.method.as_str(),
+            scheme,
+            headers: &req.headers,
+        };
+        let Some((_vh, route)) = router::route(&listener.routes, &view) else {
+            self.hcm_stats.no_route.fetch_add(1, Relaxed);
+            return self.local_reply(session, ctx, 404, None, &[]).await;
+        };
+        let fwd: &Forward = match &route.action {
+            Action::Direct { status, body } => {
+                return self
+                    .local_reply(session, ctx, status.as_u16(), body.clone(), &[])
+                    .await
+            }
+            Action::Redirect(r) => {
+                if let crate::snapshot::route::PathMatch::Prefix(p) = &route.path {
+                    ctx.prefix_rewrite = Some((p.len(), String::new()));
+                }
+                return self.redirect(session, ctx, r, &host).await;
+            }
+            Action::Forward(f) => f,
+        };
+        let cluster_name = match &fwd.target {
+            Target::Cluster(c) => c,
+            Target::Weighted(w) => w.pick(fastrand::u64(..)),
+        };
+        let Some(cluster) = snap.clusters.get(cluster_name.as_ref()).cloned() else {
+            // Envoy's cluster_not_found_response_code default.
+            return self.local_reply(session, ctx, 503, None, &[]).await;
+        };
+        let Some((idx, addr)) = cluster.pick() else {
+            cluster.stats.record(503);
+            return self
+                .local_reply(session, ctx, 503, Some(Bytes::from_static(b"no healthy upstream")), &[])
+                .await;
+        };
+        cluster.active[idx].fetch_add(1, Relaxed);
+        cluster.stats.rq_active.fetch_add(1, Relaxed);
+        if let (Some(rewrite), crate::snapshot::route::PathMatch::Prefix(p)) = (&fwd.prefix_rewrite, &route.path) {
+            ctx.prefix_rewrite = Some((p.len(), rewrite.clone()));
+        }
+        ctx.host_rewrite = fwd.host_rewrite.clone();
+        ctx.host_index = idx;
+        ctx.peer = Some(addr);
+        ctx.cluster = Some(cluster);
+
+        // Request headers as Envoy's connection manager mutates them.
+        let hcm = &listener.def.hcm;
+        let client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        let req = session.req_header_mut();
+        if hcm.use_remote_address && !hcm.skip_xff_append {
+            if let Some(ip) = client_ip {
+                let value = match req.headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                    Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
+                    _ => ip.to_string(),
+                };
+                req.insert_header(X_FORWARDED_FOR.clone(), value)?;
+            }
+        }
+        if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
+            req.insert_header(X_FORWARDED_PROTO.clone(), "http")?;
+        }
+        if hcm.generate_request_id && !req.headers.contains_key(&X_REQUEST_ID) {
+            req.insert_header(X_REQUEST_ID.clone(), request_id())?;
+        }
+        Ok(false)
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let (Some(addr), Some(cluster)) = (ctx.peer, &ctx.cluster) else {
+            return Error::e_explain(ErrorType::InternalError, "no upstream chosen");
+        };
+        let mut peer = HttpPeer::new(addr, false, String::new());
+        peer.options.connection_timeout = Some(cluster.def.connect_timeout);
+        if cluster.def.http2 {
+            peer.options.set_http_version(2, 2);
+        }
+        Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        strip_request(upstream)?;
+        if let Some((len, rewrite)) = &ctx.prefix_rewrite {
+            let pq = upstream.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+            let rest = pq.get(*len..).unwrap_or("");
+            let new = format!("{rewrite}{rest}");
+            let uri = http::Uri::builder()
+                .path_and_query(new)
+                .build()
+                .map_err(|e| Error::because(ErrorType::InternalError, "prefix rewrite", e))?;
+            upstream.set_uri(uri);
+        }
+        if let Some(h) = &ctx.host_rewrite {
+            upstream.insert_header(http::header::HOST, h.as_str())?;
+        }
+        ctx.upstream_start = Some(Instant::now());
+        Ok(())
+    }
+
+    async fn response_filter(&self, _session: &mut Session, resp: &mut ResponseHeader, ctx: &mut Ctx) -> Result<()> {
+        strip_response(resp);
+        if let Some(start) = ctx.upstream_start {
+            resp.insert_header(X_UPSTREAM_TIME.clone(), start.elapsed().as_millis().to_string())?;
+        }
+        if let Some(l) = &ctx.listener {
+            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        }
+        Ok(())
+    }
+
+    fn fail_to_connect(&self, _session: &mut Session, _peer: &HttpPeer, ctx: &mut Ctx, mut e: Box<Error>) -> Box<Error> {
+        if let Some(c) = &ctx.cluster {
+            c.stats.cx_connect_fail.fetch_add(1, Relaxed);
+        }
+        // Envoy retries only when a retry policy says so.
+        e.set_retry(false);
+        e
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        use ErrorType::*;
+        let (code, body): (u16, &'static str) = match e.etype() {
+            HTTPStatus(code) => (*code, ""),
+            ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure
+            | SocketError | BindError => (
+                503,
+                "upstream connect error or disconnect/reset before headers. reset reason: connection failure",
+            ),
+            ReadTimedout | WriteTimedout => {
+                if let Some(c) = &ctx.cluster {
+                    c.stats.rq_timeout.fetch_add(1, Relaxed);
+                }
+                (504, "upstream request timeout")
+            }
+            _ => match e.esource() {
+                ErrorSource::Upstream => (
+                    503,
+                    "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+                ),
+                ErrorSource::Downstream => match e.etype() {
+                    WriteError | ReadError | ConnectionClosed => (0, ""),
+                    _ => (400, ""),
+                },
+                ErrorSource::Internal | ErrorSource::Unset => (500, ""),
+            },
+        };
+        if code > 0 {
+            let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
+            if let Err(err) = self.local_reply(session, ctx, code, body, &[]).await {
+                tracing::debug!("failed to send error response downstream: {err}");
+            }
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+        let code = session.response_written().map_or(0, |r| r.status.as_u16());
+        if ctx.counted_active {
+            self.hcm_stats.rq_active.fetch_sub(1, Relaxed);
+        }
+        self.hcm_stats.record(code);
+        if let Some(c) = &ctx.cluster {
+            c.active[ctx.host_index].fetch_sub(1, Relaxed);
+            c.stats.rq_active.fetch_sub(1, Relaxed);
+            c.stats.record(code);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_uuid_v4() {
+        let id = request_id();
+        assert_eq!(id.len(), 36);
+        assert_eq!(&id[14..15], "4");
+        assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"));
+        assert_ne!(id, request_id());
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_removed() {
+        let mut h = RequestHeader::build("GET", b"/", None).expect("valid request");
+        h.insert_header("connection", "close, x-private").expect("valid");
+        h.insert_header("x-private", "1").expect("valid");
+        h.insert_header("keep-alive", "timeout=5").expect("valid");
+        h.insert_header("te", "gzip, trailers").expect("valid");
+        h.insert_header("x-keep", "1").expect("valid");
+        strip_request(&mut h).expect("strip");
+        assert!(h.headers.get("connection").is_none());
+        assert!(h.headers.get("x-private").is_none());
+        assert!(h.headers.get("keep-alive").is_none());
+        assert_eq!(h.headers.get("te").and_then(|v| v.to_str().ok()), Some("trailers"));
+        assert!(h.headers.get("x-keep").is_some());
+    }
+}

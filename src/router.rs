@@ -1,0 +1,182 @@
+//! The route matcher: a pure function from a route table and a request view to a route.
+
+use std::borrow::Cow;
+
+use http::HeaderMap;
+
+use crate::snapshot::route::{
+    HeaderMatch, HeaderMatcher, PathMatch, Pseudo, QueryMatch, Route, RouteTable, VirtualHost,
+};
+
+/// What routing needs to know of a request. `host` is lowercase.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    pub host: &'a str,
+    /// The `:path` as received, query string included.
+    pub path: &'a str,
+    pub method: &'a str,
+    pub scheme: &'a str,
+    pub headers: &'a HeaderMap,
+}
+
+impl<'a> RequestView<'a> {
+    fn path_only(&self) -> &'a str {
+        let end = self.path.find(['?', '#']).unwrap_or(self.path.len());
+        &self.path[..end]
+    }
+
+    fn query(&self) -> Option<&'a str> {
+        let q = self.path.split_once('?')?.1;
+        Some(q.split_once('#').map_or(q, |(q, _)| q))
+    }
+}
+
+/// Envoy's order: pick the vhost by authority, then the first route whose every condition holds.
+pub fn route<'t>(table: &'t RouteTable, req: &RequestView<'_>) -> Option<(&'t VirtualHost, &'t Route)> {
+    let vh = table.vhost(req.host)?;
+    let path = req.path_only();
+    vh.routes
+        .iter()
+        .find(|r| route_matches(r, req, path))
+        .map(|r| (vh, r))
+}
+
+fn eq_ic_prefix(path: &str, prefix: &str) -> bool {
+    path.len() >= prefix.len() && path.as_bytes()[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
+}
+
+pub fn route_matches(r: &Route, req: &RequestView<'_>, path: &str) -> bool {
+    let path_ok = match &r.path {
+        PathMatch::Prefix(p) => {
+            if r.case_sensitive {
+                path.starts_with(p.as_str())
+            } else {
+                eq_ic_prefix(path, p)
+            }
+        }
+        PathMatch::Exact(p) => {
+            if r.case_sensitive {
+                path == p
+            } else {
+                path.eq_ignore_ascii_case(p)
+            }
+        }
+        PathMatch::Regex(re) => re.is_match(path),
+        PathMatch::SeparatedPrefix(p) => {
+            let starts = if r.case_sensitive {
+                path.starts_with(p.as_str())
+            } else {
+                eq_ic_prefix(path, p)
+            };
+            starts && (path.len() == p.len() || path.as_bytes()[p.len()] == b'/')
+        }
+    };
+    if !path_ok {
+        return false;
+    }
+    if r.grpc_only && !is_grpc(req.headers) {
+        return false;
+    }
+    r.headers.iter().all(|h| header_matches(h, req)) && query_matches(r, req)
+}
+
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+/// All values of a header joined by ',', as Envoy matches them.
+fn header_value<'a>(h: &HeaderMatcher, req: &RequestView<'a>) -> Option<Cow<'a, str>> {
+    if let Some(p) = h.pseudo {
+        return Some(Cow::Borrowed(match p {
+            Pseudo::Authority => req.host,
+            Pseudo::Path => req.path,
+            Pseudo::Method => req.method,
+            Pseudo::Scheme => req.scheme,
+        }));
+    }
+    let mut values = req.headers.get_all(&h.name).iter();
+    let first = values.next()?;
+    let first = String::from_utf8_lossy(first.as_bytes());
+    match values.next() {
+        None => Some(first),
+        Some(second) => {
+            let mut joined = first.into_owned();
+            joined.push(',');
+            joined.push_str(&String::from_utf8_lossy(second.as_bytes()));
+            for v in values {
+                joined.push(',');
+                joined.push_str(&String::from_utf8_lossy(v.as_bytes()));
+            }
+            Some(Cow::Owned(joined))
+        }
+    }
+}
+
+pub fn header_matches(h: &HeaderMatcher, req: &RequestView<'_>) -> bool {
+    let value = match header_value(h, req) {
+        Some(v) => v,
+        None if h.treat_missing_as_empty => Cow::Borrowed(""),
+        None => {
+            // A missing header matches only "present_match: false" (or its inversion).
+            return matches!(h.kind, HeaderMatch::Present(p) if p == h.invert);
+        }
+    };
+    let matched = match &h.kind {
+        HeaderMatch::LegacyExact(s) => s.is_empty() || value == s.as_str(),
+        HeaderMatch::String(m) => m.matches(&value),
+        HeaderMatch::Range { start, end } => value
+            .parse::<i64>()
+            .is_ok_and(|v| v >= *start && v < *end),
+        HeaderMatch::Present(p) => *p,
+    };
+    matched != h.invert
+}
+
+fn query_matches(r: &Route, req: &RequestView<'_>) -> bool {
+    if r.query.is_empty() {
+        return true;
+    }
+    let query = req.query().unwrap_or("");
+    r.query.iter().all(|q| {
+        let Some(value) = first_query_value(query, &q.name) else {
+            return false;
+        };
+        match &q.kind {
+            QueryMatch::Present => true,
+            QueryMatch::String(m) => m.matches(&value),
+        }
+    })
+}
+
+fn first_query_value<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (percent_decode(k) == name).then(|| percent_decode(v))
+    })
+}
+
+/// Decodes `%XX` escapes; invalid escapes are kept as they are, like Envoy.
+pub fn percent_decode(s: &str) -> Cow<'_, str> {
+    if !s.contains('%') {
+        return Cow::Borrowed(s);
+    }
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let hex = |c: u8| (c as char).to_digit(16);
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}

@@ -1,0 +1,118 @@
+//! Wires a bootstrap into running parts: worker runtime, listeners, admin, ADS client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::bootstrap::Bootstrap;
+use crate::proxy::listeners::ListenerManager;
+use crate::snapshot::socket_address;
+use crate::xds::client::{AdsClient, ConfigWorker};
+use crate::xds::store::Store;
+use crate::State;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("invalid bootstrap: {}", .0.join("; "))]
+    Static(Vec<String>),
+    #[error("cannot bind admin address {0}: {1}")]
+    Admin(std::net::SocketAddr, std::io::Error),
+    #[error("cannot start runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("ADS cluster '{0}': {1}")]
+    AdsCluster(String, String),
+}
+
+/// Checks everything a bootstrap implies without serving: the static resources translate
+/// and the ADS cluster has an address.
+pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
+    let sr = b.proto.static_resources.clone().unwrap_or_default();
+    let mut store = Store::default();
+    store.add_static(&sr.listeners, &sr.clusters).map_err(ServerError::Static)?;
+    if let Some(ads) = &b.ads {
+        ads_target(&store, &ads.cluster_name)?;
+    }
+    Ok(store)
+}
+
+fn ads_target(store: &Store, cluster: &str) -> Result<(String, u16), ServerError> {
+    let err = |m: &str| ServerError::AdsCluster(cluster.to_string(), m.to_string());
+    let c = store.clusters.get(cluster).ok_or_else(|| err("not defined in static_resources.clusters"))?;
+    let spec = c.value.inline.as_ref().ok_or_else(|| err("must be STATIC or STRICT_DNS"))?;
+    let (host, port, ..) = spec.endpoints.first().ok_or_else(|| err("load_assignment has no endpoint"))?;
+    Ok((host.clone(), *port))
+}
+
+/// Runs until SIGINT or SIGTERM.
+pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
+    let store = validate(&b)?;
+    let workers = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(concurrency.max(1))
+        .thread_name("portico-worker")
+        .enable_all()
+        .build()
+        .map_err(ServerError::Runtime)?;
+    // xDS, admin and DNS run on their own thread so a large push never stalls a worker.
+    let control = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ServerError::Runtime)?;
+    let state = Arc::new(State::new(Some(b.proto.clone())));
+    control.block_on(async move {
+        let admin = match b.admin_address {
+            Some(addr) => Some(
+                crate::admin::bind(addr)
+                    .await
+                    .map_err(|e| ServerError::Admin(addr, e))?,
+            ),
+            None => None,
+        };
+        let listeners = ListenerManager::new(workers.handle().clone(), state.clone(), concurrency.max(1));
+        let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners);
+        worker.commit(store.clone()).map_err(ServerError::Static)?;
+        if let Some(l) = admin {
+            tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
+            tokio::spawn(crate::admin::serve(l, state.clone()));
+        }
+        let ads = b.ads.as_ref().map(|a| ads_target(&store, &a.cluster_name)).transpose()?;
+        match ads {
+            Some(target) => {
+                let node = b.proto.node.clone().unwrap_or_default();
+                let client = AdsClient::new(worker, node, target, b.lds_via_ads, b.cds_via_ads);
+                tokio::spawn(client.run());
+            }
+            None => {
+                state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                tokio::spawn(async move {
+                    loop {
+                        worker.refresh_dns().await;
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                    }
+                });
+            }
+        }
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        Ok::<(), ServerError>(())
+    })?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_socket_address_is_used() {
+    let _ = socket_address;
+}

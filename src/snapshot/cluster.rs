@@ -1,0 +1,360 @@
+//! Clusters (CDS) and their endpoints (EDS, or a static `load_assignment`).
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3 as cpb;
+use envoy_types::pb::envoy::config::core::v3 as corepb;
+use envoy_types::pb::envoy::config::endpoint::v3 as epb;
+
+use super::{duration, socket_address, TranslateError};
+use crate::admin::stats::ClusterStats;
+use crate::lb::{Balancer, Eligible, Policy};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiscoveryKind {
+    Static,
+    StrictDns,
+    LogicalDns,
+    Eds,
+}
+
+/// A cluster as CDS (or the bootstrap) defined it, without endpoints.
+#[derive(Debug, PartialEq)]
+pub struct ClusterDef {
+    pub name: Arc<str>,
+    pub kind: DiscoveryKind,
+    /// The ClusterLoadAssignment name to subscribe to (EDS `service_name`, else the cluster name).
+    pub eds_name: String,
+    pub connect_timeout: Duration,
+    pub policy: Policy,
+    /// Percent of healthy hosts under which Envoy balances across all hosts (panic mode).
+    pub panic_threshold: f64,
+    /// For STATIC and DNS clusters: the inline `load_assignment`.
+    pub inline: Option<LoadAssignmentSpec>,
+    pub http2: bool,
+}
+
+/// An endpoint before DNS resolution (DNS clusters may name hosts instead of IPs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadAssignmentSpec {
+    pub endpoints: Vec<(String, u16, u32, Health, u32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    Unhealthy,
+    Degraded,
+}
+
+#[derive(Debug)]
+pub struct Host {
+    pub addr: SocketAddr,
+    pub weight: u32,
+    pub health: Health,
+    pub priority: u32,
+}
+
+/// A translated ClusterLoadAssignment.
+#[derive(Debug, Default)]
+pub struct LoadAssignment {
+    pub hosts: Vec<Host>,
+}
+
+/// A routable cluster: definition, endpoints and balancer state.
+#[derive(Debug)]
+pub struct Cluster {
+    pub def: Arc<ClusterDef>,
+    pub endpoints: Arc<LoadAssignment>,
+    pub balancer: Balancer,
+    /// In-flight requests per host, for least-request.
+    pub active: Vec<AtomicU32>,
+    pub stats: Arc<ClusterStats>,
+}
+
+impl Cluster {
+    pub fn new(def: Arc<ClusterDef>, endpoints: Arc<LoadAssignment>, stats: Arc<ClusterStats>) -> Cluster {
+        let eligible = eligible_hosts(&endpoints.hosts, def.panic_threshold);
+        let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
+        Cluster {
+            balancer: Balancer::new(def.policy, eligible),
+            def,
+            endpoints,
+            active,
+            stats,
+        }
+    }
+
+    pub fn pick(&self) -> Option<(usize, SocketAddr)> {
+        let i = self.balancer.pick(&self.active)?;
+        Some((i, self.endpoints.hosts[i].addr))
+    }
+
+    pub fn healthy_count(&self) -> usize {
+        self.endpoints
+            .hosts
+            .iter()
+            .filter(|h| h.health == Health::Healthy)
+            .count()
+    }
+}
+
+/// The hosts traffic may go to: the first priority level that has healthy hosts; when the healthy
+/// share of that level is under the panic threshold, every host of it (Envoy's panic mode).
+fn eligible_hosts(hosts: &[Host], panic_threshold: f64) -> Eligible {
+    let mut levels: Vec<u32> = hosts.iter().map(|h| h.priority).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    let level = levels
+        .iter()
+        .copied()
+        .find(|p| hosts.iter().any(|h| h.priority == *p && h.health == Health::Healthy))
+        .or_else(|| levels.first().copied());
+    let Some(level) = level else {
+        return Eligible {
+            hosts: Vec::new(),
+            weights: Vec::new(),
+        };
+    };
+    let in_level: Vec<usize> = (0..hosts.len()).filter(|i| hosts[*i].priority == level).collect();
+    let healthy: Vec<usize> = in_level
+        .iter()
+        .copied()
+        .filter(|i| hosts[*i].health == Health::Healthy)
+        .collect();
+    let healthy_pct = 100.0 * healthy.len() as f64 / in_level.len().max(1) as f64;
+    let chosen = if healthy_pct < panic_threshold {
+        in_level
+    } else {
+        healthy
+    };
+    let weights = chosen.iter().map(|i| hosts[*i].weight).collect();
+    Eligible {
+        hosts: chosen,
+        weights,
+    }
+}
+
+impl ClusterDef {
+    pub fn translate(c: &cpb::Cluster) -> Result<ClusterDef, TranslateError> {
+        let err = |d: String| TranslateError::new(format!("cluster '{}'", c.name), d);
+        if c.name.is_empty() {
+            return Err(TranslateError::new("cluster ''", "name must not be empty"));
+        }
+        use cpb::cluster::{ClusterDiscoveryType as CDT, DiscoveryType as DT, LbPolicy};
+        let kind = match &c.cluster_discovery_type {
+            None => DiscoveryKind::Static,
+            Some(CDT::Type(t)) => match DT::try_from(*t) {
+                Ok(DT::Static) => DiscoveryKind::Static,
+                Ok(DT::StrictDns) => DiscoveryKind::StrictDns,
+                Ok(DT::LogicalDns) => DiscoveryKind::LogicalDns,
+                Ok(DT::Eds) => DiscoveryKind::Eds,
+                Ok(DT::OriginalDst) => return Err(err("type ORIGINAL_DST is not supported".into())),
+                Err(_) => return Err(err(format!("type: unknown discovery type {t}"))),
+            },
+            Some(CDT::ClusterType(ct)) => {
+                return Err(err(format!("cluster_type '{}' is not supported", ct.name)))
+            }
+        };
+        let policy = match LbPolicy::try_from(c.lb_policy) {
+            Ok(LbPolicy::RoundRobin) => Policy::RoundRobin,
+            Ok(LbPolicy::LeastRequest) => Policy::LeastRequest,
+            Ok(LbPolicy::Random) => Policy::Random,
+            Ok(other) => {
+                return Err(err(format!(
+                    "lb_policy {} is not supported yet",
+                    other.as_str_name()
+                )))
+            }
+            Err(_) => return Err(err(format!("lb_policy: unknown value {}", c.lb_policy))),
+        };
+        if c.load_balancing_policy.is_some() {
+            return Err(err("load_balancing_policy is not supported; use lb_policy".into()));
+        }
+        if let Some(ts) = &c.transport_socket {
+            if !is_raw_buffer(ts) {
+                return Err(err(format!(
+                    "transport_socket '{}' is not supported yet (upstream TLS)",
+                    ts.name
+                )));
+            }
+        }
+        if let Some(m) = c.transport_socket_matches.iter().find(|m| {
+            m.transport_socket.as_ref().is_some_and(|ts| !is_raw_buffer(ts))
+        }) {
+            return Err(err(format!(
+                "transport_socket_matches '{}': upstream TLS is not supported yet",
+                m.name
+            )));
+        }
+        let connect_timeout = match &c.connect_timeout {
+            Some(d) => duration(d).map_err(|e| err(format!("connect_timeout: {e}")))?,
+            None => Duration::from_secs(5),
+        };
+        let panic_threshold = c
+            .common_lb_config
+            .as_ref()
+            .and_then(|l| l.healthy_panic_threshold.as_ref())
+            .map(|p| p.value)
+            .unwrap_or(50.0);
+        if !(0.0..=100.0).contains(&panic_threshold) {
+            return Err(err(format!(
+                "common_lb_config.healthy_panic_threshold {panic_threshold} must be in [0, 100]"
+            )));
+        }
+        let eds_name = match (&kind, &c.eds_cluster_config) {
+            (DiscoveryKind::Eds, Some(e)) if !e.service_name.is_empty() => e.service_name.clone(),
+            _ => c.name.clone(),
+        };
+        let inline = match (&kind, &c.load_assignment) {
+            (DiscoveryKind::Eds, _) => None,
+            (_, Some(la)) => Some(
+                load_assignment_spec(la, kind != DiscoveryKind::Static)
+                    .map_err(|e| err(format!("load_assignment: {e}")))?,
+            ),
+            (_, None) => Some(LoadAssignmentSpec { endpoints: Vec::new() }),
+        };
+        #[allow(deprecated)]
+        let http2 = c.http2_protocol_options.is_some()
+            || c
+                .typed_extension_protocol_options
+                .get("envoy.extensions.upstreams.http.v3.HttpProtocolOptions")
+                .is_some_and(|a| http2_in_protocol_options(&a.value));
+        Ok(ClusterDef {
+            name: Arc::from(c.name.as_str()),
+            kind,
+            eds_name,
+            connect_timeout,
+            policy,
+            panic_threshold,
+            inline,
+            http2,
+        })
+    }
+}
+
+fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
+    ts.name == "envoy.transport_sockets.raw_buffer"
+        || matches!(&ts.config_type, Some(corepb::transport_socket::ConfigType::TypedConfig(a))
+            if a.type_url.ends_with("envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"))
+}
+
+fn http2_in_protocol_options(bytes: &[u8]) -> bool {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+        explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
+    };
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
+    use prost::Message;
+    HttpProtocolOptions::decode(bytes).is_ok_and(|o| {
+        matches!(
+            o.upstream_protocol_options,
+            Some(UpstreamProtocolOptions::ExplicitHttpConfig(e))
+                if matches!(e.protocol_config, Some(ProtocolConfig::Http2ProtocolOptions(_)))
+        )
+    })
+}
+
+fn health(status: i32) -> Health {
+    use corepb::HealthStatus as HS;
+    match HS::try_from(status) {
+        Ok(HS::Unknown) | Ok(HS::Healthy) => Health::Healthy,
+        Ok(HS::Degraded) => Health::Degraded,
+        _ => Health::Unhealthy,
+    }
+}
+
+fn load_assignment_spec(
+    la: &epb::ClusterLoadAssignment,
+    allow_hostnames: bool,
+) -> Result<LoadAssignmentSpec, String> {
+    let mut endpoints = Vec::new();
+    for (li, loc) in la.endpoints.iter().enumerate() {
+        for (ei, lb) in loc.lb_endpoints.iter().enumerate() {
+            let at = format!("endpoints[{li}].lb_endpoints[{ei}]");
+            let ep = match &lb.host_identifier {
+                Some(epb::lb_endpoint::HostIdentifier::Endpoint(e)) => e,
+                Some(_) => return Err(format!("{at}: endpoint_name is not supported")),
+                None => return Err(format!("{at}: endpoint is required")),
+            };
+            let (host, port) = socket_address(ep.address.as_ref())
+                .map_err(|e| format!("{at}.endpoint.address: {e}"))?;
+            if !allow_hostnames && host.parse::<std::net::IpAddr>().is_err() {
+                return Err(format!("{at}.endpoint.address: malformed IP address: {host}"));
+            }
+            if port == 0 {
+                return Err(format!("{at}.endpoint.address: port_value must be in [1, 65535]"));
+            }
+            let weight = lb.load_balancing_weight.as_ref().map_or(1, |w| w.value);
+            if weight == 0 {
+                return Err(format!("{at}.load_balancing_weight must be at least 1"));
+            }
+            endpoints.push((host, port, weight, health(lb.health_status), loc.priority));
+        }
+    }
+    Ok(LoadAssignmentSpec { endpoints })
+}
+
+impl LoadAssignment {
+    /// A ClusterLoadAssignment from EDS: every address must be an IP literal.
+    pub fn translate(la: &epb::ClusterLoadAssignment) -> Result<LoadAssignment, TranslateError> {
+        let spec = load_assignment_spec(la, false)
+            .map_err(|e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e))?;
+        Ok(LoadAssignment::from_resolved(&spec, |h| h.parse().ok()))
+    }
+
+    /// Builds the host list, resolving each endpoint's host with `resolve` (skipping failures).
+    pub fn from_resolved(
+        spec: &LoadAssignmentSpec,
+        resolve: impl Fn(&str) -> Option<std::net::IpAddr>,
+    ) -> LoadAssignment {
+        let hosts = spec
+            .endpoints
+            .iter()
+            .filter_map(|(h, port, weight, health, priority)| {
+                Some(Host {
+                    addr: SocketAddr::new(resolve(h)?, *port),
+                    weight: *weight,
+                    health: *health,
+                    priority: *priority,
+                })
+            })
+            .collect();
+        LoadAssignment { hosts }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(port: u16, health: Health, priority: u32) -> Host {
+        Host {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            weight: 1,
+            health,
+            priority,
+        }
+    }
+
+    #[test]
+    fn unhealthy_hosts_are_skipped_above_panic_threshold() {
+        let hosts = [host(1, Health::Healthy, 0), host(2, Health::Healthy, 0), host(3, Health::Unhealthy, 0)];
+        assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![0, 1]);
+    }
+
+    #[test]
+    fn panic_mode_uses_every_host() {
+        let hosts = [host(1, Health::Healthy, 0), host(2, Health::Unhealthy, 0), host(3, Health::Unhealthy, 0)];
+        assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![0, 1, 2]);
+        assert_eq!(eligible_hosts(&hosts, 0.0).hosts, vec![0]);
+    }
+
+    #[test]
+    fn lower_priority_is_used_when_p0_has_no_healthy_host() {
+        let hosts = [host(1, Health::Unhealthy, 0), host(2, Health::Healthy, 1)];
+        assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![1]);
+    }
+}

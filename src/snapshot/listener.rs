@@ -1,0 +1,221 @@
+//! Listeners (LDS or bootstrap `static_resources.listeners`) with one HTTP connection manager.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3 as corepb;
+use envoy_types::pb::envoy::config::listener::v3 as lpb;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+
+use super::route::RouteTable;
+use super::{socket_address, TranslateError};
+
+pub const HCM_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
+pub const ROUTER_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router";
+
+#[derive(Debug)]
+pub struct ListenerDef {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub hcm: Hcm,
+}
+
+#[derive(Debug)]
+pub enum RouteSource {
+    Rds(String),
+    Inline(Arc<RouteTable>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    Auto,
+    Http1,
+    Http2,
+}
+
+/// The parts of `HttpConnectionManager` the request path reads.
+#[derive(Debug)]
+pub struct Hcm {
+    pub stat_prefix: String,
+    pub routes: RouteSource,
+    pub codec: Codec,
+    pub use_remote_address: bool,
+    pub skip_xff_append: bool,
+    pub generate_request_id: bool,
+    pub strip_any_host_port: bool,
+    pub strip_matching_host_port: bool,
+    pub server_name: String,
+}
+
+fn unpack<M: Message + Default>(any: &Any, want: &str, what: &str) -> Result<M, String> {
+    if any.type_url != want {
+        return Err(format!("{what}: expected {want}, got {}", any.type_url));
+    }
+    M::decode(any.value.as_slice()).map_err(|e| format!("{what}: cannot decode: {e}"))
+}
+
+impl ListenerDef {
+    pub fn translate(l: &lpb::Listener) -> Result<ListenerDef, TranslateError> {
+        let err = |d: String| TranslateError::new(format!("listener '{}'", l.name), d);
+        if l.name.is_empty() {
+            return Err(TranslateError::new("listener ''", "name must not be empty"));
+        }
+        let (host, port) = socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
+        let ip: std::net::IpAddr = host
+            .parse()
+            .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
+        let addr = SocketAddr::new(ip, port);
+        if let Some(f) = l.listener_filters.first() {
+            return Err(err(format!(
+                "listener_filters: listener filter '{}' is not supported",
+                f.name
+            )));
+        }
+        let chains: Vec<&lpb::FilterChain> =
+            l.filter_chains.iter().chain(l.default_filter_chain.as_ref()).collect();
+        let chain = match chains.as_slice() {
+            [one] => *one,
+            [] => return Err(err("no filter chains specified".into())),
+            _ => {
+                return Err(err(
+                    "more than one filter chain is not supported yet (filter chain matching comes with TLS)".into(),
+                ))
+            }
+        };
+        if let Some(ts) = &chain.transport_socket {
+            if ts.name != "envoy.transport_sockets.raw_buffer" {
+                return Err(err(format!(
+                    "filter_chains[0].transport_socket '{}' is not supported yet (TLS)",
+                    ts.name
+                )));
+            }
+        }
+        let hcm = match chain.filters.as_slice() {
+            [f] => {
+                let any = match &f.config_type {
+                    Some(lpb::filter::ConfigType::TypedConfig(a)) => a,
+                    _ => {
+                        return Err(err(format!(
+                            "filter_chains[0].filters[0] '{}': typed_config is required",
+                            f.name
+                        )))
+                    }
+                };
+                if any.type_url != HCM_TYPE {
+                    return Err(err(format!(
+                        "network filter '{}' ({}) is not supported",
+                        f.name, any.type_url
+                    )));
+                }
+                let proto: hcm::HttpConnectionManager =
+                    unpack(any, HCM_TYPE, "http_connection_manager").map_err(err)?;
+                Hcm::translate(&proto).map_err(|e| err(format!("http_connection_manager: {e}")))?
+            }
+            [] => return Err(err("filter_chains[0]: no network filters".into())),
+            [first, ..] => {
+                return Err(err(format!(
+                    "filter_chains[0]: only a single http_connection_manager is supported, found network filter '{}' first",
+                    first.name
+                )))
+            }
+        };
+        Ok(ListenerDef {
+            name: l.name.clone(),
+            addr,
+            hcm,
+        })
+    }
+}
+
+impl Hcm {
+    fn translate(h: &hcm::HttpConnectionManager) -> Result<Hcm, String> {
+        use hcm::http_connection_manager::{CodecType, RouteSpecifier};
+        let routes = match &h.route_specifier {
+            Some(RouteSpecifier::Rds(rds)) => {
+                let ads = matches!(
+                    rds.config_source.as_ref().and_then(|c| c.config_source_specifier.as_ref()),
+                    Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
+                );
+                if !ads {
+                    return Err("rds.config_source: only ads is supported".into());
+                }
+                if rds.route_config_name.is_empty() {
+                    return Err("rds.route_config_name must not be empty".into());
+                }
+                RouteSource::Rds(rds.route_config_name.clone())
+            }
+            Some(RouteSpecifier::RouteConfig(rc)) => {
+                RouteSource::Inline(Arc::new(RouteTable::translate(rc).map_err(|e| e.to_string())?))
+            }
+            Some(RouteSpecifier::ScopedRoutes(_)) => return Err("scoped_routes is not supported".into()),
+            None => return Err("one of rds or route_config is required".into()),
+        };
+        let codec = match CodecType::try_from(h.codec_type) {
+            Ok(CodecType::Auto) => Codec::Auto,
+            Ok(CodecType::Http1) => Codec::Http1,
+            Ok(CodecType::Http2) => Codec::Http2,
+            _ => return Err(format!("codec_type {} is not supported", h.codec_type)),
+        };
+        check_http_filters(&h.http_filters)?;
+        Ok(Hcm {
+            stat_prefix: h.stat_prefix.clone(),
+            routes,
+            codec,
+            use_remote_address: h.use_remote_address.as_ref().is_some_and(|b| b.value),
+            skip_xff_append: h.skip_xff_append,
+            generate_request_id: h.generate_request_id.as_ref().is_none_or(|b| b.value),
+            strip_any_host_port: matches!(
+                h.strip_port_mode,
+                Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(true))
+            ),
+            strip_matching_host_port: h.strip_matching_host_port,
+            server_name: if h.server_name.is_empty() {
+                "envoy".to_string()
+            } else {
+                h.server_name.clone()
+            },
+        })
+    }
+}
+
+/// Envoy's rule: the router must be the last filter; any other filter Portico does not
+/// implement is an error unless the config marks it `is_optional` (or `disabled`).
+fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
+    let is_router = |f: &hcm::HttpFilter| match &f.config_type {
+        Some(hcm::http_filter::ConfigType::TypedConfig(a)) => a.type_url == ROUTER_TYPE,
+        _ => f.name == "envoy.filters.http.router",
+    };
+    let Some(last) = filters.last() else {
+        return Err("http_filters: the router filter (envoy.filters.http.router) is required".into());
+    };
+    if !is_router(last) {
+        return Err(format!(
+            "http_filters: the last filter must be envoy.filters.http.router, found '{}'",
+            last.name
+        ));
+    }
+    for (i, f) in filters[..filters.len() - 1].iter().enumerate() {
+        if is_router(f) {
+            return Err(format!(
+                "http_filters[{i}]: terminal filter '{}' must be the last filter",
+                f.name
+            ));
+        }
+        if f.is_optional || f.disabled {
+            continue;
+        }
+        let kind = match &f.config_type {
+            Some(hcm::http_filter::ConfigType::TypedConfig(a)) => a.type_url.clone(),
+            Some(hcm::http_filter::ConfigType::ConfigDiscovery(_)) => "config_discovery".to_string(),
+            None => "no typed_config".to_string(),
+        };
+        return Err(format!(
+            "http_filters[{i}]: http filter '{}' ({kind}) is not supported; mark it is_optional to skip it",
+            f.name
+        ));
+    }
+    Ok(())
+}

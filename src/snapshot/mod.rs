@@ -1,0 +1,78 @@
+//! The immutable routing snapshot and its translation from xDS protos.
+//!
+//! Translation is pure: protos in, plain Rust structs (or a [`TranslateError`] naming the
+//! resource and field) out. The request path reads only these structs.
+
+pub mod cluster;
+pub mod listener;
+pub mod route;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3 as corepb;
+
+use cluster::Cluster;
+use listener::ListenerDef;
+use route::RouteTable;
+
+/// A rejected resource: which one, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{resource}: {detail}")]
+pub struct TranslateError {
+    pub resource: String,
+    pub detail: String,
+}
+
+impl TranslateError {
+    pub fn new(resource: impl Into<String>, detail: impl Into<String>) -> TranslateError {
+        TranslateError {
+            resource: resource.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// A listener that is serving: its definition and the route table it resolved to.
+#[derive(Debug)]
+pub struct ActiveListener {
+    pub def: Arc<ListenerDef>,
+    pub routes: Arc<RouteTable>,
+}
+
+/// Everything a request needs, swapped as a whole.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub version: u64,
+    pub listeners: HashMap<String, Arc<ActiveListener>>,
+    pub clusters: HashMap<Arc<str>, Arc<Cluster>>,
+}
+
+pub fn duration(d: &envoy_types::pb::google::protobuf::Duration) -> Result<Duration, String> {
+    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
+        return Err(format!("invalid duration {}s {}ns", d.seconds, d.nanos));
+    }
+    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
+}
+
+/// A `socket_address`'s host and port; named ports and pipes are rejected.
+pub fn socket_address(a: Option<&corepb::Address>) -> Result<(String, u16), String> {
+    use corepb::address::Address as A;
+    use corepb::socket_address::PortSpecifier as P;
+    let sa = match a.and_then(|a| a.address.as_ref()) {
+        Some(A::SocketAddress(sa)) => sa,
+        Some(A::Pipe(p)) => return Err(format!("pipe address '{}' is not supported", p.path)),
+        Some(A::EnvoyInternalAddress(_)) => return Err("envoy_internal_address is not supported".into()),
+        None => return Err("socket_address is required".into()),
+    };
+    if sa.address.is_empty() {
+        return Err("socket_address.address must not be empty".into());
+    }
+    let port = match &sa.port_specifier {
+        Some(P::PortValue(p)) => u16::try_from(*p).map_err(|_| format!("port_value {p} out of range"))?,
+        Some(P::NamedPort(n)) => return Err(format!("named_port '{n}' is not supported")),
+        None => 0,
+    };
+    Ok((sa.address.clone(), port))
+}

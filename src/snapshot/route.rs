@@ -1,0 +1,567 @@
+//! Route configurations translated from `envoy.config.route.v3` into plain matchers.
+//!
+//! Everything that can fail (regex compilation, invalid domains, unsupported actions) fails
+//! here, at translation time, so that a push is NACKed and the request path never sees it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use envoy_types::pb::envoy::config::core::v3::data_source::Specifier as DataSpecifier;
+use envoy_types::pb::envoy::config::route::v3 as rpb;
+use envoy_types::pb::envoy::r#type::matcher::v3 as mpb;
+use http::StatusCode;
+use regex::Regex;
+
+use super::TranslateError;
+
+/// A compiled `RouteConfiguration`.
+#[derive(Debug)]
+pub struct RouteTable {
+    pub name: String,
+    pub vhosts: Vec<VirtualHost>,
+    /// Exact domains (lowercase) to vhost index.
+    exact: HashMap<String, usize>,
+    /// `*.suffix` style wildcards: (suffix without the `*`, vhost), longest suffix first.
+    suffixes: Vec<(String, usize)>,
+    /// `prefix.*` style wildcards: (prefix without the `*`, vhost), longest prefix first.
+    prefixes: Vec<(String, usize)>,
+    /// The vhost holding the `*` domain.
+    any: Option<usize>,
+}
+
+#[derive(Debug)]
+pub struct VirtualHost {
+    pub name: String,
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub name: String,
+    pub path: PathMatch,
+    pub case_sensitive: bool,
+    pub headers: Vec<HeaderMatcher>,
+    pub query: Vec<QueryMatcher>,
+    pub grpc_only: bool,
+    pub action: Action,
+}
+
+#[derive(Debug)]
+pub enum PathMatch {
+    Prefix(String),
+    Exact(String),
+    Regex(Regex),
+    SeparatedPrefix(String),
+}
+
+#[derive(Debug)]
+pub enum Action {
+    Forward(Forward),
+    Direct {
+        status: StatusCode,
+        body: Option<Bytes>,
+    },
+    Redirect(Redirect),
+}
+
+#[derive(Debug)]
+pub struct Forward {
+    pub target: Target,
+    pub prefix_rewrite: Option<String>,
+    pub host_rewrite: Option<String>,
+}
+
+#[derive(Debug)]
+pub enum Target {
+    Cluster(Arc<str>),
+    Weighted(WeightedClusters),
+}
+
+/// `weighted_clusters`: cumulative weights so a pick is one random number and a short scan.
+#[derive(Debug)]
+pub struct WeightedClusters {
+    pub clusters: Vec<(Arc<str>, u64)>,
+    pub total: u64,
+}
+
+impl WeightedClusters {
+    /// `value` is uniformly random; Envoy picks `value % total` against running sums.
+    pub fn pick(&self, value: u64) -> &Arc<str> {
+        let mut point = value % self.total.max(1);
+        for (name, weight) in &self.clusters {
+            if point < *weight {
+                return name;
+            }
+            point -= weight;
+        }
+        // Unreachable when total is the sum of weights; fall back to the last cluster.
+        &self.clusters[self.clusters.len() - 1].0
+    }
+}
+
+#[derive(Debug)]
+pub struct Redirect {
+    pub scheme: Option<String>,
+    pub host: Option<String>,
+    pub port: Option<u32>,
+    pub path: Option<String>,
+    pub prefix_rewrite: Option<String>,
+    pub strip_query: bool,
+    pub status: StatusCode,
+}
+
+#[derive(Debug)]
+pub struct HeaderMatcher {
+    /// Lowercase header name, or a pseudo-header (`:authority`, `:path`, `:method`, `:scheme`).
+    pub name: http::HeaderName,
+    pub pseudo: Option<Pseudo>,
+    pub kind: HeaderMatch,
+    pub invert: bool,
+    pub treat_missing_as_empty: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pseudo {
+    Authority,
+    Path,
+    Method,
+    Scheme,
+}
+
+#[derive(Debug)]
+pub enum HeaderMatch {
+    /// Legacy `exact_match`: an empty value matches any value.
+    LegacyExact(String),
+    String(StringMatch),
+    Range { start: i64, end: i64 },
+    Present(bool),
+}
+
+#[derive(Debug)]
+pub struct QueryMatcher {
+    pub name: String,
+    pub kind: QueryMatch,
+}
+
+#[derive(Debug)]
+pub enum QueryMatch {
+    String(StringMatch),
+    Present,
+}
+
+/// `envoy.type.matcher.v3.StringMatcher`.
+#[derive(Debug)]
+pub enum StringMatch {
+    Exact(String, bool),
+    Prefix(String, bool),
+    Suffix(String, bool),
+    Contains(String, bool),
+    Regex(Regex),
+}
+
+impl StringMatch {
+    pub fn matches(&self, value: &str) -> bool {
+        match self {
+            StringMatch::Exact(s, false) => value == s,
+            StringMatch::Exact(s, true) => value.eq_ignore_ascii_case(s),
+            StringMatch::Prefix(s, false) => value.starts_with(s.as_str()),
+            StringMatch::Prefix(s, true) => {
+                value.len() >= s.len()
+                    && value.as_bytes()[..s.len()].eq_ignore_ascii_case(s.as_bytes())
+            }
+            StringMatch::Suffix(s, false) => value.ends_with(s.as_str()),
+            StringMatch::Suffix(s, true) => {
+                value.len() >= s.len()
+                    && value.as_bytes()[value.len() - s.len()..].eq_ignore_ascii_case(s.as_bytes())
+            }
+            StringMatch::Contains(s, false) => value.contains(s.as_str()),
+            // `s` was lowercased at translation.
+            StringMatch::Contains(s, true) => value.to_ascii_lowercase().contains(s.as_str()),
+            StringMatch::Regex(r) => r.is_match(value),
+        }
+    }
+}
+
+/// Compiles an RE2-style regex for a whole-string match, as Envoy's `safe_regex` does.
+pub fn compile_full_regex(re: &str) -> Result<Regex, String> {
+    regex::RegexBuilder::new(&format!("^(?:{re})$"))
+        .size_limit(1 << 20)
+        .build()
+        .map_err(|e| {
+            // The regex crate's message is multi-line with a caret diagram; keep the last line.
+            let msg = e.to_string();
+            let reason = msg
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid regex")
+                .trim()
+                .trim_start_matches("error: ")
+                .to_string();
+            format!("invalid regex '{re}': {reason}")
+        })
+}
+
+fn regex_matcher(m: &mpb::RegexMatcher) -> Result<Regex, String> {
+    compile_full_regex(&m.regex)
+}
+
+pub fn string_matcher(m: &mpb::StringMatcher) -> Result<StringMatch, String> {
+    use mpb::string_matcher::MatchPattern as P;
+    let ic = m.ignore_case;
+    Ok(match &m.match_pattern {
+        Some(P::Exact(s)) => StringMatch::Exact(s.clone(), ic),
+        Some(P::Prefix(s)) if !s.is_empty() => StringMatch::Prefix(s.clone(), ic),
+        Some(P::Suffix(s)) if !s.is_empty() => StringMatch::Suffix(s.clone(), ic),
+        Some(P::Contains(s)) if !s.is_empty() => StringMatch::Contains(
+            if ic {
+                s.to_ascii_lowercase()
+            } else {
+                s.clone()
+            },
+            ic,
+        ),
+        Some(P::Prefix(_)) | Some(P::Suffix(_)) | Some(P::Contains(_)) => {
+            return Err("string matcher: prefix, suffix and contains must not be empty".into())
+        }
+        Some(P::SafeRegex(r)) => StringMatch::Regex(regex_matcher(r)?),
+        Some(P::Custom(c)) => return Err(format!("string matcher: custom matcher '{}' is not supported", c.name)),
+        None => return Err("string matcher: no match pattern set".into()),
+    })
+}
+
+impl RouteTable {
+    /// Picks the virtual host for `host` as Envoy does: exact, then longest `*.suffix`, then
+    /// longest `prefix.*`, then `*`. `host` must already be lowercase.
+    pub fn vhost(&self, host: &str) -> Option<&VirtualHost> {
+        if let Some(i) = self.exact.get(host) {
+            return Some(&self.vhosts[*i]);
+        }
+        // Wildcards never match the empty string, hence the strict length check.
+        for (suffix, i) in &self.suffixes {
+            if host.len() > suffix.len() && host.ends_with(suffix.as_str()) {
+                return Some(&self.vhosts[*i]);
+            }
+        }
+        for (prefix, i) in &self.prefixes {
+            if host.len() > prefix.len() && host.starts_with(prefix.as_str()) {
+                return Some(&self.vhosts[*i]);
+            }
+        }
+        self.any.map(|i| &self.vhosts[i])
+    }
+
+    pub fn translate(rc: &rpb::RouteConfiguration) -> Result<RouteTable, TranslateError> {
+        let err = |detail: String| TranslateError::new(format!("route '{}'", rc.name), detail);
+        let mut vhosts = Vec::with_capacity(rc.virtual_hosts.len());
+        let mut exact = HashMap::new();
+        let mut suffixes = Vec::new();
+        let mut prefixes = Vec::new();
+        let mut any = None;
+        let mut seen = HashMap::new();
+        for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
+            let vctx = format!("vhost '{}'", vh.name);
+            if vh.domains.is_empty() {
+                return Err(err(format!("{vctx}: domains must not be empty")));
+            }
+            for d in &vh.domains {
+                let d = d.to_ascii_lowercase();
+                if seen.insert(d.clone(), vi).is_some() {
+                    return Err(err(format!(
+                        "{vctx}: only unique values for domains are permitted; duplicate entry of domain {d}"
+                    )));
+                }
+                if d == "*" {
+                    any = Some(vi);
+                } else if let Some(rest) = d.strip_prefix('*') {
+                    if rest.contains('*') {
+                        return Err(err(format!("{vctx}: invalid domain '{d}': only one wildcard is allowed")));
+                    }
+                    suffixes.push((rest.to_string(), vi));
+                } else if let Some(rest) = d.strip_suffix('*') {
+                    if rest.contains('*') {
+                        return Err(err(format!("{vctx}: invalid domain '{d}': only one wildcard is allowed")));
+                    }
+                    prefixes.push((rest.to_string(), vi));
+                } else if d.contains('*') {
+                    return Err(err(format!(
+                        "{vctx}: invalid domain '{d}': a wildcard is only allowed at the start or the end"
+                    )));
+                } else {
+                    exact.insert(d, vi);
+                }
+            }
+            let mut routes = Vec::with_capacity(vh.routes.len());
+            for (ri, r) in vh.routes.iter().enumerate() {
+                let route = translate_route(r).map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                routes.push(route);
+            }
+            vhosts.push(VirtualHost {
+                name: vh.name.clone(),
+                routes,
+            });
+        }
+        // Longest wildcard wins; the sort is stable so equal lengths keep config order.
+        suffixes.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+        prefixes.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+        Ok(RouteTable {
+            name: rc.name.clone(),
+            vhosts,
+            exact,
+            suffixes,
+            prefixes,
+            any,
+        })
+    }
+
+    /// Every cluster name a route may send traffic to.
+    pub fn clusters(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.vhosts
+            .iter()
+            .flat_map(|v| v.routes.iter())
+            .flat_map(|r| match &r.action {
+                Action::Forward(f) => match &f.target {
+                    Target::Cluster(c) => std::slice::from_ref(c).iter().collect::<Vec<_>>(),
+                    Target::Weighted(w) => w.clusters.iter().map(|(c, _)| c).collect(),
+                },
+                _ => Vec::new(),
+            })
+    }
+}
+
+fn translate_route(r: &rpb::Route) -> Result<Route, String> {
+    use rpb::route_match::PathSpecifier as PS;
+    let m = r.r#match.as_ref().ok_or("match is required")?;
+    let case_sensitive = m.case_sensitive.as_ref().map(|b| b.value).unwrap_or(true);
+    let path = match &m.path_specifier {
+        Some(PS::Prefix(p)) => PathMatch::Prefix(if case_sensitive {
+            p.clone()
+        } else {
+            p.to_ascii_lowercase()
+        }),
+        Some(PS::Path(p)) => PathMatch::Exact(if case_sensitive {
+            p.clone()
+        } else {
+            p.to_ascii_lowercase()
+        }),
+        Some(PS::SafeRegex(re)) => PathMatch::Regex(regex_matcher(re)?),
+        Some(PS::PathSeparatedPrefix(p)) => {
+            if p.ends_with('/') || p.contains(['?', '#']) {
+                return Err(format!(
+                    "path_separated_prefix '{p}' must not end with '/' or contain '?' or '#'"
+                ));
+            }
+            PathMatch::SeparatedPrefix(if case_sensitive {
+                p.clone()
+            } else {
+                p.to_ascii_lowercase()
+            })
+        }
+        Some(PS::ConnectMatcher(_)) => return Err("connect_matcher is not supported".into()),
+        Some(PS::PathMatchPolicy(p)) => {
+            return Err(format!("path_match_policy '{}' is not supported", p.name))
+        }
+        None => return Err("match: one of prefix, path, safe_regex or path_separated_prefix is required".into()),
+    };
+    if !m.dynamic_metadata.is_empty() {
+        return Err("match.dynamic_metadata is not supported".into());
+    }
+    if m.tls_context.is_some() {
+        return Err("match.tls_context is not supported".into());
+    }
+    if !m.cookies.is_empty() {
+        return Err("match.cookies is not supported".into());
+    }
+    let headers = m
+        .headers
+        .iter()
+        .enumerate()
+        .map(|(i, h)| header_matcher(h).map_err(|e| format!("headers[{i}] '{}': {e}", h.name)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let query = m
+        .query_parameters
+        .iter()
+        .enumerate()
+        .map(|(i, q)| query_matcher(q).map_err(|e| format!("query_parameters[{i}] '{}': {e}", q.name)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let action = match &r.action {
+        Some(rpb::route::Action::Route(ra)) => Action::Forward(forward(ra)?),
+        Some(rpb::route::Action::DirectResponse(d)) => direct(d)?,
+        Some(rpb::route::Action::Redirect(rd)) => Action::Redirect(redirect(rd)?),
+        Some(_) => return Err("only route, redirect and direct_response actions are supported".into()),
+        None => return Err("an action (route, redirect or direct_response) is required".into()),
+    };
+    Ok(Route {
+        name: r.name.clone(),
+        path,
+        case_sensitive,
+        headers,
+        query,
+        grpc_only: m.grpc.is_some(),
+        action,
+    })
+}
+
+fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
+    #[allow(deprecated)]
+    use rpb::header_matcher::HeaderMatchSpecifier as H;
+    if h.name.is_empty() {
+        return Err("name must not be empty".into());
+    }
+    let lname = h.name.to_ascii_lowercase();
+    let pseudo = match lname.as_str() {
+        ":authority" | "host" => Some(Pseudo::Authority),
+        ":path" => Some(Pseudo::Path),
+        ":method" => Some(Pseudo::Method),
+        ":scheme" => Some(Pseudo::Scheme),
+        n if n.starts_with(':') => return Err("unknown pseudo-header".into()),
+        _ => None,
+    };
+    let name = if pseudo.is_some() {
+        http::HeaderName::from_static("host")
+    } else {
+        http::HeaderName::from_bytes(lname.as_bytes()).map_err(|_| "invalid header name".to_string())?
+    };
+    #[allow(deprecated)]
+    let kind = match &h.header_match_specifier {
+        Some(H::ExactMatch(s)) => HeaderMatch::LegacyExact(s.clone()),
+        Some(H::SafeRegexMatch(r)) => HeaderMatch::String(StringMatch::Regex(regex_matcher(r)?)),
+        Some(H::RangeMatch(r)) => HeaderMatch::Range {
+            start: r.start,
+            end: r.end,
+        },
+        Some(H::PresentMatch(p)) => HeaderMatch::Present(*p),
+        Some(H::PrefixMatch(s)) => HeaderMatch::String(StringMatch::Prefix(s.clone(), false)),
+        Some(H::SuffixMatch(s)) => HeaderMatch::String(StringMatch::Suffix(s.clone(), false)),
+        Some(H::ContainsMatch(s)) => HeaderMatch::String(StringMatch::Contains(s.clone(), false)),
+        Some(H::StringMatch(s)) => HeaderMatch::String(string_matcher(s)?),
+        // No specifier: Envoy treats the matcher as "header is present".
+        None => HeaderMatch::Present(true),
+    };
+    Ok(HeaderMatcher {
+        name,
+        pseudo,
+        kind,
+        invert: h.invert_match,
+        treat_missing_as_empty: h.treat_missing_header_as_empty,
+    })
+}
+
+fn query_matcher(q: &rpb::QueryParameterMatcher) -> Result<QueryMatcher, String> {
+    use rpb::query_parameter_matcher::QueryParameterMatchSpecifier as Q;
+    if q.name.is_empty() {
+        return Err("name must not be empty".into());
+    }
+    let kind = match &q.query_parameter_match_specifier {
+        Some(Q::StringMatch(s)) => QueryMatch::String(string_matcher(s)?),
+        Some(Q::PresentMatch(true)) | None => QueryMatch::Present,
+        Some(Q::PresentMatch(false)) => {
+            return Err("present_match: false is not allowed".into());
+        }
+    };
+    Ok(QueryMatcher {
+        name: q.name.clone(),
+        kind,
+    })
+}
+
+fn forward(ra: &rpb::RouteAction) -> Result<Forward, String> {
+    use rpb::route_action::ClusterSpecifier as C;
+    use rpb::route_action::HostRewriteSpecifier as HR;
+    let target = match &ra.cluster_specifier {
+        Some(C::Cluster(c)) if !c.is_empty() => Target::Cluster(Arc::from(c.as_str())),
+        Some(C::Cluster(_)) => return Err("route.cluster must not be empty".into()),
+        Some(C::WeightedClusters(w)) => {
+            if w.clusters.is_empty() {
+                return Err("weighted_clusters.clusters must not be empty".into());
+            }
+            let mut clusters = Vec::with_capacity(w.clusters.len());
+            let mut total = 0u64;
+            for (i, c) in w.clusters.iter().enumerate() {
+                if c.name.is_empty() {
+                    return Err(format!(
+                        "weighted_clusters.clusters[{i}]: name is required (cluster_header is not supported)"
+                    ));
+                }
+                let weight = c.weight.as_ref().map(|v| u64::from(v.value)).unwrap_or(0);
+                total += weight;
+                clusters.push((Arc::from(c.name.as_str()), weight));
+            }
+            #[allow(deprecated)]
+            if let Some(t) = &w.total_weight {
+                if u64::from(t.value) != total {
+                    return Err(format!(
+                        "weighted_clusters: sum of weights ({total}) must equal total_weight ({})",
+                        t.value
+                    ));
+                }
+            }
+            if total == 0 {
+                return Err("weighted_clusters: sum of weights must be greater than 0".into());
+            }
+            Target::Weighted(WeightedClusters { clusters, total })
+        }
+        Some(C::ClusterHeader(_)) => return Err("cluster_header is not supported".into()),
+        Some(_) => return Err("cluster specifier plugins are not supported".into()),
+        None => return Err("route: one of cluster or weighted_clusters is required".into()),
+    };
+    let host_rewrite = match &ra.host_rewrite_specifier {
+        Some(HR::HostRewriteLiteral(h)) => Some(h.clone()),
+        _ => None,
+    };
+    Ok(Forward {
+        target,
+        prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
+        host_rewrite,
+    })
+}
+
+fn direct(d: &rpb::DirectResponseAction) -> Result<Action, String> {
+    let status = u16::try_from(d.status)
+        .ok()
+        .filter(|s| (200..600).contains(s))
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| format!("direct_response.status {} must be in [200, 600)", d.status))?;
+    let body = match d.body.as_ref().and_then(|b| b.specifier.as_ref()) {
+        None => None,
+        Some(DataSpecifier::InlineString(s)) => Some(Bytes::from(s.clone())),
+        Some(DataSpecifier::InlineBytes(b)) => Some(Bytes::from(b.clone())),
+        Some(_) => return Err("direct_response.body: only inline_string and inline_bytes are supported".into()),
+    };
+    Ok(Action::Direct { status, body })
+}
+
+fn redirect(r: &rpb::RedirectAction) -> Result<Redirect, String> {
+    use rpb::redirect_action::PathRewriteSpecifier as PR;
+    use rpb::redirect_action::RedirectResponseCode as RC;
+    use rpb::redirect_action::SchemeRewriteSpecifier as SR;
+    let scheme = match &r.scheme_rewrite_specifier {
+        Some(SR::HttpsRedirect(true)) => Some("https".to_string()),
+        Some(SR::SchemeRedirect(s)) if !s.is_empty() => Some(s.to_ascii_lowercase()),
+        _ => None,
+    };
+    let (path, prefix_rewrite) = match &r.path_rewrite_specifier {
+        Some(PR::PathRedirect(p)) => (Some(p.clone()), None),
+        Some(PR::PrefixRewrite(p)) => (None, Some(p.clone())),
+        Some(PR::RegexRewrite(_)) => return Err("redirect.regex_rewrite is not supported".into()),
+        Some(PR::PathRewrite(_)) => return Err("redirect.path_rewrite is not supported".into()),
+        None => (None, None),
+    };
+    let status = match RC::try_from(r.response_code).unwrap_or(RC::MovedPermanently) {
+        RC::MovedPermanently => StatusCode::MOVED_PERMANENTLY,
+        RC::Found => StatusCode::FOUND,
+        RC::SeeOther => StatusCode::SEE_OTHER,
+        RC::TemporaryRedirect => StatusCode::TEMPORARY_REDIRECT,
+        RC::PermanentRedirect => StatusCode::PERMANENT_REDIRECT,
+    };
+    Ok(Redirect {
+        scheme,
+        host: (!r.host_redirect.is_empty()).then(|| r.host_redirect.clone()),
+        port: (r.port_redirect != 0).then_some(r.port_redirect),
+        path,
+        prefix_rewrite,
+        strip_query: r.strip_query,
+        status,
+    })
+}

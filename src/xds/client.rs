@@ -1,0 +1,337 @@
+//! The state-of-the-world ADS client and the config worker that commits what it accepts.
+//!
+//! Per type it keeps the subscribed names, the last accepted version (in the store) and the
+//! last nonce. A push is validated as a whole: ACKed and swapped in, or NACKed with every reason
+//! while the last good config keeps serving. A lost stream is retried with capped, jittered
+//! exponential backoff; the config in force stays until the new stream delivers.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::rpc::Status;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::store::Store;
+use super::types::Kind;
+use crate::admin::stats::{ATTEMPT, REJECTED, SUCCESS};
+use crate::proxy::listeners::ListenerManager;
+use crate::snapshot::cluster::{ClusterDef, LoadAssignment};
+use crate::State;
+
+/// Owns the store and the listeners; every accepted change goes through `commit`.
+pub struct ConfigWorker {
+    pub state: Arc<State>,
+    pub store: Store,
+    listeners: ListenerManager,
+    version: u64,
+}
+
+impl ConfigWorker {
+    pub fn new(state: Arc<State>, store: Store, listeners: ListenerManager) -> ConfigWorker {
+        ConfigWorker {
+            state,
+            store,
+            listeners,
+            version: 0,
+        }
+    }
+
+    /// Binds new listener sockets, then swaps in the snapshot built from `next`.
+    pub fn commit(&mut self, next: Store) -> Result<(), Vec<String>> {
+        let wanted = next.listener_addrs();
+        self.listeners.prepare(&wanted)?;
+        self.version += 1;
+        let prev = self.state.snapshot.load_full();
+        let stats = &self.state.stats;
+        let snap = Arc::new(next.assemble(&prev, self.version, &|n| stats.cluster(n)));
+        self.state.snapshot.store(snap.clone());
+        self.listeners.reconcile(&snap, &wanted);
+        stats.retain_clusters(|n| next.clusters.contains_key(n));
+        self.store = next;
+        self.state.store.store(Arc::new(self.store.clone()));
+        Ok(())
+    }
+
+    /// Resolves DNS clusters' hostnames and commits the result if it changed.
+    pub async fn refresh_dns(&mut self) {
+        let defs = self.store.dns_clusters();
+        if defs.is_empty() {
+            return;
+        }
+        let mut next = self.store.clone();
+        let mut changed = false;
+        for def in defs {
+            let la = resolve(&def).await;
+            let same = next.resolved.get(def.name.as_ref()).is_some_and(|old| {
+                old.hosts.len() == la.hosts.len()
+                    && old.hosts.iter().zip(&la.hosts).all(|(a, b)| a.addr == b.addr && a.weight == b.weight)
+            });
+            if !same {
+                next.resolved.insert(def.name.to_string(), Arc::new(la));
+                changed = true;
+            }
+        }
+        if changed {
+            if let Err(e) = self.commit(next) {
+                tracing::warn!("DNS refresh not applied: {}", e.join("; "));
+            }
+        }
+    }
+}
+
+async fn resolve(def: &ClusterDef) -> LoadAssignment {
+    let Some(spec) = &def.inline else {
+        return LoadAssignment::default();
+    };
+    let mut addrs = BTreeMap::new();
+    for (host, port, ..) in &spec.endpoints {
+        if host.parse::<std::net::IpAddr>().is_ok() {
+            continue;
+        }
+        match tokio::net::lookup_host((host.as_str(), *port)).await {
+            Ok(mut it) => {
+                // Prefer IPv4 like Envoy's default V4_PREFERRED lookup family.
+                let all: Vec<SocketAddr> = it.by_ref().collect();
+                let pick = all.iter().find(|a| a.is_ipv4()).or(all.first()).copied();
+                if let Some(a) = pick {
+                    addrs.insert(host.clone(), a.ip());
+                }
+            }
+            Err(e) => tracing::warn!(cluster = %def.name, %host, "DNS lookup failed: {e}"),
+        }
+    }
+    LoadAssignment::from_resolved(spec, |h| h.parse().ok().or_else(|| addrs.get(h).copied()))
+}
+
+#[derive(Debug, Default)]
+struct Sub {
+    names: BTreeSet<String>,
+    nonce: String,
+    acked: bool,
+}
+
+pub struct AdsClient {
+    worker: ConfigWorker,
+    node: Node,
+    /// The ADS server: (host, port) of the bootstrap's xDS cluster.
+    target: (String, u16),
+    subs: BTreeMap<Kind, Sub>,
+    lds: bool,
+    cds: bool,
+}
+
+enum StreamEnd {
+    /// The stream delivered at least one response before it ended.
+    AfterData(String),
+    NoData(String),
+}
+
+const BACKOFF_BASE: Duration = Duration::from_millis(250);
+const BACKOFF_CAP: Duration = Duration::from_secs(5);
+const DNS_REFRESH: Duration = Duration::from_secs(5);
+const MAX_MESSAGE: usize = 512 * 1024 * 1024;
+
+impl AdsClient {
+    pub fn new(worker: ConfigWorker, node: Node, target: (String, u16), lds: bool, cds: bool) -> AdsClient {
+        AdsClient {
+            worker,
+            node,
+            target,
+            subs: BTreeMap::new(),
+            lds,
+            cds,
+        }
+    }
+
+    pub async fn run(mut self) {
+        let mut attempt = 0u32;
+        loop {
+            match self.stream_once().await {
+                StreamEnd::AfterData(why) => {
+                    tracing::warn!("ADS stream closed: {why}; reconnecting");
+                    attempt = 0;
+                }
+                StreamEnd::NoData(why) => tracing::warn!("ADS stream failed: {why}"),
+            }
+            // Full jitter over a capped exponential window.
+            let window = BACKOFF_BASE.saturating_mul(1 << attempt.min(8)).min(BACKOFF_CAP);
+            let delay = window.mul_f64(0.5 + fastrand::f64() * 0.5);
+            attempt = attempt.saturating_add(1);
+            tokio::time::sleep(delay).await;
+            self.worker.refresh_dns().await;
+        }
+    }
+
+    fn request(&self, kind: Kind, with_node: bool) -> DiscoveryRequest {
+        let sub = self.subs.get(&kind);
+        DiscoveryRequest {
+            version_info: self.worker.store.versions.get(&kind).cloned().unwrap_or_default(),
+            node: with_node.then(|| self.node.clone()),
+            resource_names: sub.map(|s| s.names.iter().cloned().collect()).unwrap_or_default(),
+            type_url: kind.type_url().to_string(),
+            response_nonce: sub.map(|s| s.nonce.clone()).unwrap_or_default(),
+            ..Default::default()
+        }
+    }
+
+    async fn stream_once(&mut self) -> StreamEnd {
+        let (host, port) = &self.target;
+        let uri = format!("http://{host}:{port}");
+        let endpoint = match tonic::transport::Endpoint::from_shared(uri.clone()) {
+            Ok(e) => e.connect_timeout(Duration::from_secs(5)).tcp_nodelay(true),
+            Err(e) => return StreamEnd::NoData(format!("invalid ADS address {uri}: {e}")),
+        };
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => return StreamEnd::NoData(format!("cannot connect to {uri}: {e}")),
+        };
+        let mut client = AggregatedDiscoveryServiceClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        let (tx, rx) = mpsc::channel::<DiscoveryRequest>(64);
+        // Fresh nonces per stream: the server has forgotten the old ones.
+        for sub in self.subs.values_mut() {
+            sub.nonce.clear();
+        }
+        let mut first = true;
+        let mut initial = Vec::new();
+        if self.cds {
+            self.subs.entry(Kind::Cluster).or_default();
+            initial.push(Kind::Cluster);
+        }
+        if self.lds {
+            self.subs.entry(Kind::Listener).or_default();
+            initial.push(Kind::Listener);
+        }
+        for kind in [Kind::Endpoint, Kind::Route] {
+            if self.subs.get(&kind).is_some_and(|s| !s.names.is_empty()) {
+                initial.push(kind);
+            }
+        }
+        for kind in initial {
+            let req = self.request(kind, first);
+            first = false;
+            if tx.send(req).await.is_err() {
+                return StreamEnd::NoData("request channel closed".into());
+            }
+        }
+        let mut responses = match client.stream_aggregated_resources(ReceiverStream::new(rx)).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => return StreamEnd::NoData(format!("ADS call failed: {}", s.message())),
+        };
+        tracing::info!("ADS stream open to {uri}");
+        let mut got_data = false;
+        let mut dns = tokio::time::interval(DNS_REFRESH);
+        dns.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                msg = responses.message() => match msg {
+                    Ok(Some(resp)) => {
+                        got_data = true;
+                        for req in self.handle(resp) {
+                            if tx.send(req).await.is_err() {
+                                return StreamEnd::AfterData("request channel closed".into());
+                            }
+                        }
+                    }
+                    Ok(None) => {
+                        let why = "server closed the stream".to_string();
+                        return if got_data { StreamEnd::AfterData(why) } else { StreamEnd::NoData(why) };
+                    }
+                    Err(s) => {
+                        let why = format!("{}: {}", s.code(), s.message());
+                        return if got_data { StreamEnd::AfterData(why) } else { StreamEnd::NoData(why) };
+                    }
+                },
+                _ = dns.tick() => self.worker.refresh_dns().await,
+            }
+        }
+    }
+
+    /// Applies one response; returns the requests to send (the ACK or NACK, then any
+    /// subscription changes it caused).
+    fn handle(&mut self, resp: DiscoveryResponse) -> Vec<DiscoveryRequest> {
+        let Some(kind) = Kind::from_type_url(&resp.type_url) else {
+            tracing::warn!(type_url = %resp.type_url, "ignoring response of a type Portico did not subscribe to");
+            return Vec::new();
+        };
+        let state = self.worker.state.clone();
+        let counters = &state.stats.xds;
+        let bump = |outcome: usize, names: &[String]| match kind {
+            Kind::Cluster => counters.cds[outcome].inc(),
+            Kind::Listener => counters.lds[outcome].inc(),
+            Kind::Route => names.iter().for_each(|n| counters.rds[outcome].with_label_values(&[n.as_str()]).inc()),
+            Kind::Endpoint => names.iter().for_each(|n| counters.eds[outcome].with_label_values(&[n.as_str()]).inc()),
+        };
+        let names: Vec<String> = if kind.is_wildcard() {
+            Vec::new()
+        } else {
+            self.subs.get(&kind).map(|s| s.names.iter().cloned().collect()).unwrap_or_default()
+        };
+        bump(ATTEMPT, &names);
+        let result = self
+            .worker
+            .store
+            .apply(kind, &resp.version_info, &resp.resources)
+            .and_then(|next| self.worker.commit(next));
+        let sub = self.subs.entry(kind).or_default();
+        sub.nonce = resp.nonce.clone();
+        let mut out = Vec::new();
+        match result {
+            Ok(()) => {
+                bump(SUCCESS, &names);
+                sub.acked = true;
+                tracing::debug!(kind = kind.short(), version = %resp.version_info, "accepted");
+                out.push(self.request(kind, false));
+                let wanted = [
+                    (Kind::Endpoint, self.worker.store.wanted_endpoints()),
+                    (Kind::Route, self.worker.store.wanted_routes()),
+                ];
+                for (k, names) in wanted {
+                    let sub = self.subs.entry(k).or_default();
+                    if sub.names != names {
+                        sub.names = names;
+                        out.push(self.request(k, false));
+                    }
+                }
+            }
+            Err(errors) => {
+                bump(REJECTED, &names);
+                let message = errors.join("; ");
+                tracing::warn!(kind = kind.short(), version = %resp.version_info, "rejected: {message}");
+                let mut nack = self.request(kind, false);
+                nack.error_detail = Some(Status {
+                    code: tonic::Code::InvalidArgument as i32,
+                    message,
+                    details: Vec::new(),
+                });
+                out.push(nack);
+            }
+        }
+        self.update_readiness();
+        out
+    }
+
+    fn update_readiness(&self) {
+        let done = |k: Kind| match self.subs.get(&k) {
+            Some(s) if k.is_wildcard() => s.acked,
+            Some(s) => s.names.is_empty() || s.acked,
+            None => true,
+        };
+        let required = |k: Kind| match k {
+            Kind::Cluster => self.cds,
+            Kind::Listener => self.lds,
+            _ => true,
+        };
+        if Kind::ALL.iter().all(|k| !required(*k) || done(*k)) {
+            self.worker.state.ready.store(true, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! The last good config: every accepted resource by type and name, with its translation.
+//!
+//! `apply` is pure: it takes a push and returns the candidate store (or every rejection
+//! reason), and `assemble` turns a store into a snapshot, reusing what did not change.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster as ClusterProto;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener as ListenerProto;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::google::protobuf::Any;
+
+use super::types::{self, Kind};
+use crate::admin::stats::ClusterStats;
+use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
+use crate::snapshot::listener::{ListenerDef, RouteSource};
+use crate::snapshot::route::RouteTable;
+use crate::snapshot::{ActiveListener, Snapshot, TranslateError};
+
+/// One accepted resource: the proto as received (for `/config_dump`) and its translation.
+#[derive(Debug)]
+pub struct Item<P, T> {
+    pub proto: Arc<P>,
+    pub value: Arc<T>,
+    pub version: String,
+    pub last_updated: SystemTime,
+    /// From the bootstrap: never removed or replaced by xDS.
+    pub is_static: bool,
+}
+
+impl<P, T> Clone for Item<P, T> {
+    fn clone(&self) -> Self {
+        Item {
+            proto: self.proto.clone(),
+            value: self.value.clone(),
+            version: self.version.clone(),
+            last_updated: self.last_updated,
+            is_static: self.is_static,
+        }
+    }
+}
+
+pub type Table<P, T> = BTreeMap<String, Item<P, T>>;
+
+#[derive(Debug, Clone, Default)]
+pub struct Store {
+    pub listeners: Table<ListenerProto, ListenerDef>,
+    pub routes: Table<RouteConfiguration, RouteTable>,
+    pub clusters: Table<ClusterProto, ClusterDef>,
+    pub endpoints: Table<ClusterLoadAssignment, LoadAssignment>,
+    /// Endpoints of STATIC and DNS clusters, by cluster name (DNS ones filled by a resolver).
+    pub resolved: BTreeMap<String, Arc<LoadAssignment>>,
+    /// Last accepted version per kind.
+    pub versions: BTreeMap<Kind, String>,
+}
+
+/// Translates one resource, reusing the previous translation when the proto is unchanged.
+trait Translate: prost::Message + Default + PartialEq + Sized {
+    type Out;
+    const URL: &'static str;
+    fn name(&self) -> &str;
+    fn translate(&self) -> Result<Self::Out, TranslateError>;
+}
+
+impl Translate for ListenerProto {
+    type Out = ListenerDef;
+    const URL: &'static str = types::LISTENER;
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn translate(&self) -> Result<ListenerDef, TranslateError> {
+        ListenerDef::translate(self)
+    }
+}
+
+impl Translate for RouteConfiguration {
+    type Out = RouteTable;
+    const URL: &'static str = types::ROUTE;
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn translate(&self) -> Result<RouteTable, TranslateError> {
+        RouteTable::translate(self)
+    }
+}
+
+impl Translate for ClusterProto {
+    type Out = ClusterDef;
+    const URL: &'static str = types::CLUSTER;
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn translate(&self) -> Result<ClusterDef, TranslateError> {
+        ClusterDef::translate(self)
+    }
+}
+
+impl Translate for ClusterLoadAssignment {
+    type Out = LoadAssignment;
+    const URL: &'static str = types::ENDPOINT;
+    fn name(&self) -> &str {
+        &self.cluster_name
+    }
+    fn translate(&self) -> Result<LoadAssignment, TranslateError> {
+        LoadAssignment::translate(self)
+    }
+}
+
+/// Decodes and translates a push into a new table. Wildcard kinds replace every non-static
+/// entry; named kinds update the entries they carry.
+fn apply_table<P: Translate>(
+    old: &Table<P, P::Out>,
+    kind: Kind,
+    version: &str,
+    resources: &[Any],
+    now: SystemTime,
+    errors: &mut Vec<String>,
+) -> Table<P, P::Out> {
+    let mut next: Table<P, P::Out> = if kind.is_wildcard() {
+        old.iter()
+            .filter(|(_, i)| i.is_static)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    } else {
+        old.clone()
+    };
+    let mut seen = BTreeSet::new();
+    for (i, any) in resources.iter().enumerate() {
+        let proto: P = match types::decode(any, P::URL) {
+            Ok(p) => p,
+            Err(e) => {
+                errors.push(format!("resource {i}: {e}"));
+                continue;
+            }
+        };
+        let name = proto.name().to_string();
+        let what = match kind {
+            Kind::Listener => "listener",
+            Kind::Route => "route",
+            Kind::Cluster => "cluster",
+            Kind::Endpoint => "endpoints",
+        };
+        if !seen.insert(name.clone()) {
+            errors.push(format!("{what} '{name}': duplicate {what} name in one response"));
+            continue;
+        }
+        match old.get(&name) {
+            Some(prev) if prev.is_static => {
+                errors.push(format!(
+                    "{what} '{name}': a static resource from the bootstrap cannot be replaced by xDS"
+                ));
+                continue;
+            }
+            Some(prev) if *prev.proto == proto => {
+                next.insert(name, prev.clone());
+                continue;
+            }
+            _ => {}
+        }
+        match proto.translate() {
+            Ok(value) => {
+                next.insert(
+                    name,
+                    Item {
+                        proto: Arc::new(proto),
+                        value: Arc::new(value),
+                        version: version.to_string(),
+                        last_updated: now,
+                        is_static: false,
+                    },
+                );
+            }
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    next
+}
+
+impl Store {
+    /// Adds bootstrap resources, which xDS can neither replace nor remove.
+    pub fn add_static(
+        &mut self,
+        listeners: &[ListenerProto],
+        clusters: &[ClusterProto],
+    ) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let now = SystemTime::now();
+        let mut add = |name: &str, res: Result<(), TranslateError>| {
+            if let Err(e) = res {
+                errors.push(format!("static_resources: {e} ({name})"));
+            }
+        };
+        for l in listeners {
+            let r = l.translate().map(|v| {
+                self.listeners.insert(l.name.clone(), static_item(l.clone(), v, now));
+            });
+            add(&l.name, r);
+        }
+        for c in clusters {
+            let r = c.translate().map(|v| {
+                self.clusters.insert(c.name.clone(), static_item(c.clone(), v, now));
+            });
+            add(&c.name, r);
+        }
+        self.resolve_literal_endpoints();
+        errors.extend(check_listener_addresses(&self.listeners));
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// The candidate store after a push, or every reason it is rejected.
+    pub fn apply(&self, kind: Kind, version: &str, resources: &[Any]) -> Result<Store, Vec<String>> {
+        let mut errors = Vec::new();
+        let now = SystemTime::now();
+        let mut next = self.clone();
+        match kind {
+            Kind::Listener => {
+                next.listeners = apply_table(&self.listeners, kind, version, resources, now, &mut errors);
+                errors.extend(check_listener_addresses(&next.listeners));
+            }
+            Kind::Route => {
+                next.routes = apply_table(&self.routes, kind, version, resources, now, &mut errors)
+            }
+            Kind::Cluster => {
+                next.clusters = apply_table(&self.clusters, kind, version, resources, now, &mut errors);
+                next.resolve_literal_endpoints();
+            }
+            Kind::Endpoint => {
+                next.endpoints = apply_table(&self.endpoints, kind, version, resources, now, &mut errors)
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        next.versions.insert(kind, version.to_string());
+        next.collect_garbage();
+        Ok(next)
+    }
+
+    /// Route configuration names the listeners ask for.
+    pub fn wanted_routes(&self) -> BTreeSet<String> {
+        self.listeners
+            .values()
+            .filter_map(|l| match &l.value.hcm.routes {
+                RouteSource::Rds(n) => Some(n.clone()),
+                RouteSource::Inline(_) => None,
+            })
+            .collect()
+    }
+
+    /// ClusterLoadAssignment names the EDS clusters ask for.
+    pub fn wanted_endpoints(&self) -> BTreeSet<String> {
+        self.clusters
+            .values()
+            .filter(|c| c.value.kind == DiscoveryKind::Eds)
+            .map(|c| c.value.eds_name.clone())
+            .collect()
+    }
+
+    /// DNS clusters whose hosts need resolving: (cluster name, hostnames).
+    pub fn dns_clusters(&self) -> Vec<Arc<ClusterDef>> {
+        self.clusters
+            .values()
+            .filter(|c| matches!(c.value.kind, DiscoveryKind::StrictDns | DiscoveryKind::LogicalDns))
+            .map(|c| c.value.clone())
+            .collect()
+    }
+
+    /// Endpoints that are IP literals need no resolver: fill them in now.
+    fn resolve_literal_endpoints(&mut self) {
+        let mut resolved = BTreeMap::new();
+        for (name, c) in &self.clusters {
+            let Some(spec) = &c.value.inline else { continue };
+            let literal = spec.endpoints.iter().all(|e| e.0.parse::<std::net::IpAddr>().is_ok());
+            if literal {
+                // Keep the previous Arc when the endpoints are the same, so the cluster is reused.
+                let la = match self.resolved.get(name) {
+                    Some(prev) if same_hosts(prev, spec) => prev.clone(),
+                    _ => Arc::new(LoadAssignment::from_resolved(spec, |h| h.parse().ok())),
+                };
+                resolved.insert(name.clone(), la);
+            } else if let Some(prev) = self.resolved.get(name) {
+                resolved.insert(name.clone(), prev.clone());
+            }
+        }
+        self.resolved = resolved;
+    }
+
+    /// Drops route configs and endpoints nothing refers to any more.
+    fn collect_garbage(&mut self) {
+        let routes = self.wanted_routes();
+        self.routes.retain(|k, _| routes.contains(k));
+        let eps = self.wanted_endpoints();
+        self.endpoints.retain(|k, _| eps.contains(k));
+    }
+
+    /// Builds the snapshot. Anything unchanged since `prev` is shared, not rebuilt. A cluster
+    /// whose endpoints have not arrived, or a listener whose routes have not, is warming: the
+    /// previous version keeps serving if there is one, otherwise it is not routable yet.
+    pub fn assemble(
+        &self,
+        prev: &Snapshot,
+        version: u64,
+        stats: &dyn Fn(&str) -> Arc<ClusterStats>,
+    ) -> Snapshot {
+        let mut clusters = HashMap::with_capacity(self.clusters.len());
+        for (name, item) in &self.clusters {
+            let def = &item.value;
+            let endpoints = match def.kind {
+                DiscoveryKind::Eds => self.endpoints.get(&def.eds_name).map(|e| e.value.clone()),
+                _ => self.resolved.get(name).cloned(),
+            };
+            let old = prev.clusters.get(name.as_str());
+            let cluster = match (endpoints, old) {
+                (Some(eps), Some(old)) if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.endpoints, &eps) => {
+                    old.clone()
+                }
+                (Some(eps), _) => Arc::new(Cluster::new(def.clone(), eps, stats(name))),
+                (None, Some(old)) => old.clone(),
+                (None, None) => continue,
+            };
+            clusters.insert(def.name.clone(), cluster);
+        }
+        let mut listeners = HashMap::with_capacity(self.listeners.len());
+        for (name, item) in &self.listeners {
+            let def = &item.value;
+            let routes = match &def.hcm.routes {
+                RouteSource::Inline(t) => Some(t.clone()),
+                RouteSource::Rds(n) => self.routes.get(n).map(|r| r.value.clone()),
+            };
+            let old = prev.listeners.get(name);
+            let active = match (routes, old) {
+                (Some(r), Some(old)) if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.routes, &r) => old.clone(),
+                (Some(routes), _) => Arc::new(ActiveListener {
+                    def: def.clone(),
+                    routes,
+                }),
+                // Only a listener at the same address may keep serving its old routes.
+                (None, Some(old)) if old.def.addr == def.addr => old.clone(),
+                (None, _) => continue,
+            };
+            listeners.insert(name.clone(), active);
+        }
+        Snapshot {
+            version,
+            listeners,
+            clusters,
+        }
+    }
+
+    pub fn listener_addrs(&self) -> BTreeMap<String, SocketAddr> {
+        self.listeners
+            .iter()
+            .map(|(k, v)| (k.clone(), v.value.addr))
+            .collect()
+    }
+}
+
+fn same_hosts(la: &LoadAssignment, spec: &crate::snapshot::cluster::LoadAssignmentSpec) -> bool {
+    la.hosts.len() == spec.endpoints.len()
+        && la.hosts.iter().zip(&spec.endpoints).all(|(h, (host, port, w, health, prio))| {
+            h.addr.ip().to_string() == *host
+                && h.addr.port() == *port
+                && h.weight == *w
+                && h.health == *health
+                && h.priority == *prio
+        })
+}
+
+fn static_item<P, T>(proto: P, value: T, now: SystemTime) -> Item<P, T> {
+    Item {
+        proto: Arc::new(proto),
+        value: Arc::new(value),
+        version: String::new(),
+        last_updated: now,
+        is_static: true,
+    }
+}
+
+fn check_listener_addresses(listeners: &Table<ListenerProto, ListenerDef>) -> Vec<String> {
+    let mut by_addr: BTreeMap<SocketAddr, &str> = BTreeMap::new();
+    let mut errors = Vec::new();
+    for (name, l) in listeners {
+        if let Some(other) = by_addr.insert(l.value.addr, name) {
+            errors.push(format!(
+                "listener '{name}': duplicate address {} as listener '{other}'",
+                l.value.addr
+            ));
+        }
+    }
+    errors
+}
