@@ -77,7 +77,8 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
         match ads {
             Some(target) => {
                 let node = b.proto.node.clone().unwrap_or_default();
-                let client = AdsClient::new(worker, node, target, b.lds_via_ads, b.cds_via_ads);
+                let mut client = AdsClient::new(worker, node, target, b.lds_via_ads, b.cds_via_ads);
+                client.node_first_only = b.ads.as_ref().is_some_and(|a| a.set_node_on_first_message_only);
                 tokio::spawn(client.run());
             }
             None => {

@@ -171,88 +171,100 @@ impl Stats {
 
     /// Prometheus text. `membership` gives (healthy, total) hosts per cluster.
     pub fn render(&self, membership: &dyn Fn(&str) -> Option<(usize, usize)>) -> String {
-        let mut out = String::with_capacity(4096);
-        let clusters: Vec<(String, Arc<ClusterStats>)> = {
-            let m = self.clusters.lock().unwrap_or_else(|p| p.into_inner());
-            let mut v: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            v.sort_by(|a, b| a.0.cmp(&b.0));
-            v
-        };
-        let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
-        let counter = |out: &mut String, name: &str, f: &dyn Fn(&ClusterStats) -> u64| {
-            let _ = writeln!(out, "# TYPE {name} counter");
-            for (n, s) in &clusters {
-                let _ = writeln!(out, "{name}{{envoy_cluster_name=\"{}\"}} {}", esc(n), f(s));
-            }
-        };
-        counter(&mut out, "envoy_cluster_upstream_rq_total", &|s| s.rq_total.load(Relaxed));
-        counter(&mut out, "envoy_cluster_upstream_cx_connect_fail", &|s| s.cx_connect_fail.load(Relaxed));
-        counter(&mut out, "envoy_cluster_upstream_rq_timeout", &|s| s.rq_timeout.load(Relaxed));
-        let _ = writeln!(out, "# TYPE envoy_cluster_upstream_rq counter");
+        let clusters: Vec<(String, Arc<ClusterStats>)> = sorted(&self.clusters);
+        let hcms: Vec<(String, Arc<HcmStats>)> = sorted(&self.hcms);
+        let mut f = Families::default();
         for (n, s) in &clusters {
+            let c = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
+                let (metric, tag) = tagged("cluster", n, stat);
+                f.add(kind, metric, format!("{extra}envoy_cluster_name=\"{}\"", esc(tag)), v);
+            };
+            c(&mut f, "counter", "upstream_rq_total", "", s.rq_total.load(Relaxed));
+            c(&mut f, "counter", "upstream_cx_connect_fail", "", s.cx_connect_fail.load(Relaxed));
+            c(&mut f, "counter", "upstream_rq_timeout", "", s.rq_timeout.load(Relaxed));
+            c(&mut f, "gauge", "upstream_rq_active", "", s.rq_active.load(Relaxed));
             for (code, count) in s.codes.snapshot() {
-                let _ = writeln!(
-                    out,
-                    "envoy_cluster_upstream_rq{{envoy_response_code=\"{code}\",envoy_cluster_name=\"{}\"}} {count}",
-                    esc(n)
-                );
+                c(&mut f, "counter", "upstream_rq", &format!("envoy_response_code=\"{code}\","), count);
+            }
+            for (i, x) in s.rq_xx.iter().enumerate() {
+                let class = format!("envoy_response_code_class=\"{}\",", i + 1);
+                c(&mut f, "counter", "upstream_rq_xx", &class, x.load(Relaxed));
+            }
+            if let Some((healthy, total)) = membership(n) {
+                c(&mut f, "gauge", "membership_healthy", "", healthy as u64);
+                c(&mut f, "gauge", "membership_total", "", total as u64);
             }
         }
-        let _ = writeln!(out, "# TYPE envoy_cluster_upstream_rq_xx counter");
-        for (n, s) in &clusters {
-            for (i, c) in s.rq_xx.iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "envoy_cluster_upstream_rq_xx{{envoy_response_code_class=\"{}\",envoy_cluster_name=\"{}\"}} {}",
-                    i + 1,
-                    esc(n),
-                    c.load(Relaxed)
-                );
-            }
-        }
-        let _ = writeln!(out, "# TYPE envoy_cluster_upstream_rq_active gauge");
-        for (n, s) in &clusters {
-            let _ = writeln!(out, "envoy_cluster_upstream_rq_active{{envoy_cluster_name=\"{}\"}} {}", esc(n), s.rq_active.load(Relaxed));
-        }
-        for (metric, pick) in [("envoy_cluster_membership_healthy", 0usize), ("envoy_cluster_membership_total", 1)] {
-            let _ = writeln!(out, "# TYPE {metric} gauge");
-            for (n, _) in &clusters {
-                if let Some((h, t)) = membership(n) {
-                    let _ = writeln!(out, "{metric}{{envoy_cluster_name=\"{}\"}} {}", esc(n), if pick == 0 { h } else { t });
-                }
-            }
-        }
-        let hcms: Vec<(String, Arc<HcmStats>)> = {
-            let m = self.hcms.lock().unwrap_or_else(|p| p.into_inner());
-            let mut v: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            v.sort_by(|a, b| a.0.cmp(&b.0));
-            v
-        };
-        let hcm_counter = |out: &mut String, name: &str, kind: &str, f: &dyn Fn(&HcmStats) -> u64| {
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            for (n, s) in &hcms {
-                let _ = writeln!(out, "{name}{{envoy_http_conn_manager_prefix=\"{}\"}} {}", esc(n), f(s));
-            }
-        };
-        hcm_counter(&mut out, "envoy_http_downstream_rq_total", "counter", &|s| s.rq_total.load(Relaxed));
-        hcm_counter(&mut out, "envoy_http_downstream_cx_total", "counter", &|s| s.cx_total.load(Relaxed));
-        hcm_counter(&mut out, "envoy_http_no_route", "counter", &|s| s.no_route.load(Relaxed));
-        hcm_counter(&mut out, "envoy_http_downstream_rq_active", "gauge", &|s| s.rq_active.load(Relaxed));
-        let _ = writeln!(out, "# TYPE envoy_http_downstream_rq_xx counter");
         for (n, s) in &hcms {
-            for (i, c) in s.rq_xx.iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "envoy_http_downstream_rq_xx{{envoy_response_code_class=\"{}\",envoy_http_conn_manager_prefix=\"{}\"}} {}",
-                    i + 1,
-                    esc(n),
-                    c.load(Relaxed)
-                );
+            let h = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
+                let (metric, tag) = tagged("http", n, stat);
+                f.add(kind, metric, format!("{extra}envoy_http_conn_manager_prefix=\"{}\"", esc(tag)), v);
+            };
+            h(&mut f, "counter", "downstream_rq_total", "", s.rq_total.load(Relaxed));
+            h(&mut f, "counter", "downstream_cx_total", "", s.cx_total.load(Relaxed));
+            h(&mut f, "counter", "no_route", "", s.no_route.load(Relaxed));
+            h(&mut f, "gauge", "downstream_rq_active", "", s.rq_active.load(Relaxed));
+            for (i, x) in s.rq_xx.iter().enumerate() {
+                let class = format!("envoy_response_code_class=\"{}\",", i + 1);
+                h(&mut f, "counter", "downstream_rq_xx", &class, x.load(Relaxed));
             }
         }
+        let mut out = f.finish();
         let mut buf = Vec::new();
         if TextEncoder::new().encode(&self.registry.gather(), &mut buf).is_ok() {
             out.push_str(&String::from_utf8_lossy(&buf));
+        }
+        out
+    }
+}
+
+fn sorted<T>(m: &Mutex<HashMap<String, Arc<T>>>) -> Vec<(String, Arc<T>)> {
+    let m = m.lock().unwrap_or_else(|p| p.into_inner());
+    let mut v: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Envoy's default tag extraction for `<scope>.<name>.<stat>`: the tag is `<name>` up to its
+/// first dot; whatever follows that dot stays in the metric name. So a cluster named
+/// `outbound|9080|v1|reviews.default.svc.cluster.local` is reported by Envoy as
+/// `envoy_cluster_default_svc_cluster_local_upstream_rq_total{envoy_cluster_name="outbound|9080|v1|reviews"}`.
+pub fn tagged<'a>(scope: &str, name: &'a str, stat: &str) -> (String, &'a str) {
+    match name.split_once('.') {
+        None => (format!("envoy_{scope}_{stat}"), name),
+        Some((tag, rest)) => {
+            let rest: String = rest
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == ':' { c } else { '_' })
+                .collect();
+            (format!("envoy_{scope}_{rest}_{stat}"), tag)
+        }
+    }
+}
+
+/// Metric families in text format: one `# TYPE` line per name, samples grouped under it.
+#[derive(Default)]
+struct Families {
+    by_name: BTreeMap<String, (&'static str, Vec<String>)>,
+}
+
+impl Families {
+    fn add(&mut self, kind: &'static str, metric: String, labels: String, value: u64) {
+        let e = self.by_name.entry(metric).or_insert((kind, Vec::new()));
+        e.1.push(format!("{{{labels}}} {value}"));
+    }
+
+    fn finish(self) -> String {
+        let mut out = String::with_capacity(4096);
+        for (name, (kind, samples)) in self.by_name {
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for s in samples {
+                let _ = writeln!(out, "{name}{s}");
+            }
         }
         out
     }
@@ -283,12 +295,14 @@ mod tests {
         c.record(200);
         c.record(503);
         stats.xds.cds[SUCCESS].inc();
+        stats.cluster("ratings").record(200);
         let text = stats.render(&|_| Some((1, 2)));
         assert!(text.contains(
-            "envoy_cluster_upstream_rq_total{envoy_cluster_name=\"outbound|9080|v1|reviews.default.svc.cluster.local\"} 2"
-        ));
-        assert!(text.contains("envoy_response_code=\"503\""));
-        assert!(text.contains("envoy_cluster_membership_total{envoy_cluster_name=\"outbound|9080|v1|reviews.default.svc.cluster.local\"} 2"));
+            "envoy_cluster_default_svc_cluster_local_upstream_rq_total{envoy_cluster_name=\"outbound|9080|v1|reviews\"} 2"
+        ), "{text}");
+        assert!(text.contains("envoy_cluster_upstream_rq_total{envoy_cluster_name=\"ratings\"} 1"));
+        assert!(text.contains("envoy_response_code=\"503\",envoy_cluster_name=\"outbound|9080|v1|reviews\"} 1"));
+        assert!(text.contains("envoy_cluster_membership_total{envoy_cluster_name=\"ratings\"} 2"));
         assert!(text.contains("envoy_cluster_manager_cds_update_success 1"));
     }
 }

@@ -47,6 +47,7 @@ static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
+static X_ENVOY_EXTERNAL_ADDRESS: HeaderName = HeaderName::from_static("x-envoy-external-address");
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
@@ -56,6 +57,19 @@ fn request_id() -> String {
     let r = (r & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
     let h = format!("{r:032x}");
     format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// Envoy's default internal addresses: loopback and private ranges.
+fn is_internal(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_loopback() || v4.is_private(),
+        std::net::IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return v4.is_loopback() || v4.is_private();
+            }
+            v6.is_loopback() || (v6.segments()[0] & 0xfe00) == 0xfc00
+        }
+    }
 }
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
@@ -68,7 +82,8 @@ fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
         .unwrap_or("");
     let mut host = raw.to_ascii_lowercase();
     let hcm = &listener.def.hcm;
-    if hcm.strip_any_host_port || hcm.strip_matching_host_port {
+    let strip_any = hcm.strip_any_host_port || listener.routes.ignore_port;
+    if strip_any || hcm.strip_matching_host_port {
         // IPv6 literals keep their colons inside brackets.
         let colon = if host.starts_with('[') {
             host.find("]:").map(|i| i + 1)
@@ -77,7 +92,7 @@ fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
         };
         if let Some(i) = colon {
             let port_matches = host[i + 1..].parse::<u16>().ok() == Some(listener.def.addr.port());
-            if hcm.strip_any_host_port || port_matches {
+            if strip_any || port_matches {
                 host.truncate(i);
             }
         }
@@ -280,19 +295,42 @@ impl ProxyHttp for Gateway {
         let hcm = &listener.def.hcm;
         let client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
         let req = session.req_header_mut();
-        if hcm.use_remote_address && !hcm.skip_xff_append {
+        let mut external = false;
+        if hcm.use_remote_address {
+            let prior_xff = req
+                .headers
+                .get(&X_FORWARDED_FOR)
+                .is_some_and(|v| !v.as_bytes().is_empty());
             if let Some(ip) = client_ip {
-                let value = match req.headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-                    Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
-                    _ => ip.to_string(),
-                };
-                req.insert_header(X_FORWARDED_FOR.clone(), value)?;
+                // Envoy's edge test: one hop only, and that hop from an internal address.
+                external = prior_xff || !is_internal(ip);
+                if !hcm.skip_xff_append {
+                    let value = match req.headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                        Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
+                        _ => ip.to_string(),
+                    };
+                    req.insert_header(X_FORWARDED_FOR.clone(), value)?;
+                }
+                if external {
+                    // Internal x-envoy-* headers are not trusted from the edge.
+                    let internal: Vec<HeaderName> = req
+                        .headers
+                        .keys()
+                        .filter(|k| k.as_str().starts_with("x-envoy-"))
+                        .cloned()
+                        .collect();
+                    for k in internal {
+                        req.remove_header(&k);
+                    }
+                    req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), ip.to_string())?;
+                }
             }
         }
         if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
             req.insert_header(X_FORWARDED_PROTO.clone(), "http")?;
         }
-        if hcm.generate_request_id && !req.headers.contains_key(&X_REQUEST_ID) {
+        let regenerate = external && !hcm.preserve_external_request_id;
+        if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
             req.insert_header(X_REQUEST_ID.clone(), request_id())?;
         }
         Ok(false)

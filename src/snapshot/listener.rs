@@ -45,6 +45,7 @@ pub struct Hcm {
     pub use_remote_address: bool,
     pub skip_xff_append: bool,
     pub generate_request_id: bool,
+    pub preserve_external_request_id: bool,
     pub strip_any_host_port: bool,
     pub strip_matching_host_port: bool,
     pub server_name: String,
@@ -167,6 +168,7 @@ impl Hcm {
             use_remote_address: h.use_remote_address.as_ref().is_some_and(|b| b.value),
             skip_xff_append: h.skip_xff_append,
             generate_request_id: h.generate_request_id.as_ref().is_none_or(|b| b.value),
+            preserve_external_request_id: h.preserve_external_request_id,
             strip_any_host_port: matches!(
                 h.strip_port_mode,
                 Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(true))

@@ -28,6 +28,8 @@ pub struct RouteTable {
     prefixes: Vec<(String, usize)>,
     /// The vhost holding the `*` domain.
     any: Option<usize>,
+    /// `ignore_port_in_host_matching`: match the authority without its port.
+    pub ignore_port: bool,
 }
 
 #[derive(Debug)]
@@ -312,6 +314,7 @@ impl RouteTable {
             suffixes,
             prefixes,
             any,
+            ignore_port: rc.ignore_port_in_host_matching,
         })
     }
 

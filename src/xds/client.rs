@@ -125,6 +125,8 @@ pub struct AdsClient {
     subs: BTreeMap<Kind, Sub>,
     lds: bool,
     cds: bool,
+    /// `ads_config.set_node_on_first_message_only`; Envoy sends the node on every request otherwise.
+    pub node_first_only: bool,
 }
 
 enum StreamEnd {
@@ -147,6 +149,7 @@ impl AdsClient {
             subs: BTreeMap::new(),
             lds,
             cds,
+            node_first_only: false,
         }
     }
 
@@ -173,7 +176,7 @@ impl AdsClient {
         let sub = self.subs.get(&kind);
         DiscoveryRequest {
             version_info: self.worker.store.versions.get(&kind).cloned().unwrap_or_default(),
-            node: with_node.then(|| self.node.clone()),
+            node: (with_node || !self.node_first_only).then(|| self.node.clone()),
             resource_names: sub.map(|s| s.names.iter().cloned().collect()).unwrap_or_default(),
             type_url: kind.type_url().to_string(),
             response_nonce: sub.map(|s| s.nonce.clone()).unwrap_or_default(),

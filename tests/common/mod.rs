@@ -1,0 +1,1354 @@
+//! Shared harness for the gateway integration tests.
+//!
+//! The same tests run against Envoy (to prove they describe Envoy's behaviour)
+//! and against Portico; `PORTICO_GATEWAY_BIN` selects the binary.
+
+// Each test binary uses a different subset of the harness.
+#![allow(dead_code)]
+
+use std::collections::{BTreeSet, HashMap};
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener as StdTcpListener};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::core::v3::{
+    address, config_source, data_source, socket_address, Address, AggregatedConfigSource,
+    ApiVersion, ConfigSource, DataSource, SocketAddress,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+};
+use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
+use envoy_types::pb::envoy::config::route::v3::{
+    header_matcher, route, route_action, route_match, weighted_cluster, DirectResponseAction,
+    HeaderMatcher, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost,
+    WeightedCluster,
+};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, http_filter, HttpConnectionManager, HttpFilter, Rds,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::{Any, UInt32Value};
+use http_body_util::Full;
+use hyper::body::Bytes;
+use prost::{Message, Name};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+
+pub const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+pub const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+
+/// Config propagation is asynchronous; every wait in the suite uses this bound.
+pub const PROPAGATION: Duration = Duration::from_secs(10);
+
+pub const NODE_ID: &str = "router~127.0.0.1~portico-test.default~default.svc.cluster.local";
+pub const NODE_CLUSTER: &str = "portico-test";
+
+// ---------------------------------------------------------------------------
+// Small utilities
+// ---------------------------------------------------------------------------
+
+/// A port the kernel just handed out. Racy by nature (the socket is closed
+/// before the gateway binds it) but the kernel rotates ephemeral ports, so
+/// parallel tests practically never collide.
+pub fn free_port() -> u16 {
+    let l = StdTcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr()
+        .expect("local addr of ephemeral socket")
+        .port()
+}
+
+pub struct TempDir {
+    pub path: PathBuf,
+}
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let name = format!(
+            "{prefix}-{}-{}-{nanos}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let path = std::env::temp_dir().join(name);
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir { path }
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        // Keep the bootstrap and logs of a failed test for post-mortem.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Polls `check` until it yields `Ok`, or panics after `timeout` with the last
+/// observation. `check` returns `Err(description)` while the condition does
+/// not hold yet, so a timeout explains what was actually seen.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(last) => {
+                if Instant::now() >= deadline {
+                    panic!(
+                        "timed out after {timeout:?} waiting for {what}; last observation: {last}"
+                    );
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Backends
+// ---------------------------------------------------------------------------
+
+/// An HTTP/1.1 upstream that identifies itself and echoes what the gateway
+/// forwarded, so tests can see both routing decisions and header rewriting.
+pub struct Backend {
+    pub name: String,
+    pub addr: SocketAddr,
+    served: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Backend {
+    pub async fn start(name: &str) -> Backend {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind backend");
+        let addr = listener.local_addr().expect("backend addr");
+        let served = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(backend_accept_loop(
+            listener,
+            name.to_string(),
+            served.clone(),
+        ));
+        Backend {
+            name: name.to_string(),
+            addr,
+            served,
+            task,
+        }
+    }
+
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn backend_accept_loop(
+    listener: tokio::net::TcpListener,
+    name: String,
+    served: Arc<AtomicUsize>,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                // e.g. EMFILE under heavy parallelism; don't spin.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let name = name.clone();
+        let served = served.clone();
+        tokio::spawn(async move {
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let name = name.clone();
+                    let served = served.clone();
+                    async move {
+                        served.fetch_add(1, Ordering::SeqCst);
+                        let mut resp = hyper::Response::builder()
+                            .status(200)
+                            .header("x-backend", name.as_str())
+                            .header("x-echo-path", req.uri().to_string());
+                        for (from, to) in [
+                            ("x-forwarded-for", "x-echo-xff"),
+                            ("x-request-id", "x-echo-request-id"),
+                            ("host", "x-echo-host"),
+                        ] {
+                            if let Some(v) = req.headers().get(from) {
+                                resp = resp.header(to, v.clone());
+                            }
+                        }
+                        let resp = resp
+                            .body(Full::new(Bytes::from(name)))
+                            .expect("static response is well-formed");
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Resource builders (Istio naming)
+// ---------------------------------------------------------------------------
+
+pub fn any<T: Message + Name>(m: T) -> Any {
+    envoy_types::util::pack_any(m)
+}
+
+/// Istio's name for a subset cluster of `<service>.default.svc.cluster.local:9080`.
+pub fn subset_cluster(subset: &str, service: &str) -> String {
+    format!("outbound|9080|{subset}|{service}.default.svc.cluster.local")
+}
+
+pub fn listener_name(port: u16) -> String {
+    format!("0.0.0.0_{port}")
+}
+
+pub fn route_name(port: u16) -> String {
+    format!("http.{port}")
+}
+
+pub fn socket_addr(ip: &str, port: u16) -> Address {
+    Address {
+        address: Some(address::Address::SocketAddress(SocketAddress {
+            address: ip.to_string(),
+            port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(port))),
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn ads_source() -> ConfigSource {
+    ConfigSource {
+        config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(
+            AggregatedConfigSource {},
+        )),
+        resource_api_version: ApiVersion::V3 as i32,
+        ..Default::default()
+    }
+}
+
+/// The HCM a listener on `port` uses: RDS over ADS for `http.<port>`, router only.
+pub fn hcm(port: u16) -> HttpConnectionManager {
+    HttpConnectionManager {
+        stat_prefix: format!("outbound_0.0.0.0_{port}"),
+        route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+            config_source: Some(ads_source()),
+            route_config_name: route_name(port),
+        })),
+        http_filters: vec![HttpFilter {
+            name: "envoy.filters.http.router".to_string(),
+            config_type: Some(http_filter::ConfigType::TypedConfig(any(Router::default()))),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// Listener `0.0.0.0_<port>` (Istio's name) bound on 127.0.0.1 so tests stay on loopback.
+pub fn l(port: u16) -> Listener {
+    listener_with(port, hcm(port))
+}
+
+pub fn listener_with(port: u16, hcm: HttpConnectionManager) -> Listener {
+    Listener {
+        name: listener_name(port),
+        address: Some(socket_addr("127.0.0.1", port)),
+        filter_chains: vec![FilterChain {
+            filters: vec![Filter {
+                name: "envoy.filters.network.http_connection_manager".to_string(),
+                config_type: Some(filter::ConfigType::TypedConfig(any(hcm))),
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+pub fn route_config(name: &str, vhosts: Vec<VirtualHost>) -> RouteConfiguration {
+    RouteConfiguration {
+        name: name.to_string(),
+        virtual_hosts: vhosts,
+        ..Default::default()
+    }
+}
+
+pub fn vhost(name: &str, domains: &[&str], routes: Vec<Route>) -> VirtualHost {
+    VirtualHost {
+        name: name.to_string(),
+        domains: domains.iter().map(|d| d.to_string()).collect(),
+        routes,
+        ..Default::default()
+    }
+}
+
+pub fn prefix(p: &str) -> RouteMatch {
+    RouteMatch {
+        path_specifier: Some(route_match::PathSpecifier::Prefix(p.to_string())),
+        ..Default::default()
+    }
+}
+
+pub fn path(p: &str) -> RouteMatch {
+    RouteMatch {
+        path_specifier: Some(route_match::PathSpecifier::Path(p.to_string())),
+        ..Default::default()
+    }
+}
+
+pub fn regex(r: &str) -> RouteMatch {
+    RouteMatch {
+        path_specifier: Some(route_match::PathSpecifier::SafeRegex(RegexMatcher {
+            regex: r.to_string(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Adds an exact header matcher (`string_match.exact`, the non-deprecated form).
+pub fn with_header(mut m: RouteMatch, name: &str, exact: &str) -> RouteMatch {
+    m.headers.push(HeaderMatcher {
+        name: name.to_string(),
+        header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::StringMatch(
+            StringMatcher {
+                match_pattern: Some(string_matcher::MatchPattern::Exact(exact.to_string())),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    });
+    m
+}
+
+pub fn to_cluster(cluster: &str) -> route::Action {
+    route::Action::Route(RouteAction {
+        cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster.to_string())),
+        ..Default::default()
+    })
+}
+
+pub fn weighted(split: &[(&str, u32)]) -> route::Action {
+    route::Action::Route(RouteAction {
+        cluster_specifier: Some(route_action::ClusterSpecifier::WeightedClusters(
+            WeightedCluster {
+                clusters: split
+                    .iter()
+                    .map(|(name, w)| weighted_cluster::ClusterWeight {
+                        name: name.to_string(),
+                        weight: Some(UInt32Value { value: *w }),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    })
+}
+
+pub fn direct(status: u32, body: &str) -> route::Action {
+    route::Action::DirectResponse(DirectResponseAction {
+        status,
+        body: Some(DataSource {
+            specifier: Some(data_source::Specifier::InlineString(body.to_string())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+pub fn rt(m: RouteMatch, action: route::Action) -> Route {
+    Route {
+        r#match: Some(m),
+        action: Some(action),
+        ..Default::default()
+    }
+}
+
+/// EDS cluster fed over ADS; service_name equals the cluster name, as Istio does.
+pub fn eds_cluster(name: &str) -> Cluster {
+    Cluster {
+        name: name.to_string(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::Eds as i32,
+        )),
+        eds_cluster_config: Some(cluster::EdsClusterConfig {
+            eds_config: Some(ads_source()),
+            service_name: name.to_string(),
+        }),
+        connect_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        lb_policy: cluster::LbPolicy::RoundRobin as i32,
+        ..Default::default()
+    }
+}
+
+pub fn cla(cluster_name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment {
+    ClusterLoadAssignment {
+        cluster_name: cluster_name.to_string(),
+        endpoints: vec![LocalityLbEndpoints {
+            lb_endpoints: endpoints
+                .iter()
+                .map(|a| LbEndpoint {
+                    host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                        address: Some(socket_addr(&a.ip().to_string(), a.port())),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// One full state-of-the-world configuration.
+#[derive(Clone, Default)]
+pub struct Snapshot {
+    pub listeners: Vec<Listener>,
+    pub routes: Vec<RouteConfiguration>,
+    pub clusters: Vec<Cluster>,
+    pub endpoints: Vec<ClusterLoadAssignment>,
+}
+
+impl Snapshot {
+    /// Cluster + endpoints for each `(cluster name, backend)` pair.
+    pub fn with_backends(mut self, pairs: &[(&str, &Backend)]) -> Snapshot {
+        for (cluster, backend) in pairs {
+            self.clusters.push(eds_cluster(cluster));
+            self.endpoints.push(cla(cluster, &[backend.addr]));
+        }
+        self
+    }
+}
+
+// ---------------------------------------------------------------------------
+// In-process ADS server (state of the world)
+// ---------------------------------------------------------------------------
+
+/// One DiscoveryRequest as the gateway sent it.
+#[derive(Clone, Debug)]
+pub struct LoggedRequest {
+    pub node_id: Option<String>,
+    pub node_cluster: Option<String>,
+    pub type_url: String,
+    pub version_info: String,
+    pub response_nonce: String,
+    pub resource_names: Vec<String>,
+    pub error: Option<String>,
+}
+
+impl LoggedRequest {
+    pub fn is_nack(&self) -> bool {
+        self.error.is_some()
+    }
+}
+
+#[derive(Clone)]
+struct TypeState {
+    version: String,
+    /// (resource name, packed resource)
+    resources: Vec<(String, Any)>,
+}
+
+#[derive(Default)]
+struct Shared {
+    config: Mutex<HashMap<String, TypeState>>,
+    log: Mutex<Vec<LoggedRequest>>,
+}
+
+/// Order in which a multi-type change is pushed: clusters and endpoints before
+/// the listeners and routes that may reference them (make-before-break).
+const PUSH_ORDER: [&str; 4] = [CDS, EDS, LDS, RDS];
+
+pub struct AdsServer {
+    pub port: u16,
+    shared: Arc<Shared>,
+    generation: watch::Sender<u64>,
+    shutdown: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl AdsServer {
+    /// Serves `snapshot` (all types at `version`) on 127.0.0.1:`port`.
+    pub async fn start(port: u16, version: &str, snapshot: &Snapshot) -> AdsServer {
+        let shared = Arc::new(Shared::default());
+        let (generation, _) = watch::channel(0u64);
+        let (shutdown, _) = watch::channel(false);
+        let mut server = AdsServer {
+            port,
+            shared,
+            generation,
+            shutdown,
+            task: None,
+        };
+        server.store_snapshot(version, snapshot);
+
+        // The port may still be held for a moment by the previous instance in
+        // the restart scenario; tokio sets SO_REUSEADDR so this is brief.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let listener = loop {
+            match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
+                Ok(l) => break l,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("ads: bind 127.0.0.1:{port} failed ({e}), retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("ads: cannot bind 127.0.0.1:{port}: {e}"),
+            }
+        };
+        let svc = AdsService {
+            shared: server.shared.clone(),
+            generation: server.generation.clone(),
+            shutdown: server.shutdown.subscribe(),
+        };
+        let mut stop = server.shutdown.subscribe();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        server.task = Some(tokio::spawn(async move {
+            let res = tonic::transport::Server::builder()
+                .add_service(AggregatedDiscoveryServiceServer::new(svc))
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = res {
+                eprintln!("ads: server error: {e}");
+            }
+        }));
+        server
+    }
+
+    /// Starts on a fresh port.
+    pub async fn start_any(version: &str, snapshot: &Snapshot) -> AdsServer {
+        AdsServer::start(free_port(), version, snapshot).await
+    }
+
+    /// Stops serving: every open ADS stream is ended (the gateway sees its
+    /// stream close) and the listening socket is closed.
+    pub async fn stop(&mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(mut task) = self.task.take() {
+            if tokio::time::timeout(Duration::from_secs(5), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
+        }
+    }
+
+    fn store_snapshot(&self, version: &str, s: &Snapshot) {
+        let mut cfg = self.shared.config.lock().expect("ads config lock");
+        let named = |v: Vec<(String, Any)>| TypeState {
+            version: version.to_string(),
+            resources: v,
+        };
+        cfg.insert(
+            LDS.into(),
+            named(
+                s.listeners
+                    .iter()
+                    .map(|x| (x.name.clone(), any(x.clone())))
+                    .collect(),
+            ),
+        );
+        cfg.insert(
+            RDS.into(),
+            named(
+                s.routes
+                    .iter()
+                    .map(|x| (x.name.clone(), any(x.clone())))
+                    .collect(),
+            ),
+        );
+        cfg.insert(
+            CDS.into(),
+            named(
+                s.clusters
+                    .iter()
+                    .map(|x| (x.name.clone(), any(x.clone())))
+                    .collect(),
+            ),
+        );
+        cfg.insert(
+            EDS.into(),
+            named(
+                s.endpoints
+                    .iter()
+                    .map(|x| (x.cluster_name.clone(), any(x.clone())))
+                    .collect(),
+            ),
+        );
+    }
+
+    fn bump(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// Replaces every type with `snapshot` at `version` and pushes.
+    pub fn set_snapshot(&self, version: &str, snapshot: &Snapshot) {
+        self.store_snapshot(version, snapshot);
+        self.bump();
+    }
+
+    fn set_type(&self, type_url: &str, version: &str, resources: Vec<(String, Any)>) {
+        self.shared.config.lock().expect("ads config lock").insert(
+            type_url.to_string(),
+            TypeState {
+                version: version.to_string(),
+                resources,
+            },
+        );
+        self.bump();
+    }
+
+    pub fn set_routes(&self, version: &str, routes: &[RouteConfiguration]) {
+        let r = routes
+            .iter()
+            .map(|x| (x.name.clone(), any(x.clone())))
+            .collect();
+        self.set_type(RDS, version, r);
+    }
+
+    pub fn set_clusters(&self, version: &str, clusters: &[Cluster]) {
+        let r = clusters
+            .iter()
+            .map(|x| (x.name.clone(), any(x.clone())))
+            .collect();
+        self.set_type(CDS, version, r);
+    }
+
+    pub fn set_endpoints(&self, version: &str, endpoints: &[ClusterLoadAssignment]) {
+        let r = endpoints
+            .iter()
+            .map(|x| (x.cluster_name.clone(), any(x.clone())))
+            .collect();
+        self.set_type(EDS, version, r);
+    }
+
+    pub fn set_listeners(&self, version: &str, listeners: &[Listener]) {
+        let r = listeners
+            .iter()
+            .map(|x| (x.name.clone(), any(x.clone())))
+            .collect();
+        self.set_type(LDS, version, r);
+    }
+
+    pub fn log(&self) -> Vec<LoggedRequest> {
+        self.shared.log.lock().expect("ads log lock").clone()
+    }
+
+    fn log_tail(&self) -> String {
+        let log = self.log();
+        let start = log.len().saturating_sub(12);
+        log[start..]
+            .iter()
+            .map(|r| format!("\n    {r:?}"))
+            .collect::<String>()
+    }
+
+    pub fn first_node_id(&self) -> Option<String> {
+        self.log().into_iter().find_map(|r| r.node_id)
+    }
+
+    /// Waits for a request that acknowledges `version` of `type_url`.
+    pub async fn wait_for_ack(&self, type_url: &str, version: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let acked = self.log().iter().any(|r| {
+                r.type_url == type_url
+                    && r.version_info == version
+                    && !r.response_nonce.is_empty()
+                    && r.error.is_none()
+            });
+            if acked {
+                return;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "no ACK of {type_url} version {version:?} within {timeout:?}; last requests:{}",
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits for a NACK (request carrying error_detail) of `type_url`.
+    pub async fn wait_for_nack(&self, type_url: &str, timeout: Duration) -> LoggedRequest {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(r) = self
+                .log()
+                .into_iter()
+                .find(|r| r.type_url == type_url && r.is_nack())
+            {
+                return r;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "no NACK of {type_url} within {timeout:?}; last requests:{}",
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for AdsServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "---- ADS requests seen on port {} (last 12):{}",
+                self.port,
+                self.log_tail()
+            );
+        }
+    }
+}
+
+struct AdsService {
+    shared: Arc<Shared>,
+    generation: watch::Sender<u64>,
+    shutdown: watch::Receiver<bool>,
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, tonic::Status>> + Send>>;
+type DeltaStream =
+    Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for AdsService {
+    type StreamAggregatedResourcesStream = ResponseStream;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
+    ) -> Result<tonic::Response<ResponseStream>, tonic::Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(ads_stream(
+            self.shared.clone(),
+            request.into_inner(),
+            tx,
+            self.generation.subscribe(),
+            self.shutdown.clone(),
+        ));
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type DeltaAggregatedResourcesStream = DeltaStream;
+
+    async fn delta_aggregated_resources(
+        &self,
+        _request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<tonic::Response<DeltaStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented(
+            "test ADS server is state-of-the-world only",
+        ))
+    }
+}
+
+/// Per-stream, per-type subscription state.
+#[derive(Default)]
+struct Subscription {
+    names: BTreeSet<String>,
+    last_nonce: String,
+    sent_version: Option<String>,
+}
+
+type Tx = mpsc::Sender<Result<DiscoveryResponse, tonic::Status>>;
+
+async fn ads_stream(
+    shared: Arc<Shared>,
+    mut inbound: tonic::Streaming<DiscoveryRequest>,
+    tx: Tx,
+    mut generation: watch::Receiver<u64>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut subs: HashMap<String, Subscription> = HashMap::new();
+    let mut nonce_seq: u64 = 0;
+    loop {
+        tokio::select! {
+            () = stopped(&mut shutdown) => {
+                let _ = tx.send(Err(tonic::Status::unavailable("ADS server stopping"))).await;
+                return;
+            }
+            msg = inbound.message() => {
+                let req = match msg {
+                    Ok(Some(req)) => req,
+                    _ => return,
+                };
+                shared.log.lock().expect("ads log lock").push(LoggedRequest {
+                    node_id: req.node.as_ref().map(|n| n.id.clone()),
+                    node_cluster: req.node.as_ref().map(|n| n.cluster.clone()),
+                    type_url: req.type_url.clone(),
+                    version_info: req.version_info.clone(),
+                    response_nonce: req.response_nonce.clone(),
+                    resource_names: req.resource_names.clone(),
+                    error: req.error_detail.as_ref().map(|e| e.message.clone()),
+                });
+                if req.error_detail.is_some() {
+                    // A NACK: keep serving the same config, the gateway keeps its last good one.
+                    continue;
+                }
+                let first = !subs.contains_key(&req.type_url);
+                let sub = subs.entry(req.type_url.clone()).or_default();
+                if !first && !req.response_nonce.is_empty() && req.response_nonce != sub.last_nonce {
+                    // Answers an older response while a newer one is in flight: stale.
+                    continue;
+                }
+                let names: BTreeSet<String> = req.resource_names.iter().cloned().collect();
+                if first || names != sub.names {
+                    sub.names = names;
+                    if !send(&shared, &req.type_url, sub, &mut nonce_seq, &tx).await {
+                        return;
+                    }
+                }
+            }
+            changed = generation.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                for type_url in PUSH_ORDER {
+                    let Some(sub) = subs.get_mut(type_url) else { continue };
+                    let current = shared
+                        .config
+                        .lock()
+                        .expect("ads config lock")
+                        .get(type_url)
+                        .map(|t| t.version.clone());
+                    if current.is_some() && current != sub.sent_version
+                        && !send(&shared, type_url, sub, &mut nonce_seq, &tx).await
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Resolves once the server is stopping (the watch guard must not live across awaits).
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Sends the current state of `type_url`; returns false when the stream is gone.
+async fn send(
+    shared: &Shared,
+    type_url: &str,
+    sub: &mut Subscription,
+    nonce_seq: &mut u64,
+    tx: &Tx,
+) -> bool {
+    let Some(state) = shared
+        .config
+        .lock()
+        .expect("ads config lock")
+        .get(type_url)
+        .cloned()
+    else {
+        return true;
+    };
+    // LDS and CDS are wildcard subscriptions; RDS and EDS get what was asked for.
+    let wildcard = type_url == LDS || type_url == CDS || sub.names.is_empty();
+    let resources = state
+        .resources
+        .into_iter()
+        .filter(|(name, _)| wildcard || sub.names.contains(name))
+        .map(|(_, a)| a)
+        .collect();
+    *nonce_seq += 1;
+    let nonce = format!("n{nonce_seq}");
+    sub.last_nonce = nonce.clone();
+    sub.sent_version = Some(state.version.clone());
+    let resp = DiscoveryResponse {
+        version_info: state.version,
+        resources,
+        type_url: type_url.to_string(),
+        nonce,
+        ..Default::default()
+    };
+    tx.send(Ok(resp)).await.is_ok()
+}
+
+// ---------------------------------------------------------------------------
+// Gateway process
+// ---------------------------------------------------------------------------
+
+pub fn gateway_bin() -> PathBuf {
+    match std::env::var_os("PORTICO_GATEWAY_BIN") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(env!("CARGO_BIN_EXE_portico")),
+    }
+}
+
+pub fn is_envoy(bin: &Path) -> bool {
+    bin.file_name()
+        .map(|n| n.to_string_lossy().contains("envoy"))
+        .unwrap_or(false)
+}
+
+pub fn bootstrap_yaml(admin_port: u16, ads_port: u16) -> String {
+    format!(
+        r#"node:
+  id: "{NODE_ID}"
+  cluster: "{NODE_CLUSTER}"
+admin:
+  address:
+    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
+dynamic_resources:
+  ads_config:
+    api_type: GRPC
+    transport_api_version: V3
+    grpc_services:
+    - envoy_grpc: {{ cluster_name: xds-grpc }}
+  lds_config: {{ ads: {{}}, resource_api_version: V3 }}
+  cds_config: {{ ads: {{}}, resource_api_version: V3 }}
+static_resources:
+  clusters:
+  - name: xds-grpc
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: xds-grpc
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {{ address: 127.0.0.1, port_value: {ads_port} }}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {{}}
+"#
+    )
+}
+
+/// The gateway under test, killed on drop. Its stderr is printed if the test fails.
+pub struct Gateway {
+    child: Child,
+    pub admin_port: u16,
+    stderr_path: PathBuf,
+    _dir: TempDir,
+}
+
+impl Gateway {
+    /// Launches the gateway against the ADS server on `ads_port` and waits for `/ready`.
+    pub async fn start(ads_port: u16) -> Gateway {
+        let bin = gateway_bin();
+        let dir = TempDir::new("portico-it");
+        let admin_port = free_port();
+        let bootstrap = dir.path.join("bootstrap.yaml");
+        std::fs::write(&bootstrap, bootstrap_yaml(admin_port, ads_port)).expect("write bootstrap");
+        let stderr_path = dir.path.join("gateway.stderr");
+        let stderr = std::fs::File::create(&stderr_path).expect("create stderr file");
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c").arg(&bootstrap).args(["--concurrency", "1"]);
+        if is_envoy(&bin) {
+            // No shared memory: parallel Envoys need no distinct --base-id.
+            cmd.arg("--disable-hot-restart");
+        }
+        cmd.args(["--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(
+                stderr.try_clone().expect("dup stderr file for stdout"),
+            ))
+            .stderr(Stdio::from(stderr));
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn gateway {}: {e}", bin.display()));
+        let mut gw = Gateway {
+            child,
+            admin_port,
+            stderr_path,
+            _dir: dir,
+        };
+        gw.wait_ready().await;
+        gw
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Polls the admin `/ready` endpoint until it answers 200.
+    pub async fn wait_ready(&mut self) {
+        let url = self.admin_url("/ready");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let last;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "gateway exited early with {status}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            let r = get(&url, None, &[]).await;
+            if r.status == 200 {
+                return;
+            }
+            if Instant::now() >= deadline {
+                last = format!("status {} {} {:?}", r.status, r.body.trim(), r.error);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("gateway not ready within 15s (last: {last})");
+    }
+
+    /// Current `/stats/prometheus` text.
+    pub async fn prometheus(&self) -> String {
+        let r = get(&self.admin_url("/stats/prometheus"), None, &[]).await;
+        assert_eq!(r.status, 200, "GET /stats/prometheus: {}", r.body);
+        r.body
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            // eprintln! (not io::stderr) so the test harness shows it with the failure.
+            eprintln!(
+                "---- gateway output ({}):\n{}\n---- end of gateway output",
+                self.stderr_path.display(),
+                self.stderr()
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// HTTP client
+// ---------------------------------------------------------------------------
+
+/// A response, or `status == 0` and `error` set when the request failed at the
+/// transport level (so polling loops can keep going instead of panicking).
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: String,
+    pub error: Option<String>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// `x-backend`, i.e. which upstream served the request.
+    pub fn backend(&self) -> Option<&str> {
+        self.header("x-backend")
+    }
+
+    fn failed(e: impl std::fmt::Display) -> Resp {
+        Resp {
+            status: 0,
+            headers: Default::default(),
+            body: String::new(),
+            error: Some(e.to_string()),
+        }
+    }
+}
+
+/// A keep-alive client; use one per sequential loop so connections are reused.
+#[derive(Clone)]
+pub struct HttpClient(reqwest::Client);
+
+impl Default for HttpClient {
+    fn default() -> Self {
+        HttpClient::new()
+    }
+}
+
+impl HttpClient {
+    pub fn new() -> HttpClient {
+        HttpClient(
+            reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(5))
+                .build()
+                .expect("build reqwest client"),
+        )
+    }
+
+    pub async fn get(&self, url: &str, host: Option<&str>, headers: &[(&str, &str)]) -> Resp {
+        let mut req = self.0.get(url);
+        if let Some(h) = host {
+            req = req.header("host", h);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        match req.send().await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let headers = resp.headers().clone();
+                match resp.text().await {
+                    Ok(body) => Resp {
+                        status,
+                        headers,
+                        body,
+                        error: None,
+                    },
+                    Err(e) => Resp::failed(format!("reading body: {e}")),
+                }
+            }
+            Err(e) => Resp::failed(e),
+        }
+    }
+}
+
+/// One-off GET on a fresh connection.
+pub async fn get(url: &str, host: Option<&str>, headers: &[(&str, &str)]) -> Resp {
+    HttpClient::new().get(url, host, headers).await
+}
+
+// ---------------------------------------------------------------------------
+// Fixture: ADS server + gateway + listener
+// ---------------------------------------------------------------------------
+
+/// A gateway fed by its own ADS server, with one HTTP listener on `port`.
+pub struct Mesh {
+    pub ads: AdsServer,
+    pub gw: Gateway,
+    pub port: u16,
+    pub client: HttpClient,
+}
+
+impl Mesh {
+    /// `build` receives the listener port and returns the initial snapshot
+    /// (version "1"); the listener itself is added here.
+    pub async fn start(build: impl FnOnce(u16) -> Snapshot) -> Mesh {
+        Mesh::start_raw(|port| {
+            let mut snapshot = build(port);
+            snapshot.listeners.push(l(port));
+            snapshot
+        })
+        .await
+    }
+
+    /// Like `start`, but `build` supplies the listener on the given port itself.
+    pub async fn start_raw(build: impl FnOnce(u16) -> Snapshot) -> Mesh {
+        let port = free_port();
+        let snapshot = build(port);
+        let ads = AdsServer::start_any("1", &snapshot).await;
+        let gw = Gateway::start(ads.port).await;
+        Mesh {
+            ads,
+            gw,
+            port,
+            client: HttpClient::new(),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub async fn get(&self, path: &str, host: &str, headers: &[(&str, &str)]) -> Resp {
+        self.client.get(&self.url(path), Some(host), headers).await
+    }
+
+    /// Waits until `path` with `host` is served by `backend` (config propagated).
+    pub async fn wait_backend(
+        &self,
+        path: &str,
+        host: &str,
+        headers: &[(&str, &str)],
+        backend: &str,
+    ) {
+        self.wait_backend_within(PROPAGATION, path, host, headers, backend)
+            .await
+    }
+
+    pub async fn wait_backend_within(
+        &self,
+        timeout: Duration,
+        path: &str,
+        host: &str,
+        headers: &[(&str, &str)],
+        backend: &str,
+    ) {
+        let what = format!("{host}{path} {headers:?} to reach {backend}");
+        eventually(&what, timeout, || async {
+            let r = self.get(path, host, headers).await;
+            match r.backend() {
+                Some(b) if b == backend && r.status == 200 => Ok(()),
+                _ => Err(format!(
+                    "status {} backend {:?} error {:?} body {:?}",
+                    r.status,
+                    r.backend(),
+                    r.error,
+                    r.body
+                )),
+            }
+        })
+        .await
+    }
+
+    /// Waits until the route table answers `path`/`host` with `status`.
+    pub async fn wait_status(&self, path: &str, host: &str, status: u16) -> Resp {
+        let what = format!("{host}{path} to answer {status}");
+        eventually(&what, PROPAGATION, || async {
+            let r = self.get(path, host, &[]).await;
+            if r.status == status {
+                Ok(r)
+            } else {
+                Err(format!(
+                    "status {} error {:?} body {:?}",
+                    r.status, r.error, r.body
+                ))
+            }
+        })
+        .await
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Prometheus text format
+// ---------------------------------------------------------------------------
+
+/// Parses `name{labels} value` lines of the Prometheus text format. Label
+/// order and extra labels are irrelevant to callers.
+pub fn prom_samples(text: &str, metric: &str) -> Vec<(HashMap<String, String>, f64)> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(metric) else {
+            continue;
+        };
+        let (labels, value) = if let Some(body) = rest.strip_prefix('{') {
+            match parse_labels(body) {
+                Some((labels, after)) => (labels, after),
+                None => continue,
+            }
+        } else if rest.starts_with(' ') {
+            (HashMap::new(), rest)
+        } else {
+            // Another metric sharing the prefix.
+            continue;
+        };
+        let Some(v) = value.split_whitespace().next().and_then(|v| v.parse().ok()) else {
+            continue;
+        };
+        out.push((labels, v));
+    }
+    out
+}
+
+/// Parses `k="v",k2="v2"}` and returns the labels and what follows the `}`.
+fn parse_labels(s: &str) -> Option<(HashMap<String, String>, &str)> {
+    let mut labels = HashMap::new();
+    let mut rest = s;
+    loop {
+        rest = rest.trim_start_matches([',', ' ']);
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some((labels, after));
+        }
+        let eq = rest.find('=')?;
+        let key = rest[..eq].trim().to_string();
+        rest = rest[eq + 1..].strip_prefix('"')?;
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let end = loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                '"' => break i,
+                c => value.push(c),
+            }
+        };
+        rest = &rest[end + 1..];
+        labels.insert(key, value);
+    }
+}
+
+/// Sum of `metric` samples whose `label` equals `value` (0 when absent).
+pub fn prom_value(text: &str, metric: &str, label: &str, value: &str) -> f64 {
+    prom_samples(text, metric)
+        .into_iter()
+        .filter(|(l, _)| l.get(label).map(String::as_str) == Some(value))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Envoy's default `envoy.cluster_name` tag extractor is `^cluster\.((.*?)\.)`:
+/// it takes the cluster name only up to its FIRST dot and leaves the rest in
+/// the metric name. So `outbound|9080|v1|reviews.default.svc.cluster.local`
+/// shows up as
+/// `envoy_cluster_default_svc_cluster_local_<stat>{envoy_cluster_name="outbound|9080|v1|reviews"}`.
+/// Returns (metric name, envoy_cluster_name label value) for a cluster stat.
+pub fn envoy_cluster_metric(cluster: &str, stat: &str) -> (String, String) {
+    match cluster.split_once('.') {
+        Some((head, rest)) => {
+            let rest: String = rest
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            (format!("envoy_cluster_{rest}_{stat}"), head.to_string())
+        }
+        None => (format!("envoy_cluster_{stat}"), cluster.to_string()),
+    }
+}
