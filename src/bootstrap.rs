@@ -98,11 +98,10 @@ pub struct AdsConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
-    #[error("cannot read bootstrap file {}: {source}", path.display())]
+    #[error("cannot read bootstrap file {}: {error}", path.display())]
     Read {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The text is not YAML/JSON at all.
     #[error("{}bootstrap is not valid {format}: {message}", file_prefix(file))]
@@ -176,9 +175,9 @@ fn invalid(path: impl Into<String>, message: impl Into<String>) -> BootstrapErro
 /// Reads and checks the bootstrap at `path`; the format follows the extension, and for other
 /// extensions JSON is tried first, then YAML.
 pub fn load(path: &Path) -> Result<Bootstrap, BootstrapError> {
-    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
+    let text = std::fs::read_to_string(path).map_err(|error| BootstrapError::Read {
         path: path.to_owned(),
-        source,
+        error,
     })?;
     let result = match Format::from_path(path) {
         Some(format) => parse(&text, format),

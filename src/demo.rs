@@ -38,14 +38,16 @@ pub async fn backend(listener: tokio::net::TcpListener, name: &'static str, vers
             continue;
         };
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| async move {
-                let body = format!("{name} {version} {}\n", req.uri().path());
-                let mut resp = hyper::Response::new(Full::new(Bytes::from(body)));
-                if let Ok(v) = http::HeaderValue::from_str(&format!("{name}-{version}")) {
-                    resp.headers_mut().insert("x-demo-pod", v);
-                }
-                Ok::<_, std::convert::Infallible>(resp)
-            });
+            let svc = hyper::service::service_fn(
+                move |req: hyper::Request<hyper::body::Incoming>| async move {
+                    let body = format!("{name} {version} {}\n", req.uri().path());
+                    let mut resp = hyper::Response::new(Full::new(Bytes::from(body)));
+                    if let Ok(v) = http::HeaderValue::from_str(&format!("{name}-{version}")) {
+                        resp.headers_mut().insert("x-demo-pod", v);
+                    }
+                    Ok::<_, std::convert::Infallible>(resp)
+                },
+            );
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
@@ -69,7 +71,13 @@ pub fn run(port: u16, concurrency: usize) -> Result<(), DemoError> {
         rt.spawn(backend(listener, name, version));
     }
     println!("Portico demo: bookinfo behind the gateway on http://127.0.0.1:{port} (admin on http://127.0.0.1:15000)");
-    println!("demo pods: {}", PODS.iter().map(|(n, v, p)| format!("{n}-{v}@127.0.0.1:{p}")).collect::<Vec<_>>().join(", "));
+    println!(
+        "demo pods: {}",
+        PODS.iter()
+            .map(|(n, v, p)| format!("{n}-{v}@127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!("try:");
     println!("  curl -s http://127.0.0.1:{port}/productpage");
     println!("  curl -s -H 'end-user: jason' http://127.0.0.1:{port}/reviews/1   # header match -> reviews v2");

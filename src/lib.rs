@@ -34,7 +34,9 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>) -> State {
+    pub fn new(
+        bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>,
+    ) -> State {
         State {
             snapshot: ArcSwap::from_pointee(snapshot::Snapshot::default()),
             store: ArcSwap::from_pointee(xds::store::Store::default()),

@@ -92,15 +92,21 @@ fn real_main() -> anyhow::Result<()> {
     let filter = log_filter(&cli.log_level)?;
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PORTICO_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("portico={filter},{}", if filter == "off" { "off" } else { "warn" }))),
+            tracing_subscriber::EnvFilter::try_from_env("PORTICO_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(format!(
+                    "portico={filter},{}",
+                    if filter == "off" { "off" } else { "warn" }
+                ))
+            }),
         )
         .with_writer(std::io::stderr)
         .init();
     let concurrency = match cli.concurrency {
         Some(0) => anyhow::bail!("--concurrency must be at least 1"),
         Some(n) => n,
-        None => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        None => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
     };
     if let Some(Command::Demo { port }) = cli.command {
         return portico::demo::run(port, concurrency).context("demo failed");
@@ -109,9 +115,18 @@ fn real_main() -> anyhow::Result<()> {
         ("--base-id", cli.base_id.is_some()),
         ("--drain-time-s", cli.drain_time_s.is_some()),
         ("--drain-strategy", cli.drain_strategy.is_some()),
-        ("--parent-shutdown-time-s", cli.parent_shutdown_time_s.is_some()),
-        ("--local-address-ip-version", cli.local_address_ip_version.is_some()),
-        ("--file-flush-interval-msec", cli.file_flush_interval_msec.is_some()),
+        (
+            "--parent-shutdown-time-s",
+            cli.parent_shutdown_time_s.is_some(),
+        ),
+        (
+            "--local-address-ip-version",
+            cli.local_address_ip_version.is_some(),
+        ),
+        (
+            "--file-flush-interval-msec",
+            cli.file_flush_interval_msec.is_some(),
+        ),
         ("--log-format", cli.log_format.is_some()),
         ("--component-log-level", cli.component_log_level.is_some()),
     ] {

@@ -32,7 +32,10 @@ impl<'a> RequestView<'a> {
 }
 
 /// Envoy's order: pick the vhost by authority, then the first route whose every condition holds.
-pub fn route<'t>(table: &'t RouteTable, req: &RequestView<'_>) -> Option<(&'t VirtualHost, &'t Route)> {
+pub fn route<'t>(
+    table: &'t RouteTable,
+    req: &RequestView<'_>,
+) -> Option<(&'t VirtualHost, &'t Route)> {
     let vh = table.vhost(req.host)?;
     let path = req.path_only();
     vh.routes
@@ -42,7 +45,8 @@ pub fn route<'t>(table: &'t RouteTable, req: &RequestView<'_>) -> Option<(&'t Vi
 }
 
 fn eq_ic_prefix(path: &str, prefix: &str) -> bool {
-    path.len() >= prefix.len() && path.as_bytes()[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
+    path.len() >= prefix.len()
+        && path.as_bytes()[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
 }
 
 pub fn route_matches(r: &Route, req: &RequestView<'_>, path: &str) -> bool {
@@ -127,9 +131,9 @@ pub fn header_matches(h: &HeaderMatcher, req: &RequestView<'_>) -> bool {
     let matched = match &h.kind {
         HeaderMatch::LegacyExact(s) => s.is_empty() || value == s.as_str(),
         HeaderMatch::String(m) => m.matches(&value),
-        HeaderMatch::Range { start, end } => value
-            .parse::<i64>()
-            .is_ok_and(|v| v >= *start && v < *end),
+        HeaderMatch::Range { start, end } => {
+            value.parse::<i64>().is_ok_and(|v| v >= *start && v < *end)
+        }
         HeaderMatch::Present(p) => *p,
     };
     matched != h.invert

@@ -27,7 +27,9 @@ pub enum ServerError {
 pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     let sr = b.proto.static_resources.clone().unwrap_or_default();
     let mut store = Store::default();
-    store.add_static(&sr.listeners, &sr.clusters).map_err(ServerError::Static)?;
+    store
+        .add_static(&sr.listeners, &sr.clusters)
+        .map_err(ServerError::Static)?;
     if let Some(ads) = &b.ads {
         ads_target(&store, &ads.cluster_name)?;
     }
@@ -36,9 +38,19 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
 
 fn ads_target(store: &Store, cluster: &str) -> Result<(String, u16), ServerError> {
     let err = |m: &str| ServerError::AdsCluster(cluster.to_string(), m.to_string());
-    let c = store.clusters.get(cluster).ok_or_else(|| err("not defined in static_resources.clusters"))?;
-    let spec = c.value.inline.as_ref().ok_or_else(|| err("must be STATIC or STRICT_DNS"))?;
-    let (host, port, ..) = spec.endpoints.first().ok_or_else(|| err("load_assignment has no endpoint"))?;
+    let c = store
+        .clusters
+        .get(cluster)
+        .ok_or_else(|| err("not defined in static_resources.clusters"))?;
+    let spec = c
+        .value
+        .inline
+        .as_ref()
+        .ok_or_else(|| err("must be STATIC or STRICT_DNS"))?;
+    let (host, port, ..) = spec
+        .endpoints
+        .first()
+        .ok_or_else(|| err("load_assignment has no endpoint"))?;
     Ok((host.clone(), *port))
 }
 

@@ -107,7 +107,9 @@ fn clusters(state: &State) -> String {
     names.sort();
     let mut out = String::new();
     for name in names {
-        let Some(c) = snap.clusters.get(name) else { continue };
+        let Some(c) = snap.clusters.get(name) else {
+            continue;
+        };
         let _ = writeln!(out, "{name}::observability_name::{name}");
         for (i, h) in c.endpoints.hosts.iter().enumerate() {
             let a = h.addr;
@@ -161,17 +163,19 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     for item in store.clusters.values() {
         let any = Some(pack(item.proto.as_ref()));
         if item.is_static {
-            cd.static_clusters.push(admin::clusters_config_dump::StaticCluster {
-                cluster: any,
-                last_updated: ts(item.last_updated),
-            });
+            cd.static_clusters
+                .push(admin::clusters_config_dump::StaticCluster {
+                    cluster: any,
+                    last_updated: ts(item.last_updated),
+                });
         } else {
-            cd.dynamic_active_clusters.push(admin::clusters_config_dump::DynamicCluster {
-                version_info: item.version.clone(),
-                cluster: any,
-                last_updated: ts(item.last_updated),
-                ..Default::default()
-            });
+            cd.dynamic_active_clusters
+                .push(admin::clusters_config_dump::DynamicCluster {
+                    version_info: item.version.clone(),
+                    cluster: any,
+                    last_updated: ts(item.last_updated),
+                    ..Default::default()
+                });
         }
     }
     configs.push(pack(&cd));
@@ -183,45 +187,52 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     for (name, item) in &store.listeners {
         let any = Some(pack(item.proto.as_ref()));
         if item.is_static {
-            ld.static_listeners.push(admin::listeners_config_dump::StaticListener {
-                listener: any,
-                last_updated: ts(item.last_updated),
-            });
+            ld.static_listeners
+                .push(admin::listeners_config_dump::StaticListener {
+                    listener: any,
+                    last_updated: ts(item.last_updated),
+                });
         } else {
             let st = admin::listeners_config_dump::DynamicListenerState {
                 version_info: item.version.clone(),
                 listener: any,
                 last_updated: ts(item.last_updated),
             };
-            let warm = snap.listeners.get(name).is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
-            ld.dynamic_listeners.push(admin::listeners_config_dump::DynamicListener {
-                name: name.clone(),
-                active_state: warm.then(|| st.clone()),
-                warming_state: (!warm).then_some(st),
-                ..Default::default()
-            });
+            let warm = snap
+                .listeners
+                .get(name)
+                .is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
+            ld.dynamic_listeners
+                .push(admin::listeners_config_dump::DynamicListener {
+                    name: name.clone(),
+                    active_state: warm.then(|| st.clone()),
+                    warming_state: (!warm).then_some(st),
+                    ..Default::default()
+                });
         }
     }
     configs.push(pack(&ld));
     let mut rd = admin::RoutesConfigDump::default();
     for item in store.routes.values() {
-        rd.dynamic_route_configs.push(admin::routes_config_dump::DynamicRouteConfig {
-            version_info: item.version.clone(),
-            route_config: Some(pack(item.proto.as_ref())),
-            last_updated: ts(item.last_updated),
-            ..Default::default()
-        });
+        rd.dynamic_route_configs
+            .push(admin::routes_config_dump::DynamicRouteConfig {
+                version_info: item.version.clone(),
+                route_config: Some(pack(item.proto.as_ref())),
+                last_updated: ts(item.last_updated),
+                ..Default::default()
+            });
     }
     configs.push(pack(&rd));
     if include_eds {
         let mut ed = admin::EndpointsConfigDump::default();
         for item in store.endpoints.values() {
-            ed.dynamic_endpoint_configs.push(admin::endpoints_config_dump::DynamicEndpointConfig {
-                version_info: item.version.clone(),
-                endpoint_config: Some(pack(item.proto.as_ref())),
-                last_updated: ts(item.last_updated),
-                ..Default::default()
-            });
+            ed.dynamic_endpoint_configs
+                .push(admin::endpoints_config_dump::DynamicEndpointConfig {
+                    version_info: item.version.clone(),
+                    endpoint_config: Some(pack(item.proto.as_ref())),
+                    last_updated: ts(item.last_updated),
+                    ..Default::default()
+                });
         }
         configs.push(pack(&ed));
     }

@@ -142,8 +142,20 @@ impl Stats {
         let xds = XdsCounters {
             cds: OUTCOMES.map(|o| counter(&registry, &format!("envoy_cluster_manager_cds_{o}"))),
             lds: OUTCOMES.map(|o| counter(&registry, &format!("envoy_listener_manager_lds_{o}"))),
-            rds: OUTCOMES.map(|o| counter_vec(&registry, &format!("envoy_http_rds_{o}"), "envoy_rds_route_config")),
-            eds: OUTCOMES.map(|o| counter_vec(&registry, &format!("envoy_cluster_{o}"), "envoy_cluster_name")),
+            rds: OUTCOMES.map(|o| {
+                counter_vec(
+                    &registry,
+                    &format!("envoy_http_rds_{o}"),
+                    "envoy_rds_route_config",
+                )
+            }),
+            eds: OUTCOMES.map(|o| {
+                counter_vec(
+                    &registry,
+                    &format!("envoy_cluster_{o}"),
+                    "envoy_cluster_name",
+                )
+            }),
         };
         Stats {
             clusters: Mutex::default(),
@@ -177,14 +189,49 @@ impl Stats {
         for (n, s) in &clusters {
             let c = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
                 let (metric, tag) = tagged("cluster", n, stat);
-                f.add(kind, metric, format!("{extra}envoy_cluster_name=\"{}\"", esc(tag)), v);
+                f.add(
+                    kind,
+                    metric,
+                    format!("{extra}envoy_cluster_name=\"{}\"", esc(tag)),
+                    v,
+                );
             };
-            c(&mut f, "counter", "upstream_rq_total", "", s.rq_total.load(Relaxed));
-            c(&mut f, "counter", "upstream_cx_connect_fail", "", s.cx_connect_fail.load(Relaxed));
-            c(&mut f, "counter", "upstream_rq_timeout", "", s.rq_timeout.load(Relaxed));
-            c(&mut f, "gauge", "upstream_rq_active", "", s.rq_active.load(Relaxed));
+            c(
+                &mut f,
+                "counter",
+                "upstream_rq_total",
+                "",
+                s.rq_total.load(Relaxed),
+            );
+            c(
+                &mut f,
+                "counter",
+                "upstream_cx_connect_fail",
+                "",
+                s.cx_connect_fail.load(Relaxed),
+            );
+            c(
+                &mut f,
+                "counter",
+                "upstream_rq_timeout",
+                "",
+                s.rq_timeout.load(Relaxed),
+            );
+            c(
+                &mut f,
+                "gauge",
+                "upstream_rq_active",
+                "",
+                s.rq_active.load(Relaxed),
+            );
             for (code, count) in s.codes.snapshot() {
-                c(&mut f, "counter", "upstream_rq", &format!("envoy_response_code=\"{code}\","), count);
+                c(
+                    &mut f,
+                    "counter",
+                    "upstream_rq",
+                    &format!("envoy_response_code=\"{code}\","),
+                    count,
+                );
             }
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
@@ -198,20 +245,52 @@ impl Stats {
         for (n, s) in &hcms {
             let h = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
                 let (metric, tag) = tagged("http", n, stat);
-                f.add(kind, metric, format!("{extra}envoy_http_conn_manager_prefix=\"{}\"", esc(tag)), v);
+                f.add(
+                    kind,
+                    metric,
+                    format!("{extra}envoy_http_conn_manager_prefix=\"{}\"", esc(tag)),
+                    v,
+                );
             };
-            h(&mut f, "counter", "downstream_rq_total", "", s.rq_total.load(Relaxed));
-            h(&mut f, "counter", "downstream_cx_total", "", s.cx_total.load(Relaxed));
+            h(
+                &mut f,
+                "counter",
+                "downstream_rq_total",
+                "",
+                s.rq_total.load(Relaxed),
+            );
+            h(
+                &mut f,
+                "counter",
+                "downstream_cx_total",
+                "",
+                s.cx_total.load(Relaxed),
+            );
             h(&mut f, "counter", "no_route", "", s.no_route.load(Relaxed));
-            h(&mut f, "gauge", "downstream_rq_active", "", s.rq_active.load(Relaxed));
+            h(
+                &mut f,
+                "gauge",
+                "downstream_rq_active",
+                "",
+                s.rq_active.load(Relaxed),
+            );
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
-                h(&mut f, "counter", "downstream_rq_xx", &class, x.load(Relaxed));
+                h(
+                    &mut f,
+                    "counter",
+                    "downstream_rq_xx",
+                    &class,
+                    x.load(Relaxed),
+                );
             }
         }
         let mut out = f.finish();
         let mut buf = Vec::new();
-        if TextEncoder::new().encode(&self.registry.gather(), &mut buf).is_ok() {
+        if TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .is_ok()
+        {
             out.push_str(&String::from_utf8_lossy(&buf));
         }
         out
@@ -226,7 +305,9 @@ fn sorted<T>(m: &Mutex<HashMap<String, Arc<T>>>) -> Vec<(String, Arc<T>)> {
 }
 
 fn esc(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Envoy's default tag extraction for `<scope>.<name>.<stat>`: the tag is `<name>` up to its
@@ -239,7 +320,13 @@ pub fn tagged<'a>(scope: &str, name: &'a str, stat: &str) -> (String, &'a str) {
         Some((tag, rest)) => {
             let rest: String = rest
                 .chars()
-                .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == ':' { c } else { '_' })
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '_' || c == ':' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
                 .collect();
             (format!("envoy_{scope}_{rest}_{stat}"), tag)
         }
@@ -301,7 +388,9 @@ mod tests {
             "envoy_cluster_default_svc_cluster_local_upstream_rq_total{envoy_cluster_name=\"outbound|9080|v1|reviews\"} 2"
         ), "{text}");
         assert!(text.contains("envoy_cluster_upstream_rq_total{envoy_cluster_name=\"ratings\"} 1"));
-        assert!(text.contains("envoy_response_code=\"503\",envoy_cluster_name=\"outbound|9080|v1|reviews\"} 1"));
+        assert!(text.contains(
+            "envoy_response_code=\"503\",envoy_cluster_name=\"outbound|9080|v1|reviews\"} 1"
+        ));
         assert!(text.contains("envoy_cluster_membership_total{envoy_cluster_name=\"ratings\"} 2"));
         assert!(text.contains("envoy_cluster_manager_cds_update_success 1"));
     }

@@ -56,7 +56,14 @@ fn request_id() -> String {
     let r = fastrand::u128(..);
     let r = (r & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
     let h = format!("{r:032x}");
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 /// Envoy's default internal addresses: loopback and private ranges.
@@ -78,7 +85,11 @@ fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
         .uri
         .authority()
         .map(|a| a.as_str())
-        .or_else(|| req.headers.get(http::header::HOST).and_then(|h| h.to_str().ok()))
+        .or_else(|| {
+            req.headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+        })
         .unwrap_or("");
     let mut host = raw.to_ascii_lowercase();
     let hcm = &listener.def.hcm;
@@ -110,7 +121,12 @@ fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
         .flat_map(|v| v.split(','))
         .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
         .collect();
-    for h in [&http::header::CONNECTION, &KEEP_ALIVE, &PROXY_CONNECTION, &http::header::UPGRADE] {
+    for h in [
+        &http::header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &http::header::UPGRADE,
+    ] {
         if headers.contains_key(h) {
             names.push(h.clone());
         }
@@ -118,9 +134,10 @@ fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
     let mut te_trailers = false;
     if let Some(te) = headers.get(http::header::TE) {
         // Only "trailers" may travel on.
-        te_trailers = te
-            .to_str()
-            .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("trailers")));
+        te_trailers = te.to_str().is_ok_and(|v| {
+            v.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        });
         names.push(http::header::TE);
     }
     (names, te_trailers)
@@ -177,11 +194,19 @@ impl Gateway {
         Ok(true)
     }
 
-    async fn redirect(&self, session: &mut Session, ctx: &Ctx, r: &Redirect, host: &str) -> Result<bool> {
+    async fn redirect(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        r: &Redirect,
+        host: &str,
+    ) -> Result<bool> {
         let req = session.req_header();
         let scheme = r.scheme.clone().unwrap_or_else(|| "http".to_string());
         let (orig_host, orig_port) = match host.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h.to_string(), Some(p.to_string())),
+            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+                (h.to_string(), Some(p.to_string()))
+            }
             _ => (host.to_string(), None),
         };
         let mut new_host = r.host.clone().unwrap_or(orig_host);
@@ -214,8 +239,14 @@ impl Gateway {
                 location.push_str(&q);
             }
         }
-        self.local_reply(session, ctx, r.status.as_u16(), None, &[(http::header::LOCATION, location)])
-            .await
+        self.local_reply(
+            session,
+            ctx,
+            r.status.as_u16(),
+            None,
+            &[(http::header::LOCATION, location)],
+        )
+        .await
     }
 }
 
@@ -278,12 +309,20 @@ impl ProxyHttp for Gateway {
         let Some((idx, addr)) = cluster.pick() else {
             cluster.stats.record(503);
             return self
-                .local_reply(session, ctx, 503, Some(Bytes::from_static(b"no healthy upstream")), &[])
+                .local_reply(
+                    session,
+                    ctx,
+                    503,
+                    Some(Bytes::from_static(b"no healthy upstream")),
+                    &[],
+                )
                 .await;
         };
         cluster.active[idx].fetch_add(1, Relaxed);
         cluster.stats.rq_active.fetch_add(1, Relaxed);
-        if let (Some(rewrite), crate::snapshot::route::PathMatch::Prefix(p)) = (&fwd.prefix_rewrite, &route.path) {
+        if let (Some(rewrite), crate::snapshot::route::PathMatch::Prefix(p)) =
+            (&fwd.prefix_rewrite, &route.path)
+        {
             ctx.prefix_rewrite = Some((p.len(), rewrite.clone()));
         }
         ctx.host_rewrite = fwd.host_rewrite.clone();
@@ -293,7 +332,10 @@ impl ProxyHttp for Gateway {
 
         // Request headers as Envoy's connection manager mutates them.
         let hcm = &listener.def.hcm;
-        let client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        let client_ip = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
         let req = session.req_header_mut();
         let mut external = false;
         if hcm.use_remote_address {
@@ -305,7 +347,11 @@ impl ProxyHttp for Gateway {
                 // Envoy's edge test: one hop only, and that hop from an internal address.
                 external = prior_xff || !is_internal(ip);
                 if !hcm.skip_xff_append {
-                    let value = match req.headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                    let value = match req
+                        .headers
+                        .get(&X_FORWARDED_FOR)
+                        .and_then(|v| v.to_str().ok())
+                    {
                         Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
                         _ => ip.to_string(),
                     };
@@ -356,7 +402,11 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         strip_request(upstream)?;
         if let Some((len, rewrite)) = &ctx.prefix_rewrite {
-            let pq = upstream.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+            let pq = upstream
+                .uri
+                .path_and_query()
+                .map(|p| p.as_str())
+                .unwrap_or("/");
             let rest = pq.get(*len..).unwrap_or("");
             let new = format!("{rewrite}{rest}");
             let uri = http::Uri::builder()
@@ -372,10 +422,18 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
-    async fn response_filter(&self, _session: &mut Session, resp: &mut ResponseHeader, ctx: &mut Ctx) -> Result<()> {
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
         strip_response(resp);
         if let Some(start) = ctx.upstream_start {
-            resp.insert_header(X_UPSTREAM_TIME.clone(), start.elapsed().as_millis().to_string())?;
+            resp.insert_header(
+                X_UPSTREAM_TIME.clone(),
+                start.elapsed().as_millis().to_string(),
+            )?;
         }
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
@@ -383,7 +441,13 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
-    fn fail_to_connect(&self, _session: &mut Session, _peer: &HttpPeer, ctx: &mut Ctx, mut e: Box<Error>) -> Box<Error> {
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
         if let Some(c) = &ctx.cluster {
             c.stats.cx_connect_fail.fetch_add(1, Relaxed);
         }
@@ -461,7 +525,8 @@ mod tests {
     #[test]
     fn hop_by_hop_headers_are_removed() {
         let mut h = RequestHeader::build("GET", b"/", None).expect("valid request");
-        h.insert_header("connection", "close, x-private").expect("valid");
+        h.insert_header("connection", "close, x-private")
+            .expect("valid");
         h.insert_header("x-private", "1").expect("valid");
         h.insert_header("keep-alive", "timeout=5").expect("valid");
         h.insert_header("te", "gzip, trailers").expect("valid");
@@ -470,7 +535,10 @@ mod tests {
         assert!(h.headers.get("connection").is_none());
         assert!(h.headers.get("x-private").is_none());
         assert!(h.headers.get("keep-alive").is_none());
-        assert_eq!(h.headers.get("te").and_then(|v| v.to_str().ok()), Some("trailers"));
+        assert_eq!(
+            h.headers.get("te").and_then(|v| v.to_str().ok()),
+            Some("trailers")
+        );
         assert!(h.headers.get("x-keep").is_some());
     }
 }

@@ -76,7 +76,11 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub fn new(def: Arc<ClusterDef>, endpoints: Arc<LoadAssignment>, stats: Arc<ClusterStats>) -> Cluster {
+    pub fn new(
+        def: Arc<ClusterDef>,
+        endpoints: Arc<LoadAssignment>,
+        stats: Arc<ClusterStats>,
+    ) -> Cluster {
         let eligible = eligible_hosts(&endpoints.hosts, def.panic_threshold);
         let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
         Cluster {
@@ -111,7 +115,11 @@ fn eligible_hosts(hosts: &[Host], panic_threshold: f64) -> Eligible {
     let level = levels
         .iter()
         .copied()
-        .find(|p| hosts.iter().any(|h| h.priority == *p && h.health == Health::Healthy))
+        .find(|p| {
+            hosts
+                .iter()
+                .any(|h| h.priority == *p && h.health == Health::Healthy)
+        })
         .or_else(|| levels.first().copied());
     let Some(level) = level else {
         return Eligible {
@@ -119,7 +127,9 @@ fn eligible_hosts(hosts: &[Host], panic_threshold: f64) -> Eligible {
             weights: Vec::new(),
         };
     };
-    let in_level: Vec<usize> = (0..hosts.len()).filter(|i| hosts[*i].priority == level).collect();
+    let in_level: Vec<usize> = (0..hosts.len())
+        .filter(|i| hosts[*i].priority == level)
+        .collect();
     let healthy: Vec<usize> = in_level
         .iter()
         .copied()
@@ -152,7 +162,9 @@ impl ClusterDef {
                 Ok(DT::StrictDns) => DiscoveryKind::StrictDns,
                 Ok(DT::LogicalDns) => DiscoveryKind::LogicalDns,
                 Ok(DT::Eds) => DiscoveryKind::Eds,
-                Ok(DT::OriginalDst) => return Err(err("type ORIGINAL_DST is not supported".into())),
+                Ok(DT::OriginalDst) => {
+                    return Err(err("type ORIGINAL_DST is not supported".into()))
+                }
                 Err(_) => return Err(err(format!("type: unknown discovery type {t}"))),
             },
             Some(CDT::ClusterType(ct)) => {
@@ -172,7 +184,9 @@ impl ClusterDef {
             Err(_) => return Err(err(format!("lb_policy: unknown value {}", c.lb_policy))),
         };
         if c.load_balancing_policy.is_some() {
-            return Err(err("load_balancing_policy is not supported; use lb_policy".into()));
+            return Err(err(
+                "load_balancing_policy is not supported; use lb_policy".into()
+            ));
         }
         if let Some(ts) = &c.transport_socket {
             if !is_raw_buffer(ts) {
@@ -183,7 +197,9 @@ impl ClusterDef {
             }
         }
         if let Some(m) = c.transport_socket_matches.iter().find(|m| {
-            m.transport_socket.as_ref().is_some_and(|ts| !is_raw_buffer(ts))
+            m.transport_socket
+                .as_ref()
+                .is_some_and(|ts| !is_raw_buffer(ts))
         }) {
             return Err(err(format!(
                 "transport_socket_matches '{}': upstream TLS is not supported yet",
@@ -215,12 +231,13 @@ impl ClusterDef {
                 load_assignment_spec(la, kind != DiscoveryKind::Static)
                     .map_err(|e| err(format!("load_assignment: {e}")))?,
             ),
-            (_, None) => Some(LoadAssignmentSpec { endpoints: Vec::new() }),
+            (_, None) => Some(LoadAssignmentSpec {
+                endpoints: Vec::new(),
+            }),
         };
         #[allow(deprecated)]
         let http2 = c.http2_protocol_options.is_some()
-            || c
-                .typed_extension_protocol_options
+            || c.typed_extension_protocol_options
                 .get("envoy.extensions.upstreams.http.v3.HttpProtocolOptions")
                 .is_some_and(|a| http2_in_protocol_options(&a.value));
         Ok(ClusterDef {
@@ -282,10 +299,14 @@ fn load_assignment_spec(
             let (host, port) = socket_address(ep.address.as_ref())
                 .map_err(|e| format!("{at}.endpoint.address: {e}"))?;
             if !allow_hostnames && host.parse::<std::net::IpAddr>().is_err() {
-                return Err(format!("{at}.endpoint.address: malformed IP address: {host}"));
+                return Err(format!(
+                    "{at}.endpoint.address: malformed IP address: {host}"
+                ));
             }
             if port == 0 {
-                return Err(format!("{at}.endpoint.address: port_value must be in [1, 65535]"));
+                return Err(format!(
+                    "{at}.endpoint.address: port_value must be in [1, 65535]"
+                ));
             }
             let weight = lb.load_balancing_weight.as_ref().map_or(1, |w| w.value);
             if weight == 0 {
@@ -341,13 +362,21 @@ mod tests {
 
     #[test]
     fn unhealthy_hosts_are_skipped_above_panic_threshold() {
-        let hosts = [host(1, Health::Healthy, 0), host(2, Health::Healthy, 0), host(3, Health::Unhealthy, 0)];
+        let hosts = [
+            host(1, Health::Healthy, 0),
+            host(2, Health::Healthy, 0),
+            host(3, Health::Unhealthy, 0),
+        ];
         assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![0, 1]);
     }
 
     #[test]
     fn panic_mode_uses_every_host() {
-        let hosts = [host(1, Health::Healthy, 0), host(2, Health::Unhealthy, 0), host(3, Health::Unhealthy, 0)];
+        let hosts = [
+            host(1, Health::Healthy, 0),
+            host(2, Health::Unhealthy, 0),
+            host(3, Health::Unhealthy, 0),
+        ];
         assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![0, 1, 2]);
         assert_eq!(eligible_hosts(&hosts, 0.0).hosts, vec![0]);
     }

@@ -64,7 +64,8 @@ impl ListenerDef {
         if l.name.is_empty() {
             return Err(TranslateError::new("listener ''", "name must not be empty"));
         }
-        let (host, port) = socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
+        let (host, port) =
+            socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
         let ip: std::net::IpAddr = host
             .parse()
             .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
@@ -75,8 +76,11 @@ impl ListenerDef {
                 f.name
             )));
         }
-        let chains: Vec<&lpb::FilterChain> =
-            l.filter_chains.iter().chain(l.default_filter_chain.as_ref()).collect();
+        let chains: Vec<&lpb::FilterChain> = l
+            .filter_chains
+            .iter()
+            .chain(l.default_filter_chain.as_ref())
+            .collect();
         let chain = match chains.as_slice() {
             [one] => *one,
             [] => return Err(err("no filter chains specified".into())),
@@ -137,7 +141,9 @@ impl Hcm {
         let routes = match &h.route_specifier {
             Some(RouteSpecifier::Rds(rds)) => {
                 let ads = matches!(
-                    rds.config_source.as_ref().and_then(|c| c.config_source_specifier.as_ref()),
+                    rds.config_source
+                        .as_ref()
+                        .and_then(|c| c.config_source_specifier.as_ref()),
                     Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
                 );
                 if !ads {
@@ -148,10 +154,12 @@ impl Hcm {
                 }
                 RouteSource::Rds(rds.route_config_name.clone())
             }
-            Some(RouteSpecifier::RouteConfig(rc)) => {
-                RouteSource::Inline(Arc::new(RouteTable::translate(rc).map_err(|e| e.to_string())?))
+            Some(RouteSpecifier::RouteConfig(rc)) => RouteSource::Inline(Arc::new(
+                RouteTable::translate(rc).map_err(|e| e.to_string())?,
+            )),
+            Some(RouteSpecifier::ScopedRoutes(_)) => {
+                return Err("scoped_routes is not supported".into())
             }
-            Some(RouteSpecifier::ScopedRoutes(_)) => return Err("scoped_routes is not supported".into()),
             None => return Err("one of rds or route_config is required".into()),
         };
         let codec = match CodecType::try_from(h.codec_type) {
@@ -191,7 +199,9 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
         _ => f.name == "envoy.filters.http.router",
     };
     let Some(last) = filters.last() else {
-        return Err("http_filters: the router filter (envoy.filters.http.router) is required".into());
+        return Err(
+            "http_filters: the router filter (envoy.filters.http.router) is required".into(),
+        );
     };
     if !is_router(last) {
         return Err(format!(
@@ -211,7 +221,9 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
         }
         let kind = match &f.config_type {
             Some(hcm::http_filter::ConfigType::TypedConfig(a)) => a.type_url.clone(),
-            Some(hcm::http_filter::ConfigType::ConfigDiscovery(_)) => "config_discovery".to_string(),
+            Some(hcm::http_filter::ConfigType::ConfigDiscovery(_)) => {
+                "config_discovery".to_string()
+            }
             None => "no typed_config".to_string(),
         };
         return Err(format!(

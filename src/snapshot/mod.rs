@@ -63,14 +63,18 @@ pub fn socket_address(a: Option<&corepb::Address>) -> Result<(String, u16), Stri
     let sa = match a.and_then(|a| a.address.as_ref()) {
         Some(A::SocketAddress(sa)) => sa,
         Some(A::Pipe(p)) => return Err(format!("pipe address '{}' is not supported", p.path)),
-        Some(A::EnvoyInternalAddress(_)) => return Err("envoy_internal_address is not supported".into()),
+        Some(A::EnvoyInternalAddress(_)) => {
+            return Err("envoy_internal_address is not supported".into())
+        }
         None => return Err("socket_address is required".into()),
     };
     if sa.address.is_empty() {
         return Err("socket_address.address must not be empty".into());
     }
     let port = match &sa.port_specifier {
-        Some(P::PortValue(p)) => u16::try_from(*p).map_err(|_| format!("port_value {p} out of range"))?,
+        Some(P::PortValue(p)) => {
+            u16::try_from(*p).map_err(|_| format!("port_value {p} out of range"))?
+        }
         Some(P::NamedPort(n)) => return Err(format!("named_port '{n}' is not supported")),
         None => 0,
     };

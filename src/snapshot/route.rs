@@ -136,7 +136,10 @@ pub enum HeaderMatch {
     /// Legacy `exact_match`: an empty value matches any value.
     LegacyExact(String),
     String(StringMatch),
-    Range { start: i64, end: i64 },
+    Range {
+        start: i64,
+        end: i64,
+    },
     Present(bool),
 }
 
@@ -228,7 +231,12 @@ pub fn string_matcher(m: &mpb::StringMatcher) -> Result<StringMatch, String> {
             return Err("string matcher: prefix, suffix and contains must not be empty".into())
         }
         Some(P::SafeRegex(r)) => StringMatch::Regex(regex_matcher(r)?),
-        Some(P::Custom(c)) => return Err(format!("string matcher: custom matcher '{}' is not supported", c.name)),
+        Some(P::Custom(c)) => {
+            return Err(format!(
+                "string matcher: custom matcher '{}' is not supported",
+                c.name
+            ))
+        }
         None => return Err("string matcher: no match pattern set".into()),
     })
 }
@@ -278,12 +286,16 @@ impl RouteTable {
                     any = Some(vi);
                 } else if let Some(rest) = d.strip_prefix('*') {
                     if rest.contains('*') {
-                        return Err(err(format!("{vctx}: invalid domain '{d}': only one wildcard is allowed")));
+                        return Err(err(format!(
+                            "{vctx}: invalid domain '{d}': only one wildcard is allowed"
+                        )));
                     }
                     suffixes.push((rest.to_string(), vi));
                 } else if let Some(rest) = d.strip_suffix('*') {
                     if rest.contains('*') {
-                        return Err(err(format!("{vctx}: invalid domain '{d}': only one wildcard is allowed")));
+                        return Err(err(format!(
+                            "{vctx}: invalid domain '{d}': only one wildcard is allowed"
+                        )));
                     }
                     prefixes.push((rest.to_string(), vi));
                 } else if d.contains('*') {
@@ -296,7 +308,8 @@ impl RouteTable {
             }
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
-                let route = translate_route(r).map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                let route =
+                    translate_route(r).map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
                 routes.push(route);
             }
             vhosts.push(VirtualHost {
@@ -365,7 +378,12 @@ fn translate_route(r: &rpb::Route) -> Result<Route, String> {
         Some(PS::PathMatchPolicy(p)) => {
             return Err(format!("path_match_policy '{}' is not supported", p.name))
         }
-        None => return Err("match: one of prefix, path, safe_regex or path_separated_prefix is required".into()),
+        None => {
+            return Err(
+                "match: one of prefix, path, safe_regex or path_separated_prefix is required"
+                    .into(),
+            )
+        }
     };
     if !m.dynamic_metadata.is_empty() {
         return Err("match.dynamic_metadata is not supported".into());
@@ -386,13 +404,17 @@ fn translate_route(r: &rpb::Route) -> Result<Route, String> {
         .query_parameters
         .iter()
         .enumerate()
-        .map(|(i, q)| query_matcher(q).map_err(|e| format!("query_parameters[{i}] '{}': {e}", q.name)))
+        .map(|(i, q)| {
+            query_matcher(q).map_err(|e| format!("query_parameters[{i}] '{}': {e}", q.name))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let action = match &r.action {
         Some(rpb::route::Action::Route(ra)) => Action::Forward(forward(ra)?),
         Some(rpb::route::Action::DirectResponse(d)) => direct(d)?,
         Some(rpb::route::Action::Redirect(rd)) => Action::Redirect(redirect(rd)?),
-        Some(_) => return Err("only route, redirect and direct_response actions are supported".into()),
+        Some(_) => {
+            return Err("only route, redirect and direct_response actions are supported".into())
+        }
         None => return Err("an action (route, redirect or direct_response) is required".into()),
     };
     Ok(Route {
@@ -424,7 +446,8 @@ fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
     let name = if pseudo.is_some() {
         http::HeaderName::from_static("host")
     } else {
-        http::HeaderName::from_bytes(lname.as_bytes()).map_err(|_| "invalid header name".to_string())?
+        http::HeaderName::from_bytes(lname.as_bytes())
+            .map_err(|_| "invalid header name".to_string())?
     };
     #[allow(deprecated)]
     let kind = match &h.header_match_specifier {
@@ -530,7 +553,11 @@ fn direct(d: &rpb::DirectResponseAction) -> Result<Action, String> {
         None => None,
         Some(DataSpecifier::InlineString(s)) => Some(Bytes::from(s.clone())),
         Some(DataSpecifier::InlineBytes(b)) => Some(Bytes::from(b.clone())),
-        Some(_) => return Err("direct_response.body: only inline_string and inline_bytes are supported".into()),
+        Some(_) => {
+            return Err(
+                "direct_response.body: only inline_string and inline_bytes are supported".into(),
+            )
+        }
     };
     Ok(Action::Direct { status, body })
 }

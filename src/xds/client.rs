@@ -71,7 +71,11 @@ impl ConfigWorker {
             let la = resolve(&def).await;
             let same = next.resolved.get(def.name.as_ref()).is_some_and(|old| {
                 old.hosts.len() == la.hosts.len()
-                    && old.hosts.iter().zip(&la.hosts).all(|(a, b)| a.addr == b.addr && a.weight == b.weight)
+                    && old
+                        .hosts
+                        .iter()
+                        .zip(&la.hosts)
+                        .all(|(a, b)| a.addr == b.addr && a.weight == b.weight)
             });
             if !same {
                 next.resolved.insert(def.name.to_string(), Arc::new(la));
@@ -141,7 +145,13 @@ const DNS_REFRESH: Duration = Duration::from_secs(5);
 const MAX_MESSAGE: usize = 512 * 1024 * 1024;
 
 impl AdsClient {
-    pub fn new(worker: ConfigWorker, node: Node, target: (String, u16), lds: bool, cds: bool) -> AdsClient {
+    pub fn new(
+        worker: ConfigWorker,
+        node: Node,
+        target: (String, u16),
+        lds: bool,
+        cds: bool,
+    ) -> AdsClient {
         AdsClient {
             worker,
             node,
@@ -164,7 +174,9 @@ impl AdsClient {
                 StreamEnd::NoData(why) => tracing::warn!("ADS stream failed: {why}"),
             }
             // Full jitter over a capped exponential window.
-            let window = BACKOFF_BASE.saturating_mul(1 << attempt.min(8)).min(BACKOFF_CAP);
+            let window = BACKOFF_BASE
+                .saturating_mul(1 << attempt.min(8))
+                .min(BACKOFF_CAP);
             let delay = window.mul_f64(0.5 + fastrand::f64() * 0.5);
             attempt = attempt.saturating_add(1);
             tokio::time::sleep(delay).await;
@@ -175,9 +187,17 @@ impl AdsClient {
     fn request(&self, kind: Kind, with_node: bool) -> DiscoveryRequest {
         let sub = self.subs.get(&kind);
         DiscoveryRequest {
-            version_info: self.worker.store.versions.get(&kind).cloned().unwrap_or_default(),
+            version_info: self
+                .worker
+                .store
+                .versions
+                .get(&kind)
+                .cloned()
+                .unwrap_or_default(),
             node: (with_node || !self.node_first_only).then(|| self.node.clone()),
-            resource_names: sub.map(|s| s.names.iter().cloned().collect()).unwrap_or_default(),
+            resource_names: sub
+                .map(|s| s.names.iter().cloned().collect())
+                .unwrap_or_default(),
             type_url: kind.type_url().to_string(),
             response_nonce: sub.map(|s| s.nonce.clone()).unwrap_or_default(),
             ..Default::default()
@@ -225,7 +245,10 @@ impl AdsClient {
                 return StreamEnd::NoData("request channel closed".into());
             }
         }
-        let mut responses = match client.stream_aggregated_resources(ReceiverStream::new(rx)).await {
+        let mut responses = match client
+            .stream_aggregated_resources(ReceiverStream::new(rx))
+            .await
+        {
             Ok(r) => r.into_inner(),
             Err(s) => return StreamEnd::NoData(format!("ADS call failed: {}", s.message())),
         };
@@ -270,13 +293,20 @@ impl AdsClient {
         let bump = |outcome: usize, names: &[String]| match kind {
             Kind::Cluster => counters.cds[outcome].inc(),
             Kind::Listener => counters.lds[outcome].inc(),
-            Kind::Route => names.iter().for_each(|n| counters.rds[outcome].with_label_values(&[n.as_str()]).inc()),
-            Kind::Endpoint => names.iter().for_each(|n| counters.eds[outcome].with_label_values(&[n.as_str()]).inc()),
+            Kind::Route => names
+                .iter()
+                .for_each(|n| counters.rds[outcome].with_label_values(&[n.as_str()]).inc()),
+            Kind::Endpoint => names
+                .iter()
+                .for_each(|n| counters.eds[outcome].with_label_values(&[n.as_str()]).inc()),
         };
         let names: Vec<String> = if kind.is_wildcard() {
             Vec::new()
         } else {
-            self.subs.get(&kind).map(|s| s.names.iter().cloned().collect()).unwrap_or_default()
+            self.subs
+                .get(&kind)
+                .map(|s| s.names.iter().cloned().collect())
+                .unwrap_or_default()
         };
         bump(ATTEMPT, &names);
         let result = self

@@ -145,7 +145,9 @@ fn apply_table<P: Translate>(
             Kind::Endpoint => "endpoints",
         };
         if !seen.insert(name.clone()) {
-            errors.push(format!("{what} '{name}': duplicate {what} name in one response"));
+            errors.push(format!(
+                "{what} '{name}': duplicate {what} name in one response"
+            ));
             continue;
         }
         match old.get(&name) {
@@ -189,22 +191,24 @@ impl Store {
     ) -> Result<(), Vec<String>> {
         let mut errors = Vec::new();
         let now = SystemTime::now();
-        let mut add = |name: &str, res: Result<(), TranslateError>| {
+        let mut add = |res: Result<(), TranslateError>| {
             if let Err(e) = res {
-                errors.push(format!("static_resources: {e} ({name})"));
+                errors.push(format!("static_resources: {e}"));
             }
         };
         for l in listeners {
             let r = l.translate().map(|v| {
-                self.listeners.insert(l.name.clone(), static_item(l.clone(), v, now));
+                self.listeners
+                    .insert(l.name.clone(), static_item(l.clone(), v, now));
             });
-            add(&l.name, r);
+            add(r);
         }
         for c in clusters {
             let r = c.translate().map(|v| {
-                self.clusters.insert(c.name.clone(), static_item(c.clone(), v, now));
+                self.clusters
+                    .insert(c.name.clone(), static_item(c.clone(), v, now));
             });
-            add(&c.name, r);
+            add(r);
         }
         self.resolve_literal_endpoints();
         errors.extend(check_listener_addresses(&self.listeners));
@@ -216,24 +220,32 @@ impl Store {
     }
 
     /// The candidate store after a push, or every reason it is rejected.
-    pub fn apply(&self, kind: Kind, version: &str, resources: &[Any]) -> Result<Store, Vec<String>> {
+    pub fn apply(
+        &self,
+        kind: Kind,
+        version: &str,
+        resources: &[Any],
+    ) -> Result<Store, Vec<String>> {
         let mut errors = Vec::new();
         let now = SystemTime::now();
         let mut next = self.clone();
         match kind {
             Kind::Listener => {
-                next.listeners = apply_table(&self.listeners, kind, version, resources, now, &mut errors);
+                next.listeners =
+                    apply_table(&self.listeners, kind, version, resources, now, &mut errors);
                 errors.extend(check_listener_addresses(&next.listeners));
             }
             Kind::Route => {
                 next.routes = apply_table(&self.routes, kind, version, resources, now, &mut errors)
             }
             Kind::Cluster => {
-                next.clusters = apply_table(&self.clusters, kind, version, resources, now, &mut errors);
+                next.clusters =
+                    apply_table(&self.clusters, kind, version, resources, now, &mut errors);
                 next.resolve_literal_endpoints();
             }
             Kind::Endpoint => {
-                next.endpoints = apply_table(&self.endpoints, kind, version, resources, now, &mut errors)
+                next.endpoints =
+                    apply_table(&self.endpoints, kind, version, resources, now, &mut errors)
             }
         }
         if !errors.is_empty() {
@@ -268,7 +280,12 @@ impl Store {
     pub fn dns_clusters(&self) -> Vec<Arc<ClusterDef>> {
         self.clusters
             .values()
-            .filter(|c| matches!(c.value.kind, DiscoveryKind::StrictDns | DiscoveryKind::LogicalDns))
+            .filter(|c| {
+                matches!(
+                    c.value.kind,
+                    DiscoveryKind::StrictDns | DiscoveryKind::LogicalDns
+                )
+            })
             .map(|c| c.value.clone())
             .collect()
     }
@@ -277,8 +294,13 @@ impl Store {
     fn resolve_literal_endpoints(&mut self) {
         let mut resolved = BTreeMap::new();
         for (name, c) in &self.clusters {
-            let Some(spec) = &c.value.inline else { continue };
-            let literal = spec.endpoints.iter().all(|e| e.0.parse::<std::net::IpAddr>().is_ok());
+            let Some(spec) = &c.value.inline else {
+                continue;
+            };
+            let literal = spec
+                .endpoints
+                .iter()
+                .all(|e| e.0.parse::<std::net::IpAddr>().is_ok());
             if literal {
                 // Keep the previous Arc when the endpoints are the same, so the cluster is reused.
                 let la = match self.resolved.get(name) {
@@ -319,7 +341,9 @@ impl Store {
             };
             let old = prev.clusters.get(name.as_str());
             let cluster = match (endpoints, old) {
-                (Some(eps), Some(old)) if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.endpoints, &eps) => {
+                (Some(eps), Some(old))
+                    if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.endpoints, &eps) =>
+                {
                     old.clone()
                 }
                 (Some(eps), _) => Arc::new(Cluster::new(def.clone(), eps, stats(name))),
@@ -337,7 +361,11 @@ impl Store {
             };
             let old = prev.listeners.get(name);
             let active = match (routes, old) {
-                (Some(r), Some(old)) if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.routes, &r) => old.clone(),
+                (Some(r), Some(old))
+                    if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.routes, &r) =>
+                {
+                    old.clone()
+                }
                 (Some(routes), _) => Arc::new(ActiveListener {
                     def: def.clone(),
                     routes,
@@ -365,13 +393,17 @@ impl Store {
 
 fn same_hosts(la: &LoadAssignment, spec: &crate::snapshot::cluster::LoadAssignmentSpec) -> bool {
     la.hosts.len() == spec.endpoints.len()
-        && la.hosts.iter().zip(&spec.endpoints).all(|(h, (host, port, w, health, prio))| {
-            h.addr.ip().to_string() == *host
-                && h.addr.port() == *port
-                && h.weight == *w
-                && h.health == *health
-                && h.priority == *prio
-        })
+        && la
+            .hosts
+            .iter()
+            .zip(&spec.endpoints)
+            .all(|(h, (host, port, w, health, prio))| {
+                h.addr.ip().to_string() == *host
+                    && h.addr.port() == *port
+                    && h.weight == *w
+                    && h.health == *health
+                    && h.priority == *prio
+            })
 }
 
 fn static_item<P, T>(proto: P, value: T, now: SystemTime) -> Item<P, T> {

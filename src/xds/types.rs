@@ -55,13 +55,17 @@ impl Kind {
 /// Decodes a resource of the expected type, unwrapping a `discovery.v3.Resource` envelope.
 pub fn decode<M: prost::Message + Default>(any: &Any, want: &str) -> Result<M, String> {
     if any.type_url == RESOURCE_WRAPPER {
-        let r = envoy_types::pb::envoy::service::discovery::v3::Resource::decode(any.value.as_slice())
-            .map_err(|e| format!("cannot decode Resource wrapper: {e}"))?;
+        let r =
+            envoy_types::pb::envoy::service::discovery::v3::Resource::decode(any.value.as_slice())
+                .map_err(|e| format!("cannot decode Resource wrapper: {e}"))?;
         let inner = r.resource.ok_or("Resource wrapper holds no resource")?;
         return decode(&inner, want);
     }
     if any.type_url != want {
-        return Err(format!("unexpected resource type {}, expected {want}", any.type_url));
+        return Err(format!(
+            "unexpected resource type {}, expected {want}",
+            any.type_url
+        ));
     }
     M::decode(any.value.as_slice()).map_err(|e| format!("cannot decode {want}: {e}"))
 }

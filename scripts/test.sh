@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The test command from README.md (and what CI runs): set-up, lint, release build, every
+# example validated by Portico and by Envoy, unit and integration tests against Portico, then
+# the same integration tests against the real Envoy to prove they describe Envoy's behaviour.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --with-envoy
+envoy_bin=$(scripts/envoy-path.sh)
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --quiet -- -D warnings
+step "release build"
+cargo build --release --quiet
+step "validate gateway-examples with Portico and Envoy"
+for f in gateway-examples/*/*.yaml; do
+  ./target/release/portico --mode validate -c "$f" --log-level error
+  "$envoy_bin" --mode validate -c "$f" --log-level error >/dev/null
+done
+step "tests against Portico"
+cargo test --all-targets
+step "integration tests against Envoy ($envoy_bin)"
+PORTICO_GATEWAY_BIN="$envoy_bin" cargo test --test '*'
