@@ -39,6 +39,7 @@ pub struct Ctx {
     peer: Option<SocketAddr>,
     prefix_rewrite: Option<(usize, String)>,
     host_rewrite: Option<String>,
+    timeout: Option<std::time::Duration>,
     upstream_start: Option<Instant>,
     counted_active: bool,
 }
@@ -326,6 +327,7 @@ impl ProxyHttp for Gateway {
             ctx.prefix_rewrite = Some((p.len(), rewrite.clone()));
         }
         ctx.host_rewrite = fwd.host_rewrite.clone();
+        ctx.timeout = fwd.timeout;
         ctx.host_index = idx;
         ctx.peer = Some(addr);
         ctx.cluster = Some(cluster);
@@ -388,6 +390,8 @@ impl ProxyHttp for Gateway {
         };
         let mut peer = HttpPeer::new(addr, false, String::new());
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
+        // Approximates Envoy's route timeout: the upstream must answer within it.
+        peer.options.read_timeout = ctx.timeout;
         if cluster.def.http2 {
             peer.options.set_http_version(2, 2);
         }

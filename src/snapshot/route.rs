@@ -36,6 +36,71 @@ pub struct RouteTable {
 pub struct VirtualHost {
     pub name: String,
     pub routes: Vec<Route>,
+    /// For long route lists: which routes can match a given path, so matching does not scan
+    /// every route. `None` when the list is short enough to scan.
+    pub index: Option<RouteIndex>,
+}
+
+/// Candidate routes by path, in route order: case-sensitive prefix (and path-separated
+/// prefix) routes by their prefix, exact-path routes by their path, and every other route
+/// (regex, case-insensitive) as an always-candidate. Matching then checks candidates in route
+/// order, so Envoy's first-match semantics hold exactly.
+#[derive(Debug, Default)]
+pub struct RouteIndex {
+    pub prefixes: HashMap<String, Vec<u32>>,
+    /// Distinct prefix lengths, ascending.
+    pub prefix_lens: Vec<usize>,
+    pub exact: HashMap<String, Vec<u32>>,
+    pub always: Vec<u32>,
+}
+
+/// Shorter lists are scanned: a scan of a few routes beats hashing.
+const INDEX_MIN_ROUTES: usize = 16;
+
+impl RouteIndex {
+    fn build(routes: &[Route]) -> Option<RouteIndex> {
+        if routes.len() < INDEX_MIN_ROUTES {
+            return None;
+        }
+        let mut idx = RouteIndex::default();
+        for (i, r) in routes.iter().enumerate() {
+            let i = i as u32;
+            match &r.path {
+                PathMatch::Prefix(p) | PathMatch::SeparatedPrefix(p) if r.case_sensitive => {
+                    idx.prefixes.entry(p.clone()).or_default().push(i)
+                }
+                PathMatch::Exact(p) if r.case_sensitive => {
+                    idx.exact.entry(p.clone()).or_default().push(i)
+                }
+                _ => idx.always.push(i),
+            }
+        }
+        let mut lens: Vec<usize> = idx.prefixes.keys().map(|k| k.len()).collect();
+        lens.sort_unstable();
+        lens.dedup();
+        idx.prefix_lens = lens;
+        Some(idx)
+    }
+
+    /// Calls `f` with every candidate route index for `path` (query stripped), ascending,
+    /// until `f` returns true.
+    pub fn candidates(&self, path: &str, mut f: impl FnMut(u32) -> bool) -> Option<u32> {
+        let mut found: Vec<u32> = Vec::with_capacity(8);
+        for &len in &self.prefix_lens {
+            if len > path.len() {
+                break;
+            }
+            if let Some(v) = path.get(..len).and_then(|p| self.prefixes.get(p)) {
+                found.extend_from_slice(v);
+            }
+        }
+        if let Some(v) = self.exact.get(path) {
+            found.extend_from_slice(v);
+        }
+        found.extend_from_slice(&self.always);
+        found.sort_unstable();
+        found.into_iter().find(|i| f(*i))
+    }
 }
 
 #[derive(Debug)]
@@ -70,6 +135,8 @@ pub enum Action {
 #[derive(Debug)]
 pub struct Forward {
     pub target: Target,
+    /// Route `timeout`: Envoy's default is 15 s; zero disables it.
+    pub timeout: Option<std::time::Duration>,
     pub prefix_rewrite: Option<String>,
     pub host_rewrite: Option<String>,
 }
@@ -314,6 +381,7 @@ impl RouteTable {
             }
             vhosts.push(VirtualHost {
                 name: vh.name.clone(),
+                index: RouteIndex::build(&routes),
                 routes,
             });
         }
@@ -536,8 +604,16 @@ fn forward(ra: &rpb::RouteAction) -> Result<Forward, String> {
         Some(HR::HostRewriteLiteral(h)) => Some(h.clone()),
         _ => None,
     };
+    let timeout = match &ra.timeout {
+        None => Some(std::time::Duration::from_secs(15)),
+        Some(d) => {
+            let d = super::duration(d).map_err(|e| format!("timeout: {e}"))?;
+            (!d.is_zero()).then_some(d)
+        }
+    };
     Ok(Forward {
         target,
+        timeout,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,
     })
