@@ -143,101 +143,110 @@ fn ts(t: SystemTime) -> Option<Timestamp> {
     })
 }
 
+/// One resource as proto-JSON. A resource holding an `Any` Portico has no descriptor for (an
+/// optional filter of another vendor, say) still shows, with the reason it cannot be expanded.
+fn render(any: &Any) -> serde_json::Value {
+    crate::protojson::any_to_json(any).unwrap_or_else(|e| {
+        serde_json::json!({ "@type": any.type_url, "portico_render_error": e.to_string() })
+    })
+}
+
+fn stamp(t: SystemTime) -> serde_json::Value {
+    ts(t)
+        .and_then(|t| crate::protojson::to_json("google.protobuf.Timestamp", &t).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
 /// `/config_dump` in Envoy's shape: the bootstrap, then clusters, listeners, routes (and
-/// endpoints when asked), each split into static and dynamic.
+/// endpoints with `include_eds`), each split into static and dynamic.
 pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value, String> {
+    use crate::xds::types::Kind;
+    use serde_json::json;
     let store = state.store.load_full();
+    let snap = state.snapshot.load_full();
+    let version = |k| store.versions.get(&k).cloned().unwrap_or_default();
     let mut configs = Vec::new();
     if let Some(b) = &state.bootstrap {
-        configs.push(pack(&admin::BootstrapConfigDump {
-            bootstrap: Some(b.clone()),
-            last_updated: ts(state.started_at),
+        configs.push(json!({
+            "@type": admin::BootstrapConfigDump::type_url(),
+            "bootstrap": render(&pack(b)),
+            "last_updated": stamp(state.started_at),
         }));
     }
-    let version = |k| store.versions.get(&k).cloned().unwrap_or_default();
-    use crate::xds::types::Kind;
-    let mut cd = admin::ClustersConfigDump {
-        version_info: version(Kind::Cluster),
-        ..Default::default()
-    };
+    let (mut static_clusters, mut dynamic_clusters) = (Vec::new(), Vec::new());
     for item in store.clusters.values() {
-        let any = Some(pack(item.proto.as_ref()));
+        let cluster = render(&pack(item.proto.as_ref()));
         if item.is_static {
-            cd.static_clusters
-                .push(admin::clusters_config_dump::StaticCluster {
-                    cluster: any,
-                    last_updated: ts(item.last_updated),
-                });
+            static_clusters.push(json!({ "cluster": cluster, "last_updated": stamp(item.last_updated) }));
         } else {
-            cd.dynamic_active_clusters
-                .push(admin::clusters_config_dump::DynamicCluster {
-                    version_info: item.version.clone(),
-                    cluster: any,
-                    last_updated: ts(item.last_updated),
-                    ..Default::default()
-                });
+            dynamic_clusters.push(json!({
+                "version_info": item.version,
+                "cluster": cluster,
+                "last_updated": stamp(item.last_updated),
+            }));
         }
     }
-    configs.push(pack(&cd));
-    let mut ld = admin::ListenersConfigDump {
-        version_info: version(Kind::Listener),
-        ..Default::default()
-    };
-    let snap = state.snapshot.load_full();
+    configs.push(json!({
+        "@type": admin::ClustersConfigDump::type_url(),
+        "version_info": version(Kind::Cluster),
+        "static_clusters": static_clusters,
+        "dynamic_active_clusters": dynamic_clusters,
+    }));
+    let (mut static_listeners, mut dynamic_listeners) = (Vec::new(), Vec::new());
     for (name, item) in &store.listeners {
-        let any = Some(pack(item.proto.as_ref()));
+        let listener = render(&pack(item.proto.as_ref()));
         if item.is_static {
-            ld.static_listeners
-                .push(admin::listeners_config_dump::StaticListener {
-                    listener: any,
-                    last_updated: ts(item.last_updated),
-                });
+            static_listeners.push(json!({ "listener": listener, "last_updated": stamp(item.last_updated) }));
         } else {
-            let st = admin::listeners_config_dump::DynamicListenerState {
-                version_info: item.version.clone(),
-                listener: any,
-                last_updated: ts(item.last_updated),
-            };
-            let warm = snap
-                .listeners
-                .get(name)
-                .is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
-            ld.dynamic_listeners
-                .push(admin::listeners_config_dump::DynamicListener {
-                    name: name.clone(),
-                    active_state: warm.then(|| st.clone()),
-                    warming_state: (!warm).then_some(st),
-                    ..Default::default()
-                });
-        }
-    }
-    configs.push(pack(&ld));
-    let mut rd = admin::RoutesConfigDump::default();
-    for item in store.routes.values() {
-        rd.dynamic_route_configs
-            .push(admin::routes_config_dump::DynamicRouteConfig {
-                version_info: item.version.clone(),
-                route_config: Some(pack(item.proto.as_ref())),
-                last_updated: ts(item.last_updated),
-                ..Default::default()
+            let st = json!({
+                "version_info": item.version,
+                "listener": listener,
+                "last_updated": stamp(item.last_updated),
             });
-    }
-    configs.push(pack(&rd));
-    if include_eds {
-        let mut ed = admin::EndpointsConfigDump::default();
-        for item in store.endpoints.values() {
-            ed.dynamic_endpoint_configs
-                .push(admin::endpoints_config_dump::DynamicEndpointConfig {
-                    version_info: item.version.clone(),
-                    endpoint_config: Some(pack(item.proto.as_ref())),
-                    last_updated: ts(item.last_updated),
-                    ..Default::default()
-                });
+            let warm = snap.listeners.get(name).is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
+            let key = if warm { "active_state" } else { "warming_state" };
+            dynamic_listeners.push(json!({ "name": name, key: st }));
         }
-        configs.push(pack(&ed));
     }
-    let dump = admin::ConfigDump { configs };
-    crate::protojson::to_json("envoy.admin.v3.ConfigDump", &dump).map_err(|e| e.to_string())
+    configs.push(json!({
+        "@type": admin::ListenersConfigDump::type_url(),
+        "version_info": version(Kind::Listener),
+        "static_listeners": static_listeners,
+        "dynamic_listeners": dynamic_listeners,
+    }));
+    let routes: Vec<_> = store
+        .routes
+        .values()
+        .map(|item| {
+            json!({
+                "version_info": item.version,
+                "route_config": render(&pack(item.proto.as_ref())),
+                "last_updated": stamp(item.last_updated),
+            })
+        })
+        .collect();
+    configs.push(json!({
+        "@type": admin::RoutesConfigDump::type_url(),
+        "dynamic_route_configs": routes,
+    }));
+    if include_eds {
+        let eps: Vec<_> = store
+            .endpoints
+            .values()
+            .map(|item| {
+                json!({
+                    "version_info": item.version,
+                    "endpoint_config": render(&pack(item.proto.as_ref())),
+                    "last_updated": stamp(item.last_updated),
+                })
+            })
+            .collect();
+        configs.push(json!({
+            "@type": admin::EndpointsConfigDump::type_url(),
+            "dynamic_endpoint_configs": eps,
+        }));
+    }
+    Ok(json!({ "configs": configs }))
 }
 
 pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
