@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use pingora_core::apps::{HttpServerOptions, ServerApp};
+use pingora_core::apps::{HttpServerApp, HttpServerOptions, ServerApp};
 use pingora_core::server::configuration::ServerConf;
 use pingora_proxy::HttpProxy;
 use tokio::runtime::Handle;
@@ -23,6 +23,7 @@ struct Running {
     codec: Codec,
     /// Tells the accept loop to stop and open connections to close after their current request.
     shutdown: watch::Sender<bool>,
+    app: Arc<HttpProxy<Gateway>>,
 }
 
 pub struct ListenerManager {
@@ -81,6 +82,9 @@ impl ListenerManager {
             if !keep {
                 tracing::info!(listener = %name, addr = %r.addr, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
+                // Wakes keep-alive connections idling in read_request so they close now.
+                let app = r.app.clone();
+                self.workers.spawn(async move { app.http_cleanup().await });
             }
             keep
         });
@@ -116,13 +120,14 @@ impl ListenerManager {
             let app = Arc::new(proxy);
             let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
             tracing::info!(listener = %name, %addr, "listener serving");
-            self.workers.spawn(accept_loop(sock, app, rx, hcm_stats));
+            self.workers.spawn(accept_loop(sock, app.clone(), rx, hcm_stats));
             self.running.insert(
                 name.clone(),
                 Running {
                     addr,
                     codec: l.def.hcm.codec,
                     shutdown: tx,
+                    app,
                 },
             );
         }
