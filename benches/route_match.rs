@@ -51,6 +51,7 @@ fn main() {
         ] {
             let view = RequestView {
                 host: "example.com",
+                authority: "example.com",
                 path: &path,
                 method: "GET",
                 scheme: "http",

@@ -11,7 +11,10 @@ use crate::snapshot::route::{
 /// What routing needs to know of a request. `host` is lowercase.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestView<'a> {
+    /// The authority as vhost selection sees it: lowercase, port stripped as configured.
     pub host: &'a str,
+    /// The authority as received, for `:authority` header matchers.
+    pub authority: &'a str,
     /// The `:path` as received, query string included.
     pub path: &'a str,
     pub method: &'a str,
@@ -95,55 +98,41 @@ fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/grpc"))
-}
-
-/// All values of a header joined by ',', as Envoy matches them.
-fn header_value<'a>(h: &HeaderMatcher, req: &RequestView<'a>) -> Option<Cow<'a, str>> {
-    if let Some(p) = h.pseudo {
-        return Some(Cow::Borrowed(match p {
-            Pseudo::Authority => req.host,
-            Pseudo::Path => req.path,
-            Pseudo::Method => req.method,
-            Pseudo::Scheme => req.scheme,
-        }));
-    }
-    let mut values = req.headers.get_all(&h.name).iter();
-    let first = values.next()?;
-    let first = String::from_utf8_lossy(first.as_bytes());
-    match values.next() {
-        None => Some(first),
-        Some(second) => {
-            let mut joined = first.into_owned();
-            joined.push(',');
-            joined.push_str(&String::from_utf8_lossy(second.as_bytes()));
-            for v in values {
-                joined.push(',');
-                joined.push_str(&String::from_utf8_lossy(v.as_bytes()));
-            }
-            Some(Cow::Owned(joined))
-        }
-    }
+        .is_some_and(|v| v == "application/grpc" || v.starts_with("application/grpc+"))
 }
 
 pub fn header_matches(h: &HeaderMatcher, req: &RequestView<'_>) -> bool {
-    let value = match header_value(h, req) {
-        Some(v) => v,
-        None if h.treat_missing_as_empty => Cow::Borrowed(""),
-        None => {
-            // A missing header matches only "present_match: false" (or its inversion).
-            return matches!(h.kind, HeaderMatch::Present(p) if p == h.invert);
+    if let Some(p) = h.pseudo {
+        let v = match p {
+            Pseudo::Authority => req.authority,
+            Pseudo::Path => req.path,
+            Pseudo::Method => req.method,
+            Pseudo::Scheme => req.scheme,
+        };
+        return value_matches(h, v) != h.invert;
+    }
+    let mut values = req.headers.get_all(&h.name).iter().peekable();
+    if values.peek().is_none() {
+        if h.treat_missing_as_empty {
+            return value_matches(h, "") != h.invert;
         }
-    };
-    let matched = match &h.kind {
+        // A missing header matches only "present_match: false" (or its inversion).
+        return matches!(h.kind, HeaderMatch::Present(p) if p == h.invert);
+    }
+    // Envoy matches each header line on its own: the matcher holds if any line matches.
+    let any = values.any(|v| value_matches(h, &String::from_utf8_lossy(v.as_bytes())));
+    any != h.invert
+}
+
+fn value_matches(h: &HeaderMatcher, value: &str) -> bool {
+    match &h.kind {
         HeaderMatch::LegacyExact(s) => s.is_empty() || value == s.as_str(),
-        HeaderMatch::String(m) => m.matches(&value),
+        HeaderMatch::String(m) => m.matches(value),
         HeaderMatch::Range { start, end } => {
             value.parse::<i64>().is_ok_and(|v| v >= *start && v < *end)
         }
         HeaderMatch::Present(p) => *p,
-    };
-    matched != h.invert
+    }
 }
 
 fn query_matches(r: &Route, req: &RequestView<'_>) -> bool {
@@ -151,21 +140,21 @@ fn query_matches(r: &Route, req: &RequestView<'_>) -> bool {
         return true;
     }
     let query = req.query().unwrap_or("");
-    r.query.iter().all(|q| {
-        let Some(value) = first_query_value(query, &q.name) else {
-            return false;
-        };
-        match &q.kind {
-            QueryMatch::Present => true,
-            QueryMatch::String(m) => m.matches(&value),
-        }
-    })
+    r.query
+        .iter()
+        .all(|q| match (first_query_value(query, &q.name), &q.kind) {
+            (None, QueryMatch::Absent) => true,
+            (None, _) | (Some(_), QueryMatch::Absent) => false,
+            (Some(_), QueryMatch::Present) => true,
+            (Some(v), QueryMatch::String(m)) => m.matches(v),
+        })
 }
 
-fn first_query_value<'a>(query: &'a str, name: &str) -> Option<Cow<'a, str>> {
+/// The first value of a query parameter, compared and returned undecoded, as Envoy does.
+fn first_query_value<'a>(query: &'a str, name: &str) -> Option<&'a str> {
     query.split('&').find_map(|pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (percent_decode(k) == name).then(|| percent_decode(v))
+        (k == name).then_some(v)
     })
 }
 
@@ -278,6 +267,7 @@ mod index_agrees_with_scan {
                 );
                 let view = RequestView {
                     host: "h",
+                    authority: "h",
                     path: &path,
                     method: "GET",
                     scheme: "http",
@@ -297,3 +287,6 @@ mod index_agrees_with_scan {
         }
     }
 }
+#[cfg(test)]
+#[path = "router_tests.rs"]
+mod router_tests;

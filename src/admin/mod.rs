@@ -62,9 +62,9 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
     match req.uri().path() {
         "/ready" => {
             if state.ready.load(Ordering::Relaxed) {
-                reply(200, "text/plain", "LIVE\n")
+                reply(200, "text/plain; charset=UTF-8", "LIVE\n")
             } else {
-                reply(503, "text/plain", "PRE_INITIALIZING\n")
+                reply(503, "text/plain; charset=UTF-8", "PRE_INITIALIZING\n")
             }
         }
         "/stats/prometheus" => {
@@ -146,9 +146,9 @@ fn ts(t: SystemTime) -> Option<Timestamp> {
 /// One resource as proto-JSON. A resource holding an `Any` Portico has no descriptor for (an
 /// optional filter of another vendor, say) still shows, with the reason it cannot be expanded.
 fn render(any: &Any) -> serde_json::Value {
-    crate::protojson::any_to_json(any).unwrap_or_else(|e| {
-        serde_json::json!({ "@type": any.type_url, "portico_render_error": e.to_string() })
-    })
+    crate::protojson::any_to_json(any).unwrap_or_else(
+        |e| serde_json::json!({ "@type": any.type_url, "portico_render_error": e.to_string() }),
+    )
 }
 
 fn stamp(t: SystemTime) -> serde_json::Value {
@@ -177,7 +177,8 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     for item in store.clusters.values() {
         let cluster = render(&pack(item.proto.as_ref()));
         if item.is_static {
-            static_clusters.push(json!({ "cluster": cluster, "last_updated": stamp(item.last_updated) }));
+            static_clusters
+                .push(json!({ "cluster": cluster, "last_updated": stamp(item.last_updated) }));
         } else {
             dynamic_clusters.push(json!({
                 "version_info": item.version,
@@ -196,15 +197,23 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     for (name, item) in &store.listeners {
         let listener = render(&pack(item.proto.as_ref()));
         if item.is_static {
-            static_listeners.push(json!({ "listener": listener, "last_updated": stamp(item.last_updated) }));
+            static_listeners
+                .push(json!({ "listener": listener, "last_updated": stamp(item.last_updated) }));
         } else {
             let st = json!({
                 "version_info": item.version,
                 "listener": listener,
                 "last_updated": stamp(item.last_updated),
             });
-            let warm = snap.listeners.get(name).is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
-            let key = if warm { "active_state" } else { "warming_state" };
+            let warm = snap
+                .listeners
+                .get(name)
+                .is_some_and(|l| Arc::ptr_eq(&l.def, &item.value));
+            let key = if warm {
+                "active_state"
+            } else {
+                "warming_state"
+            };
             dynamic_listeners.push(json!({ "name": name, key: st }));
         }
     }

@@ -49,31 +49,29 @@ impl ListenerManager {
         }
     }
 
-    /// Binds every address not bound yet. On any failure nothing new stays bound.
+    /// Checks that every address not served yet can be bound, so a conflict NACKs the push.
+    /// Like Envoy, a listener does not accept connections until it is warm, so the check
+    /// binds and releases; `reconcile` binds for real when the listener becomes active.
     pub fn prepare(&mut self, wanted: &BTreeMap<String, SocketAddr>) -> Result<(), Vec<String>> {
-        let mut fresh = HashMap::new();
         let mut errors = Vec::new();
         for (name, addr) in wanted {
-            if self.bound.contains_key(addr) || fresh.contains_key(addr) {
+            if self.bound.contains_key(addr) {
                 continue;
             }
-            match bind(*addr) {
-                Ok(l) => {
-                    fresh.insert(*addr, l);
-                }
-                Err(e) => errors.push(format!("listener '{name}': cannot bind {addr}: {e}")),
+            if let Err(e) = bind(*addr) {
+                errors.push(format!("listener '{name}': cannot bind {addr}: {e}"));
             }
         }
-        if !errors.is_empty() {
-            return Err(errors);
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
         }
-        self.bound.extend(fresh);
-        Ok(())
     }
 
     /// Starts accept loops for listeners that became active, stops removed ones, and closes
-    /// sockets no listener wants any more.
-    pub fn reconcile(&mut self, snap: &Snapshot, wanted: &BTreeMap<String, SocketAddr>) {
+    /// sockets no running listener uses any more.
+    pub fn reconcile(&mut self, snap: &Snapshot) {
         self.running.retain(|name, r| {
             let keep = snap
                 .listeners
@@ -93,16 +91,20 @@ impl ListenerManager {
                 continue;
             }
             let addr = l.def.addr;
-            let Some(sock) = self.bound.get(&addr) else {
-                tracing::warn!(listener = %name, %addr, "listener is active but its socket is not bound");
-                continue;
-            };
-            let sock = match sock.try_clone() {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!(listener = %name, %addr, "cannot share listening socket: {e}");
-                    continue;
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.bound.entry(addr) {
+                match bind(addr) {
+                    Ok(sock) => {
+                        slot.insert(sock);
+                    }
+                    Err(e) => {
+                        tracing::error!(listener = %name, %addr, "cannot bind: {e}");
+                        continue;
+                    }
                 }
+            }
+            let Some(sock) = self.bound.get(&addr).and_then(|s| s.try_clone().ok()) else {
+                tracing::error!(listener = %name, %addr, "cannot share the listening socket");
+                continue;
             };
             let (tx, rx) = watch::channel(false);
             let mut proxy = HttpProxy::new(
@@ -120,7 +122,8 @@ impl ListenerManager {
             let app = Arc::new(proxy);
             let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
             tracing::info!(listener = %name, %addr, "listener serving");
-            self.workers.spawn(accept_loop(sock, app.clone(), rx, hcm_stats));
+            self.workers
+                .spawn(accept_loop(sock, app.clone(), rx, hcm_stats));
             self.running.insert(
                 name.clone(),
                 Running {
@@ -131,8 +134,9 @@ impl ListenerManager {
                 },
             );
         }
-        let in_use: Vec<SocketAddr> = wanted.values().copied().collect();
-        self.bound.retain(|addr, _| in_use.contains(addr));
+        // Last, so a listener replaced at the same address reuses the socket.
+        let serving: Vec<SocketAddr> = self.running.values().map(|r| r.addr).collect();
+        self.bound.retain(|addr, _| serving.contains(addr));
     }
 }
 

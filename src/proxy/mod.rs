@@ -173,7 +173,15 @@ impl Gateway {
     ) -> Result<bool> {
         let mut resp = ResponseHeader::build(status, Some(4))?;
         let len = body.as_ref().map_or(0, |b| b.len());
-        resp.insert_header(http::header::CONTENT_LENGTH, len.to_string())?;
+        // 1xx and 204 responses never carry a body or its length (RFC 9110 §8.6).
+        let no_body_status = status < 200 || status == 204;
+        let body = if no_body_status { None } else { body };
+        let head_only = session.req_header().method == http::Method::HEAD;
+        // Envoy answers HEAD for an empty local reply without a length (chunked framing).
+        let omit_length = no_body_status || (head_only && len == 0);
+        if !omit_length {
+            resp.insert_header(http::header::CONTENT_LENGTH, len.to_string())?;
+        }
         if len > 0 {
             resp.insert_header(http::header::CONTENT_TYPE, "text/plain")?;
         }
@@ -183,7 +191,6 @@ impl Gateway {
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
         }
-        let head_only = session.req_header().method == http::Method::HEAD;
         session
             .write_response_header(Box::new(resp), body.is_none() || head_only)
             .await?;
@@ -200,45 +207,56 @@ impl Gateway {
         session: &mut Session,
         ctx: &Ctx,
         r: &Redirect,
-        host: &str,
+        rewrite_len: Option<usize>,
     ) -> Result<bool> {
         let req = session.req_header();
-        let scheme = r.scheme.clone().unwrap_or_else(|| "http".to_string());
-        let (orig_host, orig_port) = match host.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
-                (h.to_string(), Some(p.to_string()))
+        let orig_scheme = req.uri.scheme_str().unwrap_or("http");
+        let scheme = r.scheme.as_deref().unwrap_or(orig_scheme);
+        let raw = raw_authority(req);
+        let (orig_host, orig_port) = split_port(raw);
+        // host_redirect replaces host and port; otherwise the request's own (case kept).
+        let (host, mut port) = match &r.host {
+            Some(h) => {
+                let (h, p) = split_port(h);
+                (h.to_string(), p.map(str::to_string))
             }
-            _ => (host.to_string(), None),
+            None => (orig_host.to_string(), orig_port.map(str::to_string)),
         };
-        let mut new_host = r.host.clone().unwrap_or(orig_host);
-        match (r.port, r.scheme.is_some()) {
-            (Some(p), _) => new_host = format!("{new_host}:{p}"),
-            // A scheme change drops the original port unless it is explicitly kept.
-            (None, true) => {}
-            (None, false) => {
-                if let Some(p) = orig_port {
-                    new_host = format!("{new_host}:{p}");
-                }
+        if let Some(p) = r.port {
+            port = Some(p.to_string());
+        } else if r.host.is_none() && scheme != orig_scheme {
+            // Switching scheme drops a port that is the default of the new scheme's peer.
+            let default_for_other = matches!(
+                (scheme, port.as_deref()),
+                ("https", Some("80")) | ("http", Some("443"))
+            );
+            if default_for_other {
+                port = None;
             }
         }
         let full = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
         let (path, query) = match full.split_once('?') {
-            Some((p, q)) => (p.to_string(), Some(q.to_string())),
-            None => (full.to_string(), None),
+            Some((p, q)) => (p, Some(q)),
+            None => (full, None),
         };
-        let new_path = if let Some(p) = &r.path {
-            p.clone()
-        } else if let (Some(pre), Some(route_prefix)) = (&r.prefix_rewrite, &ctx.prefix_rewrite) {
-            format!("{pre}{}", path.get(route_prefix.0..).unwrap_or(""))
-        } else {
-            path
-        };
-        let mut location = format!("{scheme}://{new_host}{new_path}");
-        if !r.strip_query && r.path.as_ref().is_none_or(|p| !p.contains('?')) {
-            if let Some(q) = query {
-                location.push('?');
-                location.push_str(&q);
+        let mut location = format!("{scheme}://{host}");
+        if let Some(p) = port {
+            location.push(':');
+            location.push_str(&p);
+        }
+        match (&r.path, &r.prefix_rewrite, rewrite_len) {
+            (Some(p), _, _) => location.push_str(p),
+            (None, Some(pre), Some(len)) => {
+                location.push_str(pre);
+                location.push_str(path.get(len..).unwrap_or(""));
             }
+            _ => location.push_str(path),
+        }
+        // A path_redirect with its own query replaces the request's query.
+        let own_query = r.path.as_ref().is_some_and(|p| p.contains('?'));
+        if let (false, false, Some(q)) = (r.strip_query, own_query, query) {
+            location.push('?');
+            location.push_str(q);
         }
         self.local_reply(
             session,
@@ -248,6 +266,45 @@ impl Gateway {
             &[(http::header::LOCATION, location)],
         )
         .await
+    }
+}
+
+/// Whether the HTTP/1 request line carries a `#fragment`, which the URI parser drops silently
+/// but Envoy answers with 400.
+fn has_fragment(session: &Session) -> bool {
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => {
+            let raw = h1.get_headers_raw_bytes();
+            let line_end = raw.iter().position(|b| *b == b'\n').unwrap_or(raw.len());
+            raw[..line_end].contains(&b'#')
+        }
+        _ => false,
+    }
+}
+
+/// The authority as the client sent it (`:authority` or `Host`).
+fn raw_authority(req: &RequestHeader) -> &str {
+    req.uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| {
+            req.headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+        })
+        .unwrap_or("")
+}
+
+/// `host[:port]` into host and port; IPv6 literals keep their brackets.
+fn split_port(authority: &str) -> (&str, Option<&str>) {
+    let colon = if authority.starts_with('[') {
+        authority.find("]:").map(|i| i + 1)
+    } else {
+        authority.rfind(':')
+    };
+    match colon {
+        Some(i) => (&authority[..i], Some(&authority[i + 1..])),
+        None => (authority, None),
     }
 }
 
@@ -273,9 +330,15 @@ impl ProxyHttp for Gateway {
         let host = authority(session.req_header(), &listener);
         let req = session.req_header();
         let path = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        if has_fragment(session) || !path.starts_with('/') {
+            // Envoy rejects fragments and non-origin-form paths before routing.
+            session.set_keepalive(None);
+            return self.local_reply(session, ctx, 400, None, &[]).await;
+        }
         let scheme = req.uri.scheme_str().unwrap_or("http");
         let view = RequestView {
             host: &host,
+            authority: raw_authority(req),
             path,
             method: req.method.as_str(),
             scheme,
@@ -287,15 +350,19 @@ impl ProxyHttp for Gateway {
         };
         let fwd: &Forward = match &route.action {
             Action::Direct { status, body } => {
+                let status = status.as_u16();
+                // Envoy points 201 and 3xx direct responses at the request's own URL.
+                let mut extra = Vec::new();
+                if status == 201 || (300..400).contains(&status) {
+                    let location = format!("{scheme}://{}{path}", raw_authority(req));
+                    extra.push((http::header::LOCATION, location));
+                }
                 return self
-                    .local_reply(session, ctx, status.as_u16(), body.clone(), &[])
-                    .await
+                    .local_reply(session, ctx, status, body.clone(), &extra)
+                    .await;
             }
             Action::Redirect(r) => {
-                if let crate::snapshot::route::PathMatch::Prefix(p) = &route.path {
-                    ctx.prefix_rewrite = Some((p.len(), String::new()));
-                }
-                return self.redirect(session, ctx, r, &host).await;
+                return self.redirect(session, ctx, r, route.rewrite_len()).await;
             }
             Action::Forward(f) => f,
         };
@@ -321,10 +388,8 @@ impl ProxyHttp for Gateway {
         };
         cluster.active[idx].fetch_add(1, Relaxed);
         cluster.stats.rq_active.fetch_add(1, Relaxed);
-        if let (Some(rewrite), crate::snapshot::route::PathMatch::Prefix(p)) =
-            (&fwd.prefix_rewrite, &route.path)
-        {
-            ctx.prefix_rewrite = Some((p.len(), rewrite.clone()));
+        if let (Some(rewrite), Some(len)) = (&fwd.prefix_rewrite, route.rewrite_len()) {
+            ctx.prefix_rewrite = Some((len, rewrite.clone()));
         }
         ctx.host_rewrite = fwd.host_rewrite.clone();
         ctx.timeout = fwd.timeout;
@@ -464,10 +529,17 @@ impl ProxyHttp for Gateway {
         use ErrorType::*;
         let (code, body): (u16, &'static str) = match e.etype() {
             HTTPStatus(code) => (*code, ""),
-            ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure
-            | SocketError | BindError => (
+            ConnectTimedout => (
                 503,
-                "upstream connect error or disconnect/reset before headers. reset reason: connection failure",
+                "upstream connect error or disconnect/reset before headers. reset reason: connection timeout",
+            ),
+            ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure => (
+                503,
+                "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure",
+            ),
+            SocketError | BindError => (
+                503,
+                "upstream connect error or disconnect/reset before headers. reset reason: local connection failure",
             ),
             ReadTimedout | WriteTimedout => {
                 if let Some(c) = &ctx.cluster {

@@ -69,7 +69,9 @@ pub struct LoadAssignment {
 pub struct Cluster {
     pub def: Arc<ClusterDef>,
     pub endpoints: Arc<LoadAssignment>,
-    pub balancer: Balancer,
+    /// Where traffic goes: (share in percent, balancer over that share's hosts), per priority
+    /// level and health (healthy, then degraded), as Envoy splits load.
+    pub buckets: Vec<(u32, Balancer)>,
     /// In-flight requests per host, for least-request.
     pub active: Vec<AtomicU32>,
     pub stats: Arc<ClusterStats>,
@@ -81,10 +83,13 @@ impl Cluster {
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
     ) -> Cluster {
-        let eligible = eligible_hosts(&endpoints.hosts, def.panic_threshold);
+        let buckets = load_buckets(&endpoints.hosts, def.panic_threshold)
+            .into_iter()
+            .map(|(share, eligible)| (share, Balancer::new(def.policy, eligible)))
+            .collect();
         let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
         Cluster {
-            balancer: Balancer::new(def.policy, eligible),
+            buckets,
             def,
             endpoints,
             active,
@@ -93,7 +98,24 @@ impl Cluster {
     }
 
     pub fn pick(&self) -> Option<(usize, SocketAddr)> {
-        let i = self.balancer.pick(&self.active)?;
+        let balancer = match self.buckets.as_slice() {
+            [] => return None,
+            [(_, only)] => only,
+            many => {
+                let total: u32 = many.iter().map(|(s, _)| *s).sum();
+                let mut point = fastrand::u32(..total.max(1));
+                let mut chosen = &many[0].1;
+                for (share, b) in many {
+                    if point < *share {
+                        chosen = b;
+                        break;
+                    }
+                    point -= share;
+                }
+                chosen
+            }
+        };
+        let i = balancer.pick(&self.active)?;
         Some((i, self.endpoints.hosts[i].addr))
     }
 
@@ -106,46 +128,93 @@ impl Cluster {
     }
 }
 
-/// The hosts traffic may go to: the first priority level that has healthy hosts; when the healthy
-/// share of that level is under the panic threshold, every host of it (Envoy's panic mode).
-fn eligible_hosts(hosts: &[Host], panic_threshold: f64) -> Eligible {
+/// Envoy's default overprovisioning factor (1.4): a level at 72% health still takes all load.
+const OVERPROVISIONING: f64 = 1.4;
+
+fn eligible(hosts: &[Host], pick: impl Fn(&Host) -> bool) -> Eligible {
+    let idx: Vec<usize> = (0..hosts.len()).filter(|i| pick(&hosts[*i])).collect();
+    let weights = idx.iter().map(|i| hosts[*i].weight).collect();
+    Eligible {
+        hosts: idx,
+        weights,
+    }
+}
+
+/// Envoy's priority load: each level's health (healthy share x 1.4, capped at 100) takes load in
+/// priority order, normalized by the total availability; degraded hosts take what healthy ones
+/// cannot. A level whose healthy plus degraded share is under the panic threshold balances across
+/// all its hosts. With no availability at all, priority 0 takes everything, in panic.
+fn load_buckets(hosts: &[Host], panic_threshold: f64) -> Vec<(u32, Eligible)> {
     let mut levels: Vec<u32> = hosts.iter().map(|h| h.priority).collect();
     levels.sort_unstable();
     levels.dedup();
-    let level = levels
-        .iter()
-        .copied()
-        .find(|p| {
-            hosts
-                .iter()
-                .any(|h| h.priority == *p && h.health == Health::Healthy)
-        })
-        .or_else(|| levels.first().copied());
-    let Some(level) = level else {
-        return Eligible {
-            hosts: Vec::new(),
-            weights: Vec::new(),
-        };
+    let Some(&first) = levels.first() else {
+        return Vec::new();
     };
-    let in_level: Vec<usize> = (0..hosts.len())
-        .filter(|i| hosts[*i].priority == level)
-        .collect();
-    let healthy: Vec<usize> = in_level
-        .iter()
-        .copied()
-        .filter(|i| hosts[*i].health == Health::Healthy)
-        .collect();
-    let healthy_pct = 100.0 * healthy.len() as f64 / in_level.len().max(1) as f64;
-    let chosen = if healthy_pct < panic_threshold {
-        in_level
-    } else {
-        healthy
-    };
-    let weights = chosen.iter().map(|i| hosts[*i].weight).collect();
-    Eligible {
-        hosts: chosen,
-        weights,
+    struct Level {
+        priority: u32,
+        health: f64,
+        degraded: f64,
+        panic: bool,
     }
+    let stats: Vec<Level> = levels
+        .iter()
+        .map(|&p| {
+            let total = hosts.iter().filter(|h| h.priority == p).count() as f64;
+            let count = |want: Health| {
+                hosts
+                    .iter()
+                    .filter(|h| h.priority == p && h.health == want)
+                    .count() as f64
+            };
+            let (healthy, degraded) = (count(Health::Healthy), count(Health::Degraded));
+            Level {
+                priority: p,
+                health: (OVERPROVISIONING * 100.0 * healthy / total).min(100.0),
+                degraded: (OVERPROVISIONING * 100.0 * degraded / total).min(100.0),
+                panic: 100.0 * (healthy + degraded) / total < panic_threshold,
+            }
+        })
+        .collect();
+    let availability: f64 = stats
+        .iter()
+        .map(|l| l.health + l.degraded)
+        .sum::<f64>()
+        .min(100.0);
+    if availability <= 0.0 {
+        return vec![(10_000, eligible(hosts, |h| h.priority == first))];
+    }
+    let mut remaining = 100.0;
+    let mut shares: Vec<(u32, f64, bool)> = Vec::new();
+    for degraded in [false, true] {
+        for l in &stats {
+            let want = if degraded { l.degraded } else { l.health } * 100.0 / availability;
+            let share = want.min(remaining);
+            remaining -= share;
+            if share > 0.0 {
+                shares.push((l.priority, share, degraded));
+            }
+        }
+    }
+    shares
+        .into_iter()
+        .map(|(p, share, degraded)| {
+            let panic = stats.iter().any(|l| l.priority == p && l.panic);
+            let set = if panic {
+                eligible(hosts, |h| h.priority == p)
+            } else {
+                let want = if degraded {
+                    Health::Degraded
+                } else {
+                    Health::Healthy
+                };
+                eligible(hosts, |h| h.priority == p && h.health == want)
+            };
+            // Shares are percentages; keep two decimals of precision for the split.
+            ((share * 100.0).round() as u32, set)
+        })
+        .filter(|(share, set)| *share > 0 && !set.hosts.is_empty())
+        .collect()
 }
 
 impl ClusterDef {
@@ -210,6 +279,9 @@ impl ClusterDef {
             Some(d) => duration(d).map_err(|e| err(format!("connect_timeout: {e}")))?,
             None => Duration::from_secs(5),
         };
+        if connect_timeout.is_zero() {
+            return Err(err("connect_timeout must be greater than 0s".into()));
+        }
         let panic_threshold = c
             .common_lb_config
             .as_ref()
@@ -235,6 +307,16 @@ impl ClusterDef {
                 endpoints: Vec::new(),
             }),
         };
+        if kind == DiscoveryKind::LogicalDns {
+            let one = c.load_assignment.as_ref().is_some_and(|la| {
+                la.endpoints.len() == 1 && la.endpoints[0].lb_endpoints.len() == 1
+            });
+            if !one {
+                return Err(err(
+                    "LOGICAL_DNS clusters must have a single locality_lb_endpoint and a single lb_endpoint".into(),
+                ));
+            }
+        }
         #[allow(deprecated)]
         let http2 = c.http2_protocol_options.is_some()
             || c.typed_extension_protocol_options
@@ -253,10 +335,15 @@ impl ClusterDef {
     }
 }
 
-fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
-    ts.name == "envoy.transport_sockets.raw_buffer"
-        || matches!(&ts.config_type, Some(corepb::transport_socket::ConfigType::TypedConfig(a))
-            if a.type_url.ends_with("envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"))
+/// Envoy picks a transport socket by its `typed_config` type, and by name only without one.
+pub fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
+    match &ts.config_type {
+        Some(corepb::transport_socket::ConfigType::TypedConfig(a)) => {
+            a.type_url
+                == "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"
+        }
+        None => ts.name == "envoy.transport_sockets.raw_buffer",
+    }
 }
 
 fn http2_in_protocol_options(bytes: &[u8]) -> bool {
@@ -360,6 +447,10 @@ mod tests {
         }
     }
 
+    fn hosts_of(buckets: &[(u32, Eligible)]) -> Vec<(u32, Vec<usize>)> {
+        buckets.iter().map(|(s, e)| (*s, e.hosts.clone())).collect()
+    }
+
     #[test]
     fn unhealthy_hosts_are_skipped_above_panic_threshold() {
         let hosts = [
@@ -367,7 +458,10 @@ mod tests {
             host(2, Health::Healthy, 0),
             host(3, Health::Unhealthy, 0),
         ];
-        assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![0, 1]);
+        assert_eq!(
+            hosts_of(&load_buckets(&hosts, 50.0)),
+            vec![(10000, vec![0, 1])]
+        );
     }
 
     #[test]
@@ -377,13 +471,53 @@ mod tests {
             host(2, Health::Unhealthy, 0),
             host(3, Health::Unhealthy, 0),
         ];
-        assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![0, 1, 2]);
-        assert_eq!(eligible_hosts(&hosts, 0.0).hosts, vec![0]);
+        assert_eq!(
+            hosts_of(&load_buckets(&hosts, 50.0)),
+            vec![(10000, vec![0, 1, 2])]
+        );
+        assert_eq!(hosts_of(&load_buckets(&hosts, 0.0)), vec![(10000, vec![0])]);
+        let none = [host(1, Health::Unhealthy, 0), host(2, Health::Unhealthy, 1)];
+        assert_eq!(hosts_of(&load_buckets(&none, 50.0)), vec![(10000, vec![0])]);
     }
 
     #[test]
-    fn lower_priority_is_used_when_p0_has_no_healthy_host() {
+    fn lower_priority_takes_the_load_p0_cannot() {
         let hosts = [host(1, Health::Unhealthy, 0), host(2, Health::Healthy, 1)];
-        assert_eq!(eligible_hosts(&hosts, 50.0).hosts, vec![1]);
+        assert_eq!(
+            hosts_of(&load_buckets(&hosts, 50.0)),
+            vec![(10000, vec![1])]
+        );
+        // P0 at 50% health: 1.4 x 50 = 70% stays on P0, 30% spills to P1.
+        let half = [
+            host(1, Health::Healthy, 0),
+            host(2, Health::Unhealthy, 0),
+            host(3, Health::Healthy, 1),
+        ];
+        assert_eq!(
+            hosts_of(&load_buckets(&half, 0.0)),
+            vec![(7000, vec![0]), (3000, vec![2])]
+        );
+    }
+
+    #[test]
+    fn degraded_hosts_take_what_healthy_ones_cannot() {
+        let hosts = [host(1, Health::Healthy, 0), host(2, Health::Degraded, 0)];
+        assert_eq!(
+            hosts_of(&load_buckets(&hosts, 50.0)),
+            vec![(7000, vec![0]), (3000, vec![1])]
+        );
+        let mostly = [
+            host(1, Health::Healthy, 0),
+            host(2, Health::Healthy, 0),
+            host(3, Health::Healthy, 0),
+            host(4, Health::Degraded, 0),
+        ];
+        assert_eq!(
+            hosts_of(&load_buckets(&mostly, 50.0)),
+            vec![(10000, vec![0, 1, 2])]
+        );
     }
 }
+#[cfg(test)]
+#[path = "cluster_tests.rs"]
+mod cluster_tests;

@@ -91,7 +91,7 @@ impl ListenerDef {
             }
         };
         if let Some(ts) = &chain.transport_socket {
-            if ts.name != "envoy.transport_sockets.raw_buffer" {
+            if !super::cluster::is_raw_buffer(ts) {
                 return Err(err(format!(
                     "filter_chains[0].transport_socket '{}' is not supported yet (TLS)",
                     ts.name
@@ -233,3 +233,6 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
     }
     Ok(())
 }
+#[cfg(test)]
+#[path = "listener_tests.rs"]
+mod listener_tests;

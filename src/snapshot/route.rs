@@ -114,6 +114,19 @@ pub struct Route {
     pub action: Action,
 }
 
+impl Route {
+    /// How much of the path `prefix_rewrite` replaces: the matched prefix, or the whole path
+    /// for an exact match. Regex routes have no prefix to replace.
+    pub fn rewrite_len(&self) -> Option<usize> {
+        match &self.path {
+            PathMatch::Prefix(p) | PathMatch::SeparatedPrefix(p) | PathMatch::Exact(p) => {
+                Some(p.len())
+            }
+            PathMatch::Regex(_) => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub enum PathMatch {
     Prefix(String),
@@ -220,6 +233,8 @@ pub struct QueryMatcher {
 pub enum QueryMatch {
     String(StringMatch),
     Present,
+    /// `present_match: false`: the parameter must be absent.
+    Absent,
 }
 
 /// `envoy.type.matcher.v3.StringMatcher`.
@@ -296,6 +311,9 @@ pub fn string_matcher(m: &mpb::StringMatcher) -> Result<StringMatch, String> {
         ),
         Some(P::Prefix(_)) | Some(P::Suffix(_)) | Some(P::Contains(_)) => {
             return Err("string matcher: prefix, suffix and contains must not be empty".into())
+        }
+        Some(P::SafeRegex(_)) if ic => {
+            return Err("string matcher: ignore_case has no effect for safe_regex".into())
         }
         Some(P::SafeRegex(r)) => StringMatch::Regex(regex_matcher(r)?),
         Some(P::Custom(c)) => {
@@ -431,7 +449,7 @@ fn translate_route(r: &rpb::Route) -> Result<Route, String> {
         }),
         Some(PS::SafeRegex(re)) => PathMatch::Regex(regex_matcher(re)?),
         Some(PS::PathSeparatedPrefix(p)) => {
-            if p.ends_with('/') || p.contains(['?', '#']) {
+            if p.is_empty() || p.ends_with('/') || p.contains(['?', '#']) {
                 return Err(format!(
                     "path_separated_prefix '{p}' must not end with '/' or contain '?' or '#'"
                 ));
@@ -526,6 +544,9 @@ fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
             end: r.end,
         },
         Some(H::PresentMatch(p)) => HeaderMatch::Present(*p),
+        Some(H::PrefixMatch(s) | H::SuffixMatch(s) | H::ContainsMatch(s)) if s.is_empty() => {
+            return Err("prefix_match, suffix_match and contains_match must not be empty".into())
+        }
         Some(H::PrefixMatch(s)) => HeaderMatch::String(StringMatch::Prefix(s.clone(), false)),
         Some(H::SuffixMatch(s)) => HeaderMatch::String(StringMatch::Suffix(s.clone(), false)),
         Some(H::ContainsMatch(s)) => HeaderMatch::String(StringMatch::Contains(s.clone(), false)),
@@ -550,9 +571,7 @@ fn query_matcher(q: &rpb::QueryParameterMatcher) -> Result<QueryMatcher, String>
     let kind = match &q.query_parameter_match_specifier {
         Some(Q::StringMatch(s)) => QueryMatch::String(string_matcher(s)?),
         Some(Q::PresentMatch(true)) | None => QueryMatch::Present,
-        Some(Q::PresentMatch(false)) => {
-            return Err("present_match: false is not allowed".into());
-        }
+        Some(Q::PresentMatch(false)) => QueryMatch::Absent,
     };
     Ok(QueryMatcher {
         name: q.name.clone(),
@@ -671,3 +690,6 @@ fn redirect(r: &rpb::RedirectAction) -> Result<Redirect, String> {
         status,
     })
 }
+#[cfg(test)]
+#[path = "route_tests.rs"]
+mod route_tests;

@@ -52,7 +52,7 @@ impl ConfigWorker {
         let stats = &self.state.stats;
         let snap = Arc::new(next.assemble(&prev, self.version, &|n| stats.cluster(n)));
         self.state.snapshot.store(snap.clone());
-        self.listeners.reconcile(&snap, &wanted);
+        self.listeners.reconcile(&snap);
         stats.retain_clusters(|n| next.clusters.contains_key(n));
         self.store = next;
         self.state.store.store(Arc::new(self.store.clone()));
@@ -131,6 +131,8 @@ pub struct AdsClient {
     cds: bool,
     /// `ads_config.set_node_on_first_message_only`; Envoy sends the node on every request otherwise.
     pub node_first_only: bool,
+    /// The CDS ACK held back until the clusters it brought have their endpoints.
+    pending_cds_ack: Option<(DiscoveryRequest, std::time::Instant)>,
 }
 
 enum StreamEnd {
@@ -142,6 +144,7 @@ enum StreamEnd {
 const BACKOFF_BASE: Duration = Duration::from_millis(250);
 const BACKOFF_CAP: Duration = Duration::from_secs(5);
 const DNS_REFRESH: Duration = Duration::from_secs(5);
+const INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
 const MAX_MESSAGE: usize = 512 * 1024 * 1024;
 
 impl AdsClient {
@@ -160,6 +163,7 @@ impl AdsClient {
             lds,
             cds,
             node_first_only: false,
+            pending_cds_ack: None,
         }
     }
 
@@ -220,6 +224,7 @@ impl AdsClient {
             .max_encoding_message_size(MAX_MESSAGE);
         let (tx, rx) = mpsc::channel::<DiscoveryRequest>(64);
         // Fresh nonces per stream: the server has forgotten the old ones.
+        self.pending_cds_ack = None;
         for sub in self.subs.values_mut() {
             sub.nonce.clear();
         }
@@ -276,7 +281,24 @@ impl AdsClient {
                         return if got_data { StreamEnd::AfterData(why) } else { StreamEnd::NoData(why) };
                     }
                 },
-                _ = dns.tick() => self.worker.refresh_dns().await,
+                _ = dns.tick() => {
+                    self.worker.refresh_dns().await;
+                    // Envoy's initial_fetch_timeout: stop waiting for endpoints after 15 s.
+                    let expired = self
+                        .pending_cds_ack
+                        .as_ref()
+                        .is_some_and(|(_, since)| since.elapsed() >= INITIAL_FETCH_TIMEOUT);
+                    let released = if expired { self.pending_cds_ack.take() } else { None };
+                    if let Some((ack, _)) = released {
+                        if let Some(s) = self.subs.get_mut(&Kind::Cluster) {
+                            s.acked = true;
+                        }
+                        self.update_readiness();
+                        if tx.send(ack).await.is_err() {
+                            return StreamEnd::AfterData("request channel closed".into());
+                        }
+                    }
+                }
             }
         }
     }
@@ -314,15 +336,17 @@ impl AdsClient {
             .store
             .apply(kind, &resp.version_info, &resp.resources)
             .and_then(|next| self.worker.commit(next));
-        let sub = self.subs.entry(kind).or_default();
-        sub.nonce = resp.nonce.clone();
+        self.subs.entry(kind).or_default().nonce = resp.nonce.clone();
         let mut out = Vec::new();
         match result {
             Ok(()) => {
                 bump(SUCCESS, &names);
-                sub.acked = true;
                 tracing::debug!(kind = kind.short(), version = %resp.version_info, "accepted");
-                out.push(self.request(kind, false));
+                let ack = self.request(kind, false);
+                if kind == Kind::Cluster {
+                    // A newer CDS response supersedes an ACK still waiting for endpoints.
+                    self.pending_cds_ack = None;
+                }
                 let wanted = [
                     (Kind::Endpoint, self.worker.store.wanted_endpoints()),
                     (Kind::Route, self.worker.store.wanted_routes()),
@@ -332,6 +356,29 @@ impl AdsClient {
                     if sub.names != names {
                         sub.names = names;
                         out.push(self.request(k, false));
+                    }
+                }
+                if kind == Kind::Cluster && self.worker.store.has_warming_clusters() {
+                    // Like Envoy, ACK new clusters once they are warm (their endpoints arrived).
+                    self.pending_cds_ack = Some((ack, std::time::Instant::now()));
+                } else {
+                    if let Some(s) = self.subs.get_mut(&kind) {
+                        s.acked = true;
+                    }
+                    out.insert(0, ack);
+                }
+                tracing::debug!(
+                    kind = kind.short(),
+                    warming = self.worker.store.has_warming_clusters(),
+                    pending = self.pending_cds_ack.is_some(),
+                    "after accept"
+                );
+                if !self.worker.store.has_warming_clusters() {
+                    if let Some((cds_ack, _)) = self.pending_cds_ack.take() {
+                        if let Some(s) = self.subs.get_mut(&Kind::Cluster) {
+                            s.acked = true;
+                        }
+                        out.push(cds_ack);
                     }
                 }
             }

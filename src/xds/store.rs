@@ -276,6 +276,13 @@ impl Store {
             .collect()
     }
 
+    /// Whether an EDS cluster is still waiting for its first ClusterLoadAssignment.
+    pub fn has_warming_clusters(&self) -> bool {
+        self.clusters.values().any(|c| {
+            c.value.kind == DiscoveryKind::Eds && !self.endpoints.contains_key(&c.value.eds_name)
+        })
+    }
+
     /// DNS clusters whose hosts need resolving: (cluster name, hostnames).
     pub fn dns_clusters(&self) -> Vec<Arc<ClusterDef>> {
         self.clusters
@@ -429,3 +436,6 @@ fn check_listener_addresses(listeners: &Table<ListenerProto, ListenerDef>) -> Ve
     }
     errors
 }
+#[cfg(test)]
+#[path = "store_tests.rs"]
+mod store_tests;

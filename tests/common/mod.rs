@@ -1352,3 +1352,589 @@ pub fn envoy_cluster_metric(cluster: &str, stat: &str) -> (String, String) {
         None => (format!("envoy_cluster_{stat}"), cluster.to_string()),
     }
 }
+
+// ===========================================================================
+// BEGIN conformance_routing helpers (appended for tests/conformance_routing.rs)
+// ===========================================================================
+
+/// A response read off a raw HTTP/1.1 connection: exactly what went over the
+/// wire, header names lowercased, body de-chunked.
+#[derive(Debug, Clone)]
+pub struct RawResp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawResp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn body_str(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Writes `request` verbatim to 127.0.0.1:`port` and reads one response.
+/// The read stops as soon as the response is complete by its framing
+/// (content-length, chunked, or a 204/304 status), or at EOF when it has no
+/// framing. With `head` the response has no body whatever its headers say: the
+/// read goes on until the server closes the connection (send `connection:
+/// close`) and any byte after the headers is reported as body, so a body sent
+/// in violation of HEAD is seen. Transport failures and unparsable answers
+/// yield status 0 with the reason in the body.
+pub async fn raw_http1(port: u16, request: &[u8], head: bool) -> RawResp {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let failed = |why: String| RawResp {
+        status: 0,
+        headers: Vec::new(),
+        body: why.into_bytes(),
+    };
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(request).await?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            let n = s.read(&mut chunk).await?;
+            if n == 0 {
+                return Ok::<_, std::io::Error>((buf, true));
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if !head && parse_raw_response(&buf, false).is_some() {
+                return Ok((buf, false));
+            }
+        }
+    };
+    let (buf, eof) = match tokio::time::timeout(Duration::from_secs(5), io).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return failed(format!("io error: {e}")),
+        Err(_) => return failed("timed out".into()),
+    };
+    match parse_raw_response(&buf, head || eof) {
+        Some(r) => r,
+        None => failed(format!(
+            "incomplete response {:?}",
+            String::from_utf8_lossy(&buf)
+        )),
+    }
+}
+
+/// HEAD `path`, followed on the same connection by a pipelined GET of `path`.
+/// Returns the HEAD response; its body is whatever the server wrote between
+/// the HEAD response's headers and the GET response's status line (a
+/// conformant server writes nothing there). Deterministic: no waiting for a
+/// body that may or may not come.
+pub async fn raw_head(port: u16, path: &str, host: &str) -> RawResp {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!(
+        "HEAD {path} HTTP/1.1\r\nhost: {host}\r\n\r\nGET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+    );
+    let failed = |why: String| RawResp {
+        status: 0,
+        headers: Vec::new(),
+        body: why.into_bytes(),
+    };
+    // (HEAD response head end, GET status line start) once both are in.
+    let split = |buf: &[u8]| -> Option<(usize, usize)> {
+        let e1 = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        let k = e1 + buf[e1..].windows(7).position(|w| w == b"HTTP/1.")?;
+        parse_raw_response(&buf[k..], false)?;
+        Some((e1, k))
+    };
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(request.as_bytes()).await?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            let n = s.read(&mut chunk).await?;
+            buf.extend_from_slice(&chunk[..n]);
+            if n == 0 || split(&buf).is_some() {
+                return Ok::<_, std::io::Error>(buf);
+            }
+        }
+    };
+    let buf = match tokio::time::timeout(Duration::from_secs(5), io).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return failed(format!("io error: {e}")),
+        Err(_) => return failed("timed out".into()),
+    };
+    let (e1, k) = split(&buf).unwrap_or_else(|| {
+        let e1 = buf
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(buf.len(), |p| p + 4);
+        (e1, buf.len())
+    });
+    match parse_raw_response(&buf[..e1], true) {
+        Some(mut r) => {
+            r.body = buf[e1..k].to_vec();
+            r
+        }
+        None => failed(format!(
+            "incomplete response {:?}",
+            String::from_utf8_lossy(&buf)
+        )),
+    }
+}
+
+/// Parses a complete response out of `buf`, or None while it is incomplete.
+/// With `to_eof`, everything after the headers is the (possibly chunked) body.
+fn parse_raw_response(buf: &[u8], to_eof: bool) -> Option<RawResp> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head_text = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let mut lines = head_text.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let rest = &buf[end + 4..];
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+    let length = headers
+        .iter()
+        .find(|(k, _)| k == "content-length")
+        .and_then(|(_, v)| v.parse::<usize>().ok());
+    let body = if to_eof {
+        if chunked {
+            dechunk(rest).unwrap_or_else(|| rest.to_vec())
+        } else {
+            rest.to_vec()
+        }
+    } else if status == 204 || status == 304 {
+        Vec::new()
+    } else if chunked {
+        dechunk(rest)?
+    } else if let Some(n) = length {
+        rest.get(..n)?.to_vec()
+    } else {
+        return None;
+    };
+    Some(RawResp {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// Decodes a chunked body; None until the last chunk and trailers are in.
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = data.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = String::from_utf8_lossy(&data[..eol]).into_owned();
+        let size_text = size_text.split(';').next().unwrap_or("").trim();
+        let size = usize::from_str_radix(size_text, 16).ok()?;
+        data = &data[eol + 2..];
+        if size == 0 {
+            // Trailers, if any, end with an empty line.
+            if data.starts_with(b"\r\n") || data.windows(4).any(|w| w == b"\r\n\r\n") {
+                return Some(out);
+            }
+            return None;
+        }
+        if data.len() < size + 2 {
+            return None;
+        }
+        out.extend_from_slice(&data[..size]);
+        data = &data[size + 2..];
+    }
+}
+
+/// Any request through a reqwest client; like `HttpClient::get` but with a
+/// method and an optional body. Headers are appended, so a name given twice
+/// is sent as two header lines.
+pub async fn send_request(
+    client: &reqwest::Client,
+    method: &str,
+    url: &str,
+    host: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> Resp {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).expect("valid method");
+    let mut req = client.request(method, url);
+    if let Some(h) = host {
+        req = req.header("host", h);
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    if let Some(b) = body {
+        req = req.body(b);
+    }
+    match req.send().await {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let headers = resp.headers().clone();
+            match resp.text().await {
+                Ok(body) => Resp {
+                    status,
+                    headers,
+                    body,
+                    error: None,
+                },
+                Err(e) => Resp::failed(format!("reading body: {e}")),
+            }
+        }
+        Err(e) => Resp::failed(e),
+    }
+}
+
+/// An HTTP/1.1 upstream that echoes the whole request it received: it answers
+/// with `x-backend`, `x-echo-method`, `x-echo-path`, `x-echo-host`,
+/// `x-echo-content-length`, `x-echo-transfer-encoding` (when sent),
+/// `x-echo-body-len`, `server: echo-backend`, and the request body as its body
+/// (or its own name when the request had no body).
+pub struct EchoBackend {
+    pub name: String,
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl EchoBackend {
+    pub async fn start(name: &str) -> EchoBackend {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind echo backend");
+        let addr = listener.local_addr().expect("echo backend addr");
+        let task = tokio::spawn(echo_accept_loop(listener, name.to_string()));
+        EchoBackend {
+            name: name.to_string(),
+            addr,
+            task,
+        }
+    }
+}
+
+impl Drop for EchoBackend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn echo_accept_loop(listener: tokio::net::TcpListener, name: String) {
+    use http_body_util::BodyExt;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let name = name.clone();
+        tokio::spawn(async move {
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let name = name.clone();
+                    async move {
+                        let (parts, body) = req.into_parts();
+                        let body = body
+                            .collect()
+                            .await
+                            .map(|c| c.to_bytes())
+                            .unwrap_or_default();
+                        let mut resp = hyper::Response::builder()
+                            .status(200)
+                            .header("server", "echo-backend")
+                            .header("x-backend", name.as_str())
+                            .header("x-echo-method", parts.method.as_str())
+                            .header("x-echo-path", parts.uri.to_string())
+                            .header("x-echo-body-len", body.len().to_string());
+                        for (from, to) in [
+                            ("host", "x-echo-host"),
+                            ("content-length", "x-echo-content-length"),
+                            ("transfer-encoding", "x-echo-transfer-encoding"),
+                        ] {
+                            if let Some(v) = parts.headers.get(from) {
+                                resp = resp.header(to, v.clone());
+                            }
+                        }
+                        let out = if body.is_empty() {
+                            Bytes::from(name)
+                        } else {
+                            body
+                        };
+                        let resp = resp
+                            .body(Full::new(out))
+                            .expect("echo response is well-formed");
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+// ===========================================================================
+// END conformance_routing helpers
+// ===========================================================================
+
+// ===========================================================================
+// BEGIN conformance_xds helpers (appended for tests/conformance_xds.rs)
+// ===========================================================================
+
+/// Endpoint health as EDS reports it.
+pub use envoy_types::pb::envoy::config::core::v3::HealthStatus as EdsHealth;
+
+impl Backend {
+    /// Like `start`, but every response is sent only after `delay`;
+    /// `served()` counts requests as they arrive.
+    pub async fn start_delayed(name: &str, delay: Duration) -> Backend {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind delayed backend");
+        let addr = listener.local_addr().expect("delayed backend addr");
+        let served = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(delayed_accept_loop(
+            listener,
+            name.to_string(),
+            served.clone(),
+            delay,
+        ));
+        Backend {
+            name: name.to_string(),
+            addr,
+            served,
+            task,
+        }
+    }
+}
+
+async fn delayed_accept_loop(
+    listener: tokio::net::TcpListener,
+    name: String,
+    served: Arc<AtomicUsize>,
+    delay: Duration,
+) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let name = name.clone();
+        let served = served.clone();
+        tokio::spawn(async move {
+            let svc =
+                hyper::service::service_fn(move |_req: hyper::Request<hyper::body::Incoming>| {
+                    let name = name.clone();
+                    let served = served.clone();
+                    async move {
+                        // Counted on arrival, so tests can see a request in flight.
+                        served.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(delay).await;
+                        let resp = hyper::Response::builder()
+                            .status(200)
+                            .header("x-backend", name.as_str())
+                            .body(Full::new(Bytes::from(name)))
+                            .expect("static response is well-formed");
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// One EDS endpoint with an explicit health status and optional weight.
+pub fn lb_ep(addr: SocketAddr, health: EdsHealth, weight: Option<u32>) -> LbEndpoint {
+    LbEndpoint {
+        host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+            address: Some(socket_addr(&addr.ip().to_string(), addr.port())),
+            ..Default::default()
+        })),
+        health_status: health as i32,
+        load_balancing_weight: weight.map(|value| UInt32Value { value }),
+        ..Default::default()
+    }
+}
+
+/// A locality at `priority` holding `endpoints`.
+pub fn locality_at(priority: u32, endpoints: Vec<LbEndpoint>) -> LocalityLbEndpoints {
+    LocalityLbEndpoints {
+        lb_endpoints: endpoints,
+        priority,
+        ..Default::default()
+    }
+}
+
+pub fn cla_localities(
+    cluster_name: &str,
+    localities: Vec<LocalityLbEndpoints>,
+) -> ClusterLoadAssignment {
+    ClusterLoadAssignment {
+        cluster_name: cluster_name.to_string(),
+        endpoints: localities,
+        ..Default::default()
+    }
+}
+
+impl AdsServer {
+    /// Forgets everything stored for `type_url`: subscriptions to it get no
+    /// response until the type is set again.
+    pub fn clear_type(&self, type_url: &str) {
+        self.shared
+            .config
+            .lock()
+            .expect("ads config lock")
+            .remove(type_url);
+    }
+
+    /// Number of requests logged so far (an index for `wait_for_nack_since`).
+    pub fn log_len(&self) -> usize {
+        self.shared.log.lock().expect("ads log lock").len()
+    }
+
+    /// Waits for a NACK of `type_url` logged at index `since` or later.
+    pub async fn wait_for_nack_since(
+        &self,
+        type_url: &str,
+        since: usize,
+        timeout: Duration,
+    ) -> LoggedRequest {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(r) = self
+                .log()
+                .into_iter()
+                .skip(since)
+                .find(|r| r.type_url == type_url && r.is_nack())
+            {
+                return r;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "no NACK of {type_url} (after request #{since}) within {timeout:?}; last requests:{}",
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Gateway {
+    /// Launches the gateway against the ADS server on `ads_port` WITHOUT
+    /// waiting for `/ready`.
+    pub fn spawn(ads_port: u16) -> Gateway {
+        let bin = gateway_bin();
+        let dir = TempDir::new("portico-it");
+        let admin_port = free_port();
+        let bootstrap = dir.path.join("bootstrap.yaml");
+        std::fs::write(&bootstrap, bootstrap_yaml(admin_port, ads_port)).expect("write bootstrap");
+        let stderr_path = dir.path.join("gateway.stderr");
+        let stderr = std::fs::File::create(&stderr_path).expect("create stderr file");
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c").arg(&bootstrap).args(["--concurrency", "1"]);
+        if is_envoy(&bin) {
+            cmd.arg("--disable-hot-restart");
+        }
+        cmd.args(["--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(
+                stderr.try_clone().expect("dup stderr file for stdout"),
+            ))
+            .stderr(Stdio::from(stderr));
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn gateway {}: {e}", bin.display()));
+        Gateway {
+            child,
+            admin_port,
+            stderr_path,
+            _dir: dir,
+        }
+    }
+
+    /// GET on the admin port.
+    pub async fn admin_get(&self, path: &str) -> Resp {
+        get(&self.admin_url(path), None, &[]).await
+    }
+}
+
+/// What a TCP connect to 127.0.0.1:`port` does: `Ok(())` when accepted,
+/// otherwise the error kind (e.g. `ConnectionRefused`).
+pub async fn tcp_connect(port: u16) -> Result<(), std::io::ErrorKind> {
+    match tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::TcpStream::connect(("127.0.0.1", port)),
+    )
+    .await
+    {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(e.kind()),
+        Err(_) => Err(std::io::ErrorKind::TimedOut),
+    }
+}
+
+/// Sends `GET <path>` with `Connection: close` on a fresh connection and
+/// returns the status line, or a description of what happened instead
+/// ("refused", "no answer within ...", "closed without answer").
+pub async fn probe_http(
+    port: u16,
+    host: &str,
+    path: &str,
+    wait: Duration,
+) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+            return Err("refused".to_string())
+        }
+        Err(e) => return Err(format!("connect: {e}")),
+    };
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    if let Err(e) = stream.write_all(req.as_bytes()).await {
+        return Err(format!("write: {e}"));
+    }
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(wait, async {
+        let mut chunk = [0u8; 1024];
+        loop {
+            match stream.read(&mut chunk).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => {
+                    buf.extend_from_slice(&chunk[..n]);
+                    if buf.windows(2).any(|w| w == b"\r\n") {
+                        return Ok(());
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await;
+    match read {
+        Err(_) => Err(format!("no answer within {wait:?}")),
+        Ok(Err(e)) => Err(format!("read: {e}")),
+        Ok(Ok(())) if buf.is_empty() => Err("closed without answer".to_string()),
+        Ok(Ok(())) => Ok(String::from_utf8_lossy(&buf)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()),
+    }
+}
+
+// ===========================================================================
+// END conformance_xds helpers
+// ===========================================================================

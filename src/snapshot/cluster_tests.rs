@@ -1,0 +1,656 @@
+//! `ClusterDef::translate` and ClusterLoadAssignment translation.
+
+use super::*;
+
+use envoy_types::pb::envoy::config::cluster::v3::cluster::{
+    ClusterDiscoveryType as CDT, CommonLbConfig, CustomClusterType, DiscoveryType as DT,
+    EdsClusterConfig, LbPolicy, TransportSocketMatch,
+};
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext;
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+    explicit_http_config::ProtocolConfig, ExplicitHttpConfig, UpstreamProtocolOptions,
+};
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
+use envoy_types::pb::envoy::r#type::v3::Percent;
+use envoy_types::pb::google::protobuf::{Any, Duration as PbDuration, UInt32Value};
+use prost::Message;
+
+const TLS_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
+const RAW_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
+const HPO_KEY: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+// ---------------------------------------------------------------------------------------------
+// Builders
+
+fn cluster(name: &str) -> cpb::Cluster {
+    cpb::Cluster {
+        name: name.into(),
+        ..Default::default()
+    }
+}
+
+fn typed(name: &str, t: DT) -> cpb::Cluster {
+    cpb::Cluster {
+        cluster_discovery_type: Some(CDT::Type(t as i32)),
+        ..cluster(name)
+    }
+}
+
+fn sock(host: &str, port: u32) -> corepb::Address {
+    corepb::Address {
+        address: Some(corepb::address::Address::SocketAddress(
+            corepb::SocketAddress {
+                address: host.into(),
+                port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(port)),
+                ..Default::default()
+            },
+        )),
+    }
+}
+
+fn lb_endpoint(host: &str, port: u32) -> epb::LbEndpoint {
+    epb::LbEndpoint {
+        host_identifier: Some(epb::lb_endpoint::HostIdentifier::Endpoint(epb::Endpoint {
+            address: Some(sock(host, port)),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn locality(priority: u32, eps: Vec<epb::LbEndpoint>) -> epb::LocalityLbEndpoints {
+    epb::LocalityLbEndpoints {
+        priority,
+        lb_endpoints: eps,
+        ..Default::default()
+    }
+}
+
+fn cla(name: &str, localities: Vec<epb::LocalityLbEndpoints>) -> epb::ClusterLoadAssignment {
+    epb::ClusterLoadAssignment {
+        cluster_name: name.into(),
+        endpoints: localities,
+        ..Default::default()
+    }
+}
+
+fn with_inline(mut c: cpb::Cluster, la: epb::ClusterLoadAssignment) -> cpb::Cluster {
+    c.load_assignment = Some(la);
+    c
+}
+
+fn socket(name: &str, type_url: &str) -> corepb::TransportSocket {
+    corepb::TransportSocket {
+        name: name.into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(Any {
+            type_url: type_url.into(),
+            value: if type_url == TLS_TYPE {
+                UpstreamTlsContext::default().encode_to_vec()
+            } else {
+                vec![]
+            },
+        })),
+    }
+}
+
+fn ok(c: &cpb::Cluster) -> ClusterDef {
+    ClusterDef::translate(c).unwrap_or_else(|e| panic!("unexpected rejection: {e}"))
+}
+
+#[track_caller]
+fn rejected(c: &cpb::Cluster, needle: &str) -> String {
+    let e = match ClusterDef::translate(c) {
+        Ok(d) => panic!("expected a rejection, got {d:?}"),
+        Err(e) => e,
+    };
+    assert_eq!(e.resource, format!("cluster '{}'", c.name));
+    let text = e.to_string();
+    assert!(
+        text.contains(needle),
+        "error {text:?} does not mention {needle:?}"
+    );
+    text
+}
+
+// ---------------------------------------------------------------------------------------------
+// ClusterDef
+
+#[test]
+fn defaults() {
+    let d = ok(&cluster("c"));
+    assert_eq!(
+        d,
+        ClusterDef {
+            name: Arc::from("c"),
+            kind: DiscoveryKind::Static,
+            eds_name: "c".into(),
+            connect_timeout: Duration::from_secs(5),
+            policy: Policy::RoundRobin,
+            panic_threshold: 50.0,
+            inline: Some(LoadAssignmentSpec { endpoints: vec![] }),
+            http2: false,
+        }
+    );
+}
+
+#[test]
+fn discovery_types() {
+    assert_eq!(ok(&typed("c", DT::Static)).kind, DiscoveryKind::Static);
+    assert_eq!(
+        ok(&typed("c", DT::StrictDns)).kind,
+        DiscoveryKind::StrictDns
+    );
+    let logical = with_inline(
+        typed("c", DT::LogicalDns),
+        cla("c", vec![locality(0, vec![lb_endpoint("a.local", 80)])]),
+    );
+    assert_eq!(ok(&logical).kind, DiscoveryKind::LogicalDns);
+    let eds = ok(&typed("c", DT::Eds));
+    assert_eq!(eds.kind, DiscoveryKind::Eds);
+    assert_eq!(eds.inline, None);
+}
+
+#[test]
+fn original_dst_is_rejected() {
+    rejected(
+        &typed("c", DT::OriginalDst),
+        "type ORIGINAL_DST is not supported",
+    );
+}
+
+#[test]
+fn unknown_discovery_type_is_rejected() {
+    let mut c = cluster("c");
+    c.cluster_discovery_type = Some(CDT::Type(42));
+    rejected(&c, "type: unknown discovery type 42");
+}
+
+#[test]
+fn custom_cluster_type_is_rejected() {
+    let mut c = cluster("c");
+    c.cluster_discovery_type = Some(CDT::ClusterType(CustomClusterType {
+        name: "envoy.clusters.aggregate".into(),
+        typed_config: None,
+    }));
+    rejected(
+        &c,
+        "cluster_type 'envoy.clusters.aggregate' is not supported",
+    );
+}
+
+#[test]
+fn empty_name_is_rejected() {
+    let e = ClusterDef::translate(&cluster("")).unwrap_err();
+    assert_eq!(e.to_string(), "cluster '': name must not be empty");
+}
+
+#[test]
+fn supported_lb_policies() {
+    for (p, want) in [
+        (LbPolicy::RoundRobin, Policy::RoundRobin),
+        (LbPolicy::LeastRequest, Policy::LeastRequest),
+        (LbPolicy::Random, Policy::Random),
+    ] {
+        let mut c = cluster("c");
+        c.lb_policy = p as i32;
+        assert_eq!(ok(&c).policy, want);
+    }
+}
+
+#[test]
+fn unsupported_lb_policies_are_rejected() {
+    for p in [
+        LbPolicy::RingHash,
+        LbPolicy::Maglev,
+        LbPolicy::ClusterProvided,
+        LbPolicy::LoadBalancingPolicyConfig,
+    ] {
+        let mut c = cluster("c");
+        c.lb_policy = p as i32;
+        rejected(
+            &c,
+            &format!("lb_policy {} is not supported yet", p.as_str_name()),
+        );
+    }
+    let mut c = cluster("c");
+    c.lb_policy = 4; // a hole in the enum
+    rejected(&c, "lb_policy: unknown value 4");
+}
+
+#[test]
+fn load_balancing_policy_is_rejected() {
+    let mut c = cluster("c");
+    c.load_balancing_policy = Some(Default::default());
+    rejected(&c, "load_balancing_policy is not supported; use lb_policy");
+}
+
+#[test]
+fn tls_transport_socket_is_rejected() {
+    let mut c = cluster("c");
+    c.transport_socket = Some(socket("envoy.transport_sockets.tls", TLS_TYPE));
+    rejected(
+        &c,
+        "transport_socket 'envoy.transport_sockets.tls' is not supported yet (upstream TLS)",
+    );
+}
+
+#[test]
+fn raw_buffer_transport_socket_by_name_or_type_is_accepted() {
+    let mut c = cluster("c");
+    c.transport_socket = Some(socket("envoy.transport_sockets.raw_buffer", RAW_TYPE));
+    ok(&c);
+    c.transport_socket = Some(socket("plain", RAW_TYPE));
+    ok(&c);
+    c.transport_socket = Some(corepb::TransportSocket {
+        name: "envoy.transport_sockets.raw_buffer".into(),
+        config_type: None,
+    });
+    ok(&c);
+}
+
+#[test]
+fn tls_context_under_the_raw_buffer_name_is_rejected() {
+    let mut c = cluster("c");
+    c.transport_socket = Some(socket("envoy.transport_sockets.raw_buffer", TLS_TYPE));
+    rejected(&c, "transport_socket");
+}
+
+#[test]
+fn tls_transport_socket_match_is_rejected() {
+    let mut c = cluster("c");
+    c.transport_socket_matches = vec![
+        TransportSocketMatch {
+            name: "plain".into(),
+            transport_socket: Some(socket("envoy.transport_sockets.raw_buffer", RAW_TYPE)),
+            ..Default::default()
+        },
+        TransportSocketMatch {
+            name: "tlsMode-istio".into(),
+            transport_socket: Some(socket("envoy.transport_sockets.tls", TLS_TYPE)),
+            ..Default::default()
+        },
+    ];
+    rejected(
+        &c,
+        "transport_socket_matches 'tlsMode-istio': upstream TLS is not supported yet",
+    );
+    c.transport_socket_matches.pop();
+    ok(&c);
+}
+
+#[test]
+fn connect_timeout_is_kept() {
+    let mut c = cluster("c");
+    c.connect_timeout = Some(PbDuration {
+        seconds: 1,
+        nanos: 250_000_000,
+    });
+    assert_eq!(ok(&c).connect_timeout, Duration::from_millis(1250));
+}
+
+#[test]
+fn invalid_connect_timeout_is_rejected() {
+    for (seconds, nanos) in [(-1, 0), (0, -1), (0, 1_000_000_000)] {
+        let mut c = cluster("c");
+        c.connect_timeout = Some(PbDuration { seconds, nanos });
+        rejected(
+            &c,
+            &format!("connect_timeout: invalid duration {seconds}s {nanos}ns"),
+        );
+    }
+}
+
+#[test]
+fn zero_connect_timeout_is_rejected() {
+    let mut c = cluster("c");
+    c.connect_timeout = Some(PbDuration {
+        seconds: 0,
+        nanos: 0,
+    });
+    rejected(&c, "connect_timeout");
+}
+
+#[test]
+fn panic_threshold() {
+    let mut c = cluster("c");
+    c.common_lb_config = Some(CommonLbConfig::default());
+    assert_eq!(
+        ok(&c).panic_threshold,
+        50.0,
+        "unset healthy_panic_threshold means 50%"
+    );
+    for v in [0.0, 12.5, 100.0] {
+        c.common_lb_config = Some(CommonLbConfig {
+            healthy_panic_threshold: Some(Percent { value: v }),
+            ..Default::default()
+        });
+        assert_eq!(ok(&c).panic_threshold, v);
+    }
+    for v in [-0.1, 100.5, f64::NAN] {
+        c.common_lb_config = Some(CommonLbConfig {
+            healthy_panic_threshold: Some(Percent { value: v }),
+            ..Default::default()
+        });
+        rejected(&c, "common_lb_config.healthy_panic_threshold");
+    }
+}
+
+#[test]
+fn eds_service_name() {
+    let mut c = typed("c", DT::Eds);
+    assert_eq!(ok(&c).eds_name, "c");
+    c.eds_cluster_config = Some(EdsClusterConfig {
+        service_name: String::new(),
+        ..Default::default()
+    });
+    assert_eq!(ok(&c).eds_name, "c");
+    c.eds_cluster_config = Some(EdsClusterConfig {
+        service_name: "outbound|80||svc".into(),
+        ..Default::default()
+    });
+    assert_eq!(ok(&c).eds_name, "outbound|80||svc");
+    // service_name only matters for EDS clusters.
+    let mut s = cluster("s");
+    s.eds_cluster_config = c.eds_cluster_config.clone();
+    assert_eq!(ok(&s).eds_name, "s");
+}
+
+#[test]
+fn eds_cluster_ignores_inline_load_assignment() {
+    let c = with_inline(
+        typed("c", DT::Eds),
+        cla("c", vec![locality(0, vec![lb_endpoint("not-an-ip", 0)])]),
+    );
+    assert_eq!(ok(&c).inline, None);
+}
+
+#[test]
+fn http2_detection() {
+    let mut c = cluster("c");
+    #[allow(deprecated)]
+    {
+        c.http2_protocol_options = Some(Default::default());
+    }
+    assert!(ok(&c).http2);
+
+    let opts = |pc: ProtocolConfig| {
+        let o = HttpProtocolOptions {
+            upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+                ExplicitHttpConfig {
+                    protocol_config: Some(pc),
+                },
+            )),
+            ..Default::default()
+        };
+        Any {
+            type_url: format!("type.googleapis.com/{HPO_KEY}"),
+            value: o.encode_to_vec(),
+        }
+    };
+    let mut c = cluster("c");
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        opts(ProtocolConfig::Http2ProtocolOptions(Default::default())),
+    );
+    assert!(ok(&c).http2);
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        opts(ProtocolConfig::HttpProtocolOptions(Default::default())),
+    );
+    assert!(!ok(&c).http2);
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        Any {
+            type_url: String::new(),
+            value: vec![0xff],
+        },
+    );
+    assert!(!ok(&c).http2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inline load_assignment
+
+#[test]
+fn static_load_assignment() {
+    let mut weighted = lb_endpoint("10.0.0.2", 8080);
+    weighted.load_balancing_weight = Some(UInt32Value { value: 7 });
+    weighted.health_status = corepb::HealthStatus::Degraded as i32;
+    let c = with_inline(
+        cluster("c"),
+        cla(
+            "c",
+            vec![
+                locality(0, vec![lb_endpoint("10.0.0.1", 80), weighted]),
+                locality(1, vec![lb_endpoint("::1", 9000)]),
+            ],
+        ),
+    );
+    assert_eq!(
+        ok(&c).inline.unwrap().endpoints,
+        vec![
+            ("10.0.0.1".to_string(), 80, 1, Health::Healthy, 0),
+            ("10.0.0.2".to_string(), 8080, 7, Health::Degraded, 0),
+            ("::1".to_string(), 9000, 1, Health::Healthy, 1),
+        ]
+    );
+}
+
+#[test]
+fn static_cluster_rejects_hostnames() {
+    let c = with_inline(
+        cluster("c"),
+        cla(
+            "c",
+            vec![locality(0, vec![lb_endpoint("backend.local", 80)])],
+        ),
+    );
+    let text = rejected(
+        &c,
+        "load_assignment: endpoints[0].lb_endpoints[0].endpoint.address: malformed IP address: backend.local",
+    );
+    assert!(text.starts_with("cluster 'c': "), "{text}");
+}
+
+#[test]
+fn dns_clusters_accept_hostnames() {
+    for t in [DT::StrictDns, DT::LogicalDns] {
+        let c = with_inline(
+            typed("c", t),
+            cla(
+                "c",
+                vec![locality(0, vec![lb_endpoint("backend.local", 80)])],
+            ),
+        );
+        assert_eq!(ok(&c).inline.unwrap().endpoints[0].0, "backend.local");
+    }
+}
+
+#[test]
+fn logical_dns_needs_exactly_one_endpoint() {
+    let two = with_inline(
+        typed("c", DT::LogicalDns),
+        cla(
+            "c",
+            vec![locality(
+                0,
+                vec![lb_endpoint("a.local", 80), lb_endpoint("b.local", 80)],
+            )],
+        ),
+    );
+    rejected(&two, "LOGICAL_DNS");
+    let two_localities = with_inline(
+        typed("c", DT::LogicalDns),
+        cla(
+            "c",
+            vec![
+                locality(0, vec![lb_endpoint("a.local", 80)]),
+                locality(0, vec![lb_endpoint("b.local", 80)]),
+            ],
+        ),
+    );
+    rejected(&two_localities, "LOGICAL_DNS");
+    rejected(&typed("c", DT::LogicalDns), "LOGICAL_DNS");
+}
+
+#[test]
+fn endpoint_errors_name_the_position() {
+    let bad_weight = epb::LbEndpoint {
+        load_balancing_weight: Some(UInt32Value { value: 0 }),
+        ..lb_endpoint("10.0.0.1", 80)
+    };
+    let cases = [
+        (bad_weight, "endpoints[1].lb_endpoints[1].load_balancing_weight must be at least 1"),
+        (
+            lb_endpoint("10.0.0.1", 0),
+            "endpoints[1].lb_endpoints[1].endpoint.address: port_value must be in [1, 65535]",
+        ),
+        (
+            lb_endpoint("10.0.0.1", 65536),
+            "endpoints[1].lb_endpoints[1].endpoint.address: port_value 65536 out of range",
+        ),
+        (
+            lb_endpoint("", 80),
+            "endpoints[1].lb_endpoints[1].endpoint.address: socket_address.address must not be empty",
+        ),
+        (
+            epb::LbEndpoint {
+                host_identifier: Some(epb::lb_endpoint::HostIdentifier::EndpointName("ep".into())),
+                ..Default::default()
+            },
+            "endpoints[1].lb_endpoints[1]: endpoint_name is not supported",
+        ),
+        (epb::LbEndpoint::default(), "endpoints[1].lb_endpoints[1]: endpoint is required"),
+        (
+            epb::LbEndpoint {
+                host_identifier: Some(epb::lb_endpoint::HostIdentifier::Endpoint(epb::Endpoint::default())),
+                ..Default::default()
+            },
+            "endpoints[1].lb_endpoints[1].endpoint.address: socket_address is required",
+        ),
+    ];
+    for (bad, needle) in cases {
+        let la = cla(
+            "c",
+            vec![
+                locality(0, vec![lb_endpoint("10.0.0.9", 80)]),
+                locality(1, vec![lb_endpoint("10.0.0.8", 80), bad]),
+            ],
+        );
+        rejected(
+            &with_inline(cluster("c"), la.clone()),
+            &format!("load_assignment: {needle}"),
+        );
+        let e = LoadAssignment::translate(&la).unwrap_err();
+        assert_eq!(e.resource, "endpoints 'c'");
+        assert_eq!(e.detail, needle);
+    }
+}
+
+#[test]
+fn health_statuses() {
+    use corepb::HealthStatus as HS;
+    let cases = [
+        (HS::Unknown as i32, Health::Healthy),
+        (HS::Healthy as i32, Health::Healthy),
+        (HS::Degraded as i32, Health::Degraded),
+        (HS::Unhealthy as i32, Health::Unhealthy),
+        (HS::Draining as i32, Health::Unhealthy),
+        (HS::Timeout as i32, Health::Unhealthy),
+        (99, Health::Unhealthy),
+    ];
+    for (status, want) in cases {
+        assert_eq!(health(status), want, "status {status}");
+        let mut ep = lb_endpoint("10.0.0.1", 80);
+        ep.health_status = status;
+        let la = LoadAssignment::translate(&cla("c", vec![locality(0, vec![ep])])).unwrap();
+        assert_eq!(la.hosts[0].health, want, "status {status}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// EDS ClusterLoadAssignment
+
+#[test]
+fn eds_load_assignment_translates() {
+    let mut ep = lb_endpoint("10.1.0.1", 8080);
+    ep.load_balancing_weight = Some(UInt32Value { value: 3 });
+    let la = LoadAssignment::translate(&cla(
+        "svc",
+        vec![
+            locality(0, vec![ep]),
+            locality(2, vec![lb_endpoint("fe80::1", 443)]),
+        ],
+    ))
+    .unwrap();
+    assert_eq!(la.hosts.len(), 2);
+    assert_eq!(la.hosts[0].addr, "10.1.0.1:8080".parse().unwrap());
+    assert_eq!((la.hosts[0].weight, la.hosts[0].priority), (3, 0));
+    assert_eq!(la.hosts[1].addr, "[fe80::1]:443".parse().unwrap());
+    assert_eq!((la.hosts[1].weight, la.hosts[1].priority), (1, 2));
+}
+
+#[test]
+fn eds_rejects_hostnames() {
+    let e = LoadAssignment::translate(&cla(
+        "svc",
+        vec![locality(0, vec![lb_endpoint("backend.local", 80)])],
+    ))
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "endpoints 'svc': endpoints[0].lb_endpoints[0].endpoint.address: malformed IP address: backend.local"
+    );
+}
+
+#[test]
+fn empty_eds_load_assignment_has_no_hosts() {
+    assert!(LoadAssignment::translate(&cla("svc", vec![]))
+        .unwrap()
+        .hosts
+        .is_empty());
+    assert!(
+        LoadAssignment::translate(&cla("svc", vec![locality(0, vec![])]))
+            .unwrap()
+            .hosts
+            .is_empty()
+    );
+}
+
+#[test]
+fn from_resolved_skips_unresolvable_hosts() {
+    let spec = LoadAssignmentSpec {
+        endpoints: vec![
+            ("a.local".into(), 80, 2, Health::Healthy, 0),
+            ("b.local".into(), 81, 1, Health::Unhealthy, 1),
+        ],
+    };
+    let la = LoadAssignment::from_resolved(&spec, |h| {
+        (h == "b.local").then(|| "10.9.9.9".parse().unwrap())
+    });
+    assert_eq!(la.hosts.len(), 1);
+    assert_eq!(la.hosts[0].addr, "10.9.9.9:81".parse().unwrap());
+    assert_eq!(la.hosts[0].health, Health::Unhealthy);
+    assert_eq!(la.hosts[0].priority, 1);
+}
+
+#[test]
+fn cluster_counts_healthy_hosts() {
+    let mut unhealthy = lb_endpoint("10.0.0.2", 80);
+    unhealthy.health_status = corepb::HealthStatus::Unhealthy as i32;
+    let la = LoadAssignment::translate(&cla(
+        "c",
+        vec![locality(0, vec![lb_endpoint("10.0.0.1", 80), unhealthy])],
+    ))
+    .unwrap();
+    let c = Cluster::new(
+        Arc::new(ok(&cluster("c"))),
+        Arc::new(la),
+        Arc::new(ClusterStats::default()),
+    );
+    assert_eq!(c.healthy_count(), 1);
+    assert_eq!(c.active.len(), 2);
+    assert_eq!(c.pick().map(|(i, a)| (i, a.port())), Some((0, 80)));
+}

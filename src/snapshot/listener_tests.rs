@@ -1,0 +1,639 @@
+//! `ListenerDef::translate`: one filter chain, one HTTP connection manager, the router last.
+
+use super::*;
+
+use envoy_types::pb::envoy::config::route::v3 as rpb;
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::DownstreamTlsContext;
+use envoy_types::pb::google::protobuf::BoolValue;
+use hcm::http_connection_manager::{CodecType, RouteSpecifier};
+
+const TLS_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
+const RAW_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
+
+// ---------------------------------------------------------------------------------------------
+// Builders
+
+fn any<M: Message>(type_url: &str, m: &M) -> Any {
+    Any {
+        type_url: type_url.into(),
+        value: m.encode_to_vec(),
+    }
+}
+
+fn address(host: &str, port: u32) -> corepb::Address {
+    corepb::Address {
+        address: Some(corepb::address::Address::SocketAddress(
+            corepb::SocketAddress {
+                address: host.into(),
+                port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(port)),
+                ..Default::default()
+            },
+        )),
+    }
+}
+
+fn typed_filter(name: &str, type_url: &str) -> hcm::HttpFilter {
+    hcm::HttpFilter {
+        name: name.into(),
+        config_type: Some(hcm::http_filter::ConfigType::TypedConfig(Any {
+            type_url: type_url.into(),
+            value: vec![],
+        })),
+        ..Default::default()
+    }
+}
+
+fn optional(mut f: hcm::HttpFilter) -> hcm::HttpFilter {
+    f.is_optional = true;
+    f
+}
+
+fn router() -> hcm::HttpFilter {
+    hcm::HttpFilter {
+        name: "envoy.filters.http.router".into(),
+        config_type: Some(hcm::http_filter::ConfigType::TypedConfig(any(
+            ROUTER_TYPE,
+            &Router::default(),
+        ))),
+        ..Default::default()
+    }
+}
+
+fn ads_rds(name: &str) -> RouteSpecifier {
+    RouteSpecifier::Rds(hcm::Rds {
+        config_source: Some(corepb::ConfigSource {
+            config_source_specifier: Some(corepb::config_source::ConfigSourceSpecifier::Ads(
+                Default::default(),
+            )),
+            ..Default::default()
+        }),
+        route_config_name: name.into(),
+    })
+}
+
+fn base_hcm() -> hcm::HttpConnectionManager {
+    hcm::HttpConnectionManager {
+        stat_prefix: "ingress_http".into(),
+        route_specifier: Some(ads_rds("routes")),
+        http_filters: vec![router()],
+        ..Default::default()
+    }
+}
+
+fn hcm_filter(h: &hcm::HttpConnectionManager) -> lpb::Filter {
+    lpb::Filter {
+        name: "envoy.filters.network.http_connection_manager".into(),
+        config_type: Some(lpb::filter::ConfigType::TypedConfig(any(HCM_TYPE, h))),
+    }
+}
+
+fn chain(filters: Vec<lpb::Filter>) -> lpb::FilterChain {
+    lpb::FilterChain {
+        filters,
+        ..Default::default()
+    }
+}
+
+fn listener_with(h: &hcm::HttpConnectionManager) -> lpb::Listener {
+    lpb::Listener {
+        name: "l".into(),
+        address: Some(address("0.0.0.0", 8080)),
+        filter_chains: vec![chain(vec![hcm_filter(h)])],
+        ..Default::default()
+    }
+}
+
+fn listener() -> lpb::Listener {
+    listener_with(&base_hcm())
+}
+
+fn ok(l: &lpb::Listener) -> ListenerDef {
+    ListenerDef::translate(l).unwrap_or_else(|e| panic!("unexpected rejection: {e}"))
+}
+
+/// Asserts `l` is rejected with an error naming listener 'l' and mentioning `needle`.
+#[track_caller]
+fn rejected(l: &lpb::Listener, needle: &str) -> String {
+    let e = match ListenerDef::translate(l) {
+        Ok(d) => panic!("expected a rejection, got {d:?}"),
+        Err(e) => e,
+    };
+    assert_eq!(e.resource, format!("listener '{}'", l.name));
+    let text = e.to_string();
+    assert!(
+        text.contains(needle),
+        "error {text:?} does not mention {needle:?}"
+    );
+    text
+}
+
+#[track_caller]
+fn hcm_rejected(h: hcm::HttpConnectionManager, needle: &str) -> String {
+    let text = rejected(&listener_with(&h), needle);
+    assert!(
+        text.starts_with("listener 'l': http_connection_manager: "),
+        "{text}"
+    );
+    text
+}
+
+fn tls_socket(name: &str, type_url: &str) -> corepb::TransportSocket {
+    corepb::TransportSocket {
+        name: name.into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(Any {
+            type_url: type_url.into(),
+            value: if type_url == TLS_TYPE {
+                DownstreamTlsContext::default().encode_to_vec()
+            } else {
+                RawBuffer::default().encode_to_vec()
+            },
+        })),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accepted listeners
+
+#[test]
+fn minimal_listener_translates_with_defaults() {
+    let d = ok(&listener());
+    assert_eq!(d.name, "l");
+    assert_eq!(d.addr, "0.0.0.0:8080".parse().unwrap());
+    let h = &d.hcm;
+    assert_eq!(h.stat_prefix, "ingress_http");
+    assert!(matches!(&h.routes, RouteSource::Rds(n) if n == "routes"));
+    assert_eq!(h.codec, Codec::Auto);
+    assert!(!h.use_remote_address);
+    assert!(!h.skip_xff_append);
+    assert!(
+        h.generate_request_id,
+        "generate_request_id defaults to true"
+    );
+    assert!(!h.preserve_external_request_id);
+    assert!(!h.strip_any_host_port);
+    assert!(!h.strip_matching_host_port);
+    assert_eq!(h.server_name, "envoy");
+}
+
+#[test]
+fn hcm_options_are_kept() {
+    let mut h = base_hcm();
+    h.codec_type = CodecType::Http2 as i32;
+    h.use_remote_address = Some(BoolValue { value: true });
+    h.skip_xff_append = true;
+    h.generate_request_id = Some(BoolValue { value: false });
+    h.preserve_external_request_id = true;
+    h.strip_port_mode = Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(true));
+    h.strip_matching_host_port = true;
+    h.server_name = "portico".into();
+    let d = ok(&listener_with(&h));
+    assert_eq!(d.hcm.codec, Codec::Http2);
+    assert!(d.hcm.use_remote_address);
+    assert!(d.hcm.skip_xff_append);
+    assert!(!d.hcm.generate_request_id);
+    assert!(d.hcm.preserve_external_request_id);
+    assert!(d.hcm.strip_any_host_port);
+    assert!(d.hcm.strip_matching_host_port);
+    assert_eq!(d.hcm.server_name, "portico");
+
+    h.codec_type = CodecType::Http1 as i32;
+    h.strip_port_mode = Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(false));
+    let d = ok(&listener_with(&h));
+    assert_eq!(d.hcm.codec, Codec::Http1);
+    assert!(!d.hcm.strip_any_host_port);
+}
+
+#[test]
+fn ipv6_address_and_port_zero() {
+    let mut l = listener();
+    l.address = Some(address("::1", 0));
+    assert_eq!(ok(&l).addr, "[::1]:0".parse().unwrap());
+}
+
+#[test]
+fn default_filter_chain_alone_is_used() {
+    let mut l = listener();
+    l.default_filter_chain = Some(l.filter_chains.remove(0));
+    assert!(matches!(ok(&l).hcm.routes, RouteSource::Rds(_)));
+}
+
+#[test]
+fn inline_route_config_is_translated() {
+    let mut h = base_hcm();
+    h.route_specifier = Some(RouteSpecifier::RouteConfig(rpb::RouteConfiguration {
+        name: "inline".into(),
+        virtual_hosts: vec![rpb::VirtualHost {
+            name: "vh".into(),
+            domains: vec!["*".into()],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }));
+    let d = ok(&listener_with(&h));
+    let RouteSource::Inline(t) = &d.hcm.routes else {
+        panic!("not inline");
+    };
+    assert_eq!(t.name, "inline");
+    assert_eq!(t.vhosts[0].name, "vh");
+}
+
+#[test]
+fn raw_buffer_transport_socket_is_accepted() {
+    let mut l = listener();
+    l.filter_chains[0].transport_socket =
+        Some(tls_socket("envoy.transport_sockets.raw_buffer", RAW_TYPE));
+    ok(&l);
+}
+
+#[test]
+fn optional_and_disabled_http_filters_are_skipped() {
+    let mut optional = typed_filter(
+        "envoy.filters.http.cors",
+        "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors",
+    );
+    optional.is_optional = true;
+    let mut disabled = typed_filter(
+        "envoy.filters.http.fault",
+        "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+    );
+    disabled.disabled = true;
+    let mut h = base_hcm();
+    h.http_filters = vec![optional, disabled, router()];
+    ok(&listener_with(&h));
+}
+
+#[test]
+fn router_named_without_typed_config_is_accepted() {
+    let mut h = base_hcm();
+    h.http_filters = vec![hcm::HttpFilter {
+        name: "envoy.filters.http.router".into(),
+        ..Default::default()
+    }];
+    ok(&listener_with(&h));
+}
+
+#[test]
+fn router_is_recognised_by_type_url_not_name() {
+    let mut h = base_hcm();
+    h.http_filters = vec![typed_filter("my-router", ROUTER_TYPE)];
+    ok(&listener_with(&h));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Listener-level rejections
+
+#[test]
+fn empty_name_is_rejected() {
+    let mut l = listener();
+    l.name.clear();
+    let e = ListenerDef::translate(&l).unwrap_err();
+    assert_eq!(e.to_string(), "listener '': name must not be empty");
+}
+
+#[test]
+fn missing_address_is_rejected() {
+    let mut l = listener();
+    l.address = None;
+    rejected(&l, "address: socket_address is required");
+}
+
+#[test]
+fn hostname_address_is_rejected() {
+    let mut l = listener();
+    l.address = Some(address("localhost", 80));
+    rejected(&l, "address: malformed IP address: localhost");
+}
+
+#[test]
+fn empty_address_is_rejected() {
+    let mut l = listener();
+    l.address = Some(address("", 80));
+    rejected(&l, "address: socket_address.address must not be empty");
+}
+
+#[test]
+fn port_out_of_range_is_rejected() {
+    let mut l = listener();
+    l.address = Some(address("0.0.0.0", 70000));
+    rejected(&l, "address: port_value 70000 out of range");
+}
+
+#[test]
+fn named_port_and_pipe_are_rejected() {
+    let mut l = listener();
+    l.address = Some(corepb::Address {
+        address: Some(corepb::address::Address::SocketAddress(
+            corepb::SocketAddress {
+                address: "0.0.0.0".into(),
+                port_specifier: Some(corepb::socket_address::PortSpecifier::NamedPort(
+                    "http".into(),
+                )),
+                ..Default::default()
+            },
+        )),
+    });
+    rejected(&l, "address: named_port 'http' is not supported");
+    l.address = Some(corepb::Address {
+        address: Some(corepb::address::Address::Pipe(corepb::Pipe {
+            path: "/tmp/sock".into(),
+            mode: 0,
+        })),
+    });
+    rejected(&l, "address: pipe address '/tmp/sock' is not supported");
+}
+
+#[test]
+fn listener_filters_are_rejected() {
+    let mut l = listener();
+    l.listener_filters.push(lpb::ListenerFilter {
+        name: "envoy.filters.listener.tls_inspector".into(),
+        ..Default::default()
+    });
+    rejected(
+        &l,
+        "listener_filters: listener filter 'envoy.filters.listener.tls_inspector' is not supported",
+    );
+}
+
+#[test]
+fn no_filter_chains_is_rejected() {
+    let mut l = listener();
+    l.filter_chains.clear();
+    rejected(&l, "no filter chains specified");
+}
+
+#[test]
+fn several_filter_chains_are_rejected() {
+    let mut l = listener();
+    l.filter_chains.push(l.filter_chains[0].clone());
+    rejected(&l, "more than one filter chain is not supported");
+    let mut l = listener();
+    l.default_filter_chain = Some(l.filter_chains[0].clone());
+    rejected(&l, "more than one filter chain is not supported");
+}
+
+#[test]
+fn tls_transport_socket_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].transport_socket = Some(tls_socket("envoy.transport_sockets.tls", TLS_TYPE));
+    rejected(
+        &l,
+        "filter_chains[0].transport_socket 'envoy.transport_sockets.tls' is not supported yet (TLS)",
+    );
+}
+
+#[test]
+fn tls_context_under_the_raw_buffer_name_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].transport_socket =
+        Some(tls_socket("envoy.transport_sockets.raw_buffer", TLS_TYPE));
+    rejected(&l, "transport_socket");
+}
+
+#[test]
+fn raw_buffer_under_another_name_is_accepted() {
+    let mut l = listener();
+    l.filter_chains[0].transport_socket = Some(tls_socket("plaintext", RAW_TYPE));
+    ok(&l);
+}
+
+#[test]
+fn chain_without_network_filters_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].filters.clear();
+    rejected(&l, "filter_chains[0]: no network filters");
+}
+
+#[test]
+fn several_network_filters_are_rejected() {
+    let mut l = listener();
+    let rbac = lpb::Filter {
+        name: "envoy.filters.network.rbac".into(),
+        config_type: Some(lpb::filter::ConfigType::TypedConfig(Any {
+            type_url: "type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC".into(),
+            value: vec![],
+        })),
+    };
+    l.filter_chains[0].filters.insert(0, rbac);
+    rejected(
+        &l,
+        "filter_chains[0]: only a single http_connection_manager is supported, found network filter 'envoy.filters.network.rbac' first",
+    );
+}
+
+#[test]
+fn network_filter_without_typed_config_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].filters[0].config_type = None;
+    rejected(
+        &l,
+        "filter_chains[0].filters[0] 'envoy.filters.network.http_connection_manager': typed_config is required",
+    );
+}
+
+#[test]
+fn non_hcm_network_filter_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].filters[0] = lpb::Filter {
+        name: "envoy.filters.network.tcp_proxy".into(),
+        config_type: Some(lpb::filter::ConfigType::TypedConfig(Any {
+            type_url: "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
+                .into(),
+            value: vec![],
+        })),
+    };
+    rejected(
+        &l,
+        "network filter 'envoy.filters.network.tcp_proxy' (type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy) is not supported",
+    );
+}
+
+#[test]
+fn undecodable_hcm_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].filters[0].config_type = Some(lpb::filter::ConfigType::TypedConfig(Any {
+        type_url: HCM_TYPE.into(),
+        value: vec![0xff, 0xff, 0xff],
+    }));
+    rejected(&l, "http_connection_manager: cannot decode");
+}
+
+// ---------------------------------------------------------------------------------------------
+// HCM rejections
+
+#[test]
+fn rds_not_from_ads_is_rejected() {
+    let mut h = base_hcm();
+    h.route_specifier = Some(RouteSpecifier::Rds(hcm::Rds {
+        config_source: Some(corepb::ConfigSource {
+            config_source_specifier: Some(
+                corepb::config_source::ConfigSourceSpecifier::ApiConfigSource(Default::default()),
+            ),
+            ..Default::default()
+        }),
+        route_config_name: "routes".into(),
+    }));
+    hcm_rejected(h.clone(), "rds.config_source: only ads is supported");
+    h.route_specifier = Some(RouteSpecifier::Rds(hcm::Rds {
+        config_source: None,
+        route_config_name: "routes".into(),
+    }));
+    hcm_rejected(h, "rds.config_source: only ads is supported");
+}
+
+#[test]
+fn rds_without_name_is_rejected() {
+    let mut h = base_hcm();
+    h.route_specifier = Some(ads_rds(""));
+    hcm_rejected(h, "rds.route_config_name must not be empty");
+}
+
+#[test]
+fn scoped_routes_are_rejected() {
+    let mut h = base_hcm();
+    h.route_specifier = Some(RouteSpecifier::ScopedRoutes(Default::default()));
+    hcm_rejected(h, "scoped_routes is not supported");
+}
+
+#[test]
+fn missing_route_specifier_is_rejected() {
+    let mut h = base_hcm();
+    h.route_specifier = None;
+    hcm_rejected(h, "one of rds or route_config is required");
+}
+
+#[test]
+fn bad_inline_route_config_names_the_route_config() {
+    let mut h = base_hcm();
+    h.route_specifier = Some(RouteSpecifier::RouteConfig(rpb::RouteConfiguration {
+        name: "inline".into(),
+        virtual_hosts: vec![rpb::VirtualHost {
+            name: "vh".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }));
+    let text = hcm_rejected(h, "route 'inline': vhost 'vh': domains must not be empty");
+    assert_eq!(
+        text,
+        "listener 'l': http_connection_manager: route 'inline': vhost 'vh': domains must not be empty"
+    );
+}
+
+#[test]
+fn http3_codec_is_rejected() {
+    let mut h = base_hcm();
+    h.codec_type = CodecType::Http3 as i32;
+    hcm_rejected(h.clone(), "codec_type 3 is not supported");
+    h.codec_type = 42;
+    hcm_rejected(h, "codec_type 42 is not supported");
+}
+
+#[test]
+fn no_http_filters_is_rejected() {
+    let mut h = base_hcm();
+    h.http_filters.clear();
+    hcm_rejected(
+        h,
+        "http_filters: the router filter (envoy.filters.http.router) is required",
+    );
+}
+
+#[test]
+fn router_not_last_is_rejected() {
+    let mut h = base_hcm();
+    let mut cors = typed_filter(
+        "envoy.filters.http.cors",
+        "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors",
+    );
+    cors.is_optional = true;
+    h.http_filters = vec![router(), cors];
+    hcm_rejected(
+        h,
+        "http_filters: the last filter must be envoy.filters.http.router, found 'envoy.filters.http.cors'",
+    );
+}
+
+#[test]
+fn router_twice_is_rejected() {
+    let mut h = base_hcm();
+    h.http_filters = vec![router(), router()];
+    hcm_rejected(
+        h,
+        "http_filters[0]: terminal filter 'envoy.filters.http.router' must be the last filter",
+    );
+}
+
+#[test]
+fn router_in_the_middle_is_rejected_even_if_optional() {
+    let mut h = base_hcm();
+    let mut early = router();
+    early.name = "early-router".into();
+    early.is_optional = true;
+    h.http_filters = vec![
+        optional(typed_filter("x", "type.googleapis.com/x")),
+        early,
+        router(),
+    ];
+    hcm_rejected(
+        h,
+        "http_filters[1]: terminal filter 'early-router' must be the last filter",
+    );
+}
+
+#[test]
+fn unsupported_http_filter_is_rejected_unless_optional() {
+    let ext_authz = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz";
+    let mut h = base_hcm();
+    h.http_filters = vec![
+        typed_filter("envoy.filters.http.ext_authz", ext_authz),
+        router(),
+    ];
+    hcm_rejected(
+        h.clone(),
+        &format!(
+            "http_filters[0]: http filter 'envoy.filters.http.ext_authz' ({ext_authz}) is not supported; mark it is_optional to skip it"
+        ),
+    );
+    h.http_filters[0].is_optional = true;
+    ok(&listener_with(&h));
+}
+
+#[test]
+fn unsupported_filter_is_named_by_its_index() {
+    let mut h = base_hcm();
+    h.http_filters = vec![
+        optional(typed_filter("a", "type.googleapis.com/a")),
+        hcm::HttpFilter {
+            name: "b".into(),
+            config_type: None,
+            ..Default::default()
+        },
+        router(),
+    ];
+    hcm_rejected(
+        h.clone(),
+        "http_filters[1]: http filter 'b' (no typed_config) is not supported",
+    );
+    h.http_filters[1].config_type = Some(hcm::http_filter::ConfigType::ConfigDiscovery(
+        Default::default(),
+    ));
+    hcm_rejected(
+        h,
+        "http_filters[1]: http filter 'b' (config_discovery) is not supported",
+    );
+}
+
+#[test]
+fn first_error_wins_in_listener_order() {
+    // A bad address is reported before a bad filter chain.
+    let mut l = listener();
+    l.address = None;
+    l.filter_chains.clear();
+    let e = ListenerDef::translate(&l).unwrap_err().to_string();
+    assert!(e.contains("address"), "{e}");
+}

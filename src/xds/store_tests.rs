@@ -1,0 +1,962 @@
+//! `Store::apply` and `Store::assemble`: SotW replacement rules, whole-push rejection, warming,
+//! sharing of unchanged translations and garbage collection.
+
+use super::*;
+
+use envoy_types::pb::envoy::config::cluster::v3::cluster::{
+    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
+};
+use envoy_types::pb::envoy::config::core::v3 as corepb;
+use envoy_types::pb::envoy::config::endpoint::v3 as epb;
+use envoy_types::pb::envoy::config::listener::v3 as lpb;
+use envoy_types::pb::envoy::config::route::v3 as rpb;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
+use prost::Message;
+
+use crate::snapshot::listener::{HCM_TYPE, ROUTER_TYPE};
+
+// ---------------------------------------------------------------------------------------------
+// Builders
+
+fn any<M: Message>(type_url: &str, m: &M) -> Any {
+    Any {
+        type_url: type_url.into(),
+        value: m.encode_to_vec(),
+    }
+}
+
+fn sock(host: &str, port: u32) -> corepb::Address {
+    corepb::Address {
+        address: Some(corepb::address::Address::SocketAddress(
+            corepb::SocketAddress {
+                address: host.into(),
+                port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(port)),
+                ..Default::default()
+            },
+        )),
+    }
+}
+
+fn listener_with(
+    name: &str,
+    port: u32,
+    routes: hcm::http_connection_manager::RouteSpecifier,
+) -> ListenerProto {
+    let h = hcm::HttpConnectionManager {
+        stat_prefix: name.into(),
+        route_specifier: Some(routes),
+        http_filters: vec![hcm::HttpFilter {
+            name: "envoy.filters.http.router".into(),
+            config_type: Some(hcm::http_filter::ConfigType::TypedConfig(Any {
+                type_url: ROUTER_TYPE.into(),
+                value: vec![],
+            })),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    ListenerProto {
+        name: name.into(),
+        address: Some(sock("127.0.0.1", port)),
+        filter_chains: vec![lpb::FilterChain {
+            filters: vec![lpb::Filter {
+                name: "envoy.filters.network.http_connection_manager".into(),
+                config_type: Some(lpb::filter::ConfigType::TypedConfig(any(HCM_TYPE, &h))),
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// A listener on 127.0.0.1:`port` taking route config `rds` from ADS.
+fn listener(name: &str, port: u32, rds: &str) -> ListenerProto {
+    listener_with(
+        name,
+        port,
+        hcm::http_connection_manager::RouteSpecifier::Rds(hcm::Rds {
+            config_source: Some(corepb::ConfigSource {
+                config_source_specifier: Some(corepb::config_source::ConfigSourceSpecifier::Ads(
+                    Default::default(),
+                )),
+                ..Default::default()
+            }),
+            route_config_name: rds.into(),
+        }),
+    )
+}
+
+fn inline_listener(name: &str, port: u32) -> ListenerProto {
+    listener_with(
+        name,
+        port,
+        hcm::http_connection_manager::RouteSpecifier::RouteConfig(route_config("inline", "c")),
+    )
+}
+
+fn route_config(name: &str, cluster: &str) -> RouteConfiguration {
+    RouteConfiguration {
+        name: name.into(),
+        virtual_hosts: vec![rpb::VirtualHost {
+            name: "vh".into(),
+            domains: vec!["*".into()],
+            routes: vec![rpb::Route {
+                r#match: Some(rpb::RouteMatch {
+                    path_specifier: Some(rpb::route_match::PathSpecifier::Prefix("/".into())),
+                    ..Default::default()
+                }),
+                action: Some(rpb::route::Action::Route(rpb::RouteAction {
+                    cluster_specifier: Some(rpb::route_action::ClusterSpecifier::Cluster(
+                        cluster.into(),
+                    )),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn eds_cluster(name: &str, service: &str) -> ClusterProto {
+    ClusterProto {
+        name: name.into(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+        eds_cluster_config: Some(EdsClusterConfig {
+            service_name: service.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn cla(name: &str, hosts: &[(&str, u32)]) -> ClusterLoadAssignment {
+    ClusterLoadAssignment {
+        cluster_name: name.into(),
+        endpoints: vec![epb::LocalityLbEndpoints {
+            lb_endpoints: hosts
+                .iter()
+                .map(|(h, p)| epb::LbEndpoint {
+                    host_identifier: Some(epb::lb_endpoint::HostIdentifier::Endpoint(
+                        epb::Endpoint {
+                            address: Some(sock(h, *p)),
+                            ..Default::default()
+                        },
+                    )),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn static_cluster(name: &str, kind: DiscoveryType, hosts: &[(&str, u32)]) -> ClusterProto {
+    ClusterProto {
+        name: name.into(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(kind as i32)),
+        load_assignment: Some(cla(name, hosts)),
+        ..Default::default()
+    }
+}
+
+fn lds(ls: &[ListenerProto]) -> Vec<Any> {
+    ls.iter().map(|l| any(types::LISTENER, l)).collect()
+}
+
+fn rds(rs: &[RouteConfiguration]) -> Vec<Any> {
+    rs.iter().map(|r| any(types::ROUTE, r)).collect()
+}
+
+fn cds(cs: &[ClusterProto]) -> Vec<Any> {
+    cs.iter().map(|c| any(types::CLUSTER, c)).collect()
+}
+
+fn eds(es: &[ClusterLoadAssignment]) -> Vec<Any> {
+    es.iter().map(|e| any(types::ENDPOINT, e)).collect()
+}
+
+#[track_caller]
+fn push(s: &Store, kind: Kind, resources: &[Any]) -> Store {
+    s.apply(kind, "v", resources)
+        .unwrap_or_else(|e| panic!("push rejected: {e:#?}"))
+}
+
+#[track_caller]
+fn nack(s: &Store, kind: Kind, resources: &[Any]) -> Vec<String> {
+    match s.apply(kind, "v", resources) {
+        Ok(_) => panic!("push accepted"),
+        Err(e) => e,
+    }
+}
+
+fn snap(s: &Store, prev: &Snapshot) -> Snapshot {
+    s.assemble(prev, prev.version + 1, &|_| {
+        Arc::new(ClusterStats::default())
+    })
+}
+
+fn names<V>(t: &BTreeMap<String, V>) -> Vec<&str> {
+    t.keys().map(|k| k.as_str()).collect()
+}
+
+fn sorted<'a>(it: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut v: Vec<_> = it.collect();
+    v.sort_unstable();
+    v
+}
+
+fn snap_listeners(s: &Snapshot) -> Vec<&str> {
+    sorted(s.listeners.keys().map(|k| k.as_str()))
+}
+
+fn snap_clusters(s: &Snapshot) -> Vec<&str> {
+    sorted(s.clusters.keys().map(|k| &**k))
+}
+
+/// Listener 'l' (port 1, rds 'r') serving cluster 'c' (EDS), everything delivered.
+fn full_store() -> Store {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("c", "")]),
+    );
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("c", &[("10.0.0.1", 80)])]));
+    let s = push(&s, Kind::Listener, &lds(&[listener("l", 1, "r")]));
+    push(&s, Kind::Route, &rds(&[route_config("r", "c")]))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wildcard and named updates
+
+#[test]
+fn lds_push_replaces_the_whole_set() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("a", 1, "r"), listener("b", 2, "r")]),
+    );
+    assert_eq!(names(&s.listeners), ["a", "b"]);
+    let s = push(
+        &s,
+        Kind::Listener,
+        &lds(&[listener("b", 2, "r"), listener("c", 3, "r")]),
+    );
+    assert_eq!(names(&s.listeners), ["b", "c"]);
+    let s = push(&s, Kind::Listener, &[]);
+    assert!(s.listeners.is_empty());
+}
+
+#[test]
+fn cds_push_replaces_the_whole_set() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("a", ""), eds_cluster("b", "")]),
+    );
+    assert_eq!(names(&s.clusters), ["a", "b"]);
+    let s = push(&s, Kind::Cluster, &cds(&[eds_cluster("b", "")]));
+    assert_eq!(names(&s.clusters), ["b"]);
+    let s = push(&s, Kind::Cluster, &[]);
+    assert!(s.clusters.is_empty());
+}
+
+#[test]
+fn rds_push_updates_only_the_named_configs() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("a", 1, "ra"), listener("b", 2, "rb")]),
+    );
+    let s = push(&s, Kind::Route, &rds(&[route_config("ra", "c1")]));
+    let s = push(&s, Kind::Route, &rds(&[route_config("rb", "c1")]));
+    assert_eq!(names(&s.routes), ["ra", "rb"]);
+    let before = s.routes["ra"].value.clone();
+    let s = push(&s, Kind::Route, &rds(&[route_config("rb", "c2")]));
+    assert_eq!(names(&s.routes), ["ra", "rb"]);
+    assert!(Arc::ptr_eq(&before, &s.routes["ra"].value));
+    assert_eq!(
+        s.routes["rb"]
+            .value
+            .clusters()
+            .map(|c| &**c)
+            .collect::<Vec<_>>(),
+        ["c2"]
+    );
+    // An empty RDS response removes nothing.
+    let s = push(&s, Kind::Route, &[]);
+    assert_eq!(names(&s.routes), ["ra", "rb"]);
+}
+
+#[test]
+fn eds_push_updates_only_the_named_assignments() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("a", ""), eds_cluster("b", "")]),
+    );
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("a", &[("10.0.0.1", 80)])]));
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("b", &[("10.0.0.2", 80)])]));
+    assert_eq!(names(&s.endpoints), ["a", "b"]);
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("a", &[("10.0.0.3", 80)])]));
+    assert_eq!(names(&s.endpoints), ["a", "b"]);
+    assert_eq!(
+        s.endpoints["a"].value.hosts[0].addr.to_string(),
+        "10.0.0.3:80"
+    );
+    assert_eq!(
+        s.endpoints["b"].value.hosts[0].addr.to_string(),
+        "10.0.0.2:80"
+    );
+}
+
+#[test]
+fn accepted_push_records_version_and_item_metadata() {
+    let s = Store::default()
+        .apply(Kind::Listener, "v7", &lds(&[listener("a", 1, "r")]))
+        .unwrap();
+    assert_eq!(
+        s.versions.get(&Kind::Listener).map(String::as_str),
+        Some("v7")
+    );
+    assert_eq!(s.versions.get(&Kind::Cluster), None);
+    let item = &s.listeners["a"];
+    assert_eq!(item.version, "v7");
+    assert!(!item.is_static);
+    assert_eq!(item.proto.name, "a");
+    assert_eq!(item.value.addr.to_string(), "127.0.0.1:1");
+    // A rejected push leaves the version alone (the caller keeps the old store).
+    let errs = s
+        .apply(Kind::Listener, "v8", &lds(&[listener("", 1, "r")]))
+        .unwrap_err();
+    assert_eq!(errs.len(), 1);
+    assert_eq!(s.versions[&Kind::Listener], "v7");
+}
+
+#[test]
+fn resource_wrapper_is_unwrapped() {
+    use envoy_types::pb::envoy::service::discovery::v3::Resource;
+    let inner = any(types::CLUSTER, &eds_cluster("wrapped", ""));
+    let wrapped = any(
+        "type.googleapis.com/envoy.service.discovery.v3.Resource",
+        &Resource {
+            name: "wrapped".into(),
+            resource: Some(inner),
+            ..Default::default()
+        },
+    );
+    let s = push(&Store::default(), Kind::Cluster, &[wrapped]);
+    assert_eq!(names(&s.clusters), ["wrapped"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rejections
+
+#[test]
+fn duplicate_names_in_one_push_are_rejected() {
+    let errs = nack(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("a", 1, "r"), listener("a", 2, "r")]),
+    );
+    assert_eq!(
+        errs,
+        ["listener 'a': duplicate listener name in one response"]
+    );
+    let errs = nack(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("c", ""), eds_cluster("c", "")]),
+    );
+    assert_eq!(
+        errs,
+        ["cluster 'c': duplicate cluster name in one response"]
+    );
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("l", 1, "r")]),
+    );
+    let errs = nack(
+        &s,
+        Kind::Route,
+        &rds(&[route_config("r", "a"), route_config("r", "b")]),
+    );
+    assert_eq!(errs, ["route 'r': duplicate route name in one response"]);
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("c", "")]),
+    );
+    let errs = nack(&s, Kind::Endpoint, &eds(&[cla("c", &[]), cla("c", &[])]));
+    assert_eq!(
+        errs,
+        ["endpoints 'c': duplicate endpoints name in one response"]
+    );
+}
+
+#[test]
+fn a_bad_resource_rejects_the_whole_push_with_every_reason() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("old", 1, "r")]),
+    );
+    let mut no_chains = listener("b", 2, "r");
+    no_chains.filter_chains.clear();
+    let mut bad_addr = listener("c", 3, "r");
+    bad_addr.address = Some(sock("not-an-ip", 3));
+    let errs = nack(
+        &s,
+        Kind::Listener,
+        &lds(&[
+            listener("a", 4, "r"),
+            no_chains,
+            bad_addr,
+            listener("d", 5, "r"),
+        ]),
+    );
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert_eq!(errs[0], "listener 'b': no filter chains specified");
+    assert_eq!(
+        errs[1],
+        "listener 'c': address: malformed IP address: not-an-ip"
+    );
+    // The store the push was applied to is untouched.
+    assert_eq!(names(&s.listeners), ["old"]);
+}
+
+#[test]
+fn bad_clusters_routes_and_endpoints_are_all_reported() {
+    let mut bad = eds_cluster("x", "");
+    bad.lb_policy = 2;
+    let mut bad2 = eds_cluster("y", "");
+    bad2.connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+        seconds: -1,
+        nanos: 0,
+    });
+    let errs = nack(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[bad, eds_cluster("ok", ""), bad2]),
+    );
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert!(
+        errs[0].starts_with("cluster 'x': lb_policy RING_HASH"),
+        "{errs:#?}"
+    );
+    assert!(
+        errs[1].starts_with("cluster 'y': connect_timeout"),
+        "{errs:#?}"
+    );
+
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("l", 1, "r")]),
+    );
+    let mut bad_rc = route_config("r", "c");
+    bad_rc.virtual_hosts[0].domains.clear();
+    let errs = nack(&s, Kind::Route, &rds(&[bad_rc]));
+    assert_eq!(errs, ["route 'r': vhost 'vh': domains must not be empty"]);
+
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("c", "")]),
+    );
+    let errs = nack(&s, Kind::Endpoint, &eds(&[cla("c", &[("host.local", 80)])]));
+    assert_eq!(errs.len(), 1);
+    assert!(errs[0].starts_with("endpoints 'c': "), "{errs:#?}");
+}
+
+#[test]
+fn undecodable_and_mistyped_resources_are_reported_by_index() {
+    let good = any(types::LISTENER, &listener("a", 1, "r"));
+    let wrong_type = any(types::CLUSTER, &eds_cluster("c", ""));
+    let garbage = Any {
+        type_url: types::LISTENER.into(),
+        value: vec![0xff, 0xff, 0xff],
+    };
+    let errs = nack(
+        &Store::default(),
+        Kind::Listener,
+        &[good, wrong_type, garbage],
+    );
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert_eq!(
+        errs[0],
+        format!(
+            "resource 1: unexpected resource type {}, expected {}",
+            types::CLUSTER,
+            types::LISTENER
+        )
+    );
+    assert!(
+        errs[1].starts_with("resource 2: cannot decode"),
+        "{errs:#?}"
+    );
+}
+
+#[test]
+fn two_listeners_on_one_address_are_rejected() {
+    let errs = nack(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("a", 1, "r"), listener("b", 1, "r")]),
+    );
+    assert_eq!(
+        errs,
+        ["listener 'b': duplicate address 127.0.0.1:1 as listener 'a'"]
+    );
+}
+
+#[test]
+fn static_resources_cannot_be_replaced_or_removed() {
+    let mut s = Store::default();
+    s.add_static(
+        &[listener("static-l", 1, "r")],
+        &[static_cluster(
+            "static-c",
+            DiscoveryType::Static,
+            &[("10.0.0.1", 80)],
+        )],
+    )
+    .unwrap();
+    assert!(s.listeners["static-l"].is_static && s.clusters["static-c"].is_static);
+
+    // A wildcard push without them keeps them.
+    let s2 = push(&s, Kind::Listener, &lds(&[listener("dyn", 2, "r")]));
+    assert_eq!(names(&s2.listeners), ["dyn", "static-l"]);
+    let s2 = push(&s, Kind::Cluster, &[]);
+    assert_eq!(names(&s2.clusters), ["static-c"]);
+
+    // A push naming them is rejected.
+    let errs = nack(&s, Kind::Listener, &lds(&[listener("static-l", 1, "r")]));
+    assert_eq!(
+        errs,
+        ["listener 'static-l': a static resource from the bootstrap cannot be replaced by xDS"]
+    );
+    let errs = nack(&s, Kind::Cluster, &cds(&[eds_cluster("static-c", "")]));
+    assert_eq!(
+        errs,
+        ["cluster 'static-c': a static resource from the bootstrap cannot be replaced by xDS"]
+    );
+    // Nor may a dynamic listener take a static listener's address.
+    let errs = nack(&s, Kind::Listener, &lds(&[listener("dyn", 1, "r")]));
+    assert_eq!(errs.len(), 1);
+    assert!(
+        errs[0].contains("duplicate address 127.0.0.1:1"),
+        "{errs:#?}"
+    );
+}
+
+#[test]
+fn add_static_reports_every_bad_resource() {
+    let mut bad_l = listener("bl", 1, "r");
+    bad_l.filter_chains.clear();
+    let bad_c = static_cluster("bc", DiscoveryType::Static, &[("not-an-ip", 80)]);
+    let errs = Store::default().add_static(&[bad_l], &[bad_c]).unwrap_err();
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert!(
+        errs[0].starts_with("static_resources: listener 'bl'"),
+        "{errs:#?}"
+    );
+    assert!(
+        errs[1].starts_with("static_resources: cluster 'bc'"),
+        "{errs:#?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reuse of unchanged translations
+
+#[test]
+fn unchanged_resources_keep_their_translation() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("a", 1, "r"), listener("b", 2, "r")]),
+    );
+    let a = s.listeners["a"].value.clone();
+    let b = s.listeners["b"].value.clone();
+    let s = s
+        .apply(
+            Kind::Listener,
+            "v2",
+            &lds(&[listener("a", 1, "r"), listener("b", 2, "r2")]),
+        )
+        .unwrap();
+    assert!(Arc::ptr_eq(&a, &s.listeners["a"].value));
+    assert_eq!(
+        s.listeners["a"].version, "v",
+        "an unchanged resource keeps its version"
+    );
+    assert!(!Arc::ptr_eq(&b, &s.listeners["b"].value));
+    assert_eq!(s.listeners["b"].version, "v2");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Assembly, warming and sharing
+
+#[test]
+fn complete_store_assembles() {
+    let s = full_store();
+    let snapshot = snap(&s, &Snapshot::default());
+    assert_eq!(snapshot.version, 1);
+    assert_eq!(snap_listeners(&snapshot), ["l"]);
+    assert_eq!(snap_clusters(&snapshot), ["c"]);
+    let l = &snapshot.listeners["l"];
+    assert!(Arc::ptr_eq(&l.def, &s.listeners["l"].value));
+    assert!(Arc::ptr_eq(&l.routes, &s.routes["r"].value));
+    let c = &snapshot.clusters["c"];
+    assert!(Arc::ptr_eq(&c.def, &s.clusters["c"].value));
+    assert!(Arc::ptr_eq(&c.endpoints, &s.endpoints["c"].value));
+}
+
+#[test]
+fn eds_cluster_without_endpoints_is_warming() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("c", "svc")]),
+    );
+    let first = snap(&s, &Snapshot::default());
+    assert!(first.clusters.is_empty());
+    // The assignment is looked up by service_name, not by cluster name.
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("svc", &[("10.0.0.1", 80)])]));
+    let second = snap(&s, &first);
+    assert_eq!(snap_clusters(&second), ["c"]);
+}
+
+#[test]
+fn eds_cluster_keeps_serving_its_previous_version_while_warming() {
+    let s = full_store();
+    let first = snap(&s, &Snapshot::default());
+    let old = first.clusters["c"].clone();
+    // The cluster now wants another assignment, which has not arrived.
+    let s = push(&s, Kind::Cluster, &cds(&[eds_cluster("c", "c2")]));
+    let second = snap(&s, &first);
+    assert!(
+        Arc::ptr_eq(&second.clusters["c"], &old),
+        "previous version keeps serving"
+    );
+    assert_eq!(old.def.eds_name, "c");
+    // Without a previous snapshot it is not routable.
+    assert!(snap(&s, &Snapshot::default()).clusters.is_empty());
+    // Once the assignment arrives, the new version takes over.
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("c2", &[("10.0.0.2", 80)])]));
+    let third = snap(&s, &second);
+    assert_eq!(third.clusters["c"].def.eds_name, "c2");
+    assert_eq!(
+        third.clusters["c"].endpoints.hosts[0].addr.to_string(),
+        "10.0.0.2:80"
+    );
+}
+
+#[test]
+fn eds_cluster_with_an_empty_assignment_is_not_warming() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("c", "")]),
+    );
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("c", &[])]));
+    let snapshot = snap(&s, &Snapshot::default());
+    assert_eq!(snap_clusters(&snapshot), ["c"]);
+    assert!(snapshot.clusters["c"].pick().is_none());
+}
+
+#[test]
+fn static_cluster_with_literal_endpoints_needs_no_eds() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[
+            static_cluster("s", DiscoveryType::Static, &[("10.0.0.1", 80)]),
+            static_cluster("dns-literal", DiscoveryType::StrictDns, &[("10.0.0.2", 80)]),
+            static_cluster("dns", DiscoveryType::StrictDns, &[("backend.local", 80)]),
+        ]),
+    );
+    assert_eq!(
+        s.resolved.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["dns-literal", "s"]
+    );
+    let snapshot = snap(&s, &Snapshot::default());
+    // The DNS cluster with a hostname warms until the resolver fills `resolved` in.
+    assert_eq!(snap_clusters(&snapshot), ["dns-literal", "s"]);
+    assert_eq!(
+        s.dns_clusters()
+            .iter()
+            .map(|c| &*c.name)
+            .collect::<Vec<_>>(),
+        ["dns", "dns-literal"]
+    );
+    let mut s = s;
+    s.resolved.insert(
+        "dns".into(),
+        Arc::new(LoadAssignment::from_resolved(
+            s.clusters["dns"].value.inline.as_ref().unwrap(),
+            |_| "10.0.0.3".parse().ok(),
+        )),
+    );
+    let snapshot = snap(&s, &snapshot);
+    assert_eq!(snap_clusters(&snapshot), ["dns", "dns-literal", "s"]);
+}
+
+#[test]
+fn resolved_endpoints_are_reused_when_unchanged() {
+    let c = static_cluster("s", DiscoveryType::Static, &[("10.0.0.1", 80)]);
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(std::slice::from_ref(&c)),
+    );
+    let before = s.resolved["s"].clone();
+    // Another cluster changes; this one's endpoints keep their Arc.
+    let s = push(&s, Kind::Cluster, &cds(&[c.clone(), eds_cluster("e", "")]));
+    assert!(Arc::ptr_eq(&before, &s.resolved["s"]));
+    // Its own endpoints change: a new Arc.
+    let mut changed = c;
+    changed.load_assignment = Some(cla("s", &[("10.0.0.9", 80)]));
+    let s = push(&s, Kind::Cluster, &cds(&[changed]));
+    assert!(!Arc::ptr_eq(&before, &s.resolved["s"]));
+    // Removed clusters lose their endpoints.
+    let s = push(&s, Kind::Cluster, &[]);
+    assert!(s.resolved.is_empty());
+}
+
+#[test]
+fn listener_without_routes_is_warming() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("l", 1, "r")]),
+    );
+    let first = snap(&s, &Snapshot::default());
+    assert!(first.listeners.is_empty());
+    let s = push(&s, Kind::Route, &rds(&[route_config("r", "c")]));
+    assert_eq!(snap_listeners(&snap(&s, &first)), ["l"]);
+}
+
+#[test]
+fn listener_keeps_serving_its_previous_version_while_warming() {
+    let s = full_store();
+    let first = snap(&s, &Snapshot::default());
+    let old = first.listeners["l"].clone();
+    // Same address, new route config name that has not arrived.
+    let s = push(&s, Kind::Listener, &lds(&[listener("l", 1, "r2")]));
+    let second = snap(&s, &first);
+    assert!(Arc::ptr_eq(&second.listeners["l"], &old));
+    assert!(snap(&s, &Snapshot::default()).listeners.is_empty());
+    let s = push(&s, Kind::Route, &rds(&[route_config("r2", "c")]));
+    let third = snap(&s, &second);
+    assert!(!Arc::ptr_eq(&third.listeners["l"], &old));
+    assert!(Arc::ptr_eq(
+        &third.listeners["l"].routes,
+        &s.routes["r2"].value
+    ));
+}
+
+#[test]
+fn moved_listener_does_not_keep_its_old_routes() {
+    let s = full_store();
+    let first = snap(&s, &Snapshot::default());
+    let s = push(&s, Kind::Listener, &lds(&[listener("l", 2, "r2")]));
+    assert!(snap(&s, &first).listeners.is_empty());
+}
+
+#[test]
+fn inline_routes_need_no_rds() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[inline_listener("l", 1)]),
+    );
+    let snapshot = snap(&s, &Snapshot::default());
+    assert_eq!(snap_listeners(&snapshot), ["l"]);
+    assert_eq!(snapshot.listeners["l"].routes.name, "inline");
+    assert!(s.wanted_routes().is_empty());
+}
+
+#[test]
+fn removed_resources_leave_the_snapshot() {
+    let s = full_store();
+    let first = snap(&s, &Snapshot::default());
+    let s = push(&s, Kind::Listener, &[]);
+    let s = push(&s, Kind::Cluster, &[]);
+    let second = snap(&s, &first);
+    assert!(second.listeners.is_empty());
+    assert!(second.clusters.is_empty());
+}
+
+#[test]
+fn unchanged_snapshot_entries_are_shared() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[eds_cluster("a", ""), eds_cluster("b", "")]),
+    );
+    let s = push(
+        &s,
+        Kind::Endpoint,
+        &eds(&[cla("a", &[("10.0.0.1", 80)]), cla("b", &[("10.0.0.2", 80)])]),
+    );
+    let s = push(
+        &s,
+        Kind::Listener,
+        &lds(&[listener("la", 1, "ra"), listener("lb", 2, "rb")]),
+    );
+    let s = push(
+        &s,
+        Kind::Route,
+        &rds(&[route_config("ra", "a"), route_config("rb", "b")]),
+    );
+    let first = snap(&s, &Snapshot::default());
+
+    // Nothing changed: everything is shared.
+    let same = snap(&s, &first);
+    for (k, v) in &first.clusters {
+        assert!(Arc::ptr_eq(v, &same.clusters[k]), "cluster {k}");
+    }
+    for (k, v) in &first.listeners {
+        assert!(Arc::ptr_eq(v, &same.listeners[k]), "listener {k}");
+    }
+
+    // New endpoints for 'a' and a new route config for 'rb': only those are rebuilt.
+    let s = push(&s, Kind::Endpoint, &eds(&[cla("a", &[("10.0.0.3", 80)])]));
+    let s = push(&s, Kind::Route, &rds(&[route_config("rb", "a")]));
+    // An identical re-push of 'ra' and of the clusters changes nothing.
+    let s = push(&s, Kind::Route, &rds(&[route_config("ra", "a")]));
+    let s = push(
+        &s,
+        Kind::Cluster,
+        &cds(&[eds_cluster("a", ""), eds_cluster("b", "")]),
+    );
+    let next = snap(&s, &same);
+    assert!(!Arc::ptr_eq(&same.clusters["a"], &next.clusters["a"]));
+    assert!(Arc::ptr_eq(&same.clusters["b"], &next.clusters["b"]));
+    assert!(Arc::ptr_eq(&same.listeners["la"], &next.listeners["la"]));
+    assert!(!Arc::ptr_eq(&same.listeners["lb"], &next.listeners["lb"]));
+    // A rebuilt entry still shares the unchanged part.
+    assert!(Arc::ptr_eq(
+        &same.clusters["a"].def,
+        &next.clusters["a"].def
+    ));
+    assert!(Arc::ptr_eq(
+        &same.listeners["lb"].def,
+        &next.listeners["lb"].def
+    ));
+}
+
+#[test]
+fn changed_cluster_definition_rebuilds_the_cluster() {
+    let s = full_store();
+    let first = snap(&s, &Snapshot::default());
+    let mut changed = eds_cluster("c", "");
+    changed.lb_policy = 3; // RANDOM
+    let s = push(&s, Kind::Cluster, &cds(&[changed]));
+    let second = snap(&s, &first);
+    assert!(!Arc::ptr_eq(&first.clusters["c"], &second.clusters["c"]));
+    assert!(Arc::ptr_eq(
+        &first.clusters["c"].endpoints,
+        &second.clusters["c"].endpoints
+    ));
+    assert_eq!(second.clusters["c"].def.policy, crate::lb::Policy::Random);
+}
+
+#[test]
+fn stats_are_requested_only_for_new_clusters() {
+    let s = full_store();
+    let calls = std::cell::RefCell::new(Vec::new());
+    let stats = |n: &str| {
+        calls.borrow_mut().push(n.to_string());
+        Arc::new(ClusterStats::default())
+    };
+    let first = s.assemble(&Snapshot::default(), 1, &stats);
+    assert_eq!(*calls.borrow(), ["c"]);
+    s.assemble(&first, 2, &stats);
+    assert_eq!(calls.borrow().len(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Garbage collection and subscriptions
+
+#[test]
+fn unreferenced_route_configs_are_collected() {
+    let s = full_store();
+    assert_eq!(names(&s.routes), ["r"]);
+    let s = push(&s, Kind::Listener, &lds(&[listener("l", 1, "r2")]));
+    assert!(s.routes.is_empty());
+    // A route config nobody asked for is not kept.
+    let s = push(
+        &s,
+        Kind::Route,
+        &rds(&[route_config("r2", "c"), route_config("stray", "c")]),
+    );
+    assert_eq!(names(&s.routes), ["r2"]);
+}
+
+#[test]
+fn unreferenced_endpoints_are_collected() {
+    let s = full_store();
+    assert_eq!(names(&s.endpoints), ["c"]);
+    let s = push(&s, Kind::Cluster, &cds(&[eds_cluster("c", "other")]));
+    assert!(s.endpoints.is_empty());
+    let s = push(
+        &s,
+        Kind::Endpoint,
+        &eds(&[cla("other", &[]), cla("stray", &[])]),
+    );
+    assert_eq!(names(&s.endpoints), ["other"]);
+    let s = push(&s, Kind::Cluster, &[]);
+    assert!(s.endpoints.is_empty());
+}
+
+#[test]
+fn wanted_routes_and_endpoints() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[
+            listener("a", 1, "ra"),
+            listener("b", 2, "shared"),
+            listener("c", 3, "shared"),
+            inline_listener("d", 4),
+        ]),
+    );
+    assert_eq!(
+        s.wanted_routes().into_iter().collect::<Vec<_>>(),
+        ["ra", "shared"]
+    );
+    let s = push(
+        &s,
+        Kind::Cluster,
+        &cds(&[
+            eds_cluster("e1", ""),
+            eds_cluster("e2", "svc2"),
+            static_cluster("st", DiscoveryType::Static, &[("10.0.0.1", 80)]),
+            static_cluster("dns", DiscoveryType::StrictDns, &[("a.local", 80)]),
+        ]),
+    );
+    assert_eq!(
+        s.wanted_endpoints().into_iter().collect::<Vec<_>>(),
+        ["e1", "svc2"]
+    );
+    assert!(Store::default().wanted_routes().is_empty());
+    assert!(Store::default().wanted_endpoints().is_empty());
+}
+
+#[test]
+fn listener_addrs_lists_every_listener() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[listener("a", 1, "r"), inline_listener("b", 2)]),
+    );
+    let addrs = s.listener_addrs();
+    assert_eq!(addrs["a"].to_string(), "127.0.0.1:1");
+    assert_eq!(addrs["b"].to_string(), "127.0.0.1:2");
+}
