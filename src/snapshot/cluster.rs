@@ -35,6 +35,35 @@ pub struct ClusterDef {
     /// For STATIC and DNS clusters: the inline `load_assignment`.
     pub inline: Option<LoadAssignmentSpec>,
     pub http2: bool,
+    /// `dns_lookup_family`, for DNS clusters.
+    pub dns_family: DnsFamily,
+}
+
+/// Which addresses a DNS lookup keeps, as Envoy's `dns_lookup_family` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DnsFamily {
+    /// IPv6 if there is any, else IPv4 (Envoy's AUTO).
+    Auto,
+    V4Only,
+    V6Only,
+    /// IPv4 if there is any, else IPv6.
+    V4Preferred,
+    All,
+}
+
+impl DnsFamily {
+    pub fn filter(self, addrs: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
+        let v4: Vec<_> = addrs.iter().copied().filter(|a| a.is_ipv4()).collect();
+        let v6: Vec<_> = addrs.iter().copied().filter(|a| a.is_ipv6()).collect();
+        match self {
+            DnsFamily::Auto if !v6.is_empty() => v6,
+            DnsFamily::Auto | DnsFamily::V4Only => v4,
+            DnsFamily::V6Only => v6,
+            DnsFamily::V4Preferred if !v4.is_empty() => v4,
+            DnsFamily::V4Preferred => v6,
+            DnsFamily::All => addrs.to_vec(),
+        }
+    }
 }
 
 /// An endpoint before DNS resolution (DNS clusters may name hosts instead of IPs).
@@ -322,7 +351,15 @@ impl ClusterDef {
             || c.typed_extension_protocol_options
                 .get("envoy.extensions.upstreams.http.v3.HttpProtocolOptions")
                 .is_some_and(|a| http2_in_protocol_options(&a.value));
+        let dns_family = match c.dns_lookup_family {
+            1 => DnsFamily::V4Only,
+            2 => DnsFamily::V6Only,
+            3 => DnsFamily::V4Preferred,
+            4 => DnsFamily::All,
+            _ => DnsFamily::Auto,
+        };
         Ok(ClusterDef {
+            dns_family,
             name: Arc::from(c.name.as_str()),
             kind,
             eds_name,
@@ -432,6 +469,29 @@ impl LoadAssignment {
             .collect();
         LoadAssignment { hosts }
     }
+
+    /// Builds the host list of a DNS cluster: every address a name resolved to is a host.
+    pub fn from_dns(
+        spec: &LoadAssignmentSpec,
+        resolved: &std::collections::BTreeMap<String, Vec<std::net::IpAddr>>,
+    ) -> LoadAssignment {
+        let mut hosts = Vec::new();
+        for (h, port, weight, health, priority) in &spec.endpoints {
+            let ips: Vec<std::net::IpAddr> = match h.parse() {
+                Ok(ip) => vec![ip],
+                Err(_) => resolved.get(h).cloned().unwrap_or_default(),
+            };
+            for ip in ips {
+                hosts.push(Host {
+                    addr: SocketAddr::new(ip, *port),
+                    weight: *weight,
+                    health: *health,
+                    priority: *priority,
+                });
+            }
+        }
+        LoadAssignment { hosts }
+    }
 }
 
 #[cfg(test)]
@@ -449,6 +509,42 @@ mod tests {
 
     fn hosts_of(buckets: &[(u32, Eligible)]) -> Vec<(u32, Vec<usize>)> {
         buckets.iter().map(|(s, e)| (*s, e.hosts.clone())).collect()
+    }
+
+    #[test]
+    fn dns_family_keeps_the_wanted_addresses() {
+        let v4: std::net::IpAddr = [127, 0, 0, 1].into();
+        let v6: std::net::IpAddr = std::net::Ipv6Addr::LOCALHOST.into();
+        let both = [v4, v6];
+        assert_eq!(DnsFamily::Auto.filter(&both), vec![v6]);
+        assert_eq!(DnsFamily::Auto.filter(&[v4]), vec![v4]);
+        assert_eq!(DnsFamily::V4Only.filter(&both), vec![v4]);
+        assert_eq!(
+            DnsFamily::V6Only.filter(&[v4]),
+            Vec::<std::net::IpAddr>::new()
+        );
+        assert_eq!(DnsFamily::V4Preferred.filter(&both), vec![v4]);
+        assert_eq!(DnsFamily::V4Preferred.filter(&[v6]), vec![v6]);
+        assert_eq!(DnsFamily::All.filter(&both), both.to_vec());
+    }
+
+    #[test]
+    fn strict_dns_makes_every_address_a_host() {
+        let spec = LoadAssignmentSpec {
+            endpoints: vec![
+                ("svc.local".into(), 80, 2, Health::Healthy, 0),
+                ("10.0.0.9".into(), 81, 1, Health::Healthy, 0),
+            ],
+        };
+        let mut resolved = std::collections::BTreeMap::new();
+        resolved.insert(
+            "svc.local".to_string(),
+            vec![[10, 0, 0, 1].into(), [10, 0, 0, 2].into()],
+        );
+        let la = LoadAssignment::from_dns(&spec, &resolved);
+        let addrs: Vec<String> = la.hosts.iter().map(|h| h.addr.to_string()).collect();
+        assert_eq!(addrs, vec!["10.0.0.1:80", "10.0.0.2:80", "10.0.0.9:81"]);
+        assert!(la.hosts[..2].iter().all(|h| h.weight == 2));
     }
 
     #[test]

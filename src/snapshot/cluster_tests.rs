@@ -131,6 +131,7 @@ fn defaults() {
             panic_threshold: 50.0,
             inline: Some(LoadAssignmentSpec { endpoints: vec![] }),
             http2: false,
+            dns_family: DnsFamily::Auto,
         }
     );
 }

@@ -6,7 +6,6 @@
 //! exponential backoff; the config in force stays until the new stream delivers.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +21,7 @@ use super::store::Store;
 use super::types::Kind;
 use crate::admin::stats::{ATTEMPT, REJECTED, SUCCESS};
 use crate::proxy::listeners::ListenerManager;
-use crate::snapshot::cluster::{ClusterDef, LoadAssignment};
+use crate::snapshot::cluster::{ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::State;
 
 /// Owns the store and the listeners; every accepted change goes through `commit`.
@@ -90,28 +89,31 @@ impl ConfigWorker {
     }
 }
 
+/// Resolves a DNS cluster's hostnames. STRICT_DNS makes every address of the wanted family a
+/// host; LOGICAL_DNS keeps the first, as Envoy does.
 async fn resolve(def: &ClusterDef) -> LoadAssignment {
     let Some(spec) = &def.inline else {
         return LoadAssignment::default();
     };
-    let mut addrs = BTreeMap::new();
+    let mut resolved = BTreeMap::new();
     for (host, port, ..) in &spec.endpoints {
-        if host.parse::<std::net::IpAddr>().is_ok() {
+        if host.parse::<std::net::IpAddr>().is_ok() || resolved.contains_key(host) {
             continue;
         }
         match tokio::net::lookup_host((host.as_str(), *port)).await {
-            Ok(mut it) => {
-                // Prefer IPv4 like Envoy's default V4_PREFERRED lookup family.
-                let all: Vec<SocketAddr> = it.by_ref().collect();
-                let pick = all.iter().find(|a| a.is_ipv4()).or(all.first()).copied();
-                if let Some(a) = pick {
-                    addrs.insert(host.clone(), a.ip());
+            Ok(it) => {
+                let all: Vec<std::net::IpAddr> = it.map(|a| a.ip()).collect();
+                let mut ips = def.dns_family.filter(&all);
+                ips.dedup();
+                if def.kind == DiscoveryKind::LogicalDns {
+                    ips.truncate(1);
                 }
+                resolved.insert(host.clone(), ips);
             }
             Err(e) => tracing::warn!(cluster = %def.name, %host, "DNS lookup failed: {e}"),
         }
     }
-    LoadAssignment::from_resolved(spec, |h| h.parse().ok().or_else(|| addrs.get(h).copied()))
+    LoadAssignment::from_dns(spec, &resolved)
 }
 
 #[derive(Debug, Default)]
