@@ -82,34 +82,20 @@ fn is_internal(ip: std::net::IpAddr) -> bool {
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
 fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
-    let raw = req
-        .uri
-        .authority()
-        .map(|a| a.as_str())
-        .or_else(|| {
-            req.headers
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-        })
-        .unwrap_or("");
-    let mut host = raw.to_ascii_lowercase();
+    let raw = raw_authority(req);
     let hcm = &listener.def.hcm;
     let strip_any = hcm.strip_any_host_port || listener.routes.ignore_port;
-    if strip_any || hcm.strip_matching_host_port {
-        // IPv6 literals keep their colons inside brackets.
-        let colon = if host.starts_with('[') {
-            host.find("]:").map(|i| i + 1)
-        } else {
-            host.rfind(':')
-        };
-        if let Some(i) = colon {
-            let port_matches = host[i + 1..].parse::<u16>().ok() == Some(listener.def.addr.port());
-            if strip_any || port_matches {
-                host.truncate(i);
-            }
+    let host = match split_port(raw) {
+        (host, Some(_)) if strip_any => host,
+        (host, Some(port))
+            if hcm.strip_matching_host_port
+                && port.parse::<u16>().ok() == Some(listener.def.addr.port()) =>
+        {
+            host
         }
-    }
-    host
+        _ => raw,
+    };
+    host.to_ascii_lowercase()
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) to remove, including those named in `Connection`.
