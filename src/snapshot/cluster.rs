@@ -269,23 +269,37 @@ impl ClusterDef {
                 return Err(err(format!("cluster_type '{}' is not supported", ct.name)))
             }
         };
-        let policy = match LbPolicy::try_from(c.lb_policy) {
-            Ok(LbPolicy::RoundRobin) => Policy::RoundRobin,
-            Ok(LbPolicy::LeastRequest) => Policy::LeastRequest,
-            Ok(LbPolicy::Random) => Policy::Random,
-            Ok(other) => {
-                return Err(err(format!(
-                    "lb_policy {} is not supported yet",
-                    other.as_str_name()
-                )))
-            }
-            Err(_) => return Err(err(format!("lb_policy: unknown value {}", c.lb_policy))),
+        let policy = match &c.load_balancing_policy {
+            // Envoy uses the first policy in the list that it knows; so does Portico.
+            Some(lbp) => lbp
+                .policies
+                .iter()
+                .filter_map(|p| p.typed_extension_config.as_ref()?.typed_config.as_ref())
+                .find_map(|any| typed_policy(&any.type_url))
+                .ok_or_else(|| {
+                    let names: Vec<&str> = lbp
+                        .policies
+                        .iter()
+                        .filter_map(|p| p.typed_extension_config.as_ref().map(|t| t.name.as_str()))
+                        .collect();
+                    err(format!(
+                        "load_balancing_policy: policies [{}] are not supported yet",
+                        names.join(", ")
+                    ))
+                })?,
+            None => match LbPolicy::try_from(c.lb_policy) {
+                Ok(LbPolicy::RoundRobin) => Policy::RoundRobin,
+                Ok(LbPolicy::LeastRequest) => Policy::LeastRequest,
+                Ok(LbPolicy::Random) => Policy::Random,
+                Ok(other) => {
+                    return Err(err(format!(
+                        "lb_policy {} is not supported yet",
+                        other.as_str_name()
+                    )))
+                }
+                Err(_) => return Err(err(format!("lb_policy: unknown value {}", c.lb_policy))),
+            },
         };
-        if c.load_balancing_policy.is_some() {
-            return Err(err(
-                "load_balancing_policy is not supported; use lb_policy".into()
-            ));
-        }
         if let Some(ts) = &c.transport_socket {
             if !is_raw_buffer(ts) {
                 return Err(err(format!(
@@ -372,6 +386,20 @@ impl ClusterDef {
     }
 }
 
+/// A typed load-balancing policy Portico implements, by its config type.
+fn typed_policy(type_url: &str) -> Option<Policy> {
+    match type_url.strip_prefix("type.googleapis.com/")? {
+        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin" => {
+            Some(Policy::RoundRobin)
+        }
+        "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest" => {
+            Some(Policy::LeastRequest)
+        }
+        "envoy.extensions.load_balancing_policies.random.v3.Random" => Some(Policy::Random),
+        _ => None,
+    }
+}
+
 /// Envoy picks a transport socket by its `typed_config` type, and by name only without one.
 pub fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
     match &ts.config_type {
@@ -427,11 +455,7 @@ fn load_assignment_spec(
                     "{at}.endpoint.address: malformed IP address: {host}"
                 ));
             }
-            if port == 0 {
-                return Err(format!(
-                    "{at}.endpoint.address: port_value must be in [1, 65535]"
-                ));
-            }
+            // Port 0 is valid config to Envoy (its rule is only <= 65535); connecting fails later.
             let weight = lb.load_balancing_weight.as_ref().map_or(1, |w| w.value);
             if weight == 0 {
                 return Err(format!("{at}.load_balancing_weight must be at least 1"));
