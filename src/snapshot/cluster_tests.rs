@@ -220,11 +220,54 @@ fn unsupported_lb_policies_are_rejected() {
     rejected(&c, "lb_policy: unknown value 4");
 }
 
+fn typed_lb(names_and_types: &[(&str, &str)]) -> cpb::LoadBalancingPolicy {
+    cpb::LoadBalancingPolicy {
+        policies: names_and_types
+            .iter()
+            .map(|(name, ty)| cpb::load_balancing_policy::Policy {
+                typed_extension_config: Some(corepb::TypedExtensionConfig {
+                    name: name.to_string(),
+                    typed_config: Some(Any {
+                        type_url: format!("type.googleapis.com/{ty}"),
+                        value: vec![],
+                    }),
+                }),
+            })
+            .collect(),
+    }
+}
+
 #[test]
-fn load_balancing_policy_is_rejected() {
+fn typed_load_balancing_policy_first_supported_wins() {
     let mut c = cluster("c");
-    c.load_balancing_policy = Some(Default::default());
-    rejected(&c, "load_balancing_policy is not supported; use lb_policy");
+    c.load_balancing_policy = Some(typed_lb(&[
+        (
+            "envoy.load_balancing_policies.maglev",
+            "envoy.extensions.load_balancing_policies.maglev.v3.Maglev",
+        ),
+        (
+            "envoy.load_balancing_policies.least_request",
+            "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+        ),
+        (
+            "envoy.load_balancing_policies.random",
+            "envoy.extensions.load_balancing_policies.random.v3.Random",
+        ),
+    ]));
+    assert_eq!(ok(&c).policy, Policy::LeastRequest);
+}
+
+#[test]
+fn typed_load_balancing_policy_without_a_supported_one_is_rejected() {
+    let mut c = cluster("c");
+    c.load_balancing_policy = Some(typed_lb(&[(
+        "envoy.load_balancing_policies.maglev",
+        "envoy.extensions.load_balancing_policies.maglev.v3.Maglev",
+    )]));
+    rejected(
+        &c,
+        "load_balancing_policy: policies [envoy.load_balancing_policies.maglev] are not supported yet",
+    );
 }
 
 #[test]
