@@ -25,10 +25,10 @@ struct Cli {
     #[arg(long, value_enum, default_value = "serve")]
     mode: Mode,
     /// trace, debug, info, warning/warn, error, critical, off.
-    #[arg(short = 'l', long = "log-level", default_value = "info")]
+    #[arg(short = 'l', long = "log-level", default_value = "info", global = true)]
     log_level: String,
     /// Worker threads (default: number of cores).
-    #[arg(long)]
+    #[arg(long, global = true)]
     concurrency: Option<usize>,
     /// Accepted for Envoy compatibility; Portico has no hot restart.
     #[arg(long, hide = true)]

@@ -1938,3 +1938,367 @@ pub async fn probe_http(
 // ===========================================================================
 // END conformance_xds helpers
 // ===========================================================================
+
+// ===========================================================================
+// BEGIN conformance_http helpers (appended for tests/conformance_http.rs)
+// ===========================================================================
+
+/// One request exactly as a `RawBackend` read it off the wire: header names
+/// keep the case and order they were sent in, repeated headers stay separate.
+#[derive(Clone, Debug)]
+pub struct UpstreamRequest {
+    pub method: String,
+    pub target: String,
+    pub version: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl UpstreamRequest {
+    /// First value of `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Header names as sent, in order.
+    pub fn names(&self) -> Vec<&str> {
+        self.headers.iter().map(|(k, _)| k.as_str()).collect()
+    }
+}
+
+struct RawBackendState {
+    log: Mutex<Vec<UpstreamRequest>>,
+    connections: AtomicUsize,
+    /// Body bytes (as on the wire) received so far, by request target.
+    body_progress: Mutex<HashMap<String, usize>>,
+    release: tokio::sync::Notify,
+}
+
+/// A hand-written HTTP/1.1 upstream that records every request verbatim and
+/// misbehaves on demand. What it answers depends on the request target:
+///
+/// * `/nolength…` 200 with no framing, body `close-delimited body`, then closes
+/// * `/http10…` an `HTTP/1.0 200` close-delimited response, body `ten`
+/// * `/chunked…` 200 chunked `hello world` (headers only for HEAD)
+/// * `/100…`, `/103…` a 100 Continue / 103 Early Hints, then 200 `ok`
+/// * `/204…`, `/304…` those statuses (with `x-mode: 204` / `etag: "v1"`)
+/// * `/hop…` 200 `ok` carrying hop-by-hop headers, its own `Server` and `Date`
+/// * `/dupresp…` repeated and mixed-case response headers
+/// * `/upclose…` 200 `ok` with `connection: close`, then closes
+/// * `/closemid…` promises 100 bytes, sends `partial`, closes
+/// * `/badstatus…`, `/garbage…`, `/clte…`, `/badhdr…` malformed responses
+/// * `/closenow…` closes without answering
+/// * `/slow/<ms>…` waits `<ms>` then answers like the default
+/// * `/stream-resp…` chunked: `part1`, then waits for `release()`, then `part2`
+/// * `/body…` 200 with the request body as its body
+/// * anything else: 200, `x-backend: raw`, body `raw-backend`
+pub struct RawBackend {
+    pub addr: SocketAddr,
+    state: Arc<RawBackendState>,
+    task: JoinHandle<()>,
+}
+
+impl RawBackend {
+    pub async fn start() -> RawBackend {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind raw backend");
+        let addr = listener.local_addr().expect("raw backend addr");
+        let state = Arc::new(RawBackendState {
+            log: Mutex::new(Vec::new()),
+            connections: AtomicUsize::new(0),
+            body_progress: Mutex::new(HashMap::new()),
+            release: tokio::sync::Notify::new(),
+        });
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                st.connections.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(raw_backend_conn(stream, st.clone()));
+            }
+        });
+        RawBackend { addr, state, task }
+    }
+
+    pub fn requests(&self) -> Vec<UpstreamRequest> {
+        self.state.log.lock().expect("raw backend log").clone()
+    }
+
+    /// The last request whose target is exactly `target`.
+    pub fn request(&self, target: &str) -> Option<UpstreamRequest> {
+        self.requests()
+            .into_iter()
+            .rev()
+            .find(|r| r.target == target)
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
+    }
+
+    /// Body bytes received so far of the (last) request to `target`.
+    pub fn body_progress(&self, target: &str) -> usize {
+        self.state
+            .body_progress
+            .lock()
+            .expect("raw backend progress")
+            .get(target)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Lets a waiting `/stream-resp` finish.
+    pub fn release(&self) {
+        self.state.release.notify_one();
+    }
+}
+
+impl Drop for RawBackend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A complete chunked body at the start of `data`: (decoded, bytes consumed).
+fn dechunk_prefix(data: &[u8]) -> Option<(Vec<u8>, usize)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    loop {
+        let eol = at + find_bytes(&data[at..], b"\r\n")?;
+        let line = String::from_utf8_lossy(&data[at..eol]).into_owned();
+        let size = usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16).ok()?;
+        at = eol + 2;
+        if size == 0 {
+            // Trailers end with an empty line.
+            let end = at + find_bytes(&data[at..], b"\r\n")?;
+            if end == at {
+                return Some((out, at + 2));
+            }
+            let end = at + find_bytes(&data[at..], b"\r\n\r\n")?;
+            return Some((out, end + 4));
+        }
+        if data.len() < at + size + 2 {
+            return None;
+        }
+        out.extend_from_slice(&data[at..at + size]);
+        at += size + 2;
+    }
+}
+
+async fn raw_backend_conn(mut s: tokio::net::TcpStream, st: Arc<RawBackendState>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    macro_rules! read_more {
+        () => {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+    }
+    loop {
+        let head_end = loop {
+            if let Some(p) = find_bytes(&buf, b"\r\n\r\n") {
+                break p;
+            }
+            read_more!();
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        buf.drain(..head_end + 4);
+        let mut lines = head.split("\r\n");
+        let mut start = lines.next().unwrap_or_default().splitn(3, ' ');
+        let method = start.next().unwrap_or_default().to_string();
+        let target = start.next().unwrap_or_default().to_string();
+        let version = start.next().unwrap_or_default().to_string();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+            .collect();
+        let get = |n: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(n))
+                .map(|(_, v)| v.clone())
+        };
+        let chunked = get("transfer-encoding").is_some_and(|v| v.contains("chunked"));
+        let length = get("content-length").and_then(|v| v.parse::<usize>().ok());
+        let progress = |n: usize| {
+            st.body_progress
+                .lock()
+                .expect("raw backend progress")
+                .insert(target.clone(), n);
+        };
+        progress(0);
+        let body = if chunked {
+            loop {
+                if let Some((body, used)) = dechunk_prefix(&buf) {
+                    buf.drain(..used);
+                    break body;
+                }
+                read_more!();
+                progress(buf.len());
+            }
+        } else if let Some(n) = length {
+            while buf.len() < n {
+                progress(buf.len());
+                read_more!();
+            }
+            progress(n);
+            buf.drain(..n).collect()
+        } else {
+            Vec::new()
+        };
+        let head_only = method == "HEAD";
+        st.log
+            .lock()
+            .expect("raw backend log")
+            .push(UpstreamRequest {
+                method,
+                target: target.clone(),
+                version,
+                headers,
+                body: body.clone(),
+            });
+
+        let plain = |extra: &str, body: &[u8]| -> Vec<u8> {
+            let mut out = format!(
+                "HTTP/1.1 200 OK\r\n{extra}content-length: {}\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            if !head_only {
+                out.extend_from_slice(body);
+            }
+            out
+        };
+        // (bytes to write, close afterwards)
+        let (out, close): (Vec<u8>, bool) = if target.starts_with("/nolength") {
+            (
+                b"HTTP/1.1 200 OK\r\nx-mode: nolength\r\n\r\nclose-delimited body".to_vec(),
+                true,
+            )
+        } else if target.starts_with("/http10") {
+            (
+                b"HTTP/1.0 200 OK\r\nx-mode: http10\r\n\r\nten".to_vec(),
+                true,
+            )
+        } else if target.starts_with("/chunked") {
+            let mut out = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            if !head_only {
+                out.extend_from_slice(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n");
+            }
+            (out, false)
+        } else if target.starts_with("/100") {
+            (
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                    .to_vec(),
+                false,
+            )
+        } else if target.starts_with("/103") {
+            (
+                b"HTTP/1.1 103 Early Hints\r\nlink: </s.css>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                    .to_vec(),
+                false,
+            )
+        } else if target.starts_with("/204") {
+            (
+                b"HTTP/1.1 204 No Content\r\nx-mode: 204\r\n\r\n".to_vec(),
+                false,
+            )
+        } else if target.starts_with("/304") {
+            (
+                b"HTTP/1.1 304 Not Modified\r\netag: \"v1\"\r\n\r\n".to_vec(),
+                false,
+            )
+        } else if target.starts_with("/hop") {
+            (
+                plain(
+                    "Connection: x-custom\r\nx-custom: 1\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nUpgrade: foo\r\nte: trailers\r\nTrailer: x-t\r\nProxy-Authenticate: Basic\r\nx-other: kept\r\nServer: upstream-srv\r\nDate: Mon, 01 Jan 2001 00:00:00 GMT\r\n",
+                    b"ok",
+                ),
+                false,
+            )
+        } else if target.starts_with("/dupresp") {
+            (
+                plain(
+                    "x-dup: a\r\nx-mid: m\r\nx-dup: b\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-CamelCase: v\r\n",
+                    b"ok",
+                ),
+                false,
+            )
+        } else if target.starts_with("/upclose") {
+            (plain("connection: close\r\n", b"ok"), true)
+        } else if target.starts_with("/closemid") {
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial".to_vec(),
+                true,
+            )
+        } else if target.starts_with("/badstatus") {
+            (
+                b"HTTP/1.1 abc OK\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+                true,
+            )
+        } else if target.starts_with("/garbage") {
+            (b"this is not http\r\n\r\n".to_vec(), true)
+        } else if target.starts_with("/clte") {
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                    .to_vec(),
+                true,
+            )
+        } else if target.starts_with("/badhdr") {
+            (
+                b"HTTP/1.1 200 OK\r\nx-bad: a\x01b\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+                true,
+            )
+        } else if target.starts_with("/closenow") {
+            return;
+        } else if target.starts_with("/stream-resp") {
+            let first = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\npart1\r\n";
+            if s.write_all(first).await.is_err() {
+                return;
+            }
+            let _ = s.flush().await;
+            let _ = tokio::time::timeout(Duration::from_secs(10), st.release.notified()).await;
+            (b"5\r\npart2\r\n0\r\n\r\n".to_vec(), false)
+        } else if target.starts_with("/body") {
+            (
+                plain("content-type: application/octet-stream\r\n", &body),
+                false,
+            )
+        } else {
+            if let Some(ms) = target
+                .strip_prefix("/slow/")
+                .and_then(|r| r.split(['/', '?']).next())
+                .and_then(|ms| ms.parse::<u64>().ok())
+            {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            (plain("x-backend: raw\r\n", b"raw-backend"), false)
+        };
+        if s.write_all(&out).await.is_err() {
+            return;
+        }
+        if close {
+            let _ = s.shutdown().await;
+            return;
+        }
+    }
+}
+
+// ===========================================================================
+// END conformance_http helpers
+// ===========================================================================
