@@ -64,12 +64,22 @@ pub struct ClusterStats {
 }
 
 impl ClusterStats {
-    pub fn record(&self, code: u16) {
+    /// An upstream request starts; Envoy counts `upstream_rq_total` here, not at the end.
+    pub fn start(&self) {
         self.rq_total.fetch_add(1, Relaxed);
+    }
+
+    /// The response code, once known.
+    pub fn record_code(&self, code: u16) {
         if (100..600).contains(&code) {
             self.rq_xx[usize::from(code / 100 - 1)].fetch_add(1, Relaxed);
         }
         self.codes.inc(code);
+    }
+
+    pub fn record(&self, code: u16) {
+        self.start();
+        self.record_code(code);
     }
 }
 
@@ -83,8 +93,15 @@ pub struct HcmStats {
 }
 
 impl HcmStats {
-    pub fn record(&self, code: u16) {
+    /// A downstream request's headers arrived.
+    pub fn start(&self) {
         self.rq_total.fetch_add(1, Relaxed);
+        self.rq_active.fetch_add(1, Relaxed);
+    }
+
+    /// The request ended with `code` (0: no response was sent).
+    pub fn finish(&self, code: u16) {
+        self.rq_active.fetch_sub(1, Relaxed);
         if (100..600).contains(&code) {
             self.rq_xx[usize::from(code / 100 - 1)].fetch_add(1, Relaxed);
         }

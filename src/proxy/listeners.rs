@@ -23,7 +23,16 @@ struct Running {
     codec: Codec,
     /// Tells the accept loop to stop and open connections to close after their current request.
     shutdown: watch::Sender<bool>,
-    app: Arc<HttpProxy<Gateway>>,
+    apps: Apps,
+}
+
+/// One pingora app per protocol: HTTP/1 and h2c. Portico reads the first bytes itself to pick
+/// one, because pingora's own h2c detection waits for 24 bytes and so hangs on shorter HTTP/1
+/// requests.
+#[derive(Clone)]
+struct Apps {
+    h1: Arc<HttpProxy<Gateway>>,
+    h2c: Option<Arc<HttpProxy<Gateway>>>,
 }
 
 pub struct ListenerManager {
@@ -81,8 +90,13 @@ impl ListenerManager {
                 tracing::info!(listener = %name, addr = %r.addr, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
                 // Wakes keep-alive connections idling in read_request so they close now.
-                let app = r.app.clone();
-                self.workers.spawn(async move { app.http_cleanup().await });
+                let apps = r.apps.clone();
+                self.workers.spawn(async move {
+                    apps.h1.http_cleanup().await;
+                    if let Some(h2c) = apps.h2c {
+                        h2c.http_cleanup().await;
+                    }
+                });
             }
             keep
         });
@@ -107,30 +121,36 @@ impl ListenerManager {
                 continue;
             };
             let (tx, rx) = watch::channel(false);
-            let mut proxy = HttpProxy::new(
-                Gateway {
-                    listener: name.clone(),
-                    state: self.state.clone(),
-                    hcm_stats: self.state.stats.hcm(&l.def.hcm.stat_prefix),
-                },
-                self.conf.clone(),
-            );
-            let mut opts = HttpServerOptions::default();
-            opts.h2c = l.def.hcm.codec != Codec::Http1;
-            proxy.server_options = Some(opts);
-            proxy.handle_init_modules();
-            let app = Arc::new(proxy);
+            let app = |h2c: bool| {
+                let mut proxy = HttpProxy::new(
+                    Gateway {
+                        listener: name.clone(),
+                        state: self.state.clone(),
+                        hcm_stats: self.state.stats.hcm(&l.def.hcm.stat_prefix),
+                    },
+                    self.conf.clone(),
+                );
+                let mut opts = HttpServerOptions::default();
+                opts.h2c = h2c;
+                proxy.server_options = Some(opts);
+                proxy.handle_init_modules();
+                Arc::new(proxy)
+            };
+            let apps = Apps {
+                h1: app(false),
+                h2c: (l.def.hcm.codec != Codec::Http1).then(|| app(true)),
+            };
             let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
             tracing::info!(listener = %name, %addr, "listener serving");
             self.workers
-                .spawn(accept_loop(sock, app.clone(), rx, hcm_stats));
+                .spawn(accept_loop(sock, apps.clone(), rx, hcm_stats));
             self.running.insert(
                 name.clone(),
                 Running {
                     addr,
                     codec: l.def.hcm.codec,
                     shutdown: tx,
-                    app,
+                    apps,
                 },
             );
         }
@@ -147,14 +167,62 @@ fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     Ok(l)
 }
 
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether the connection starts with the HTTP/2 preface. Peeks only as far as needed: the
+/// first byte that differs from the preface settles it, so short HTTP/1 requests never wait.
+async fn starts_with_h2_preface(stream: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; 24];
+    loop {
+        let n = match stream.peek(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => n,
+        };
+        if buf[..n] != H2_PREFACE[..n] {
+            return false;
+        }
+        if n == H2_PREFACE.len() {
+            return true;
+        }
+        // A partial preface: wait for more bytes (peek returns at once while data is queued).
+        if stream.readable().await.is_err() {
+            return false;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn serve_connection(
+    tcp: tokio::net::TcpStream,
+    peer: SocketAddr,
+    apps: Apps,
+    shutdown: watch::Receiver<bool>,
+) {
+    use pingora_core::protocols::{GetSocketDigest, SocketDigest};
+    use std::os::unix::io::AsRawFd;
+    let _ = tcp.set_nodelay(true);
+    let app = match &apps.h2c {
+        Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),
+        _ => apps.h1.clone(),
+    };
+    let mut l4: pingora_core::protocols::l4::stream::Stream = tcp.into();
+    let digest = SocketDigest::from_raw_fd(l4.as_raw_fd());
+    let _ = digest.peer_addr.set(Some(peer.into()));
+    l4.set_socket_digest(digest);
+    let mut stream: pingora_core::protocols::Stream = Box::new(l4);
+    while let Some(next) = app.process_new(stream, &shutdown).await {
+        stream = next;
+    }
+}
+
 async fn accept_loop(
     sock: std::net::TcpListener,
-    app: Arc<HttpProxy<Gateway>>,
+    apps: Apps,
     mut shutdown: watch::Receiver<bool>,
     hcm_stats: Arc<crate::admin::stats::HcmStats>,
 ) {
     let listener = match tokio::net::TcpListener::from_std(sock) {
-        Ok(l) => pingora_core::protocols::l4::listener::Listener::from(l),
+        Ok(l) => l,
         Err(e) => {
             tracing::error!("cannot register listening socket: {e}");
             return;
@@ -163,19 +231,9 @@ async fn accept_loop(
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(mut stream) => {
-                    if let Err(e) = stream.set_nodelay() {
-                        tracing::debug!("set_nodelay failed: {e}");
-                    }
+                Ok((tcp, peer)) => {
                     hcm_stats.cx_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let app = app.clone();
-                    let shutdown = shutdown.clone();
-                    tokio::spawn(async move {
-                        let mut stream: pingora_core::protocols::Stream = Box::new(stream);
-                        while let Some(next) = app.process_new(stream, &shutdown).await {
-                            stream = next;
-                        }
-                    });
+                    tokio::spawn(serve_connection(tcp, peer, apps.clone(), shutdown.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.

@@ -41,6 +41,8 @@ pub struct Ctx {
     host_rewrite: Option<String>,
     timeout: Option<std::time::Duration>,
     upstream_start: Option<Instant>,
+    /// The upstream's response code was counted when its headers arrived.
+    code_recorded: bool,
     counted_active: bool,
 }
 
@@ -48,6 +50,108 @@ static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
+static X_EXPECTED_TIMEOUT: HeaderName = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
+static X_ORIGINAL_PATH: HeaderName = HeaderName::from_static("x-envoy-original-path");
+
+/// Control headers Envoy removes from requests that are not internal.
+const UNTRUSTED_ENVOY_HEADERS: &[&str] = &[
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-internal",
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-force-trace",
+    "x-envoy-ip-tags",
+    "x-envoy-upstream-alt-stat-name",
+];
+
+/// Headers Envoy also removes from edge requests (with `use_remote_address`).
+const EDGE_STRIPPED_HEADERS: &[&str] = &[
+    "x-envoy-decorator-operation",
+    "x-envoy-original-path",
+    "x-envoy-downstream-service-cluster",
+    "x-envoy-downstream-service-node",
+];
+
+/// Envoy's default limits: 60 KiB of request headers, 100 headers.
+const MAX_REQUEST_HEADERS_BYTES: usize = 60 * 1024;
+const MAX_REQUEST_HEADERS: usize = 100;
+
+/// Requests Envoy's codec refuses before routing: (status, body, close the connection).
+fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
+    let req = session.req_header();
+    let h1 = matches!(
+        session.as_downstream(),
+        pingora_core::protocols::http::ServerSession::H1(_)
+    );
+    if h1 && req.version == http::Version::HTTP_10 {
+        return Some((426, "Upgrade Required", true));
+    }
+    if has_fragment(session) {
+        return Some((400, "", true));
+    }
+    let size: usize = req.raw_path().len()
+        + req
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum::<usize>();
+    if size > MAX_REQUEST_HEADERS_BYTES || req.headers.len() > MAX_REQUEST_HEADERS {
+        return Some((431, "Request Header Fields Too Large", true));
+    }
+    if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
+        return Some((400, "Bad Request", true));
+    }
+    if h1 && !req.headers.contains_key(http::header::HOST) && req.uri.authority().is_none() {
+        return Some((400, "", true));
+    }
+    let authority = raw_authority(req);
+    if authority.bytes().any(|b| b <= b' ' || b == 0x7f) {
+        return Some((400, "Bad Request", true));
+    }
+    let raw = req.raw_path();
+    if req.method != http::Method::OPTIONS
+        && req.method != http::Method::CONNECT
+        && raw.first() != Some(&b'/')
+    {
+        return Some((400, "Bad Request", true));
+    }
+    if let Some(te) = req.headers.get(http::header::TRANSFER_ENCODING) {
+        if !te.as_bytes().eq_ignore_ascii_case(b"chunked") {
+            return Some((501, "Not Implemented", true));
+        }
+        // The parser drops Content-Length next to chunked; the raw head still shows both.
+        if req.headers.contains_key(http::header::CONTENT_LENGTH)
+            || raw_head_has(session, b"content-length:")
+        {
+            return Some((400, "Bad Request", true));
+        }
+    }
+    let connection_upgrade = req
+        .headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"));
+    if let (true, true, Some(up)) = (
+        h1,
+        connection_upgrade,
+        req.headers.get(http::header::UPGRADE),
+    ) {
+        // Upgrades (WebSocket) are refused until upgrade_configs are supported, as Envoy refuses
+        // an upgrade no upgrade_config allows; an h2c upgrade offer is simply not taken. Without
+        // `Connection: upgrade` the Upgrade header is only hop-by-hop and is dropped.
+        if !up.as_bytes().eq_ignore_ascii_case(b"h2c") {
+            return Some((403, "", true));
+        }
+    }
+    None
+}
+
 static X_ENVOY_EXTERNAL_ADDRESS: HeaderName = HeaderName::from_static("x-envoy-external-address");
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
@@ -65,19 +169,6 @@ fn request_id() -> String {
         &h[16..20],
         &h[20..32]
     )
-}
-
-/// Envoy's default internal addresses: loopback and private ranges.
-fn is_internal(ip: std::net::IpAddr) -> bool {
-    match ip {
-        std::net::IpAddr::V4(v4) => v4.is_loopback() || v4.is_private(),
-        std::net::IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return v4.is_loopback() || v4.is_private();
-            }
-            v6.is_loopback() || (v6.segments()[0] & 0xfe00) == 0xfc00
-        }
-    }
 }
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
@@ -121,10 +212,9 @@ fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
     let mut te_trailers = false;
     if let Some(te) = headers.get(http::header::TE) {
         // Only "trailers" may travel on.
-        te_trailers = te.to_str().is_ok_and(|v| {
-            v.split(',')
-                .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
-        });
+        te_trailers = te
+            .to_str()
+            .is_ok_and(|v| v.split(',').any(|t| t.trim() == "trailers"));
         names.push(http::header::TE);
     }
     (names, te_trailers)
@@ -141,10 +231,16 @@ fn strip_request(req: &mut RequestHeader) -> Result<()> {
     Ok(())
 }
 
+/// Envoy removes only the connection-level headers from responses; headers a `Connection`
+/// header names, and `te`, pass.
 fn strip_response(resp: &mut ResponseHeader) {
-    let (names, _) = hop_by_hop(&resp.headers);
-    for n in &names {
-        resp.remove_header(n);
+    for h in [
+        &http::header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &http::header::UPGRADE,
+    ] {
+        resp.remove_header(h);
     }
 }
 
@@ -255,6 +351,20 @@ impl Gateway {
     }
 }
 
+/// Whether the raw HTTP/1 request head has a header line starting with `name` (lowercase,
+/// with its colon), whatever the parser kept of it.
+fn raw_head_has(session: &Session, name: &[u8]) -> bool {
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => {
+            let raw = h1.get_headers_raw_bytes();
+            raw.split(|b| *b == b'\n').skip(1).any(|line| {
+                line.len() >= name.len() && line[..name.len()].eq_ignore_ascii_case(name)
+            })
+        }
+        _ => false,
+    }
+}
+
 /// Whether the HTTP/1 request line carries a `#fragment`, which the URI parser drops silently
 /// but Envoy answers with 400.
 fn has_fragment(session: &Session) -> bool {
@@ -303,7 +413,7 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        self.hcm_stats.rq_active.fetch_add(1, Relaxed);
+        self.hcm_stats.start();
         ctx.counted_active = true;
         let snap = self.state.snapshot.load_full();
         let Some(listener) = snap.listeners.get(&self.listener).cloned() else {
@@ -313,14 +423,27 @@ impl ProxyHttp for Gateway {
         };
         ctx.listener = Some(listener.clone());
         ctx.snapshot = Some(snap.clone());
+        if let pingora_core::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
+            // Serve pipelined requests in order instead of dropping them, as Envoy does.
+            h1.set_pipelining_enabled(true);
+            // Envoy answers Expect: 100-continue itself; upstream 1xx are not relayed.
+            h1.set_ignore_info_resp(true);
+        }
+        if let Some((status, body, close)) = reject(session) {
+            if close {
+                session.set_keepalive(None);
+            }
+            let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
+            return self.local_reply(session, ctx, status, body, &[]).await;
+        }
+        let expect_continue = session
+            .req_header()
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
         let host = authority(session.req_header(), &listener);
         let req = session.req_header();
         let path = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-        if has_fragment(session) || !path.starts_with('/') {
-            // Envoy rejects fragments and non-origin-form paths before routing.
-            session.set_keepalive(None);
-            return self.local_reply(session, ctx, 400, None, &[]).await;
-        }
         let scheme = req.uri.scheme_str().unwrap_or("http");
         let view = RequestView {
             host: &host,
@@ -361,7 +484,6 @@ impl ProxyHttp for Gateway {
             return self.local_reply(session, ctx, 503, None, &[]).await;
         };
         let Some((idx, addr)) = cluster.pick() else {
-            cluster.stats.record(503);
             return self
                 .local_reply(
                     session,
@@ -374,6 +496,7 @@ impl ProxyHttp for Gateway {
         };
         cluster.active[idx].fetch_add(1, Relaxed);
         cluster.stats.rq_active.fetch_add(1, Relaxed);
+        cluster.stats.start();
         if let (Some(rewrite), Some(len)) = (&fwd.prefix_rewrite, route.rewrite_len()) {
             ctx.prefix_rewrite = Some((len, rewrite.clone()));
         }
@@ -389,48 +512,64 @@ impl ProxyHttp for Gateway {
             .client_addr()
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
+        if expect_continue {
+            session
+                .write_response_header(Box::new(ResponseHeader::build(100, Some(0))?), false)
+                .await?;
+            session
+                .req_header_mut()
+                .remove_header(&http::header::EXPECT);
+        }
+        let original_path = ctx.prefix_rewrite.is_some().then(|| {
+            session
+                .req_header()
+                .uri
+                .path_and_query()
+                .map_or_else(|| "/".to_string(), |p| p.as_str().to_string())
+        });
         let req = session.req_header_mut();
-        let mut external = false;
-        if hcm.use_remote_address {
-            let prior_xff = req
-                .headers
-                .get(&X_FORWARDED_FOR)
-                .is_some_and(|v| !v.as_bytes().is_empty());
-            if let Some(ip) = client_ip {
-                // Envoy's edge test: one hop only, and that hop from an internal address.
-                external = prior_xff || !is_internal(ip);
-                if !hcm.skip_xff_append {
-                    let value = match req
-                        .headers
-                        .get(&X_FORWARDED_FOR)
-                        .and_then(|v| v.to_str().ok())
-                    {
-                        Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
-                        _ => ip.to_string(),
-                    };
-                    req.insert_header(X_FORWARDED_FOR.clone(), value)?;
-                }
-                if external {
-                    // Internal x-envoy-* headers are not trusted from the edge.
-                    let internal: Vec<HeaderName> = req
-                        .headers
-                        .keys()
-                        .filter(|k| k.as_str().starts_with("x-envoy-"))
-                        .cloned()
-                        .collect();
-                    for k in internal {
-                        req.remove_header(&k);
-                    }
-                    req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), ip.to_string())?;
-                }
+        // Envoy trusts no client x-envoy-* control headers; by default (no internal address
+        // ranges configured) every request counts as external.
+        for h in UNTRUSTED_ENVOY_HEADERS {
+            req.remove_header(*h);
+        }
+        // With use_remote_address every request is an edge request: Envoy 1.40 has no
+        // internal address ranges unless internal_address_config names some.
+        let edge = hcm.use_remote_address;
+        if edge {
+            for h in EDGE_STRIPPED_HEADERS {
+                req.remove_header(*h);
             }
+        }
+        if let (true, Some(ip)) = (hcm.use_remote_address, client_ip) {
+            if !hcm.skip_xff_append {
+                let value = match req
+                    .headers
+                    .get(&X_FORWARDED_FOR)
+                    .and_then(|v| v.to_str().ok())
+                {
+                    Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
+                    _ => ip.to_string(),
+                };
+                req.insert_header(X_FORWARDED_FOR.clone(), value)?;
+            }
+            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), ip.to_string())?;
         }
         if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
             req.insert_header(X_FORWARDED_PROTO.clone(), "http")?;
         }
-        let regenerate = external && !hcm.preserve_external_request_id;
+        let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
             req.insert_header(X_REQUEST_ID.clone(), request_id())?;
+        }
+        match ctx.timeout {
+            Some(t) => req.insert_header(X_EXPECTED_TIMEOUT.clone(), t.as_millis().to_string())?,
+            None => {
+                req.remove_header(&X_EXPECTED_TIMEOUT);
+            }
+        }
+        if let Some(p) = original_path {
+            req.insert_header(X_ORIGINAL_PATH.clone(), p)?;
         }
         Ok(false)
     }
@@ -451,11 +590,26 @@ impl ProxyHttp for Gateway {
 
     async fn upstream_request_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
         strip_request(upstream)?;
+        // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
+        // `trailer` and `proxy-authorization` (unless `Connection` names them).
+        let down = &session.req_header().headers;
+        let (nominated, te_trailers) = hop_by_hop(down);
+        if te_trailers {
+            upstream.insert_header(http::header::TE, "trailers")?;
+        }
+        for name in [http::header::TRAILER, http::header::PROXY_AUTHORIZATION] {
+            if nominated.contains(&name) {
+                continue;
+            }
+            for v in down.get_all(&name) {
+                upstream.append_header(name.clone(), v.clone())?;
+            }
+        }
         if let Some((len, rewrite)) = &ctx.prefix_rewrite {
             let pq = upstream
                 .uri
@@ -484,6 +638,11 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         strip_response(resp);
+        if let Some(c) = &ctx.cluster {
+            // Counted on headers, as Envoy does, so a scrape right after a response sees it.
+            c.stats.record_code(resp.status.as_u16());
+            ctx.code_recorded = true;
+        }
         if let Some(start) = ctx.upstream_start {
             resp.insert_header(
                 X_UPSTREAM_TIME.clone(),
@@ -513,7 +672,19 @@ impl ProxyHttp for Gateway {
 
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
         use ErrorType::*;
+        if session.response_written().is_some() {
+            // The response has started: all that is left is to cut it short, as Envoy does.
+            return FailToProxy {
+                error_code: 0,
+                can_reuse_downstream: false,
+            };
+        }
+        let upstream = e.esource() == &ErrorSource::Upstream;
         let (code, body): (u16, &'static str) = match e.etype() {
+            InvalidHTTPHeader | H1Error | H2Error | InvalidH2 if upstream => (
+                502,
+                "upstream connect error or disconnect/reset before headers. reset reason: protocol error",
+            ),
             HTTPStatus(code) => (*code, ""),
             ConnectTimedout => (
                 503,
@@ -560,13 +731,14 @@ impl ProxyHttp for Gateway {
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
         let code = session.response_written().map_or(0, |r| r.status.as_u16());
         if ctx.counted_active {
-            self.hcm_stats.rq_active.fetch_sub(1, Relaxed);
+            self.hcm_stats.finish(code);
         }
-        self.hcm_stats.record(code);
         if let Some(c) = &ctx.cluster {
             c.active[ctx.host_index].fetch_sub(1, Relaxed);
             c.stats.rq_active.fetch_sub(1, Relaxed);
-            c.stats.record(code);
+            if !ctx.code_recorded {
+                c.stats.record_code(code);
+            }
         }
     }
 }
