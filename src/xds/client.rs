@@ -27,7 +27,8 @@ use crate::State;
 /// Owns the store and the listeners; every accepted change goes through `commit`.
 pub struct ConfigWorker {
     pub state: Arc<State>,
-    pub store: Store,
+    /// The last good config; shared with the admin endpoint without copying.
+    pub store: Arc<Store>,
     listeners: ListenerManager,
     version: u64,
 }
@@ -36,7 +37,7 @@ impl ConfigWorker {
     pub fn new(state: Arc<State>, store: Store, listeners: ListenerManager) -> ConfigWorker {
         ConfigWorker {
             state,
-            store,
+            store: Arc::new(store),
             listeners,
             version: 0,
         }
@@ -53,8 +54,8 @@ impl ConfigWorker {
         self.state.snapshot.store(snap.clone());
         self.listeners.reconcile(&snap);
         stats.retain_clusters(|n| next.clusters.contains_key(n));
-        self.store = next;
-        self.state.store.store(Arc::new(self.store.clone()));
+        self.store = Arc::new(next);
+        self.state.store.store(self.store.clone());
         Ok(())
     }
 
@@ -64,7 +65,7 @@ impl ConfigWorker {
         if defs.is_empty() {
             return;
         }
-        let mut next = self.store.clone();
+        let mut next = Store::clone(&self.store);
         let mut changed = false;
         for def in defs {
             let la = resolve(&def).await;
