@@ -111,7 +111,15 @@ pub fn header_matches(h: &HeaderMatcher, req: &RequestView<'_>) -> bool {
         };
         return value_matches(h, v) != h.invert;
     }
-    let mut values = req.headers.get_all(&h.name).iter().peekable();
+    let Some(name) = &h.name else {
+        // A name no request can carry: the header is always missing.
+        return if h.treat_missing_as_empty {
+            value_matches(h, "") != h.invert
+        } else {
+            matches!(h.kind, HeaderMatch::Present(p) if p == h.invert)
+        };
+    };
+    let mut values = req.headers.get_all(name).iter().peekable();
     if values.peek().is_none() {
         if h.treat_missing_as_empty {
             return value_matches(h, "") != h.invert;

@@ -435,10 +435,11 @@ fn inverted_present_matches() {
 
 #[test]
 fn treat_missing_header_as_empty() {
-    // Envoy's doc example "header3": regex matching the empty string, header missing.
+    // Envoy's doc example "header3" (a regex matching only the empty string; Envoy refuses an
+    // empty regex), header missing.
     let t = with_header(missing_as_empty(hm(
         "x-a",
-        Some(HS::StringMatch(sm(MP::SafeRegex(regex("")), false))),
+        Some(HS::StringMatch(sm(MP::SafeRegex(regex("^$")), false))),
     )));
     assert!(hits(&t, "/"));
     assert!(hits_with(&t, "/", &[("x-a", "")]));
@@ -446,7 +447,7 @@ fn treat_missing_header_as_empty() {
     // "header4": same without treat_missing_header_as_empty.
     let t = with_header(hm(
         "x-a",
-        Some(HS::StringMatch(sm(MP::SafeRegex(regex("")), false))),
+        Some(HS::StringMatch(sm(MP::SafeRegex(regex("^$")), false))),
     ));
     assert!(!hits(&t, "/"));
 }

@@ -36,7 +36,9 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     Ok(store)
 }
 
-fn ads_target(store: &Store, cluster: &str) -> Result<(String, u16), ServerError> {
+/// The ADS server's address; None when the cluster has no endpoint (valid config to Envoy,
+/// which then never receives any).
+fn ads_target(store: &Store, cluster: &str) -> Result<Option<(String, u16)>, ServerError> {
     let err = |m: &str| ServerError::AdsCluster(cluster.to_string(), m.to_string());
     let c = store
         .clusters
@@ -47,11 +49,10 @@ fn ads_target(store: &Store, cluster: &str) -> Result<(String, u16), ServerError
         .inline
         .as_ref()
         .ok_or_else(|| err("must be STATIC or STRICT_DNS"))?;
-    let (host, port, ..) = spec
+    Ok(spec
         .endpoints
         .first()
-        .ok_or_else(|| err("load_assignment has no endpoint"))?;
-    Ok((host.clone(), *port))
+        .map(|(host, port, ..)| (host.clone(), *port)))
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -86,15 +87,22 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
             tokio::spawn(crate::admin::serve(l, state.clone()));
         }
         let ads = b.ads.as_ref().map(|a| ads_target(&store, &a.cluster_name)).transpose()?;
+        if let (Some(a), Some(None)) = (&b.ads, &ads) {
+            tracing::error!(cluster = %a.cluster_name, "the ADS cluster has no endpoint: no dynamic config will arrive");
+        }
         match ads {
-            Some(target) => {
+            Some(Some(target)) => {
                 let node = b.proto.node.clone().unwrap_or_default();
                 let mut client = AdsClient::new(worker, node, target, b.lds_via_ads, b.cds_via_ads);
                 client.node_first_only = b.ads.as_ref().is_some_and(|a| a.set_node_on_first_message_only);
                 tokio::spawn(client.run());
             }
-            None => {
-                state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+            // Static config only, or an ADS cluster without endpoints (then nothing will
+            // arrive, so never ready, as Envoy). The worker keeps the static listeners alive.
+            _ => {
+                if ads.is_none() {
+                    state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 tokio::spawn(async move {
                     loop {
                         worker.refresh_dns().await;

@@ -365,46 +365,6 @@ fn is_local_address(ip: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// Collects every mismatch of a table so one run reports all differences.
-#[derive(Default)]
-struct Checks(Vec<String>);
-
-impl Checks {
-    fn eq<T: PartialEq + Debug>(&mut self, what: impl std::fmt::Display, got: T, want: T) {
-        if got != want {
-            self.0.push(format!("{what}: got {got:?}, want {want:?}"));
-        }
-    }
-
-    fn ok(&mut self, what: impl std::fmt::Display, cond: bool, detail: impl Debug) {
-        if !cond {
-            self.0.push(format!("{what}: {detail:?}"));
-        }
-    }
-
-    /// Fails on every mismatch, except, when the gateway under test is Portico, the known
-    /// gaps listed in `KNOWN_PORTICO_GAPS` (printed, so they stay visible). Against Envoy every
-    /// case counts.
-    fn finish(self) {
-        let envoy = common::is_envoy(&common::gateway_bin());
-        let (gaps, real): (Vec<String>, Vec<String>) = self.0.into_iter().partition(|m| {
-            !envoy
-                && KNOWN_PORTICO_GAPS
-                    .iter()
-                    .any(|(prefix, _)| m.starts_with(prefix))
-        });
-        for g in &gaps {
-            eprintln!("known Portico gap: {g}");
-        }
-        assert!(
-            real.is_empty(),
-            "{} mismatch(es):\n  {}",
-            real.len(),
-            real.join("\n  ")
-        );
-    }
-}
-
 /// Differences from Envoy that come from pingora's HTTP/1 codec, which Portico does not (yet)
 /// replace: each is a mismatch prefix and the reason. Everything not listed here must match.
 const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
@@ -579,7 +539,7 @@ async fn malformed_requests() {
             .map(|(_, req, _)| verdict(mesh.port, req.clone().into_bytes())),
     )
     .await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
     for ((what, _, want), (got, r)) in cases.iter().zip(&results) {
         c.eq(what, got, want);
         if got.status != 0 {
@@ -654,7 +614,7 @@ async fn malformed_requests() {
 async fn expect_100_continue() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, false).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
 
     // The gateway answers 100 Continue itself, before the body is sent, and
     // does not forward the expectation.
@@ -716,7 +676,7 @@ async fn expect_100_continue() {
 async fn upstream_request_headers() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, false).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
     let up = |t: &str| {
         backend
             .request(t)
@@ -971,7 +931,7 @@ async fn upstream_request_headers() {
 async fn upstream_request_headers_use_remote_address() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, true).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
 
     get_close(mesh.port, "/ura-plain", &[]).await;
     let u = backend.request("/ura-plain").expect("reached the upstream");
@@ -1069,7 +1029,7 @@ async fn upstream_request_headers_use_remote_address() {
 async fn upstream_responses() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, false).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
 
     // Hop-by-hop response headers: connection, keep-alive, proxy-connection
     // and upgrade go; a header named in Connection stays; server is replaced,
@@ -1271,7 +1231,7 @@ async fn upstream_responses() {
 async fn route_timeouts() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, false).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
 
     // timeout 1s, upstream takes 3 s: 504 after about a second.
     let t0 = Instant::now();
@@ -1324,7 +1284,7 @@ async fn route_timeouts() {
 async fn keep_alive_and_pipelining() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, false).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
 
     // Many sequential requests on one connection; the upstream connection is
     // reused too.
@@ -1336,7 +1296,7 @@ async fn keep_alive_and_pipelining() {
             .await;
         let r = conn.response(false).await;
         if (r.status, r.body_str().as_str()) != (200, "raw-backend") {
-            c.0.push(format!("keep-alive request {i}: {r:?}"));
+            c.ok(format!("keep-alive request {i}"), false, &r);
             break;
         }
         connection_headers.extend(
@@ -1434,7 +1394,7 @@ async fn keep_alive_and_pipelining() {
 async fn large_and_streamed_bodies() {
     let backend = RawBackend::start().await;
     let mesh = start(&backend, false).await;
-    let mut c = Checks::default();
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
     let big: Vec<u8> = (0..1024 * 1024u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
         .collect();

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::fmt::Debug;
 use std::net::SocketAddr;
 
 use common::*;
@@ -233,33 +232,6 @@ async fn wait_raw(port: u16, path: &str, host: &str, status: u16) {
         },
     )
     .await
-}
-
-/// Collects every mismatch of a table so one run reports all differences.
-#[derive(Default)]
-struct Checks(Vec<String>);
-
-impl Checks {
-    fn eq<T: PartialEq + Debug>(&mut self, what: impl std::fmt::Display, got: T, want: T) {
-        if got != want {
-            self.0.push(format!("{what}: got {got:?}, want {want:?}"));
-        }
-    }
-
-    fn ok(&mut self, what: impl std::fmt::Display, cond: bool, detail: impl Debug) {
-        if !cond {
-            self.0.push(format!("{what}: {detail:?}"));
-        }
-    }
-
-    fn finish(self) {
-        assert!(
-            self.0.is_empty(),
-            "{} mismatch(es):\n  {}",
-            self.0.len(),
-            self.0.join("\n  ")
-        );
-    }
 }
 
 // ---------------------------------------------------------------------------

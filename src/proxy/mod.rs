@@ -157,7 +157,7 @@ static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
 /// A random UUID v4, as Envoy generates for `x-request-id`.
-fn request_id() -> String {
+pub fn request_id() -> String {
     let r = fastrand::u128(..);
     let r = (r & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
     let h = format!("{r:032x}");
@@ -174,19 +174,25 @@ fn request_id() -> String {
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
 fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
     let raw = raw_authority(req);
-    let hcm = &listener.def.hcm;
-    let strip_any = hcm.strip_any_host_port || listener.routes.ignore_port;
     let host = match split_port(raw) {
-        (host, Some(_)) if strip_any => host,
-        (host, Some(port))
-            if hcm.strip_matching_host_port
-                && port.parse::<u16>().ok() == Some(listener.def.addr.port()) =>
-        {
-            host
-        }
+        (host, Some(_)) if listener.routes.ignore_port || hcm_strips_port(raw, listener) => host,
         _ => raw,
     };
     host.to_ascii_lowercase()
+}
+
+/// Whether the HCM's `strip_any_host_port` / `strip_matching_host_port` removes the port of
+/// this authority: that changes the Host sent upstream too, unlike `ignore_port_in_host_matching`.
+fn hcm_strips_port(raw: &str, listener: &ActiveListener) -> bool {
+    let hcm = &listener.def.hcm;
+    match split_port(raw).1 {
+        Some(_) if hcm.strip_any_host_port => true,
+        Some(port) => {
+            hcm.strip_matching_host_port
+                && port.parse::<u16>().ok() == Some(listener.def.addr.port())
+        }
+        None => false,
+    }
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) to remove, including those named in `Connection`.
@@ -260,7 +266,12 @@ impl Gateway {
         let body = if no_body_status { None } else { body };
         let head_only = session.req_header().method == http::Method::HEAD;
         // Envoy answers HEAD for an empty local reply without a length (chunked framing).
-        let omit_length = no_body_status || (head_only && len == 0);
+        let h2 = !matches!(
+            session.as_downstream(),
+            pingora_core::protocols::http::ServerSession::H1(_)
+        );
+        // Envoy sends an empty local reply without a length over HTTP/2, and to HEAD.
+        let omit_length = no_body_status || (len == 0 && (head_only || h2));
         if !omit_length {
             resp.insert_header(http::header::CONTENT_LENGTH, len.to_string())?;
         }
@@ -484,6 +495,8 @@ impl ProxyHttp for Gateway {
             return self.local_reply(session, ctx, 503, None, &[]).await;
         };
         let Some((idx, addr)) = cluster.pick() else {
+            // Envoy counts the code (upstream_rq_503), though no upstream request started.
+            cluster.stats.record_code(503);
             return self
                 .local_reply(
                     session,
@@ -500,7 +513,11 @@ impl ProxyHttp for Gateway {
         if let (Some(rewrite), Some(len)) = (&fwd.prefix_rewrite, route.rewrite_len()) {
             ctx.prefix_rewrite = Some((len, rewrite.clone()));
         }
-        ctx.host_rewrite = fwd.host_rewrite.clone();
+        ctx.host_rewrite = fwd.host_rewrite.clone().or_else(|| {
+            // The HCM's port stripping also changes the Host sent upstream (case kept).
+            let raw = raw_authority(session.req_header());
+            hcm_strips_port(raw, &listener).then(|| split_port(raw).0.to_string())
+        });
         ctx.timeout = fwd.timeout;
         ctx.host_index = idx;
         ctx.peer = Some(addr);
@@ -542,18 +559,33 @@ impl ProxyHttp for Gateway {
             }
         }
         if let (true, Some(ip)) = (hcm.use_remote_address, client_ip) {
+            let prior = req
+                .headers
+                .get(&X_FORWARDED_FOR)
+                .and_then(|v| v.to_str().ok())
+                .filter(|v| !v.is_empty())
+                .map(str::to_string);
             if !hcm.skip_xff_append {
-                let value = match req
-                    .headers
-                    .get(&X_FORWARDED_FOR)
-                    .and_then(|v| v.to_str().ok())
-                {
-                    Some(prev) if !prev.is_empty() => format!("{prev},{ip}"),
-                    _ => ip.to_string(),
+                let value = match &prior {
+                    Some(prev) => format!("{prev},{ip}"),
+                    None => ip.to_string(),
                 };
                 req.insert_header(X_FORWARDED_FOR.clone(), value)?;
             }
-            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), ip.to_string())?;
+            // With trusted hops, the client is that many entries back from the peer in XFF.
+            let mut client = ip.to_string();
+            if hcm.xff_num_trusted_hops > 0 {
+                if let Some(prev) = &prior {
+                    let hops: Vec<&str> = prev.split(',').map(str::trim).collect();
+                    let back = hcm.xff_num_trusted_hops as usize;
+                    if let Some(addr) = hops.len().checked_sub(back).and_then(|i| hops.get(i)) {
+                        if addr.parse::<std::net::IpAddr>().is_ok() {
+                            client = addr.to_string();
+                        }
+                    }
+                }
+            }
+            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
         }
         if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
             req.insert_header(X_FORWARDED_PROTO.clone(), "http")?;

@@ -336,6 +336,11 @@ impl ClusterDef {
                 "common_lb_config.healthy_panic_threshold {panic_threshold} must be in [0, 100]"
             )));
         }
+        if kind == DiscoveryKind::Eds && c.eds_cluster_config.is_none() {
+            return Err(err(
+                "cannot create an EDS cluster without an EDS config (eds_cluster_config)".into(),
+            ));
+        }
         let eds_name = match (&kind, &c.eds_cluster_config) {
             (DiscoveryKind::Eds, Some(e)) if !e.service_name.is_empty() => e.service_name.clone(),
             _ => c.name.clone(),
@@ -441,6 +446,21 @@ fn load_assignment_spec(
 ) -> Result<LoadAssignmentSpec, String> {
     let mut endpoints = Vec::new();
     for (li, loc) in la.endpoints.iter().enumerate() {
+        if loc.priority > 128 {
+            return Err(format!(
+                "endpoints[{li}].priority {} must be at most 128",
+                loc.priority
+            ));
+        }
+        if loc
+            .load_balancing_weight
+            .as_ref()
+            .is_some_and(|w| w.value == 0)
+        {
+            return Err(format!(
+                "endpoints[{li}].load_balancing_weight must be at least 1"
+            ));
+        }
         for (ei, lb) in loc.lb_endpoints.iter().enumerate() {
             let at = format!("endpoints[{li}].lb_endpoints[{ei}]");
             let ep = match &lb.host_identifier {
@@ -469,6 +489,12 @@ fn load_assignment_spec(
 impl LoadAssignment {
     /// A ClusterLoadAssignment from EDS: every address must be an IP literal.
     pub fn translate(la: &epb::ClusterLoadAssignment) -> Result<LoadAssignment, TranslateError> {
+        if la.cluster_name.is_empty() {
+            return Err(TranslateError::new(
+                "endpoints ''",
+                "cluster_name must not be empty",
+            ));
+        }
         let spec = load_assignment_spec(la, false)
             .map_err(|e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e))?;
         Ok(LoadAssignment::from_resolved(&spec, |h| h.parse().ok()))

@@ -34,6 +34,8 @@ fn cluster(name: &str) -> cpb::Cluster {
 fn typed(name: &str, t: DT) -> cpb::Cluster {
     cpb::Cluster {
         cluster_discovery_type: Some(CDT::Type(t as i32)),
+        // Envoy refuses an EDS cluster without an EDS config.
+        eds_cluster_config: (t == DT::Eds).then(Default::default),
         ..cluster(name)
     }
 }

@@ -44,6 +44,8 @@ pub struct Hcm {
     pub codec: Codec,
     pub use_remote_address: bool,
     pub skip_xff_append: bool,
+    /// `xff_num_trusted_hops`: how many XFF entries (from the right) are trusted proxies.
+    pub xff_num_trusted_hops: u32,
     pub generate_request_id: bool,
     pub preserve_external_request_id: bool,
     pub strip_any_host_port: bool,
@@ -99,6 +101,9 @@ impl ListenerDef {
             }
         }
         let hcm = match chain.filters.as_slice() {
+            [f] if f.name.is_empty() => {
+                return Err(err("filter_chains[0].filters[0]: name must not be empty".into()))
+            }
             [f] => {
                 let any = match &f.config_type {
                     Some(lpb::filter::ConfigType::TypedConfig(a)) => a,
@@ -149,9 +154,6 @@ impl Hcm {
                 if !ads {
                     return Err("rds.config_source: only ads is supported".into());
                 }
-                if rds.route_config_name.is_empty() {
-                    return Err("rds.route_config_name must not be empty".into());
-                }
                 RouteSource::Rds(rds.route_config_name.clone())
             }
             Some(RouteSpecifier::RouteConfig(rc)) => RouteSource::Inline(Arc::new(
@@ -168,6 +170,9 @@ impl Hcm {
             Ok(CodecType::Http2) => Codec::Http2,
             _ => return Err(format!("codec_type {} is not supported", h.codec_type)),
         };
+        if h.stat_prefix.is_empty() {
+            return Err("stat_prefix must not be empty".into());
+        }
         check_http_filters(&h.http_filters)?;
         Ok(Hcm {
             stat_prefix: h.stat_prefix.clone(),
@@ -175,6 +180,7 @@ impl Hcm {
             codec,
             use_remote_address: h.use_remote_address.as_ref().is_some_and(|b| b.value),
             skip_xff_append: h.skip_xff_append,
+            xff_num_trusted_hops: h.xff_num_trusted_hops,
             generate_request_id: h.generate_request_id.as_ref().is_none_or(|b| b.value),
             preserve_external_request_id: h.preserve_external_request_id,
             strip_any_host_port: matches!(
@@ -191,21 +197,57 @@ impl Hcm {
     }
 }
 
-/// Envoy's rule: the router must be the last filter; any other filter Portico does not
-/// implement is an error unless the config marks it `is_optional` (or `disabled`).
+/// `udpa.type.v1.TypedStruct` / `xds.type.v3.TypedStruct`: a config named by its type URL.
+#[derive(Clone, PartialEq, prost::Message)]
+struct TypedStruct {
+    #[prost(string, tag = "1")]
+    type_url: String,
+}
+
+const TYPED_STRUCTS: [&str; 2] = [
+    "type.googleapis.com/udpa.type.v1.TypedStruct",
+    "type.googleapis.com/xds.type.v3.TypedStruct",
+];
+
+/// The type a filter's config names, seeing through TypedStruct wrappers.
+fn config_type(a: &Any) -> String {
+    if TYPED_STRUCTS.contains(&a.type_url.as_str()) {
+        if let Ok(ts) = TypedStruct::decode(a.value.as_slice()) {
+            return ts.type_url;
+        }
+    }
+    a.type_url.clone()
+}
+
+/// Envoy's rule: the router must be the last filter (no filters at all means the router
+/// alone); any other filter Portico does not implement is an error unless the config marks it
+/// `is_optional` (or `disabled`).
 fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
     let is_router = |f: &hcm::HttpFilter| match &f.config_type {
-        Some(hcm::http_filter::ConfigType::TypedConfig(a)) => a.type_url == ROUTER_TYPE,
-        _ => f.name == "envoy.filters.http.router",
+        Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a) == ROUTER_TYPE,
+        _ => false,
     };
+    if let Some(i) = filters.iter().position(|f| f.name.is_empty()) {
+        return Err(format!("http_filters[{i}]: name must not be empty"));
+    }
     let Some(last) = filters.last() else {
-        return Err(
-            "http_filters: the router filter (envoy.filters.http.router) is required".into(),
-        );
+        return Ok(());
     };
+    if last.name == "envoy.filters.http.router" && last.config_type.is_none() {
+        return Err(
+            "http_filters: no registered implementation for 'envoy.filters.http.router' with type URL ''"
+                .into(),
+        );
+    }
     if !is_router(last) {
         return Err(format!(
-            "http_filters: the last filter must be envoy.filters.http.router, found '{}'",
+            "http_filters: the last filter must be the router (envoy.filters.http.router), found '{}'",
+            last.name
+        ));
+    }
+    if last.disabled {
+        return Err(format!(
+            "http_filters: the last (terminal) filter '{}' cannot be disabled by default",
             last.name
         ));
     }
@@ -220,7 +262,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
             continue;
         }
         let kind = match &f.config_type {
-            Some(hcm::http_filter::ConfigType::TypedConfig(a)) => a.type_url.clone(),
+            Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a),
             Some(hcm::http_filter::ConfigType::ConfigDiscovery(_)) => {
                 "config_discovery".to_string()
             }
@@ -233,6 +275,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
     }
     Ok(())
 }
+
 #[cfg(test)]
 #[path = "listener_tests.rs"]
 mod listener_tests;

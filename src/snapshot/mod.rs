@@ -76,7 +76,7 @@ pub fn socket_address(a: Option<&corepb::Address>) -> Result<(String, u16), Stri
             u16::try_from(*p).map_err(|_| format!("port_value {p} out of range"))?
         }
         Some(P::NamedPort(n)) => return Err(format!("named_port '{n}' is not supported")),
-        None => 0,
+        None => return Err("socket_address: port_specifier is required".into()),
     };
     Ok((sa.address.clone(), port))
 }

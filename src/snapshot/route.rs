@@ -30,6 +30,9 @@ pub struct RouteTable {
     any: Option<usize>,
     /// `ignore_port_in_host_matching`: match the authority without its port.
     pub ignore_port: bool,
+    /// `validate_clusters` as configured (Envoy defaults it to true for inline route
+    /// configurations and false for RDS).
+    pub validate_clusters: Option<bool>,
 }
 
 #[derive(Debug)]
@@ -195,8 +198,8 @@ pub struct Redirect {
 
 #[derive(Debug)]
 pub struct HeaderMatcher {
-    /// Lowercase header name, or a pseudo-header (`:authority`, `:path`, `:method`, `:scheme`).
-    pub name: http::HeaderName,
+    /// Lowercase header name (None: a name no request can carry), unless `pseudo` is set.
+    pub name: Option<http::HeaderName>,
     pub pseudo: Option<Pseudo>,
     pub kind: HeaderMatch,
     pub invert: bool,
@@ -291,6 +294,9 @@ pub fn compile_full_regex(re: &str) -> Result<Regex, String> {
 }
 
 fn regex_matcher(m: &mpb::RegexMatcher) -> Result<Regex, String> {
+    if m.regex.is_empty() {
+        return Err("regex must not be empty".into());
+    }
     compile_full_regex(&m.regex)
 }
 
@@ -357,6 +363,9 @@ impl RouteTable {
         let mut seen = HashMap::new();
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
+            if vh.name.is_empty() {
+                return Err(err(format!("virtual_hosts[{vi}]: name must not be empty")));
+            }
             if vh.domains.is_empty() {
                 return Err(err(format!("{vctx}: domains must not be empty")));
             }
@@ -367,26 +376,14 @@ impl RouteTable {
                         "{vctx}: only unique values for domains are permitted; duplicate entry of domain {d}"
                     )));
                 }
+                // Like Envoy, only a leading or trailing `*` is a wildcard; any other `*`
+                // is a literal character of the domain.
                 if d == "*" {
                     any = Some(vi);
                 } else if let Some(rest) = d.strip_prefix('*') {
-                    if rest.contains('*') {
-                        return Err(err(format!(
-                            "{vctx}: invalid domain '{d}': only one wildcard is allowed"
-                        )));
-                    }
                     suffixes.push((rest.to_string(), vi));
                 } else if let Some(rest) = d.strip_suffix('*') {
-                    if rest.contains('*') {
-                        return Err(err(format!(
-                            "{vctx}: invalid domain '{d}': only one wildcard is allowed"
-                        )));
-                    }
                     prefixes.push((rest.to_string(), vi));
-                } else if d.contains('*') {
-                    return Err(err(format!(
-                        "{vctx}: invalid domain '{d}': a wildcard is only allowed at the start or the end"
-                    )));
                 } else {
                     exact.insert(d, vi);
                 }
@@ -414,7 +411,33 @@ impl RouteTable {
             prefixes,
             any,
             ignore_port: rc.ignore_port_in_host_matching,
+            validate_clusters: rc.validate_clusters.as_ref().map(|b| b.value),
         })
+    }
+
+    /// Route targets naming a cluster not in `known`, as Envoy words it.
+    pub fn unknown_clusters(&self, known: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut out = Vec::new();
+        for r in self.vhosts.iter().flat_map(|v| v.routes.iter()) {
+            let Action::Forward(f) = &r.action else {
+                continue;
+            };
+            match &f.target {
+                Target::Cluster(c) if !known(c) => {
+                    out.push(format!("route '{}': unknown cluster '{c}'", self.name))
+                }
+                Target::Weighted(w) => {
+                    for (c, _) in w.clusters.iter().filter(|(c, _)| !known(c)) {
+                        out.push(format!(
+                            "route '{}': unknown weighted cluster '{c}'",
+                            self.name
+                        ));
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
     }
 
     /// Every cluster name a route may send traffic to.
@@ -529,11 +552,11 @@ fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
         n if n.starts_with(':') => return Err("unknown pseudo-header".into()),
         _ => None,
     };
+    // A name no request can carry (a space, say) is valid config to Envoy; it never matches.
     let name = if pseudo.is_some() {
-        http::HeaderName::from_static("host")
+        Some(http::HeaderName::from_static("host"))
     } else {
-        http::HeaderName::from_bytes(lname.as_bytes())
-            .map_err(|_| "invalid header name".to_string())?
+        http::HeaderName::from_bytes(lname.as_bytes()).ok()
     };
     #[allow(deprecated)]
     let kind = match &h.header_match_specifier {
@@ -601,14 +624,11 @@ fn forward(ra: &rpb::RouteAction) -> Result<Forward, String> {
                 total += weight;
                 clusters.push((Arc::from(c.name.as_str()), weight));
             }
-            #[allow(deprecated)]
-            if let Some(t) = &w.total_weight {
-                if u64::from(t.value) != total {
-                    return Err(format!(
-                        "weighted_clusters: sum of weights ({total}) must equal total_weight ({})",
-                        t.value
-                    ));
-                }
+            // total_weight is deprecated and ignored by Envoy 1.40.
+            if total > u64::from(u32::MAX) {
+                return Err(format!(
+                    "weighted_clusters: the sum of weights ({total}) exceeds 4294967295"
+                ));
             }
             if total == 0 {
                 return Err("weighted_clusters: sum of weights must be greater than 0".into());
@@ -644,16 +664,28 @@ fn direct(d: &rpb::DirectResponseAction) -> Result<Action, String> {
         .filter(|s| (200..600).contains(s))
         .and_then(|s| StatusCode::from_u16(s).ok())
         .ok_or_else(|| format!("direct_response.status {} must be in [200, 600)", d.status))?;
-    let body = match d.body.as_ref().and_then(|b| b.specifier.as_ref()) {
+    let body = match d.body.as_ref().map(|b| b.specifier.as_ref()) {
         None => None,
-        Some(DataSpecifier::InlineString(s)) => Some(Bytes::from(s.clone())),
-        Some(DataSpecifier::InlineBytes(b)) => Some(Bytes::from(b.clone())),
+        Some(None) => {
+            return Err(
+                "direct_response.body: one of inline_string or inline_bytes is required".into(),
+            )
+        }
+        Some(Some(DataSpecifier::InlineString(s))) => Some(Bytes::from(s.clone())),
+        Some(Some(DataSpecifier::InlineBytes(b))) => Some(Bytes::from(b.clone())),
         Some(_) => {
             return Err(
                 "direct_response.body: only inline_string and inline_bytes are supported".into(),
             )
         }
     };
+    // Envoy's default max_direct_response_body_size_bytes.
+    if let Some(b) = body.as_ref().filter(|b| b.len() > 4096) {
+        return Err(format!(
+            "direct_response: response body size is {} bytes; maximum is 4096",
+            b.len()
+        ));
+    }
     Ok(Action::Direct { status, body })
 }
 
@@ -673,7 +705,13 @@ fn redirect(r: &rpb::RedirectAction) -> Result<Redirect, String> {
         Some(PR::PathRewrite(_)) => return Err("redirect.path_rewrite is not supported".into()),
         None => (None, None),
     };
-    let status = match RC::try_from(r.response_code).unwrap_or(RC::MovedPermanently) {
+    let code = RC::try_from(r.response_code).map_err(|_| {
+        format!(
+            "redirect.response_code: {} is not a defined value",
+            r.response_code
+        )
+    })?;
+    let status = match code {
         RC::MovedPermanently => StatusCode::MOVED_PERMANENTLY,
         RC::Found => StatusCode::FOUND,
         RC::SeeOther => StatusCode::SEE_OTHER,

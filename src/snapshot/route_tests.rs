@@ -244,19 +244,23 @@ fn duplicate_wildcards_are_rejected() {
     assert_vhost_rejected(&rc, "two", "duplicate entry of domain a.*");
 }
 
+/// Envoy 1.40 accepts these (checked with `envoy --mode validate`): only a leading or trailing
+/// `*` is a wildcard, any other `*` is an ordinary character.
 #[test]
-fn domains_with_two_wildcards_are_rejected() {
-    for d in ["*.*.com", "**", "*a*", "a.*.*", "a**"] {
-        let rc = config("rc", vec![vhost("vh", &[d], vec![])]);
-        assert_vhost_rejected(&rc, "vh", "only one wildcard is allowed");
+fn domains_with_several_or_inner_stars_are_accepted_as_envoy_does() {
+    for d in ["*.*.com", "**", "*a*", "a.*.*", "a**", "a.*.com"] {
+        translate(&config("rc", vec![vhost("vh", &[d], vec![])]));
     }
-}
-
-#[test]
-fn wildcard_in_the_middle_is_rejected() {
-    let rc = config("rc", vec![vhost("vh", &["a.*.com"], vec![])]);
-    assert_vhost_rejected(&rc, "vh", "invalid domain 'a.*.com'");
-    assert_vhost_rejected(&rc, "vh", "only allowed at the start or the end");
+    let t = translate(&config(
+        "rc",
+        vec![
+            vhost("inner", &["a.*.com"], vec![]),
+            vhost("suffix", &["*.*.com"], vec![]),
+        ],
+    ));
+    assert_eq!(t.vhost("a.*.com").map(|v| v.name.as_str()), Some("inner"));
+    assert!(t.vhost("a.b.com").is_none());
+    assert_eq!(t.vhost("x.*.com").map(|v| v.name.as_str()), Some("suffix"));
 }
 
 #[test]
@@ -265,10 +269,10 @@ fn first_bad_vhost_is_named() {
         "rc",
         vec![
             vhost("good", &["a.com"], vec![route(prefix("/"), to("c"))]),
-            vhost("bad", &["b.*.com"], vec![]),
+            vhost("bad", &[], vec![]),
         ],
     );
-    assert_vhost_rejected(&rc, "bad", "b.*.com");
+    assert_vhost_rejected(&rc, "bad", "domains must not be empty");
 }
 
 fn selection_table() -> RouteTable {
@@ -511,9 +515,14 @@ fn unknown_pseudo_header_is_rejected() {
 }
 
 #[test]
-fn invalid_header_name_is_rejected() {
+fn header_name_no_request_can_carry_never_matches() {
+    // Envoy accepts it; such a header is simply never present.
     let m = with_header(prefix("/"), header("x y", Some(HS::PresentMatch(true))));
-    assert_route_rejected(route(m, to("c")), "headers[0] 'x y': invalid header name");
+    let t = translate(&config(
+        "rc",
+        vec![vhost("vh", &["*"], vec![route(m, to("c"))])],
+    ));
+    assert!(t.vhosts[0].routes[0].headers[0].name.is_none());
 }
 
 #[test]
@@ -670,14 +679,25 @@ fn weighted_cluster_without_name_is_rejected() {
 }
 
 #[test]
-fn weighted_total_weight_mismatch_is_rejected() {
-    assert_route_rejected(
-        route(
-            prefix("/"),
-            weighted(vec![cw("a", Some(30)), cw("b", Some(30))], Some(100)),
-        ),
-        "sum of weights (60) must equal total_weight (100)",
-    );
+fn weighted_total_weight_is_ignored_as_envoy_does() {
+    let t = translate(&config(
+        "rc",
+        vec![vhost(
+            "vh",
+            &["*"],
+            vec![route(
+                prefix("/"),
+                weighted(vec![cw("a", Some(30)), cw("b", Some(30))], Some(100)),
+            )],
+        )],
+    ));
+    match &t.vhosts[0].routes[0].action {
+        Action::Forward(Forward {
+            target: Target::Weighted(w),
+            ..
+        }) => assert_eq!(w.total, 60),
+        other => panic!("unexpected action {other:?}"),
+    }
 }
 
 #[test]
@@ -948,7 +968,10 @@ fn header_matchers_translate() {
     let r = translate_one(route(m, to("c")));
     let h = &r.headers;
     assert_eq!(h.len(), 9);
-    assert_eq!(h[0].name.as_str(), "x-exact");
+    assert_eq!(
+        h[0].name.as_ref().map(|n| n.as_str()).unwrap_or_default(),
+        "x-exact"
+    );
     assert!(h[0].pseudo.is_none());
     assert!(matches!(&h[0].kind, HeaderMatch::LegacyExact(v) if v == "v"));
     assert_eq!(h[1].pseudo, Some(Pseudo::Authority));

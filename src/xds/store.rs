@@ -145,9 +145,13 @@ fn apply_table<P: Translate>(
             Kind::Endpoint => "endpoints",
         };
         if !seen.insert(name.clone()) {
-            errors.push(format!(
-                "{what} '{name}': duplicate {what} name in one response"
-            ));
+            // Envoy rejects a repeated listener or cluster, but keeps the first of a repeated
+            // route configuration or load assignment without complaint.
+            if kind.is_wildcard() {
+                errors.push(format!(
+                    "{what} '{name}': duplicate {what} name in one response"
+                ));
+            }
             continue;
         }
         match old.get(&name) {
@@ -197,6 +201,11 @@ impl Store {
             }
         };
         for l in listeners {
+            let mut l = l.clone();
+            if l.name.is_empty() {
+                // Envoy names an unnamed static listener with a random UUID.
+                l.name = crate::proxy::request_id();
+            }
             let r = l.translate().map(|v| {
                 self.listeners
                     .insert(l.name.clone(), static_item(l.clone(), v, now));
@@ -212,6 +221,11 @@ impl Store {
         }
         self.resolve_literal_endpoints();
         errors.extend(check_listener_addresses(&self.listeners));
+        errors.extend(
+            self.check_route_clusters(|_| true)
+                .into_iter()
+                .map(|e| format!("static_resources: {e}")),
+        );
         if errors.is_empty() {
             Ok(())
         } else {
@@ -234,9 +248,29 @@ impl Store {
                 next.listeners =
                     apply_table(&self.listeners, kind, version, resources, now, &mut errors);
                 errors.extend(check_listener_addresses(&next.listeners));
+                // Only listeners this push adds or changes are checked, as Envoy checks a route
+                // table when it is created.
+                errors.extend(next.check_route_clusters(|name| {
+                    match (self.listeners.get(name), next.listeners.get(name)) {
+                        (Some(old), Some(new)) => !Arc::ptr_eq(&old.value, &new.value),
+                        _ => true,
+                    }
+                }));
             }
             Kind::Route => {
-                next.routes = apply_table(&self.routes, kind, version, resources, now, &mut errors)
+                next.routes = apply_table(&self.routes, kind, version, resources, now, &mut errors);
+                for (name, item) in &next.routes {
+                    let changed = self
+                        .routes
+                        .get(name)
+                        .is_none_or(|old| !Arc::ptr_eq(&old.value, &item.value));
+                    if changed && item.value.validate_clusters == Some(true) {
+                        errors.extend(
+                            item.value
+                                .unknown_clusters(|c| next.clusters.contains_key(c)),
+                        );
+                    }
+                }
             }
             Kind::Cluster => {
                 next.clusters =
@@ -254,6 +288,24 @@ impl Store {
         next.versions.insert(kind, version.to_string());
         next.collect_garbage();
         Ok(next)
+    }
+
+    /// Inline route tables (validate_clusters defaults to true for them) that name a cluster
+    /// the store does not have, for the listeners `check` selects.
+    fn check_route_clusters(&self, check: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut errors = Vec::new();
+        for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
+            if let RouteSource::Inline(t) = &l.value.hcm.routes {
+                if t.validate_clusters != Some(false) {
+                    errors.extend(
+                        t.unknown_clusters(|c| self.clusters.contains_key(c))
+                            .into_iter()
+                            .map(|e| format!("listener '{name}': {e}")),
+                    );
+                }
+            }
+        }
+        errors
     }
 
     /// Route configuration names the listeners ask for.

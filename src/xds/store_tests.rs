@@ -86,12 +86,30 @@ fn listener(name: &str, port: u32, rds: &str) -> ListenerProto {
     )
 }
 
+/// A listener with an inline route config whose cluster is not checked (validate_clusters:
+/// false), so tests about listeners need no CDS first.
 fn inline_listener(name: &str, port: u32) -> ListenerProto {
+    let mut rc = route_config("inline", "c");
+    rc.validate_clusters = Some(envoy_types::pb::google::protobuf::BoolValue { value: false });
     listener_with(
         name,
         port,
-        hcm::http_connection_manager::RouteSpecifier::RouteConfig(route_config("inline", "c")),
+        hcm::http_connection_manager::RouteSpecifier::RouteConfig(rc),
     )
+}
+
+#[test]
+fn inline_routes_to_unknown_clusters_are_nacked_as_envoy_does() {
+    let l = listener_with(
+        "l",
+        1,
+        hcm::http_connection_manager::RouteSpecifier::RouteConfig(route_config("inline", "nope")),
+    );
+    let errors = nack(&Store::default(), Kind::Listener, &lds(&[l]));
+    assert_eq!(
+        errors,
+        ["listener 'l': route 'inline': unknown cluster 'nope'"]
+    );
 }
 
 fn route_config(name: &str, cluster: &str) -> RouteConfiguration {
@@ -355,7 +373,7 @@ fn resource_wrapper_is_unwrapped() {
 // Rejections
 
 #[test]
-fn duplicate_names_in_one_push_are_rejected() {
+fn duplicate_names_in_one_push_as_envoy_treats_them() {
     let errs = nack(
         &Store::default(),
         Kind::Listener,
@@ -379,22 +397,27 @@ fn duplicate_names_in_one_push_are_rejected() {
         Kind::Listener,
         &lds(&[listener("l", 1, "r")]),
     );
-    let errs = nack(
+    // Envoy keeps the first of a repeated route configuration or load assignment, silently.
+    let s2 = push(
         &s,
         Kind::Route,
         &rds(&[route_config("r", "a"), route_config("r", "b")]),
     );
-    assert_eq!(errs, ["route 'r': duplicate route name in one response"]);
+    assert_eq!(
+        s2.routes["r"]
+            .value
+            .clusters()
+            .next()
+            .map(|c| c.to_string()),
+        Some("a".into())
+    );
     let s = push(
         &Store::default(),
         Kind::Cluster,
         &cds(&[eds_cluster("c", "")]),
     );
-    let errs = nack(&s, Kind::Endpoint, &eds(&[cla("c", &[]), cla("c", &[])]));
-    assert_eq!(
-        errs,
-        ["endpoints 'c': duplicate endpoints name in one response"]
-    );
+    let s3 = push(&s, Kind::Endpoint, &eds(&[cla("c", &[]), cla("c", &[])]));
+    assert!(s3.endpoints.contains_key("c"));
 }
 
 #[test]

@@ -69,11 +69,22 @@ pub const NODE_CLUSTER: &str = "portico-test";
 /// A port the kernel just handed out. Racy by nature (the socket is closed
 /// before the gateway binds it) but the kernel rotates ephemeral ports, so
 /// parallel tests practically never collide.
+/// A port nobody listens on now, for a gateway listener or admin to bind later. Picked at
+/// random below the kernel's ephemeral range (32768+), so outgoing connections of parallel
+/// tests cannot take it between this check and the gateway's bind.
 pub fn free_port() -> u16 {
-    let l = StdTcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr()
-        .expect("local addr of ephemeral socket")
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // Each test binary is its own process: start at a per-process random offset and walk.
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let seed = (std::process::id() as u16).wrapping_mul(7919) % 10_000;
+    for _ in 0..10_000 {
+        let step = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (seed.wrapping_add(step.wrapping_mul(13))) % 12_000;
+        if StdTcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000");
 }
 
 pub struct TempDir {
@@ -2302,3 +2313,145 @@ async fn raw_backend_conn(mut s: tokio::net::TcpStream, st: Arc<RawBackendState>
 // ===========================================================================
 // END conformance_http helpers
 // ===========================================================================
+
+// ===========================================================================
+// BEGIN conformance_more helpers (appended for tests/conformance_more.rs)
+// ===========================================================================
+
+impl AdsServer {
+    /// Replaces `type_url` with `resources` exactly as given and pushes. Each
+    /// pair's name is only what the server filters RDS/EDS subscriptions on:
+    /// the packed resource may carry another name, another type, a
+    /// `discovery.v3.Resource` envelope, or the same name twice.
+    pub fn set_type_raw(&self, type_url: &str, version: &str, resources: Vec<(String, Any)>) {
+        self.set_type(type_url, version, resources);
+    }
+}
+
+/// An HTTP/1.1 upstream answering `/status/<code>…` with that status and
+/// anything else with 200; every answer carries `x-backend` and
+/// `x-echo-path`, and the backend's name as body.
+pub struct StatusBackend {
+    pub name: String,
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl StatusBackend {
+    pub async fn start(name: &str) -> StatusBackend {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind status backend");
+        let addr = listener.local_addr().expect("status backend addr");
+        let label = name.to_string();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let label = label.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let label = label.clone();
+                            async move {
+                                let status = req
+                                    .uri()
+                                    .path()
+                                    .strip_prefix("/status/")
+                                    .and_then(|r| r.split('/').next())
+                                    .and_then(|c| c.parse::<u16>().ok())
+                                    .unwrap_or(200);
+                                let resp = hyper::Response::builder()
+                                    .status(status)
+                                    .header("x-backend", label.as_str())
+                                    .header("x-echo-path", req.uri().to_string())
+                                    .body(Full::new(Bytes::from(label)))
+                                    .expect("status response is well-formed");
+                                Ok::<_, Infallible>(resp)
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        StatusBackend {
+            name: name.to_string(),
+            addr,
+            task,
+        }
+    }
+}
+
+impl Drop for StatusBackend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+// ===========================================================================
+// END conformance_more helpers
+// ===========================================================================
+
+// ---------------------------------------------------------------------------
+// Table-driven checks shared by the conformance suites
+// ---------------------------------------------------------------------------
+
+/// Collects every mismatch of a table so one run reports all differences. `gaps` lists known,
+/// documented differences of Portico from Envoy (a mismatch prefix and the reason): they are
+/// printed, not failed, when Portico is under test; against Envoy every case counts.
+#[derive(Default)]
+pub struct Checks {
+    mismatches: Vec<String>,
+    gaps: &'static [(&'static str, &'static str)],
+}
+
+impl Checks {
+    pub fn with_gaps(gaps: &'static [(&'static str, &'static str)]) -> Checks {
+        Checks {
+            mismatches: Vec::new(),
+            gaps,
+        }
+    }
+
+    pub fn eq<T: PartialEq + std::fmt::Debug>(
+        &mut self,
+        what: impl std::fmt::Display,
+        got: T,
+        want: T,
+    ) {
+        if got != want {
+            self.mismatches
+                .push(format!("{what}: got {got:?}, want {want:?}"));
+        }
+    }
+
+    pub fn ok(&mut self, what: impl std::fmt::Display, cond: bool, detail: impl std::fmt::Debug) {
+        if !cond {
+            self.mismatches.push(format!("{what}: {detail:?}"));
+        }
+    }
+
+    pub fn finish(self) {
+        let envoy = is_envoy(&gateway_bin());
+        let gaps = self.gaps;
+        let (known, real): (Vec<String>, Vec<String>) = self
+            .mismatches
+            .into_iter()
+            .partition(|m| !envoy && gaps.iter().any(|(prefix, _)| m.starts_with(prefix)));
+        for g in &known {
+            eprintln!("known Portico gap: {g}");
+        }
+        assert!(
+            real.is_empty(),
+            "{} mismatch(es):\n  {}",
+            real.len(),
+            real.join("\n  ")
+        );
+    }
+}
