@@ -431,8 +431,13 @@ fn admin_address(proto: &BootstrapProto) -> Result<Option<SocketAddr>, Bootstrap
                         "named ports are not supported; use port_value",
                     ))
                 }
-                // Port 0 (unset) asks the OS for an ephemeral port, as in Envoy.
-                None => 0,
+                // Envoy requires the port (port_specifier is a required oneof); 0 is ephemeral.
+                None => {
+                    return Err(invalid(
+                        format!("{path}.port_value"),
+                        "port_value is required",
+                    ))
+                }
             };
             let port = u16::try_from(port).map_err(|_| {
                 invalid(
@@ -445,7 +450,7 @@ fn admin_address(proto: &BootstrapProto) -> Result<Option<SocketAddr>, Bootstrap
         Some(AddressKind::Pipe(_)) | Some(AddressKind::EnvoyInternalAddress(_)) | None => {
             Err(invalid(
                 "admin.address",
-                "the admin address must be a socket_address",
+                "pipe and internal admin addresses are not supported; use a socket_address",
             ))
         }
     }
@@ -714,7 +719,7 @@ fn via_ads(
     };
     Err(invalid(
         path,
-        format!("only ADS is supported (ads: {{}}), found {used}"),
+        format!("{used} is not supported; only ADS is (ads: {{}})"),
     ))
 }
 
@@ -1001,7 +1006,7 @@ static_resources:
         let err = yaml_err("admin: {address: {pipe: {path: /tmp/admin.sock}}}\n");
         assert_eq!(
             err,
-            "admin.address: the admin address must be a socket_address"
+            "admin.address: pipe and internal admin addresses are not supported; use a socket_address"
         );
     }
 
@@ -1061,7 +1066,7 @@ static_resources:
         ));
         assert_eq!(
             err,
-            "dynamic_resources.lds_config: only ADS is supported (ads: {}), found path_config_source"
+            "dynamic_resources.lds_config: path_config_source is not supported; only ADS is (ads: {})"
         );
         let err = yaml_err(&ADS_BASE.replace(
             "cds_config: {ads: {}}",
@@ -1069,7 +1074,7 @@ static_resources:
         ));
         assert_eq!(
             err,
-            "dynamic_resources.cds_config: only ADS is supported (ads: {}), found api_config_source"
+            "dynamic_resources.cds_config: api_config_source is not supported; only ADS is (ads: {})"
         );
         // ADS selected without ads_config: Envoy warns and runs without LDS.
         let b = parse(

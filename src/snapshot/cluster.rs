@@ -347,6 +347,9 @@ impl ClusterDef {
         };
         let inline = match (&kind, &c.load_assignment) {
             (DiscoveryKind::Eds, _) => None,
+            (_, Some(la)) if la.cluster_name.is_empty() => {
+                return Err(err("load_assignment.cluster_name must not be empty".into()))
+            }
             (_, Some(la)) => Some(
                 load_assignment_spec(la, kind != DiscoveryKind::Static)
                     .map_err(|e| err(format!("load_assignment: {e}")))?,

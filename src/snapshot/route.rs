@@ -274,7 +274,37 @@ impl StringMatch {
 }
 
 /// Compiles an RE2-style regex for a whole-string match, as Envoy's `safe_regex` does.
+/// RE2 refuses repetition counts over 1000 (`{1001}`), which the regex crate would accept.
+fn check_repeat_limit(re: &str) -> Result<(), String> {
+    let b = re.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'\\' => i += 2,
+            b'{' => {
+                let digits: String = re[i + 1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == ',')
+                    .collect();
+                if !digits.is_empty() && re[i + 1 + digits.len()..].starts_with('}') {
+                    for n in digits.split(',').filter(|n| !n.is_empty()) {
+                        if n.parse::<u64>().map_or(true, |n| n > 1000) {
+                            return Err(format!(
+                                "invalid regex '{re}': bad repetition operator: {{{digits}}}"
+                            ));
+                        }
+                    }
+                }
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    Ok(())
+}
+
 pub fn compile_full_regex(re: &str) -> Result<Regex, String> {
+    check_repeat_limit(re)?;
     regex::RegexBuilder::new(&format!("^(?:{re})$"))
         .size_limit(1 << 20)
         .build()
@@ -675,7 +705,8 @@ fn direct(d: &rpb::DirectResponseAction) -> Result<Action, String> {
         Some(Some(DataSpecifier::InlineBytes(b))) => Some(Bytes::from(b.clone())),
         Some(_) => {
             return Err(
-                "direct_response.body: only inline_string and inline_bytes are supported".into(),
+                "direct_response.body: filename and environment_variable are not supported; use inline_string or inline_bytes"
+                    .into(),
             )
         }
     };
@@ -718,6 +749,9 @@ fn redirect(r: &rpb::RedirectAction) -> Result<Redirect, String> {
         RC::TemporaryRedirect => StatusCode::TEMPORARY_REDIRECT,
         RC::PermanentRedirect => StatusCode::PERMANENT_REDIRECT,
     };
+    if r.host_redirect.contains(['\r', '\n', '\0']) {
+        return Err("redirect.host_redirect: invalid header value characters".into());
+    }
     Ok(Redirect {
         scheme,
         host: (!r.host_redirect.is_empty()).then(|| r.host_redirect.clone()),

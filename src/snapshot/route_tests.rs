@@ -733,7 +733,7 @@ fn direct_response_body_from_file_or_env_is_rejected() {
     ] {
         assert_route_rejected(
             route(prefix("/"), direct(200, Some(body))),
-            "direct_response.body: only inline_string and inline_bytes are supported",
+            "direct_response.body: filename and environment_variable are not supported",
         );
     }
 }
