@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::net::IpAddr;
-
 use common::*;
 use envoy_types::pb::google::protobuf::BoolValue;
 
@@ -283,21 +281,6 @@ async fn local_replies_direct_response_and_no_upstream() {
     // A route to a cluster that does not exist: 503, empty body.
     let r = mesh.get("/missing", HOST, &[]).await;
     assert_eq!((r.status, r.body.as_str()), (503, ""), "{r:?}");
-}
-
-fn is_uuid(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('-').collect();
-    parts.iter().map(|p| p.len()).collect::<Vec<_>>() == [8, 4, 4, 4, 12]
-        && parts
-            .iter()
-            .all(|p| p.chars().all(|c| c.is_ascii_hexdigit()))
-}
-
-/// Whether `ip` is an address of this host (binding to it succeeds).
-fn is_local_address(ip: &str) -> bool {
-    ip.parse::<IpAddr>()
-        .map(|ip| std::net::TcpListener::bind((ip, 0)).is_ok())
-        .unwrap_or(false)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

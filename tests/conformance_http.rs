@@ -10,7 +10,6 @@
 mod common;
 
 use std::fmt::Debug;
-use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -348,21 +347,6 @@ fn all<'a>(headers: &'a [(String, String)], name: &str) -> Vec<&'a str> {
 
 fn names(headers: &[(String, String)]) -> Vec<String> {
     headers.iter().map(|(k, _)| k.clone()).collect()
-}
-
-fn is_uuid(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('-').collect();
-    parts.iter().map(|p| p.len()).collect::<Vec<_>>() == [8, 4, 4, 4, 12]
-        && parts
-            .iter()
-            .all(|p| p.chars().all(|c| c.is_ascii_hexdigit()))
-}
-
-/// Whether `ip` is an address of this host (binding to it succeeds).
-fn is_local_address(ip: &str) -> bool {
-    ip.parse::<IpAddr>()
-        .map(|ip| std::net::TcpListener::bind((ip, 0)).is_ok())
-        .unwrap_or(false)
 }
 
 /// Differences from Envoy that come from pingora's HTTP/1 codec, which Portico does not (yet)

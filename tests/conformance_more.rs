@@ -12,7 +12,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::fmt::Debug;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,21 +108,6 @@ fn wrapped(name: &str, m: Any) -> Any {
 
 fn named(name: &str, a: Any) -> (String, Any) {
     (name.to_string(), a)
-}
-
-fn is_uuid(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('-').collect();
-    parts.iter().map(|p| p.len()).collect::<Vec<_>>() == [8, 4, 4, 4, 12]
-        && parts
-            .iter()
-            .all(|p| p.chars().all(|c| c.is_ascii_hexdigit()))
-}
-
-/// Whether `ip` is an address of this host (binding to it succeeds).
-fn is_local_address(ip: &str) -> bool {
-    ip.parse::<IpAddr>()
-        .map(|ip| std::net::TcpListener::bind((ip, 0)).is_ok())
-        .unwrap_or(false)
 }
 
 /// `GET path` with `host`, `connection: close`, on a fresh raw connection.

@@ -2455,3 +2455,19 @@ impl Checks {
         );
     }
 }
+
+/// A UUID in its 8-4-4-4-12 hex form (Envoy's x-request-id).
+pub fn is_uuid(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('-').collect();
+    parts.iter().map(|p| p.len()).collect::<Vec<_>>() == [8, 4, 4, 4, 12]
+        && parts
+            .iter()
+            .all(|p| p.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
+/// Whether `ip` is an address of this host (binding to it succeeds).
+pub fn is_local_address(ip: &str) -> bool {
+    ip.parse::<std::net::IpAddr>()
+        .map(|ip| StdTcpListener::bind((ip, 0)).is_ok())
+        .unwrap_or(false)
+}
