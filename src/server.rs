@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
 use crate::proxy::listeners::ListenerManager;
-use crate::snapshot::socket_address;
 use crate::xds::client::{AdsClient, ConfigWorker};
 use crate::xds::store::Store;
 use crate::State;
@@ -69,8 +68,10 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
         .enable_all()
         .build()
         .map_err(ServerError::Runtime)?;
+    let worker_handle = workers.handle().clone();
     let state = Arc::new(State::new(Some(b.proto.clone())));
     control.block_on(async move {
+        let stop = shutdown_signal();
         let admin = match b.admin_address {
             Some(addr) => Some(
                 crate::admin::bind(addr)
@@ -79,7 +80,7 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
             ),
             None => None,
         };
-        let listeners = ListenerManager::new(workers.handle().clone(), state.clone(), concurrency.max(1));
+        let listeners = ListenerManager::new(worker_handle, state.clone(), concurrency.max(1));
         let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners);
         worker.commit(store.clone()).map_err(ServerError::Static)?;
         if let Some(l) = admin {
@@ -111,29 +112,32 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
                 });
             }
         }
-        shutdown_signal().await;
+        stop.await;
         tracing::info!("shutting down");
         Ok::<(), ServerError>(())
     })?;
+    // Like Envoy on SIGTERM: stop now; open connections are closed with the runtime.
+    workers.shutdown_timeout(Duration::from_secs(1));
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when it
+/// is first polled, so a signal that arrives during start-up is not lost.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    async move {
+        match (term, int) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
             }
         }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
     }
-}
-
-#[allow(dead_code)]
-fn _assert_socket_address_is_used() {
-    let _ = socket_address;
 }

@@ -120,3 +120,41 @@ fn help_lists_the_envoy_style_options() {
         assert!(out.contains(flag), "--help lacks {flag}");
     }
 }
+
+#[test]
+fn sigterm_stops_the_gateway_cleanly() {
+    // Ports below the ephemeral range, unique to this process.
+    let base = 20_000 + (std::process::id() % 10_000) as u16;
+    let (listener, admin) = (base, base + 1);
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gateway-examples/bookinfo/bootstrap-static.yaml"
+    ))
+    .expect("example bootstrap")
+    .replace("port_value: 8080", &format!("port_value: {listener}"))
+    .replace("port_value: 15000", &format!("port_value: {admin}"));
+    let path = write("sigterm.yaml", &text);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_portico"))
+        .args([
+            "-c",
+            path.to_str().expect("utf-8 path"),
+            "--concurrency",
+            "1",
+            "-l",
+            "error",
+        ])
+        .spawn()
+        .expect("portico starts");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while std::net::TcpStream::connect(("127.0.0.1", admin)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "admin never listened");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+    let status = child.wait().expect("portico exits");
+    assert!(status.success(), "exit status after SIGTERM: {status}");
+}
