@@ -9,10 +9,19 @@ use portico::xds::store::Store;
 use portico::xds::types::{self, Kind};
 use serde_json::Value;
 
+/// `shared/xds-data`: from `PORTICO_SHARED_DIR`, else the nearest `shared/` beside the repo
+/// or one of its parents (CI lays a copy of shared/ beside the clone).
 fn shared(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/xds-data")
-        .join(rel)
+    let root = std::env::var_os("PORTICO_SHARED_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .ancestors()
+                .map(|a| a.join("shared"))
+                .find(|p| p.join("xds-data").is_dir())
+        })
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared")));
+    root.join("xds-data").join(rel)
 }
 
 fn load(rel: &str) -> Value {
