@@ -172,13 +172,18 @@ pub fn request_id() -> String {
 }
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
-fn authority(req: &RequestHeader, listener: &ActiveListener) -> String {
+fn authority<'a>(req: &'a RequestHeader, listener: &ActiveListener) -> std::borrow::Cow<'a, str> {
     let raw = raw_authority(req);
     let host = match split_port(raw) {
         (host, Some(_)) if listener.routes.ignore_port || hcm_strips_port(raw, listener) => host,
         _ => raw,
     };
-    host.to_ascii_lowercase()
+    // Most clients already send a lowercase host: borrow it then.
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        std::borrow::Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        std::borrow::Cow::Borrowed(host)
+    }
 }
 
 /// Whether the HCM's `strip_any_host_port` / `strip_matching_host_port` removes the port of
@@ -547,8 +552,14 @@ impl ProxyHttp for Gateway {
         let req = session.req_header_mut();
         // Envoy trusts no client x-envoy-* control headers; by default (no internal address
         // ranges configured) every request counts as external.
-        for h in UNTRUSTED_ENVOY_HEADERS {
-            req.remove_header(*h);
+        if req
+            .headers
+            .keys()
+            .any(|k| k.as_str().starts_with("x-envoy-"))
+        {
+            for h in UNTRUSTED_ENVOY_HEADERS {
+                req.remove_header(*h);
+            }
         }
         // With use_remote_address every request is an edge request: Envoy 1.40 has no
         // internal address ranges unless internal_address_config names some.
