@@ -16,8 +16,9 @@ cargo clippy --all-targets --quiet -- -D warnings
 step "release build"
 cargo build --release --quiet
 step "validate gateway-examples with Portico and Envoy"
+portico_bin="${CARGO_TARGET_DIR:-target}/release/portico"
 for f in gateway-examples/*/*.yaml; do
-  ./target/release/portico --mode validate -c "$f" --log-level error
+  "$portico_bin" --mode validate -c "$f" --log-level error
   "$envoy_bin" --mode validate -c "$f" --log-level error >/dev/null
 done
 step "tests against Portico"
