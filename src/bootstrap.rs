@@ -196,6 +196,8 @@ pub fn load(path: &Path) -> Result<Bootstrap, BootstrapError> {
 /// Parses and checks bootstrap text. Warnings are returned, not logged: the caller decides how
 /// to show them (`--mode validate` prints them, the server logs them).
 pub fn parse(text: &str, format: Format) -> Result<Bootstrap, BootstrapError> {
+    // One descriptor pool for the whole parse; it is dropped (and its memory freed) after.
+    let _pool = crate::protojson::pool().map_err(|e| invalid("", e.to_string()))?;
     let syntax = |message: String| BootstrapError::Syntax {
         file: None,
         format,

@@ -6,7 +6,7 @@
 //! descriptors to find the innermost offending field, so every error names a path such as
 //! `static_resources.clusters[0].connect_timeout`.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, Weak};
 
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
@@ -23,7 +23,10 @@ static DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/envoy_desc
 /// Decoded once and kept: it costs ~18 MB RSS and 30-100 ms to decode, and with glibc malloc
 /// dropping it does not give that memory back to the OS anyway (measured: RSS stays at the
 /// high-water mark after drop), so decoding per call would only add latency.
-static POOL: OnceLock<DescriptorPool> = OnceLock::new();
+/// The decoded pool while someone holds it. It costs ~18 MB, and is needed only to read the
+/// bootstrap and to render `/config_dump`, so it is not kept for the life of the process: the
+/// first caller decodes it, later callers share it while any holder is alive.
+static POOL: Mutex<Weak<DescriptorPool>> = Mutex::new(Weak::new());
 
 const TYPE_URL_KEY: &str = "@type";
 
@@ -76,14 +79,17 @@ fn at(path: &str, message: &str) -> String {
 }
 
 /// The descriptor pool of every Envoy v3 message (plus well-known types and TypedStruct).
-/// Cheap to call: the pool is decoded on first use and shared (`DescriptorPool` is an `Arc`).
-pub fn pool() -> Result<DescriptorPool, ProtoJsonError> {
-    if let Some(pool) = POOL.get() {
-        return Ok(pool.clone());
+/// Cheap while a caller holds the returned `Arc` (hold one across a batch of conversions);
+/// otherwise it decodes the pool again (tens of milliseconds).
+pub fn pool() -> Result<Arc<DescriptorPool>, ProtoJsonError> {
+    let mut slot = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(pool) = slot.upgrade() {
+        return Ok(pool);
     }
-    let decoded = DescriptorPool::decode(DESCRIPTORS).map_err(ProtoJsonError::Descriptors)?;
-    // Two threads may race to decode; both results are identical, one is dropped.
-    Ok(POOL.get_or_init(|| decoded).clone())
+    let decoded =
+        Arc::new(DescriptorPool::decode(DESCRIPTORS).map_err(ProtoJsonError::Descriptors)?);
+    *slot = Arc::downgrade(&decoded);
+    Ok(decoded)
 }
 
 /// The descriptor of the message named `full_name`, e.g. "envoy.config.cluster.v3.Cluster".

@@ -57,6 +57,7 @@ fn ads_target(store: &Store, cluster: &str) -> Result<Option<(String, u16)>, Ser
 /// Runs until SIGINT or SIGTERM.
 pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
     let store = validate(&b)?;
+    crate::release_freed_memory();
     let workers = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(concurrency.max(1))
         .thread_name("portico-worker")

@@ -74,6 +74,8 @@ fn resources(dump: &Value, key: &str, type_url: &str) -> (Vec<Any>, usize) {
 
 #[test]
 fn istiod_route_configurations_translate() {
+    // One decoded descriptor pool for every conversion in this test.
+    let _pool = portico::protojson::pool().expect("descriptor pool");
     let mut total = 0;
     for f in [
         "istio-gateway/istioctl_describe_http_config.json",
@@ -97,6 +99,8 @@ fn istiod_route_configurations_translate() {
 
 #[test]
 fn istiod_endpoint_assignments_translate() {
+    // One decoded descriptor pool for every conversion in this test.
+    let _pool = portico::protojson::pool().expect("descriptor pool");
     // Only what EDS delivers: the static section holds the bootstrap's pipe-addressed clusters.
     let mut dump = load("istio-eds/istioctl_endpoint_configdump.json");
     if let Some(configs) = dump.get_mut("configs").and_then(Value::as_array_mut) {
@@ -119,6 +123,8 @@ fn istiod_endpoint_assignments_translate() {
 /// feature that has not landed yet.
 #[test]
 fn envoy_gateway_goldens_translate_or_are_refused_by_name() {
+    // One decoded descriptor pool for every conversion in this test.
+    let _pool = portico::protojson::pool().expect("descriptor pool");
     let dir = shared("envoy-gateway");
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))

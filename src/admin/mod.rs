@@ -77,7 +77,11 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
             reply(200, "text/plain; version=0.0.4", text)
         }
         "/config_dump" => match config_dump(state, query.contains("include_eds")) {
-            Ok(v) => reply(200, "application/json", serde_json::to_string_pretty(&v).unwrap_or_default()),
+            Ok(v) => {
+                // The descriptor pool the dump needed is gone again: give its memory back.
+                crate::release_freed_memory();
+                reply(200, "application/json", serde_json::to_string_pretty(&v).unwrap_or_default())
+            }
             Err(e) => reply(500, "text/plain", format!("config dump failed: {e}\n")),
         },
         "/clusters" => reply(200, "text/plain", clusters(state)),
@@ -162,6 +166,8 @@ fn stamp(t: SystemTime) -> serde_json::Value {
 pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value, String> {
     use crate::xds::types::Kind;
     use serde_json::json;
+    // Held for the whole dump, so each resource reuses one decoded descriptor pool.
+    let _pool = crate::protojson::pool().map_err(|e| e.to_string())?;
     let store = state.store.load_full();
     let snap = state.snapshot.load_full();
     let version = |k| store.versions.get(&k).cloned().unwrap_or_default();
