@@ -1,7 +1,5 @@
 //! The route matcher: a pure function from a route table and a request view to a route.
 
-use std::borrow::Cow;
-
 use http::HeaderMap;
 
 use crate::snapshot::route::{
@@ -164,29 +162,6 @@ fn first_query_value<'a>(query: &'a str, name: &str) -> Option<&'a str> {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         (k == name).then_some(v)
     })
-}
-
-/// Decodes `%XX` escapes; invalid escapes are kept as they are, like Envoy.
-pub fn percent_decode(s: &str) -> Cow<'_, str> {
-    if !s.contains('%') {
-        return Cow::Borrowed(s);
-    }
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            let hex = |c: u8| (c as char).to_digit(16);
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
 }
 
 #[cfg(test)]

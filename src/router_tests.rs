@@ -803,20 +803,6 @@ fn query_string_matchers_with_ignore_case_and_regex() {
 }
 
 #[test]
-fn percent_decode_semantics() {
-    assert_eq!(percent_decode("%41%42c"), "ABc");
-    assert_eq!(percent_decode("a%2Fb%2fc"), "a/b/c");
-    assert_eq!(percent_decode("%"), "%");
-    assert_eq!(percent_decode("%4"), "%4");
-    assert_eq!(percent_decode("a%4"), "a%4");
-    assert_eq!(percent_decode("%%41"), "%A");
-    assert_eq!(percent_decode("%xy%%yz"), "%xy%%yz");
-    assert_eq!(percent_decode("%41%"), "A%");
-    assert_eq!(percent_decode("a+b"), "a+b");
-    assert!(matches!(percent_decode("plain"), Cow::Borrowed("plain")));
-}
-
-#[test]
 fn first_query_value_semantics() {
     assert_eq!(first_query_value("a=1&b=2", "b"), Some("2"));
     assert_eq!(first_query_value("a&b", "a"), Some(""));

@@ -76,11 +76,6 @@ impl ClusterStats {
         }
         self.codes.inc(code);
     }
-
-    pub fn record(&self, code: u16) {
-        self.start();
-        self.record_code(code);
-    }
 }
 
 #[derive(Debug, Default)]
@@ -396,10 +391,14 @@ mod tests {
     fn render_uses_envoy_names() {
         let stats = Stats::new();
         let c = stats.cluster("outbound|9080|v1|reviews.default.svc.cluster.local");
-        c.record(200);
-        c.record(503);
+        c.start();
+        c.record_code(200);
+        c.start();
+        c.record_code(503);
         stats.xds.cds[SUCCESS].inc();
-        stats.cluster("ratings").record(200);
+        let r = stats.cluster("ratings");
+        r.start();
+        r.record_code(200);
         let text = stats.render(&|_| Some((1, 2)));
         assert!(text.contains(
             "envoy_cluster_default_svc_cluster_local_upstream_rq_total{envoy_cluster_name=\"outbound|9080|v1|reviews\"} 2"

@@ -19,7 +19,7 @@ use crate::admin::stats::HcmStats;
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
-use crate::snapshot::{ActiveListener, Snapshot};
+use crate::snapshot::ActiveListener;
 use crate::State;
 
 /// One per listener: the listener's name is how a request finds its config in the snapshot.
@@ -32,7 +32,6 @@ pub struct Gateway {
 /// Per-request state: the snapshot loaded once, and what routing decided.
 #[derive(Default)]
 pub struct Ctx {
-    snapshot: Option<Arc<Snapshot>>,
     listener: Option<Arc<ActiveListener>>,
     cluster: Option<Arc<Cluster>>,
     host_index: usize,
@@ -438,7 +437,6 @@ impl ProxyHttp for Gateway {
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
         ctx.listener = Some(listener.clone());
-        ctx.snapshot = Some(snap.clone());
         if let pingora_core::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
             // Serve pipelined requests in order instead of dropping them, as Envoy does.
             h1.set_pipelining_enabled(true);
@@ -641,16 +639,24 @@ impl ProxyHttp for Gateway {
         // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
         // `trailer` and `proxy-authorization` (unless `Connection` names them).
         let down = &session.req_header().headers;
-        let (nominated, te_trailers) = hop_by_hop(down);
-        if te_trailers {
-            upstream.insert_header(http::header::TE, "trailers")?;
-        }
-        for name in [http::header::TRAILER, http::header::PROXY_AUTHORIZATION] {
-            if nominated.contains(&name) {
-                continue;
+        let restorable = [
+            http::header::TE,
+            http::header::TRAILER,
+            http::header::PROXY_AUTHORIZATION,
+        ];
+        // Most requests carry none of these: skip the Connection parsing for them.
+        if restorable.iter().any(|h| down.contains_key(h)) {
+            let (nominated, te_trailers) = hop_by_hop(down);
+            if te_trailers {
+                upstream.insert_header(http::header::TE, "trailers")?;
             }
-            for v in down.get_all(&name) {
-                upstream.append_header(name.clone(), v.clone())?;
+            for name in &restorable[1..] {
+                if nominated.contains(name) {
+                    continue;
+                }
+                for v in down.get_all(name) {
+                    upstream.append_header(name.clone(), v.clone())?;
+                }
             }
         }
         if let Some((len, rewrite)) = &ctx.prefix_rewrite {

@@ -370,12 +370,6 @@ impl AdsClient {
                     }
                     out.insert(0, ack);
                 }
-                tracing::debug!(
-                    kind = kind.short(),
-                    warming = self.worker.store.has_warming_clusters(),
-                    pending = self.pending_cds_ack.is_some(),
-                    "after accept"
-                );
                 if !self.worker.store.has_warming_clusters() {
                     if let Some((cds_ack, _)) = self.pending_cds_ack.take() {
                         if let Some(s) = self.subs.get_mut(&Kind::Cluster) {
