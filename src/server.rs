@@ -58,18 +58,13 @@ fn ads_target(store: &Store, cluster: &str) -> Result<Option<(String, u16)>, Ser
 pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
     let store = validate(&b)?;
     crate::release_freed_memory();
-    let workers = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(concurrency.max(1))
-        .thread_name("portico-worker")
-        .enable_all()
-        .build()
-        .map_err(ServerError::Runtime)?;
+    let workers = Workers::start(concurrency.max(1)).map_err(ServerError::Runtime)?;
     // xDS, admin and DNS run on their own thread so a large push never stalls a worker.
     let control = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(ServerError::Runtime)?;
-    let worker_handle = workers.handle().clone();
+    let worker_handles = workers.handles.clone();
     let state = Arc::new(State::new(Some(b.proto.clone())));
     control.block_on(async move {
         let stop = shutdown_signal();
@@ -81,7 +76,7 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
             ),
             None => None,
         };
-        let listeners = ListenerManager::new(worker_handle, state.clone(), concurrency.max(1));
+        let listeners = ListenerManager::new(worker_handles, state.clone());
         let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners);
         worker.commit(store.clone()).map_err(ServerError::Static)?;
         if let Some(l) = admin {
@@ -117,9 +112,72 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
         tracing::info!("shutting down");
         Ok::<(), ServerError>(())
     })?;
-    // Like Envoy on SIGTERM: stop now; open connections are closed with the runtime.
-    workers.shutdown_timeout(Duration::from_secs(1));
+    // Like Envoy on SIGTERM: stop now; open connections are closed with the runtimes.
+    workers.shutdown();
     Ok(())
+}
+
+/// Envoy's threading model: each worker thread runs its own single-threaded runtime. A
+/// work-stealing pool would move a connection's tasks between threads and pay for the
+/// synchronisation on every wake-up; a proxy's connections need none of it.
+struct Workers {
+    handles: Vec<tokio::runtime::Handle>,
+    stop: tokio::sync::watch::Sender<bool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Workers {
+    fn start(n: usize) -> std::io::Result<Workers> {
+        let (stop, _) = tokio::sync::watch::channel(false);
+        let mut w = Workers {
+            handles: Vec::with_capacity(n),
+            stop,
+            threads: Vec::with_capacity(n),
+        };
+        for i in 0..n {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let mut stopped = w.stop.subscribe();
+            let thread = std::thread::Builder::new()
+                .name(format!("portico-worker-{i}"))
+                .spawn(move || {
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = tx.send(Ok(rt.handle().clone()));
+                    rt.block_on(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    });
+                    rt.shutdown_timeout(Duration::from_secs(1));
+                })?;
+            w.threads.push(thread);
+            let handle = rx
+                .recv()
+                .map_err(|_| std::io::Error::other("worker thread exited during start-up"))??;
+            w.handles.push(handle);
+        }
+        Ok(w)
+    }
+
+    fn shutdown(mut self) {
+        let _ = self.stop.send(true);
+        for t in std::mem::take(&mut self.threads) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        // On an early error return: stop the threads instead of leaving them parked.
+        let _ = self.stop.send(true);
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when it

@@ -187,7 +187,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
                 .push(json!({ "cluster": cluster, "last_updated": stamp(item.last_updated) }));
         } else {
             dynamic_clusters.push(json!({
-                "version_info": item.version,
+                "version_info": &*item.version,
                 "cluster": cluster,
                 "last_updated": stamp(item.last_updated),
             }));
@@ -207,7 +207,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
                 .push(json!({ "listener": listener, "last_updated": stamp(item.last_updated) }));
         } else {
             let st = json!({
-                "version_info": item.version,
+                "version_info": &*item.version,
                 "listener": listener,
                 "last_updated": stamp(item.last_updated),
             });
@@ -234,7 +234,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
         .values()
         .map(|item| {
             json!({
-                "version_info": item.version,
+                "version_info": &*item.version,
                 "route_config": render(&pack(item.proto.as_ref())),
                 "last_updated": stamp(item.last_updated),
             })
@@ -250,7 +250,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             .values()
             .map(|item| {
                 json!({
-                    "version_info": item.version,
+                    "version_info": &*item.version,
                     "endpoint_config": render(&pack(item.proto.as_ref())),
                     "last_updated": stamp(item.last_updated),
                 })

@@ -1,7 +1,9 @@
 //! Binds and unbinds LDS listeners at runtime and feeds accepted connections to pingora.
 //!
 //! Sockets are bound on the control thread when a listener is accepted (so a bind failure can
-//! NACK the push), and served by accept loops on the worker runtime once the listener is warm.
+//! NACK the push), and served once the listener is warm by one accept loop per worker, as
+//! Envoy's workers each accept on every listener. A connection stays on the worker that
+//! accepted it, so its tasks never cross threads.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -23,7 +25,9 @@ struct Running {
     codec: Codec,
     /// Tells the accept loop to stop and open connections to close after their current request.
     shutdown: watch::Sender<bool>,
-    apps: Apps,
+    /// One set per worker: each has its own upstream connection pool, as Envoy's workers do, so
+    /// a pooled connection is never handed between threads.
+    apps: Vec<Apps>,
 }
 
 /// One pingora app per protocol: HTTP/1 and h2c. Portico reads the first bytes itself to pick
@@ -36,7 +40,7 @@ struct Apps {
 }
 
 pub struct ListenerManager {
-    workers: Handle,
+    workers: Vec<Handle>,
     state: Arc<State>,
     conf: Arc<ServerConf>,
     bound: HashMap<SocketAddr, std::net::TcpListener>,
@@ -44,9 +48,14 @@ pub struct ListenerManager {
 }
 
 impl ListenerManager {
-    pub fn new(workers: Handle, state: Arc<State>, threads: usize) -> ListenerManager {
+    pub fn new(workers: Vec<Handle>, state: Arc<State>) -> ListenerManager {
         let conf = ServerConf {
-            threads,
+            threads: workers.len(),
+            // Idle upstream connections kept per worker. pingora's default of 128 closes every
+            // connection beyond it after one request, so 50 h2 clients x 10 streams opened a new
+            // upstream connection per request. Envoy keeps idle connections without a count
+            // limit; this bounds memory at a few MB per worker.
+            upstream_keepalive_pool_size: 4096,
             ..ServerConf::default()
         };
         ListenerManager {
@@ -90,13 +99,14 @@ impl ListenerManager {
                 tracing::info!(listener = %name, addr = %r.addr, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
                 // Wakes keep-alive connections idling in read_request so they close now.
-                let apps = r.apps.clone();
-                self.workers.spawn(async move {
-                    apps.h1.http_cleanup().await;
-                    if let Some(h2c) = apps.h2c {
-                        h2c.http_cleanup().await;
-                    }
-                });
+                for (w, apps) in self.workers.iter().zip(r.apps.clone()) {
+                    w.spawn(async move {
+                        apps.h1.http_cleanup().await;
+                        if let Some(h2c) = apps.h2c {
+                            h2c.http_cleanup().await;
+                        }
+                    });
+                }
             }
             keep
         });
@@ -116,7 +126,12 @@ impl ListenerManager {
                     }
                 }
             }
-            let Some(sock) = self.bound.get(&addr).and_then(|s| s.try_clone().ok()) else {
+            let Some(socks) = self.bound.get(&addr).and_then(|s| {
+                self.workers
+                    .iter()
+                    .map(|_| s.try_clone().ok())
+                    .collect::<Option<Vec<_>>>()
+            }) else {
                 tracing::error!(listener = %name, %addr, "cannot share the listening socket");
                 continue;
             };
@@ -136,14 +151,19 @@ impl ListenerManager {
                 proxy.handle_init_modules();
                 Arc::new(proxy)
             };
-            let apps = Apps {
-                h1: app(false),
-                h2c: (l.def.hcm.codec != Codec::Http1).then(|| app(true)),
-            };
+            let apps: Vec<Apps> = self
+                .workers
+                .iter()
+                .map(|_| Apps {
+                    h1: app(false),
+                    h2c: (l.def.hcm.codec != Codec::Http1).then(|| app(true)),
+                })
+                .collect();
             let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
             tracing::info!(listener = %name, %addr, "listener serving");
-            self.workers
-                .spawn(accept_loop(sock, apps.clone(), rx, hcm_stats));
+            for ((w, sock), a) in self.workers.iter().zip(socks).zip(&apps) {
+                w.spawn(accept_loop(sock, a.clone(), rx.clone(), hcm_stats.clone()));
+            }
             self.running.insert(
                 name.clone(),
                 Running {
@@ -198,18 +218,13 @@ async fn serve_connection(
     apps: Apps,
     shutdown: watch::Receiver<bool>,
 ) {
-    use pingora_core::protocols::{GetSocketDigest, SocketDigest};
-    use std::os::unix::io::AsRawFd;
     let _ = tcp.set_nodelay(true);
     let app = match &apps.h2c {
         Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),
         _ => apps.h1.clone(),
     };
-    let mut l4: pingora_core::protocols::l4::stream::Stream = tcp.into();
-    let digest = SocketDigest::from_raw_fd(l4.as_raw_fd());
-    let _ = digest.peer_addr.set(Some(peer.into()));
-    l4.set_socket_digest(digest);
-    let mut stream: pingora_core::protocols::Stream = Box::new(l4);
+    let mut stream: pingora_core::protocols::Stream =
+        Box::new(super::io::Downstream::new(tcp, peer));
     while let Some(next) = app.process_new(stream, &shutdown).await {
         stream = next;
     }

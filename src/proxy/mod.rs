@@ -1,5 +1,6 @@
 //! The request path: a pingora `ProxyHttp` that routes on one snapshot per request.
 
+pub mod io;
 pub mod listeners;
 
 use std::net::SocketAddr;
@@ -11,7 +12,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::header::HeaderName;
 use pingora_core::upstreams::peer::HttpPeer;
-use pingora_error::{Error, ErrorSource, ErrorType, Result};
+use pingora_error::{Error, ErrorSource, ErrorType, OrErr, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
@@ -157,17 +158,26 @@ static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection"
 
 /// A random UUID v4, as Envoy generates for `x-request-id`.
 pub fn request_id() -> String {
+    String::from_utf8_lossy(&request_id_bytes()).into_owned()
+}
+
+/// The same UUID as ASCII on the stack: the request path turns it into a header value
+/// without formatting machinery.
+fn request_id_bytes() -> [u8; 36] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let r = fastrand::u128(..);
+    // Version 4 and the RFC 4122 variant.
     let r = (r & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
-    let h = format!("{r:032x}");
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    let mut out = [b'-'; 36];
+    let mut nibble = 0;
+    for (i, slot) in out.iter_mut().enumerate() {
+        if matches!(i, 8 | 13 | 18 | 23) {
+            continue;
+        }
+        *slot = HEX[((r >> (124 - 4 * nibble)) & 0xf) as usize];
+        nibble += 1;
+    }
+    out
 }
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
@@ -601,7 +611,9 @@ impl ProxyHttp for Gateway {
         }
         let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
-            req.insert_header(X_REQUEST_ID.clone(), request_id())?;
+            let id = http::HeaderValue::from_bytes(&request_id_bytes())
+                .or_err(ErrorType::InternalError, "request id")?;
+            req.insert_header(X_REQUEST_ID.clone(), id)?;
         }
         match ctx.timeout {
             Some(t) => req.insert_header(X_EXPECTED_TIMEOUT.clone(), t.as_millis().to_string())?,
@@ -803,6 +815,20 @@ mod tests {
         assert_eq!(&id[14..15], "4");
         assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"));
         assert_ne!(id, request_id());
+        for (i, c) in id.chars().enumerate() {
+            if matches!(i, 8 | 13 | 18 | 23) {
+                assert_eq!(c, '-', "{id}");
+            } else {
+                assert!(matches!(c, '0'..='9' | 'a'..='f'), "{id}");
+            }
+        }
+        // Every hex digit position varies: no nibble is lost or repeated.
+        let ids: Vec<String> = (0..64).map(|_| request_id()).collect();
+        for i in (0..36).filter(|i| ![8, 13, 14, 18, 23].contains(i)) {
+            let distinct: std::collections::BTreeSet<char> =
+                ids.iter().filter_map(|id| id.chars().nth(i)).collect();
+            assert!(distinct.len() > 1, "position {i} never changes");
+        }
     }
 
     #[test]

@@ -46,7 +46,8 @@ pub struct ActiveListener {
 pub struct Snapshot {
     pub version: u64,
     pub listeners: HashMap<String, Arc<ActiveListener>>,
-    pub clusters: HashMap<Arc<str>, Arc<Cluster>>,
+    /// Persistent, so an EDS update replaces one entry and shares the rest.
+    pub clusters: imbl::HashMap<Arc<str>, Arc<Cluster>>,
 }
 
 pub fn duration(d: &envoy_types::pb::google::protobuf::Duration) -> Result<Duration, String> {

@@ -53,7 +53,12 @@ impl ConfigWorker {
         let snap = Arc::new(next.assemble(&prev, self.version, &|n| stats.cluster(n)));
         self.state.snapshot.store(snap.clone());
         self.listeners.reconcile(&snap);
-        stats.retain_clusters(|n| next.clusters.contains_key(n));
+        let mut next = next;
+        if next.touched.all_clusters {
+            stats.retain_clusters(|n| next.clusters.contains_key(n));
+        }
+        // The snapshot now reflects every change; the next commit starts from it.
+        next.touched = Default::default();
         self.store = Arc::new(next);
         self.state.store.store(self.store.clone());
         Ok(())
@@ -79,6 +84,7 @@ impl ConfigWorker {
             });
             if !same {
                 next.resolved.insert(def.name.to_string(), Arc::new(la));
+                next.touched.all_clusters = true;
                 changed = true;
             }
         }
@@ -325,13 +331,15 @@ impl AdsClient {
                 .iter()
                 .for_each(|n| counters.eds[outcome].with_label_values(&[n.as_str()]).inc()),
         };
+        // As Envoy, a named resource's counters move only when the response carries it.
         let names: Vec<String> = if kind.is_wildcard() {
             Vec::new()
         } else {
-            self.subs
-                .get(&kind)
-                .map(|s| s.names.iter().cloned().collect())
-                .unwrap_or_default()
+            resp.resources
+                .iter()
+                .filter_map(|a| <ResourceName as prost::Message>::decode(a.value.as_slice()).ok())
+                .map(|r| r.name)
+                .collect()
         };
         bump(ATTEMPT, &names);
         let result = self
@@ -350,10 +358,15 @@ impl AdsClient {
                     // A newer CDS response supersedes an ACK still waiting for endpoints.
                     self.pending_cds_ack = None;
                 }
-                let wanted = [
-                    (Kind::Endpoint, self.worker.store.wanted_endpoints()),
-                    (Kind::Route, self.worker.store.wanted_routes()),
-                ];
+                // Only listeners and clusters decide which routes and endpoints are wanted.
+                let wanted = if kind.is_wildcard() {
+                    vec![
+                        (Kind::Endpoint, self.worker.store.wanted_endpoints()),
+                        (Kind::Route, self.worker.store.wanted_routes()),
+                    ]
+                } else {
+                    Vec::new()
+                };
                 for (k, names) in wanted {
                     let sub = self.subs.entry(k).or_default();
                     if sub.names != names {
@@ -370,7 +383,7 @@ impl AdsClient {
                     }
                     out.insert(0, ack);
                 }
-                if !self.worker.store.has_warming_clusters() {
+                if self.pending_cds_ack.is_some() && !self.worker.store.has_warming_clusters() {
                     if let Some((cds_ack, _)) = self.pending_cds_ack.take() {
                         if let Some(s) = self.subs.get_mut(&Kind::Cluster) {
                             s.acked = true;
@@ -411,4 +424,12 @@ impl AdsClient {
             self.worker.state.ready.store(true, Ordering::Relaxed);
         }
     }
+}
+
+/// The name of a RouteConfiguration or ClusterLoadAssignment: field 1 of both. Decoding only
+/// it keeps per-resource counters cheap on large pushes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ResourceName {
+    #[prost(string, tag = "1")]
+    name: String,
 }

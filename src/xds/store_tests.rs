@@ -216,7 +216,7 @@ fn snap(s: &Store, prev: &Snapshot) -> Snapshot {
     })
 }
 
-fn names<V>(t: &BTreeMap<String, V>) -> Vec<&str> {
+fn names<V: Clone>(t: &imbl::OrdMap<String, V>) -> Vec<&str> {
     t.keys().map(|k| k.as_str()).collect()
 }
 
@@ -341,7 +341,7 @@ fn accepted_push_records_version_and_item_metadata() {
     );
     assert_eq!(s.versions.get(&Kind::Cluster), None);
     let item = &s.listeners["a"];
-    assert_eq!(item.version, "v7");
+    assert_eq!(&*item.version, "v7");
     assert!(!item.is_static);
     assert_eq!(item.proto.name, "a");
     assert_eq!(item.value.addr.to_string(), "127.0.0.1:1");
@@ -614,11 +614,11 @@ fn unchanged_resources_keep_their_translation() {
         .unwrap();
     assert!(Arc::ptr_eq(&a, &s.listeners["a"].value));
     assert_eq!(
-        s.listeners["a"].version, "v",
+        &*s.listeners["a"].version, "v",
         "an unchanged resource keeps its version"
     );
     assert!(!Arc::ptr_eq(&b, &s.listeners["b"].value));
-    assert_eq!(s.listeners["b"].version, "v2");
+    assert_eq!(&*s.listeners["b"].version, "v2");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -982,4 +982,127 @@ fn listener_addrs_lists_every_listener() {
     let addrs = s.listener_addrs();
     assert_eq!(addrs["a"].to_string(), "127.0.0.1:1");
     assert_eq!(addrs["b"].to_string(), "127.0.0.1:2");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Incremental EDS: one assignment changes one cluster
+
+/// What `ConfigWorker::commit` does: assemble against the serving snapshot, then start the next
+/// round of changes from the committed store.
+fn commit(mut s: Store, prev: &Snapshot) -> (Store, Snapshot) {
+    let next = snap(&s, prev);
+    s.touched = Touched::default();
+    (s, next)
+}
+
+fn three_clusters() -> (Store, Snapshot) {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[
+            eds_cluster("a", ""),
+            eds_cluster("b", ""),
+            eds_cluster("c", ""),
+        ]),
+    );
+    let s = push(
+        &s,
+        Kind::Endpoint,
+        &eds(&[
+            cla("a", &[("10.0.0.1", 80)]),
+            cla("b", &[("10.0.0.2", 80)]),
+            cla("c", &[("10.0.0.3", 80)]),
+        ]),
+    );
+    commit(s, &Snapshot::default())
+}
+
+#[test]
+fn eds_push_of_one_assignment_rebuilds_only_that_cluster() {
+    let (s, s1) = three_clusters();
+    let next = push(&s, Kind::Endpoint, &eds(&[cla("b", &[("10.0.0.9", 81)])]));
+    assert!(!next.touched.all_clusters);
+    assert_eq!(next.touched.endpoints, BTreeSet::from(["b".to_string()]));
+    let (_, s2) = commit(next, &s1);
+    assert!(Arc::ptr_eq(&s1.clusters["a"], &s2.clusters["a"]));
+    assert!(Arc::ptr_eq(&s1.clusters["c"], &s2.clusters["c"]));
+    assert!(!Arc::ptr_eq(&s1.clusters["b"], &s2.clusters["b"]));
+    let hosts: Vec<String> = s2.clusters["b"]
+        .endpoints
+        .hosts
+        .iter()
+        .map(|h| h.addr.to_string())
+        .collect();
+    assert_eq!(hosts, ["10.0.0.9:81"]);
+    // Endpoints the push did not carry are kept (EDS is not a wildcard type).
+    assert_eq!(
+        s2.clusters["a"].endpoints.hosts[0].addr.to_string(),
+        "10.0.0.1:80"
+    );
+}
+
+#[test]
+fn eds_assignment_for_an_unknown_cluster_is_dropped() {
+    let (s, s1) = three_clusters();
+    let next = push(&s, Kind::Endpoint, &eds(&[cla("zz", &[("10.0.0.9", 81)])]));
+    assert!(!next.endpoints.contains_key("zz"));
+    assert!(next.touched.endpoints.is_empty());
+    let (_, s2) = commit(next, &s1);
+    assert_eq!(snap_clusters(&s2), ["a", "b", "c"]);
+}
+
+#[test]
+fn cds_push_after_incremental_commits_still_removes_clusters() {
+    let (s, s1) = three_clusters();
+    let (s, s2) = commit(
+        push(&s, Kind::Endpoint, &eds(&[cla("a", &[("10.0.0.7", 80)])])),
+        &s1,
+    );
+    let next = push(
+        &s,
+        Kind::Cluster,
+        &cds(&[eds_cluster("a", ""), eds_cluster("c", "")]),
+    );
+    assert!(next.touched.all_clusters);
+    let (s, s3) = commit(next, &s2);
+    assert_eq!(snap_clusters(&s3), ["a", "c"]);
+    assert!(
+        !s.endpoints.contains_key("b"),
+        "b's assignment is collected with it"
+    );
+    // Unchanged clusters survive the full pass as the same objects.
+    assert!(Arc::ptr_eq(&s2.clusters["a"], &s3.clusters["a"]));
+}
+
+#[test]
+fn eds_push_reaches_every_cluster_sharing_a_service_name() {
+    let s = push(
+        &Store::default(),
+        Kind::Cluster,
+        &cds(&[
+            eds_cluster("x", "svc"),
+            eds_cluster("y", "svc"),
+            eds_cluster("z", ""),
+        ]),
+    );
+    let s = push(
+        &s,
+        Kind::Endpoint,
+        &eds(&[
+            cla("svc", &[("10.0.0.1", 80)]),
+            cla("z", &[("10.0.0.3", 80)]),
+        ]),
+    );
+    let (s, s1) = commit(s, &Snapshot::default());
+    let (_, s2) = commit(
+        push(&s, Kind::Endpoint, &eds(&[cla("svc", &[("10.0.0.2", 80)])])),
+        &s1,
+    );
+    for c in ["x", "y"] {
+        assert_eq!(
+            s2.clusters[c].endpoints.hosts[0].addr.to_string(),
+            "10.0.0.2:80"
+        );
+    }
+    assert!(Arc::ptr_eq(&s1.clusters["z"], &s2.clusters["z"]));
 }

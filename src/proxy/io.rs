@@ -1,0 +1,247 @@
+//! The downstream connection as pingora sees it: a TCP stream that gathers small writes until
+//! pingora flushes.
+//!
+//! pingora's own listeners put a 1460-byte write buffer in front of every accepted socket, and
+//! its HTTP/1 writer flushes after the header only when no body follows, after the last byte of
+//! a `content-length` body, and after every chunk of a chunked one. Our listeners accept the
+//! sockets themselves (to bind and unbind at runtime), and pingora's buffered constructor is
+//! crate-private, so without this a small response costs two `send` calls (header, then body)
+//! where Envoy needs one. Nothing that pingora would have sent at once waits longer than its
+//! next flush, and bytes still buffered when pingora drops the connection (an upstream that
+//! resets mid-body) are sent before the socket closes, as an unbuffered write would have.
+
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use pingora_core::protocols::raw_connect::ProxyDigest;
+use pingora_core::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
+    TimingDigest, UniqueID, UniqueIDType,
+};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// A segment's worth, as pingora's listeners use: a response that fits goes out in one send.
+const CAPACITY: usize = 1460;
+
+#[derive(Debug)]
+pub struct Downstream {
+    tcp: TcpStream,
+    buf: Vec<u8>,
+    /// Bytes of `buf` already handed to the socket during a flush in progress.
+    written: usize,
+    socket_digest: Option<Arc<SocketDigest>>,
+    proxy_digest: Option<Arc<ProxyDigest>>,
+    established: SystemTime,
+}
+
+impl Downstream {
+    pub fn new(tcp: TcpStream, peer: std::net::SocketAddr) -> Downstream {
+        let digest = SocketDigest::from_raw_fd(tcp.as_raw_fd());
+        let _ = digest.peer_addr.set(Some(peer.into()));
+        Downstream {
+            tcp,
+            buf: Vec::new(),
+            written: 0,
+            socket_digest: Some(Arc::new(digest)),
+            proxy_digest: None,
+            established: SystemTime::now(),
+        }
+    }
+
+    /// Sends what is buffered; the buffer is empty when this returns ready.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.written < self.buf.len() {
+            let n = ready!(Pin::new(&mut self.tcp).poll_write(cx, &self.buf[self.written..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.written += n;
+        }
+        self.buf.clear();
+        self.written = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for Downstream {
+    fn drop(&mut self) {
+        // Best effort and never blocking: the socket is about to close anyway.
+        let mut rest = &self.buf[self.written.min(self.buf.len())..];
+        while !rest.is_empty() {
+            match self.tcp.try_write(rest) {
+                Ok(n) if n > 0 => rest = &rest[n..],
+                _ => break,
+            }
+        }
+    }
+}
+
+impl AsyncRead for Downstream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Downstream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.buf.len() + data.len() > CAPACITY {
+            ready!(this.poll_drain(cx))?;
+        }
+        if data.len() >= CAPACITY {
+            // Large writes go straight through: copying them would only cost.
+            return Pin::new(&mut this.tcp).poll_write(cx, data);
+        }
+        if this.buf.capacity() == 0 {
+            this.buf.reserve_exact(CAPACITY);
+        }
+        this.buf.extend_from_slice(data);
+        Poll::Ready(Ok(data.len()))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_drain(cx))?;
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_drain(cx))?;
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+#[async_trait]
+impl Shutdown for Downstream {
+    async fn shutdown(&mut self) {
+        if let Err(e) = tokio::io::AsyncWriteExt::shutdown(self).await {
+            tracing::debug!("failed to shut down a downstream connection: {e}");
+        }
+    }
+}
+
+impl UniqueID for Downstream {
+    fn id(&self) -> UniqueIDType {
+        self.tcp.as_raw_fd()
+    }
+}
+
+impl Ssl for Downstream {}
+
+// The listener reads the h2c preface itself (see `listeners`), so pingora need not peek: the
+// default answer, "cannot peek", leaves the protocol pingora was told to speak.
+impl Peek for Downstream {}
+
+impl GetTimingDigest for Downstream {
+    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+        vec![Some(TimingDigest {
+            established_ts: self.established,
+            ..Default::default()
+        })]
+    }
+}
+
+impl GetProxyDigest for Downstream {
+    fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+        self.proxy_digest.clone()
+    }
+    fn set_proxy_digest(&mut self, digest: ProxyDigest) {
+        self.proxy_digest = Some(Arc::new(digest));
+    }
+}
+
+impl GetSocketDigest for Downstream {
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        self.socket_digest.clone()
+    }
+    fn set_socket_digest(&mut self, digest: SocketDigest) {
+        self.socket_digest = Some(Arc::new(digest));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn pair() -> (Downstream, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (server, peer) = l.accept().await.expect("accept");
+        (Downstream::new(server, peer), client)
+    }
+
+    #[tokio::test]
+    async fn small_writes_wait_for_flush_and_arrive_whole() {
+        let (mut s, mut c) = pair().await;
+        s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+            .await
+            .expect("write");
+        s.write_all(b"ok").await.expect("write");
+        let mut one = [0u8; 1];
+        let early = tokio::time::timeout(Duration::from_millis(50), c.read(&mut one)).await;
+        assert!(early.is_err(), "nothing is sent before the flush");
+        s.flush().await.expect("flush");
+        let mut got = vec![0u8; 40];
+        c.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got[..], b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+    }
+
+    #[tokio::test]
+    async fn large_writes_keep_order_with_buffered_bytes() {
+        let (mut s, mut c) = pair().await;
+        let big: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        s.write_all(b"head").await.expect("write");
+        s.write_all(&big).await.expect("write");
+        s.write_all(b"tail").await.expect("write");
+        AsyncWriteExt::shutdown(&mut s).await.expect("shutdown");
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).await.expect("read");
+        let mut want = b"head".to_vec();
+        want.extend_from_slice(&big);
+        want.extend_from_slice(b"tail");
+        assert_eq!(got, want);
+    }
+
+    #[tokio::test]
+    async fn buffered_bytes_are_sent_when_the_connection_is_dropped() {
+        let (mut s, mut c) = pair().await;
+        s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+            .await
+            .expect("write");
+        drop(s);
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).await.expect("read");
+        assert_eq!(
+            got,
+            b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_peer_address_is_in_the_socket_digest() {
+        let (s, c) = pair().await;
+        let digest = s.get_socket_digest().expect("digest");
+        assert_eq!(
+            digest.peer_addr().and_then(|a| a.as_inet()).copied(),
+            Some(c.local_addr().expect("addr"))
+        );
+    }
+}
