@@ -15,6 +15,8 @@ pub struct Opts {
     pub load_cpu: usize,
     /// Clusters (each with 10 endpoints) and routes in the scale case.
     pub scale: usize,
+    /// The proxies' log level; their logs are copied under target/vs-envoy/logs.
+    pub proxy_log: String,
 }
 
 impl Opts {
@@ -26,6 +28,7 @@ impl Opts {
             proxy_cpu: 0,
             load_cpu: 1,
             scale: 10_000,
+            proxy_log: "warn".into(),
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -46,10 +49,12 @@ impl Opts {
                 "--proxy-cpu" => o.proxy_cpu = num(a, val(a)?)? as usize,
                 "--load-cpu" => o.load_cpu = num(a, val(a)?)? as usize,
                 "--cases" => o.cases = val(a)?.split(',').map(str::to_string).collect(),
+                "--proxy-log" => o.proxy_log = val(a)?,
                 other => {
                     return Err(format!(
                         "unknown argument '{other}' (--rounds N --secs N --scale N \
-                         --cases all|h1,h2c,latency,routes,scale,churn --proxy-cpu N --load-cpu N)"
+                         --cases all|h1,h2c,latency,routes,scale,churn --proxy-cpu N --load-cpu N \
+                         --proxy-log LEVEL)"
                     ))
                 }
             }
@@ -274,7 +279,7 @@ impl Running {
         let mut cmd = on_cpu(opts.proxy_cpu, env.bin(proxy));
         cmd.arg("-c")
             .arg(&file)
-            .args(["--concurrency", "1", "--log-level", "warn"]);
+            .args(["--concurrency", "1", "--log-level", &opts.proxy_log]);
         if proxy == Proxy::Envoy {
             cmd.arg("--disable-hot-restart");
         }
@@ -354,7 +359,19 @@ impl Drop for Running {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Kept for a look after the run (the temporary directory goes with the harness).
+        let logs = target_dir().join("vs-envoy/logs");
+        if std::fs::create_dir_all(&logs).is_ok() {
+            let name = format!("{}-{}.log", self.proxy.name(), self.admin_port);
+            let _ = std::fs::copy(&self.stderr, logs.join(name));
+        }
     }
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| manifest_dir().join("target"))
 }
 
 pub struct WrkResult {
@@ -650,10 +667,7 @@ fn machine() -> serde_json::Value {
 }
 
 pub fn save(env: &Env, opts: &Opts, r: &Results, table: &str) -> Result<PathBuf, String> {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest_dir().join("target"));
-    let dir = target.join("vs-envoy");
+    let dir = target_dir().join("vs-envoy");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)

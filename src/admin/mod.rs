@@ -181,7 +181,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     }
     let (mut static_clusters, mut dynamic_clusters) = (Vec::new(), Vec::new());
     for item in store.clusters.values() {
-        let cluster = render(&pack(item.proto.as_ref()));
+        let cluster = render(&item.proto.to_any());
         if item.is_static {
             static_clusters
                 .push(json!({ "cluster": cluster, "last_updated": stamp(item.last_updated) }));
@@ -201,7 +201,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     }));
     let (mut static_listeners, mut dynamic_listeners) = (Vec::new(), Vec::new());
     for (name, item) in &store.listeners {
-        let listener = render(&pack(item.proto.as_ref()));
+        let listener = render(&item.proto.to_any());
         if item.is_static {
             static_listeners
                 .push(json!({ "listener": listener, "last_updated": stamp(item.last_updated) }));
@@ -235,7 +235,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
         .map(|item| {
             json!({
                 "version_info": &*item.version,
-                "route_config": render(&pack(item.proto.as_ref())),
+                "route_config": render(&item.proto.to_any()),
                 "last_updated": stamp(item.last_updated),
             })
         })
@@ -251,7 +251,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             .map(|item| {
                 json!({
                     "version_info": &*item.version,
-                    "endpoint_config": render(&pack(item.proto.as_ref())),
+                    "endpoint_config": render(&item.proto.to_any()),
                     "last_updated": stamp(item.last_updated),
                 })
             })

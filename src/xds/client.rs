@@ -342,6 +342,7 @@ impl AdsClient {
                 .collect()
         };
         bump(ATTEMPT, &names);
+        let started = std::time::Instant::now();
         let result = self
             .worker
             .store
@@ -352,7 +353,13 @@ impl AdsClient {
         match result {
             Ok(()) => {
                 bump(SUCCESS, &names);
-                tracing::debug!(kind = kind.short(), version = %resp.version_info, "accepted");
+                tracing::debug!(
+                    kind = kind.short(),
+                    version = %resp.version_info,
+                    resources = resp.resources.len(),
+                    apply_us = started.elapsed().as_micros() as u64,
+                    "accepted"
+                );
                 let ack = self.request(kind, false);
                 if kind == Kind::Cluster {
                     // A newer CDS response supersedes an ACK still waiting for endpoints.

@@ -18,17 +18,18 @@ use envoy_types::pb::envoy::config::listener::v3::Listener as ListenerProto;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::google::protobuf::Any;
 
-use super::types::{self, Kind};
+use super::types::{self, Kind, Raw};
 use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
 use crate::snapshot::{ActiveListener, Snapshot, TranslateError};
 
-/// One accepted resource: the proto as received (for `/config_dump`) and its translation.
+/// One accepted resource: the proto as received (encoded, for `/config_dump`) and its
+/// translation.
 #[derive(Debug)]
 pub struct Item<P, T> {
-    pub proto: Arc<P>,
+    pub proto: Raw<P>,
     pub value: Arc<T>,
     pub version: Arc<str>,
     pub last_updated: SystemTime,
@@ -75,7 +76,7 @@ pub struct Store {
 }
 
 /// Translates one resource, reusing the previous translation when the proto is unchanged.
-trait Translate: prost::Message + Default + PartialEq + Sized {
+trait Translate: prost::Message + prost::Name + Default + Sized {
     type Out;
     const URL: &'static str;
     fn name(&self) -> &str;
@@ -147,7 +148,12 @@ fn apply_table<P: Translate>(
     let version: Arc<str> = Arc::from(version);
     let mut seen = BTreeSet::new();
     for (i, any) in resources.iter().enumerate() {
-        let proto: P = match types::decode(any, P::URL) {
+        let decoded = types::payload(any, P::URL).and_then(|bytes| {
+            P::decode(&*bytes)
+                .map(|p| (p, bytes))
+                .map_err(|e| format!("cannot decode {}: {e}", P::URL))
+        });
+        let (proto, bytes) = match decoded {
             Ok(p) => p,
             Err(e) => {
                 errors.push(format!("resource {i}: {e}"));
@@ -178,7 +184,9 @@ fn apply_table<P: Translate>(
                 ));
                 continue;
             }
-            Some(prev) if *prev.proto == proto => {
+            // The same bytes are the same resource; a re-encoding that differs only costs a
+            // translation.
+            Some(prev) if prev.proto.bytes() == &*bytes => {
                 next.insert(name, prev.clone());
                 continue;
             }
@@ -189,7 +197,7 @@ fn apply_table<P: Translate>(
                 next.insert(
                     name,
                     Item {
-                        proto: Arc::new(proto),
+                        proto: Raw::from_bytes(&bytes),
                         value: Arc::new(value),
                         version: version.clone(),
                         last_updated: now,
@@ -546,9 +554,13 @@ fn same_hosts(la: &LoadAssignment, spec: &crate::snapshot::cluster::LoadAssignme
             })
 }
 
-fn static_item<P, T>(proto: P, value: T, now: SystemTime) -> Item<P, T> {
+fn static_item<P: prost::Message + prost::Name + Default, T>(
+    proto: P,
+    value: T,
+    now: SystemTime,
+) -> Item<P, T> {
     Item {
-        proto: Arc::new(proto),
+        proto: Raw::encode(&proto),
         value: Arc::new(value),
         version: Arc::from(""),
         last_updated: now,

@@ -343,7 +343,7 @@ fn accepted_push_records_version_and_item_metadata() {
     let item = &s.listeners["a"];
     assert_eq!(&*item.version, "v7");
     assert!(!item.is_static);
-    assert_eq!(item.proto.name, "a");
+    assert_eq!(item.proto.decode().expect("stored bytes decode").name, "a");
     assert_eq!(item.value.addr.to_string(), "127.0.0.1:1");
     // A rejected push leaves the version alone (the caller keeps the old store).
     let errs = s
