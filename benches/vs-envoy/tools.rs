@@ -661,7 +661,8 @@ fn machine() -> serde_json::Value {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     serde_json::json!({
         "cpu": model,
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        // Online CPUs, not this process's affinity mask (the harness pins itself to one).
+        "cores": cpuinfo.lines().filter(|l| l.starts_with("processor")).count(),
         "kernel": kernel.trim(),
     })
 }
