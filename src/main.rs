@@ -84,13 +84,6 @@ fn log_filter(level: &str) -> anyhow::Result<&'static str> {
 }
 
 fn main() -> ExitCode {
-    // mimalloc commits a whole arena up front by default (6 MB of idle RSS here); committing
-    // on demand keeps an idle gateway small. Option 4 is mi_option_arena_eager_commit (v3),
-    // which the sys crate does not name. Set before the threads that allocate start.
-    // SAFETY: mi_option_set only stores an integer in mimalloc's option table.
-    unsafe {
-        libmimalloc_sys::mi_option_set(4, 0);
-    }
     match real_main() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
