@@ -178,6 +178,18 @@ async fn until_body(
     }
 }
 
+/// The proxy under test, fed by `ads` (the integration tests' bootstrap).
+async fn start_on_ads(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    proxy: Proxy,
+    ads: &AdsServer,
+) -> Result<Running, String> {
+    let admin = common::free_port();
+    let boot = common::bootstrap_yaml(admin, ads.port);
+    Running::start(env, opts, proxy, &boot, admin).await
+}
+
 /// Cases 5 (loaded memory) and 6 (config at scale), over ADS.
 pub async fn scale(
     env: &Arc<Env>,
@@ -190,15 +202,7 @@ pub async fn scale(
     let who = proxy.name();
     let port = common::free_port();
     let ads = AdsServer::start_any("1", &config::scale_snapshot(port, 1, &backend.ports)).await;
-    let admin = common::free_port();
-    let p = Running::start(
-        env,
-        opts,
-        proxy,
-        &common::bootstrap_yaml(admin, ads.port),
-        admin,
-    )
-    .await?;
+    let p = start_on_ads(env, opts, proxy, &ads).await?;
     let client = HttpClient::new();
     until_body(
         &client,
@@ -263,15 +267,7 @@ pub async fn churn(
     let port = common::free_port();
     let ads =
         Arc::new(AdsServer::start_any("0", &config::churn_snapshot(port, 0, &backend.ports)).await);
-    let admin = common::free_port();
-    let _p = Running::start(
-        env,
-        opts,
-        proxy,
-        &common::bootstrap_yaml(admin, ads.port),
-        admin,
-    )
-    .await?;
+    let _p = start_on_ads(env, opts, proxy, &ads).await?;
     let url = format!("http://127.0.0.1:{port}/");
     until_body(&HttpClient::new(), &url, BODY, Duration::from_secs(20)).await?;
 
