@@ -435,20 +435,27 @@ impl Store {
 
     /// Drops route configs and endpoints nothing refers to any more.
     fn collect_garbage(&mut self) {
+        // Only stale names are removed, so the tables keep sharing their nodes with the
+        // previous store (a rebuild copied every entry on every LDS and CDS push).
         let routes = self.wanted_routes();
-        self.routes = self
+        let stale: Vec<String> = self
             .routes
-            .iter()
-            .filter(|(k, _)| routes.contains(*k))
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .keys()
+            .filter(|k| !routes.contains(*k))
+            .cloned()
             .collect();
-        let users = self.eds_users.clone();
-        self.endpoints = self
+        for k in &stale {
+            self.routes.remove(k);
+        }
+        let stale: Vec<String> = self
             .endpoints
-            .iter()
-            .filter(|(k, _)| users.contains_key(*k))
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .keys()
+            .filter(|k| !self.eds_users.contains_key(*k))
+            .cloned()
             .collect();
+        for k in &stale {
+            self.endpoints.remove(k);
+        }
     }
 
     /// Builds the snapshot. Anything unchanged since `prev` is shared, not rebuilt. A cluster
