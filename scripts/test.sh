@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --with-envoy
 envoy_bin=$(scripts/envoy-path.sh)
+# A one-shot build gains nothing from incremental state, which would only take disk space.
+export CARGO_INCREMENTAL=0
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
