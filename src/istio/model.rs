@@ -209,13 +209,80 @@ pub struct ServicePort {
     pub protocol: Option<String>,
 }
 
-/// One object of any kind the control plane reads, with where it came from.
+/// `discovery.k8s.io/v1` EndpointSlice: a service's pod addresses. The service is named by the
+/// `kubernetes.io/service-name` label. Subsets need pod labels: an endpoint either references a
+/// Pod object in the directory (`targetRef`), or carries the labels itself in `labels` (a
+/// Portico extension for files written by hand; not a Kubernetes field). Open question for the
+/// translation: which of the two the bookinfo example uses.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointSlice {
+    #[serde(default)]
+    pub address_type: Option<String>,
+    #[serde(default)]
+    pub endpoints: Vec<SliceEndpoint>,
+    #[serde(default)]
+    pub ports: Vec<SlicePort>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceEndpoint {
+    #[serde(default)]
+    pub addresses: Vec<String>,
+    #[serde(default)]
+    pub conditions: Option<Conditions>,
+    #[serde(default)]
+    pub target_ref: Option<TargetRef>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Conditions {
+    #[serde(default)]
+    pub ready: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TargetRef {
+    #[serde(default)]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlicePort {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub port: u32,
+    #[serde(default)]
+    pub protocol: Option<String>,
+}
+
+/// `v1` Pod: only its labels and IP matter (subset selection).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PodStatus {
+    #[serde(default, rename = "podIP")]
+    pub pod_ip: Option<String>,
+}
+
+/// One object of any kind the control plane reads.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Object {
     Gateway(Metadata, GatewaySpec),
     VirtualService(Metadata, VirtualServiceSpec),
     DestinationRule(Metadata, DestinationRuleSpec),
     Service(Metadata, ServiceSpec),
+    EndpointSlice(Metadata, EndpointSlice),
+    Pod(Metadata, PodStatus),
 }
 
 /// An object that could not be read: file, kind, name and what is wrong.
@@ -248,6 +315,11 @@ struct Envelope {
     metadata: Metadata,
     #[serde(default)]
     spec: serde_yaml::Value,
+    #[serde(default)]
+    status: serde_yaml::Value,
+    /// EndpointSlice keeps its content at the top level, not under `spec`.
+    #[serde(flatten)]
+    rest: BTreeMap<String, serde_yaml::Value>,
 }
 
 const ISTIO_VERSIONS: [&str; 3] = [
@@ -308,6 +380,12 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
             ("Service", _, "v1") => {
                 spec(&env.spec).map(|s| Object::Service(env.metadata.clone(), s))
             }
+            ("EndpointSlice", _, "discovery.k8s.io/v1") => {
+                let top = serde_yaml::to_value(&env.rest).map_err(|e| e.to_string());
+                top.and_then(|v| spec(&v))
+                    .map(|s| Object::EndpointSlice(env.metadata.clone(), s))
+            }
+            ("Pod", _, "v1") => spec(&env.status).map(|s| Object::Pod(env.metadata.clone(), s)),
             (kind, _, version) => Err(format!("unsupported kind {kind} in {version}")),
         };
         match parsed {
@@ -398,6 +476,53 @@ spec:
             dr.subsets[1].labels.get("version").map(String::as_str),
             Some("v2")
         );
+    }
+
+    #[test]
+    fn endpoint_slices_and_pods_are_read() {
+        let text = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: reviews-abc, labels: { kubernetes.io/service-name: reviews } }
+addressType: IPv4
+ports: [{ name: http, port: 9080, protocol: TCP }]
+endpoints:
+- addresses: [10.1.0.7]
+  conditions: { ready: true }
+  targetRef: { kind: Pod, name: reviews-v1-xyz }
+- addresses: [10.1.0.8]
+  labels: { app: reviews, version: v2 }
+---
+apiVersion: v1
+kind: Pod
+metadata: { name: reviews-v1-xyz, labels: { app: reviews, version: v1 } }
+status: { podIP: 10.1.0.7 }
+"#;
+        let (ok, bad) = parse_file("eps.yaml", text);
+        assert!(bad.is_empty(), "{bad:?}");
+        let Object::EndpointSlice(m, es) = &ok[0] else {
+            panic!("{:?}", ok[0]);
+        };
+        assert_eq!(
+            m.labels
+                .get("kubernetes.io/service-name")
+                .map(String::as_str),
+            Some("reviews")
+        );
+        assert_eq!(es.ports[0].port, 9080);
+        assert_eq!(
+            es.endpoints[0].target_ref.as_ref().map(|t| t.name.as_str()),
+            Some("reviews-v1-xyz")
+        );
+        assert_eq!(
+            es.endpoints[1].labels.get("version").map(String::as_str),
+            Some("v2")
+        );
+        let Object::Pod(p, st) = &ok[1] else {
+            panic!("{:?}", ok[1]);
+        };
+        assert_eq!(p.labels.get("version").map(String::as_str), Some("v1"));
+        assert_eq!(st.pod_ip.as_deref(), Some("10.1.0.7"));
     }
 
     #[test]
