@@ -1,0 +1,566 @@
+//! The Istio and Kubernetes objects the file-fed control plane reads (issue 4, work in
+//! progress): only the fields the gateway translation uses, in the objects' own camelCase.
+//! Unknown fields are kept out of the model, not rejected: operators' files carry many fields
+//! a gateway ignores (status, annotations, sidecar-only settings).
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Metadata {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// `networking.istio.io` Gateway.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewaySpec {
+    #[serde(default)]
+    pub selector: BTreeMap<String, String>,
+    #[serde(default)]
+    pub servers: Vec<Server>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Server {
+    pub port: ServerPort,
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub tls: Option<ServerTls>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServerPort {
+    pub number: u32,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub protocol: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServerTls {
+    #[serde(default)]
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub credential_name: Option<String>,
+    #[serde(default)]
+    pub https_redirect: bool,
+}
+
+/// `networking.istio.io` VirtualService (HTTP part; tcp/tls routes are reported, not served).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualServiceSpec {
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    #[serde(default)]
+    pub gateways: Vec<String>,
+    #[serde(default)]
+    pub http: Vec<HttpRoute>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpRoute {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default, rename = "match")]
+    pub matches: Vec<HttpMatch>,
+    #[serde(default)]
+    pub route: Vec<RouteDestination>,
+    #[serde(default)]
+    pub redirect: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub rewrite: Option<Rewrite>,
+    #[serde(default)]
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub retries: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub fault: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub mirror: Option<Destination>,
+    #[serde(default)]
+    pub headers: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub cors_policy: Option<serde_yaml::Value>,
+}
+
+/// Istio's StringMatch: one of exact, prefix, regex (checked when translated).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StringMatch {
+    #[serde(default)]
+    pub exact: Option<String>,
+    #[serde(default)]
+    pub prefix: Option<String>,
+    #[serde(default)]
+    pub regex: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpMatch {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub uri: Option<StringMatch>,
+    #[serde(default)]
+    pub method: Option<StringMatch>,
+    #[serde(default)]
+    pub authority: Option<StringMatch>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, StringMatch>,
+    #[serde(default)]
+    pub query_params: BTreeMap<String, StringMatch>,
+    #[serde(default)]
+    pub ignore_uri_case: bool,
+    #[serde(default)]
+    pub port: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteDestination {
+    pub destination: Destination,
+    #[serde(default)]
+    pub weight: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Destination {
+    pub host: String,
+    #[serde(default)]
+    pub subset: Option<String>,
+    #[serde(default)]
+    pub port: Option<PortSelector>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PortSelector {
+    pub number: u32,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Rewrite {
+    #[serde(default)]
+    pub uri: Option<String>,
+    #[serde(default)]
+    pub authority: Option<String>,
+}
+
+/// `networking.istio.io` DestinationRule.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DestinationRuleSpec {
+    pub host: String,
+    #[serde(default)]
+    pub traffic_policy: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub subsets: Vec<Subset>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Subset {
+    pub name: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub traffic_policy: Option<serde_yaml::Value>,
+}
+
+/// Kubernetes `v1` Service: the registry's names and ports.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceSpec {
+    #[serde(default)]
+    pub ports: Vec<ServicePort>,
+    #[serde(default)]
+    pub selector: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePort {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub port: u32,
+    #[serde(default)]
+    pub target_port: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub protocol: Option<String>,
+}
+
+/// `discovery.k8s.io/v1` EndpointSlice: a service's pod addresses. The service is named by the
+/// `kubernetes.io/service-name` label. Subsets need pod labels: an endpoint either references a
+/// Pod object in the directory (`targetRef`), or carries the labels itself in `labels` (a
+/// Portico extension for files written by hand; not a Kubernetes field). Open question for the
+/// translation: which of the two the bookinfo example uses.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointSlice {
+    #[serde(default)]
+    pub address_type: Option<String>,
+    #[serde(default)]
+    pub endpoints: Vec<SliceEndpoint>,
+    #[serde(default)]
+    pub ports: Vec<SlicePort>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceEndpoint {
+    #[serde(default)]
+    pub addresses: Vec<String>,
+    #[serde(default)]
+    pub conditions: Option<Conditions>,
+    #[serde(default)]
+    pub target_ref: Option<TargetRef>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Conditions {
+    #[serde(default)]
+    pub ready: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TargetRef {
+    #[serde(default)]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlicePort {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub port: u32,
+    #[serde(default)]
+    pub protocol: Option<String>,
+}
+
+/// `v1` Pod: only its labels and IP matter (subset selection).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PodStatus {
+    #[serde(default, rename = "podIP")]
+    pub pod_ip: Option<String>,
+}
+
+/// One object of any kind the control plane reads.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Object {
+    Gateway(Metadata, GatewaySpec),
+    VirtualService(Metadata, VirtualServiceSpec),
+    DestinationRule(Metadata, DestinationRuleSpec),
+    Service(Metadata, ServiceSpec),
+    EndpointSlice(Metadata, EndpointSlice),
+    Pod(Metadata, PodStatus),
+}
+
+/// An object that could not be read: file, kind, name and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    pub file: String,
+    pub kind: String,
+    pub name: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for Invalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} '{}': {}",
+            self.file, self.kind, self.name, self.reason
+        )
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Envelope {
+    #[serde(default)]
+    api_version: String,
+    #[serde(default)]
+    kind: String,
+    #[serde(default)]
+    metadata: Metadata,
+    #[serde(default)]
+    spec: serde_yaml::Value,
+    #[serde(default)]
+    status: serde_yaml::Value,
+    /// EndpointSlice keeps its content at the top level, not under `spec`.
+    #[serde(flatten)]
+    rest: BTreeMap<String, serde_yaml::Value>,
+}
+
+const ISTIO_VERSIONS: [&str; 3] = [
+    "networking.istio.io/v1",
+    "networking.istio.io/v1beta1",
+    "networking.istio.io/v1alpha3",
+];
+
+/// Reads every document of one YAML file. Good objects come back in `ok`; each bad one is
+/// reported and skipped, so one typo does not take the rest of the file down.
+pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
+    let mut ok = Vec::new();
+    let mut bad = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = match serde_yaml::Value::deserialize(doc) {
+            Ok(serde_yaml::Value::Null) => continue,
+            Ok(v) => v,
+            Err(e) => {
+                bad.push(Invalid {
+                    file: file.into(),
+                    kind: "?".into(),
+                    name: format!("document {i}"),
+                    reason: format!("not YAML: {e}"),
+                });
+                // The parser cannot resynchronise after a syntax error.
+                break;
+            }
+        };
+        let env: Envelope = match serde_yaml::from_value(value) {
+            Ok(e) => e,
+            Err(e) => {
+                bad.push(Invalid {
+                    file: file.into(),
+                    kind: "?".into(),
+                    name: format!("document {i}"),
+                    reason: e.to_string(),
+                });
+                continue;
+            }
+        };
+        let invalid = |reason: String| Invalid {
+            file: file.into(),
+            kind: env.kind.clone(),
+            name: env.metadata.name.clone(),
+            reason,
+        };
+        let istio = ISTIO_VERSIONS.contains(&env.api_version.as_str());
+        let parsed = match (env.kind.as_str(), istio, env.api_version.as_str()) {
+            ("Gateway", true, _) => {
+                spec(&env.spec).map(|s| Object::Gateway(env.metadata.clone(), s))
+            }
+            ("VirtualService", true, _) => {
+                spec(&env.spec).map(|s| Object::VirtualService(env.metadata.clone(), s))
+            }
+            ("DestinationRule", true, _) => {
+                spec(&env.spec).map(|s| Object::DestinationRule(env.metadata.clone(), s))
+            }
+            ("Service", _, "v1") => {
+                spec(&env.spec).map(|s| Object::Service(env.metadata.clone(), s))
+            }
+            ("EndpointSlice", _, "discovery.k8s.io/v1") => {
+                let top = serde_yaml::to_value(&env.rest).map_err(|e| e.to_string());
+                top.and_then(|v| spec(&v))
+                    .map(|s| Object::EndpointSlice(env.metadata.clone(), s))
+            }
+            ("Pod", _, "v1") => spec(&env.status).map(|s| Object::Pod(env.metadata.clone(), s)),
+            (kind, _, version) => Err(format!("unsupported kind {kind} in {version}")),
+        };
+        match parsed {
+            Ok(_) if env.metadata.name.is_empty() => {
+                bad.push(invalid("metadata.name is required".into()));
+            }
+            Ok(o) => ok.push(o),
+            Err(e) => bad.push(invalid(e)),
+        }
+    }
+    (ok, bad)
+}
+
+fn spec<T: serde::de::DeserializeOwned>(v: &serde_yaml::Value) -> Result<T, String> {
+    serde_yaml::from_value(v.clone()).map_err(|e| format!("spec: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOOKINFO: &str = r#"
+apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: { name: bookinfo-gateway, namespace: default }
+spec:
+  selector: { istio: ingressgateway }
+  servers:
+  - port: { number: 8080, name: http, protocol: HTTP }
+    hosts: ["*"]
+---
+apiVersion: networking.istio.io/v1beta1
+kind: VirtualService
+metadata: { name: reviews }
+spec:
+  hosts: ["*"]
+  gateways: [bookinfo-gateway]
+  http:
+  - match:
+    - headers: { end-user: { exact: jason } }
+      uri: { prefix: /reviews }
+    route:
+    - destination: { host: reviews, subset: v2, port: { number: 9080 } }
+  - route:
+    - destination: { host: reviews, subset: v1 }
+      weight: 50
+    - destination: { host: reviews, subset: v3 }
+      weight: 50
+---
+apiVersion: networking.istio.io/v1alpha3
+kind: DestinationRule
+metadata: { name: reviews }
+spec:
+  host: reviews
+  subsets:
+  - { name: v1, labels: { version: v1 } }
+  - { name: v2, labels: { version: v2 } }
+---
+apiVersion: v1
+kind: Service
+metadata: { name: reviews, labels: { app: reviews } }
+spec:
+  selector: { app: reviews }
+  ports: [{ name: http, port: 9080 }]
+"#;
+
+    #[test]
+    fn bookinfo_objects_are_read_in_every_api_version() {
+        let (ok, bad) = parse_file("bookinfo.yaml", BOOKINFO);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(ok.len(), 4);
+        let Object::VirtualService(m, vs) = &ok[1] else {
+            panic!("{:?}", ok[1]);
+        };
+        assert_eq!(m.name, "reviews");
+        assert_eq!(
+            vs.http[0].matches[0].headers.get("end-user"),
+            Some(&StringMatch {
+                exact: Some("jason".into()),
+                ..Default::default()
+            })
+        );
+        assert_eq!(vs.http[1].route[1].weight, Some(50));
+        let Object::DestinationRule(_, dr) = &ok[2] else {
+            panic!("{:?}", ok[2]);
+        };
+        assert_eq!(
+            dr.subsets[1].labels.get("version").map(String::as_str),
+            Some("v2")
+        );
+    }
+
+    #[test]
+    fn endpoint_slices_and_pods_are_read() {
+        let text = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: reviews-abc, labels: { kubernetes.io/service-name: reviews } }
+addressType: IPv4
+ports: [{ name: http, port: 9080, protocol: TCP }]
+endpoints:
+- addresses: [10.1.0.7]
+  conditions: { ready: true }
+  targetRef: { kind: Pod, name: reviews-v1-xyz }
+- addresses: [10.1.0.8]
+  labels: { app: reviews, version: v2 }
+---
+apiVersion: v1
+kind: Pod
+metadata: { name: reviews-v1-xyz, labels: { app: reviews, version: v1 } }
+status: { podIP: 10.1.0.7 }
+"#;
+        let (ok, bad) = parse_file("eps.yaml", text);
+        assert!(bad.is_empty(), "{bad:?}");
+        let Object::EndpointSlice(m, es) = &ok[0] else {
+            panic!("{:?}", ok[0]);
+        };
+        assert_eq!(
+            m.labels
+                .get("kubernetes.io/service-name")
+                .map(String::as_str),
+            Some("reviews")
+        );
+        assert_eq!(es.ports[0].port, 9080);
+        assert_eq!(
+            es.endpoints[0].target_ref.as_ref().map(|t| t.name.as_str()),
+            Some("reviews-v1-xyz")
+        );
+        assert_eq!(
+            es.endpoints[1].labels.get("version").map(String::as_str),
+            Some("v2")
+        );
+        let Object::Pod(p, st) = &ok[1] else {
+            panic!("{:?}", ok[1]);
+        };
+        assert_eq!(p.labels.get("version").map(String::as_str), Some("v1"));
+        assert_eq!(st.pod_ip.as_deref(), Some("10.1.0.7"));
+    }
+
+    #[test]
+    fn a_bad_object_is_reported_by_file_kind_and_name_and_the_rest_is_kept() {
+        let text = r#"
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: { name: broken }
+spec:
+  hosts: ["*"]
+  http:
+  - route:
+    - destination: { subset: v1 }
+---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: { name: fine }
+spec: { host: reviews }
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: { name: app }
+"#;
+        let (ok, bad) = parse_file("routes.yaml", text);
+        assert_eq!(ok.len(), 1);
+        assert_eq!(bad.len(), 2, "{bad:?}");
+        assert_eq!(
+            (bad[0].kind.as_str(), bad[0].name.as_str()),
+            ("VirtualService", "broken")
+        );
+        assert!(bad[0].reason.contains("host"), "{}", bad[0]);
+        assert!(bad[0]
+            .to_string()
+            .starts_with("routes.yaml: VirtualService 'broken': "));
+        assert!(
+            bad[1].reason.contains("unsupported kind Deployment"),
+            "{}",
+            bad[1]
+        );
+    }
+}
