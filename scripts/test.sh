@@ -19,7 +19,7 @@ step "release build"
 cargo build --release --quiet
 step "validate gateway-examples with Portico and Envoy"
 portico_bin="${CARGO_TARGET_DIR:-target}/release/portico"
-for f in gateway-examples/*/*.yaml; do
+for f in gateway-examples/bootstraps/*.yaml; do
   "$portico_bin" --mode validate -c "$f" --log-level error
   "$envoy_bin" --mode validate -c "$f" --log-level error >/dev/null
 done

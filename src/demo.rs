@@ -8,7 +8,7 @@ use http_body_util::Full;
 use hyper_util::rt::TokioIo;
 
 /// The static bookinfo bootstrap, with its ports fixed for the demo backends below.
-pub const BOOTSTRAP: &str = include_str!("../gateway-examples/bookinfo/bootstrap-static.yaml");
+pub const BOOTSTRAP: &str = include_str!("../gateway-examples/bootstraps/bookinfo-static.yaml");
 
 /// (name, version, port) of each demo pod, matching the bootstrap's endpoints.
 pub const PODS: [(&str, &str, u16); 5] = [

@@ -24,8 +24,8 @@ fn stderr(o: &Output) -> String {
 
 #[test]
 fn validate_accepts_every_example() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/gateway-examples/bookinfo");
-    for f in ["bootstrap-static.yaml", "bootstrap-ads.yaml"] {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/gateway-examples/bootstraps");
+    for f in ["bookinfo-static.yaml", "bookinfo-ads.yaml"] {
         let path = format!("{dir}/{f}");
         let o = portico(&["--mode", "validate", "-c", &path]);
         assert!(o.status.success(), "{f}: {}", stderr(&o));
@@ -84,7 +84,7 @@ fn bad_flags_exit_non_zero_with_a_message() {
 fn envoy_flags_istio_agent_passes_are_accepted() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/gateway-examples/bookinfo/bootstrap-static.yaml"
+        "/gateway-examples/bootstraps/bookinfo-static.yaml"
     );
     let o = portico(&[
         "--mode",
@@ -128,7 +128,7 @@ fn sigterm_stops_the_gateway_cleanly() {
     let (listener, admin) = (base, base + 1);
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/gateway-examples/bookinfo/bootstrap-static.yaml"
+        "/gateway-examples/bootstraps/bookinfo-static.yaml"
     ))
     .expect("example bootstrap")
     .replace("port_value: 8080", &format!("port_value: {listener}"))
