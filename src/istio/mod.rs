@@ -19,6 +19,14 @@ pub use model::{Invalid, Object};
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Config {
     pub objects: Vec<Object>,
+    /// The file each object came from (same index), for reports; may be shorter.
+    pub files: Vec<String>,
+}
+
+impl Config {
+    pub fn file_of(&self, i: usize) -> &str {
+        self.files.get(i).map(String::as_str).unwrap_or("")
+    }
 }
 
 /// Reads every `*.yaml`, `*.yml` and `*.json` file in `dir` (not recursive, sorted by name).
@@ -43,6 +51,9 @@ pub fn load_dir(dir: &Path) -> std::io::Result<(Config, Vec<Invalid>)> {
         match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let (ok, bad) = model::parse_file(&shown, &text);
+                config
+                    .files
+                    .extend(std::iter::repeat_n(shown.clone(), ok.len()));
                 config.objects.extend(ok);
                 invalid.extend(bad);
             }

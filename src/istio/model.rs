@@ -16,6 +16,9 @@ pub struct Metadata {
     pub namespace: Option<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The object's apiVersion (istiod names configs by it in route metadata).
+    #[serde(skip)]
+    pub api_version: String,
 }
 
 /// `networking.istio.io` Gateway.
@@ -83,21 +86,29 @@ pub struct HttpRoute {
     #[serde(default)]
     pub route: Vec<RouteDestination>,
     #[serde(default)]
-    pub redirect: Option<serde_yaml::Value>,
+    pub redirect: Option<Redirect>,
+    #[serde(default)]
+    pub direct_response: Option<DirectResponse>,
+    #[serde(default)]
+    pub delegate: Option<serde_yaml::Value>,
     #[serde(default)]
     pub rewrite: Option<Rewrite>,
     #[serde(default)]
     pub timeout: Option<String>,
     #[serde(default)]
-    pub retries: Option<serde_yaml::Value>,
+    pub retries: Option<Retries>,
     #[serde(default)]
-    pub fault: Option<serde_yaml::Value>,
+    pub fault: Option<Fault>,
     #[serde(default)]
     pub mirror: Option<Destination>,
     #[serde(default)]
-    pub headers: Option<serde_yaml::Value>,
+    pub mirror_percentage: Option<Percent>,
     #[serde(default)]
-    pub cors_policy: Option<serde_yaml::Value>,
+    pub mirrors: Vec<Mirror>,
+    #[serde(default)]
+    pub headers: Option<Headers>,
+    #[serde(default)]
+    pub cors_policy: Option<CorsPolicy>,
 }
 
 /// Istio's StringMatch: one of exact, prefix, regex (checked when translated).
@@ -128,7 +139,14 @@ pub struct HttpMatch {
     #[serde(default)]
     pub query_params: BTreeMap<String, StringMatch>,
     #[serde(default)]
+    pub without_headers: BTreeMap<String, StringMatch>,
+    #[serde(default)]
+    pub scheme: Option<StringMatch>,
+    #[serde(default)]
     pub ignore_uri_case: bool,
+    /// Restricts this match to these gateways (overrides the VirtualService's list).
+    #[serde(default)]
+    pub gateways: Vec<String>,
     #[serde(default)]
     pub port: Option<u32>,
 }
@@ -139,6 +157,8 @@ pub struct RouteDestination {
     pub destination: Destination,
     #[serde(default)]
     pub weight: Option<u32>,
+    #[serde(default)]
+    pub headers: Option<Headers>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
@@ -164,6 +184,8 @@ pub struct Rewrite {
     pub uri: Option<String>,
     #[serde(default)]
     pub authority: Option<String>,
+    #[serde(default)]
+    pub uri_regex_rewrite: Option<RegexRewrite>,
 }
 
 /// `networking.istio.io` DestinationRule.
@@ -172,7 +194,7 @@ pub struct Rewrite {
 pub struct DestinationRuleSpec {
     pub host: String,
     #[serde(default)]
-    pub traffic_policy: Option<serde_yaml::Value>,
+    pub traffic_policy: Option<TrafficPolicy>,
     #[serde(default)]
     pub subsets: Vec<Subset>,
 }
@@ -184,7 +206,7 @@ pub struct Subset {
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     #[serde(default)]
-    pub traffic_policy: Option<serde_yaml::Value>,
+    pub traffic_policy: Option<TrafficPolicy>,
 }
 
 /// Kubernetes `v1` Service: the registry's names and ports.
@@ -274,8 +296,365 @@ pub struct PodStatus {
     pub pod_ip: Option<String>,
 }
 
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Redirect {
+    #[serde(default)]
+    pub uri: Option<String>,
+    #[serde(default)]
+    pub authority: Option<String>,
+    #[serde(default)]
+    pub port: Option<u32>,
+    #[serde(default)]
+    pub derive_port: Option<String>,
+    #[serde(default)]
+    pub scheme: Option<String>,
+    #[serde(default)]
+    pub redirect_code: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DirectResponse {
+    pub status: u32,
+    #[serde(default)]
+    pub body: Option<DirectBody>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DirectBody {
+    #[serde(default)]
+    pub string: Option<String>,
+    /// Base64, as in the CRD.
+    #[serde(default)]
+    pub bytes: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RegexRewrite {
+    #[serde(rename = "match")]
+    pub pattern: String,
+    #[serde(default)]
+    pub rewrite: String,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Retries {
+    #[serde(default)]
+    pub attempts: Option<i64>,
+    #[serde(default)]
+    pub per_try_timeout: Option<String>,
+    #[serde(default)]
+    pub retry_on: Option<String>,
+    #[serde(default)]
+    pub retry_remote_localities: Option<bool>,
+}
+
+/// Istio's `Percent` (a double, 0-100).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Percent {
+    #[serde(default)]
+    pub value: f64,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Fault {
+    #[serde(default)]
+    pub delay: Option<FaultDelay>,
+    #[serde(default)]
+    pub abort: Option<FaultAbort>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FaultDelay {
+    #[serde(default)]
+    pub fixed_delay: Option<String>,
+    #[serde(default)]
+    pub percentage: Option<Percent>,
+    /// Deprecated integer percent, still honoured by istiod.
+    #[serde(default)]
+    pub percent: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FaultAbort {
+    #[serde(default)]
+    pub http_status: Option<u32>,
+    #[serde(default)]
+    pub grpc_status: Option<String>,
+    #[serde(default)]
+    pub percentage: Option<Percent>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Mirror {
+    pub destination: Destination,
+    #[serde(default)]
+    pub percentage: Option<Percent>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Headers {
+    #[serde(default)]
+    pub request: Option<HeaderOps>,
+    #[serde(default)]
+    pub response: Option<HeaderOps>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HeaderOps {
+    #[serde(default)]
+    pub set: BTreeMap<String, String>,
+    #[serde(default)]
+    pub add: BTreeMap<String, String>,
+    #[serde(default)]
+    pub remove: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CorsPolicy {
+    #[serde(default)]
+    pub allow_origins: Vec<StringMatch>,
+    /// Deprecated exact-origin list.
+    #[serde(default)]
+    pub allow_origin: Vec<String>,
+    #[serde(default)]
+    pub allow_methods: Vec<String>,
+    #[serde(default)]
+    pub allow_headers: Vec<String>,
+    #[serde(default)]
+    pub expose_headers: Vec<String>,
+    #[serde(default)]
+    pub max_age: Option<String>,
+    #[serde(default)]
+    pub allow_credentials: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TrafficPolicy {
+    #[serde(default)]
+    pub load_balancer: Option<LoadBalancer>,
+    #[serde(default)]
+    pub connection_pool: Option<ConnectionPool>,
+    #[serde(default)]
+    pub outlier_detection: Option<OutlierDetection>,
+    #[serde(default)]
+    pub tls: Option<serde_yaml::Value>,
+    #[serde(default)]
+    pub port_level_settings: Vec<PortTrafficPolicy>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PortTrafficPolicy {
+    #[serde(default)]
+    pub port: Option<PortSelector>,
+    #[serde(default)]
+    pub load_balancer: Option<LoadBalancer>,
+    #[serde(default)]
+    pub connection_pool: Option<ConnectionPool>,
+    #[serde(default)]
+    pub outlier_detection: Option<OutlierDetection>,
+    #[serde(default)]
+    pub tls: Option<serde_yaml::Value>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadBalancer {
+    #[serde(default)]
+    pub simple: Option<String>,
+    #[serde(default)]
+    pub consistent_hash: Option<ConsistentHash>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsistentHash {
+    #[serde(default)]
+    pub http_header_name: Option<String>,
+    #[serde(default)]
+    pub http_cookie: Option<HttpCookie>,
+    #[serde(default)]
+    pub use_source_ip: Option<bool>,
+    #[serde(default)]
+    pub http_query_parameter_name: Option<String>,
+    #[serde(default)]
+    pub ring_hash: Option<RingHash>,
+    #[serde(default)]
+    pub maglev: Option<Maglev>,
+    /// Deprecated: ring hash with this minimum size.
+    #[serde(default)]
+    pub minimum_ring_size: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpCookie {
+    pub name: String,
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub ttl: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RingHash {
+    #[serde(default)]
+    pub minimum_ring_size: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Maglev {
+    #[serde(default)]
+    pub table_size: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectionPool {
+    #[serde(default)]
+    pub tcp: Option<TcpSettings>,
+    #[serde(default)]
+    pub http: Option<HttpSettings>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TcpSettings {
+    #[serde(default)]
+    pub max_connections: Option<u32>,
+    #[serde(default)]
+    pub connect_timeout: Option<String>,
+    #[serde(default)]
+    pub tcp_keepalive: Option<TcpKeepalive>,
+    #[serde(default)]
+    pub max_connection_duration: Option<String>,
+    #[serde(default)]
+    pub idle_timeout: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TcpKeepalive {
+    #[serde(default)]
+    pub probes: Option<u32>,
+    #[serde(default)]
+    pub time: Option<String>,
+    #[serde(default)]
+    pub interval: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpSettings {
+    #[serde(default)]
+    pub http1_max_pending_requests: Option<u32>,
+    #[serde(default)]
+    pub http2_max_requests: Option<u32>,
+    #[serde(default)]
+    pub max_requests_per_connection: Option<u32>,
+    #[serde(default)]
+    pub max_retries: Option<u32>,
+    #[serde(default)]
+    pub idle_timeout: Option<String>,
+    #[serde(default)]
+    pub h2_upgrade_policy: Option<String>,
+    #[serde(default)]
+    pub max_concurrent_streams: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct OutlierDetection {
+    /// Deprecated alias of consecutive5xxErrors (as gateway errors in old Istio).
+    #[serde(default)]
+    pub consecutive_errors: Option<u32>,
+    #[serde(default)]
+    pub consecutive_5xx_errors: Option<u32>,
+    #[serde(default)]
+    pub consecutive_gateway_errors: Option<u32>,
+    #[serde(default)]
+    pub interval: Option<String>,
+    #[serde(default)]
+    pub base_ejection_time: Option<String>,
+    #[serde(default)]
+    pub max_ejection_percent: Option<u32>,
+    #[serde(default)]
+    pub min_health_percent: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceEntrySpec {
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    #[serde(default)]
+    pub ports: Vec<ServiceEntryPort>,
+    #[serde(default)]
+    pub location: Option<String>,
+    #[serde(default)]
+    pub resolution: Option<String>,
+    #[serde(default)]
+    pub endpoints: Vec<WorkloadEntrySpec>,
+    #[serde(default)]
+    pub workload_selector: Option<WorkloadSelector>,
+    #[serde(default)]
+    pub export_to: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceEntryPort {
+    pub number: u32,
+    #[serde(default)]
+    pub protocol: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub target_port: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadSelector {
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadEntrySpec {
+    #[serde(default)]
+    pub address: String,
+    #[serde(default)]
+    pub ports: BTreeMap<String, u32>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub weight: Option<u32>,
+    #[serde(default)]
+    pub locality: Option<String>,
+}
+
 /// One object of any kind the control plane reads.
 #[derive(Debug, Clone, PartialEq)]
+// A config directory holds tens to thousands of objects, read once per change: boxing the
+// larger specs would buy nothing measurable.
+#[allow(clippy::large_enum_variant)]
 pub enum Object {
     Gateway(Metadata, GatewaySpec),
     VirtualService(Metadata, VirtualServiceSpec),
@@ -283,6 +662,36 @@ pub enum Object {
     Service(Metadata, ServiceSpec),
     EndpointSlice(Metadata, EndpointSlice),
     Pod(Metadata, PodStatus),
+    ServiceEntry(Metadata, ServiceEntrySpec),
+    WorkloadEntry(Metadata, WorkloadEntrySpec),
+}
+
+impl Object {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Object::Gateway(..) => "Gateway",
+            Object::VirtualService(..) => "VirtualService",
+            Object::DestinationRule(..) => "DestinationRule",
+            Object::Service(..) => "Service",
+            Object::EndpointSlice(..) => "EndpointSlice",
+            Object::Pod(..) => "Pod",
+            Object::ServiceEntry(..) => "ServiceEntry",
+            Object::WorkloadEntry(..) => "WorkloadEntry",
+        }
+    }
+
+    pub fn metadata(&self) -> &Metadata {
+        match self {
+            Object::Gateway(m, _)
+            | Object::VirtualService(m, _)
+            | Object::DestinationRule(m, _)
+            | Object::Service(m, _)
+            | Object::EndpointSlice(m, _)
+            | Object::Pod(m, _)
+            | Object::ServiceEntry(m, _)
+            | Object::WorkloadEntry(m, _) => m,
+        }
+    }
 }
 
 /// An object that could not be read: file, kind, name and what is wrong.
@@ -360,10 +769,16 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
                 continue;
             }
         };
+        let mut env = env;
+        env.metadata.api_version = env.api_version.clone();
         let invalid = |reason: String| Invalid {
             file: file.into(),
             kind: env.kind.clone(),
-            name: env.metadata.name.clone(),
+            name: format!(
+                "{}/{}",
+                env.metadata.namespace.as_deref().unwrap_or("default"),
+                env.metadata.name
+            ),
             reason,
         };
         let istio = ISTIO_VERSIONS.contains(&env.api_version.as_str());
@@ -376,6 +791,12 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
             }
             ("DestinationRule", true, _) => {
                 spec(&env.spec).map(|s| Object::DestinationRule(env.metadata.clone(), s))
+            }
+            ("ServiceEntry", true, _) => {
+                spec(&env.spec).map(|s| Object::ServiceEntry(env.metadata.clone(), s))
+            }
+            ("WorkloadEntry", true, _) => {
+                spec(&env.spec).map(|s| Object::WorkloadEntry(env.metadata.clone(), s))
             }
             ("Service", _, "v1") => {
                 spec(&env.spec).map(|s| Object::Service(env.metadata.clone(), s))
@@ -399,8 +820,17 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
     (ok, bad)
 }
 
+/// Deserialises one object's body, naming the field that is wrong (`spec.http[0].route: ...`).
 fn spec<T: serde::de::DeserializeOwned>(v: &serde_yaml::Value) -> Result<T, String> {
-    serde_yaml::from_value(v.clone()).map_err(|e| format!("spec: {e}"))
+    serde_path_to_error::deserialize(v.clone()).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            format!("spec: {inner}")
+        } else {
+            format!("spec.{path}: {inner}")
+        }
+    })
 }
 
 #[cfg(test)]
@@ -551,12 +981,12 @@ metadata: { name: app }
         assert_eq!(bad.len(), 2, "{bad:?}");
         assert_eq!(
             (bad[0].kind.as_str(), bad[0].name.as_str()),
-            ("VirtualService", "broken")
+            ("VirtualService", "default/broken")
         );
         assert!(bad[0].reason.contains("host"), "{}", bad[0]);
         assert!(bad[0]
             .to_string()
-            .starts_with("routes.yaml: VirtualService 'broken': "));
+            .starts_with("routes.yaml: VirtualService 'default/broken': "));
         assert!(
             bad[1].reason.contains("unsupported kind Deployment"),
             "{}",

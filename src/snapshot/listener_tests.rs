@@ -639,3 +639,23 @@ fn first_error_wins_in_listener_order() {
     let e = ListenerDef::translate(&l).unwrap_err().to_string();
     assert!(e.contains("address"), "{e}");
 }
+
+#[test]
+fn istiods_empty_fault_and_cors_filters_are_accepted_but_listener_level_faults_are_not() {
+    let fault = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault";
+    let cors = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors";
+    let mut h = base_hcm();
+    h.http_filters = vec![
+        typed_filter("envoy.filters.http.fault", fault),
+        typed_filter("envoy.filters.http.cors", cors),
+        router(),
+    ];
+    ok(&listener_with(&h));
+    let mut with_abort = typed_filter("envoy.filters.http.fault", fault);
+    if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
+        // HTTPFault { abort: { http_status: 503 } }: field 2, message with field 2 = 503.
+        a.value = vec![0x12, 0x03, 0x10, 0xf7, 0x03];
+    }
+    h.http_filters = vec![with_abort, router()];
+    hcm_rejected(h, "listener-level fault injection is not supported yet");
+}
