@@ -1884,7 +1884,7 @@ fn cors(c: &CorsPolicy, at: &str) -> Result<Json, String> {
     let mut o = Map::new();
     o.insert(
         "@type".into(),
-        json!("type.googleapis.com/envoy.config.route.v3.CorsPolicy"),
+        json!("type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy"),
     );
     let mut origins = Vec::new();
     for o in &c.allow_origin {
