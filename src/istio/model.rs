@@ -16,6 +16,9 @@ pub struct Metadata {
     pub namespace: Option<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// RFC 3339, as Kubernetes writes it; istiod orders VirtualServices by it.
+    #[serde(default)]
+    pub creation_timestamp: Option<String>,
     /// The object's apiVersion (istiod names configs by it in route metadata).
     #[serde(skip)]
     pub api_version: String,
@@ -74,6 +77,11 @@ pub struct VirtualServiceSpec {
     pub gateways: Vec<String>,
     #[serde(default)]
     pub http: Vec<HttpRoute>,
+    /// TCP and TLS routes: read so that they can be reported, not served yet.
+    #[serde(default)]
+    pub tcp: Vec<serde_yaml::Value>,
+    #[serde(default)]
+    pub tls: Vec<serde_yaml::Value>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]

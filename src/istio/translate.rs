@@ -1104,8 +1104,34 @@ impl Ctx<'_> {
                 _ => None,
             })
             .collect();
-        // istiod orders VirtualServices by creation time, then namespace and name.
-        vss.sort_by(|a, b| (ns(a.0), &a.0.name).cmp(&(ns(b.0), &b.0.name)));
+        // istiod's order: creation time, then name, then namespace. Timestamps in the one
+        // format Kubernetes writes (RFC 3339, UTC, seconds) sort as strings; none sorts first.
+        vss.sort_by(|a, b| {
+            let key = |m: &Metadata| {
+                (
+                    m.creation_timestamp.clone(),
+                    m.name.clone(),
+                    ns(m).to_string(),
+                )
+            };
+            key(a.0).cmp(&key(b.0))
+        });
+        for (m, vs) in &vss {
+            if vs.hosts.is_empty() {
+                self.bad.push(invalid(
+                    "VirtualService",
+                    m,
+                    "spec.hosts: at least one host is required".into(),
+                ));
+            }
+            if !vs.tcp.is_empty() || !vs.tls.is_empty() {
+                self.bad.push(invalid(
+                    "VirtualService",
+                    m,
+                    "spec.tcp/spec.tls: TCP and TLS routes are not served yet (they come with the edge work); the http routes are".into(),
+                ));
+            }
+        }
         for (port, servers) in &by_port {
             let route_name = format!("http.{port}");
             let listener_name = format!("0.0.0.0_{port}");
@@ -1185,7 +1211,13 @@ impl Ctx<'_> {
                     continue;
                 }
                 let mut domains: Vec<String> = Vec::new();
-                for h in &vs.hosts {
+                // istiod resolves short VirtualService hosts in the VirtualService's namespace.
+                let vs_hosts: Vec<String> = vs
+                    .hosts
+                    .iter()
+                    .map(|h| fqdn(h, vs_ns, self.options))
+                    .collect();
+                for h in &vs_hosts {
                     for (filter, sh) in &server.hosts {
                         if filter != "*" && filter != vs_ns {
                             continue;

@@ -69,3 +69,232 @@ fn bookinfo_translates_and_portico_accepts_it() {
     assert_eq!(clusters, want);
     accepted_by_portico(&xds);
 }
+
+fn config(yaml: &str) -> Config {
+    let (objects, bad) = crate::istio::model::parse_file("test.yaml", yaml);
+    assert!(bad.is_empty(), "{bad:?}");
+    let files = vec!["test.yaml".to_string(); objects.len()];
+    Config { objects, files }
+}
+
+const GATEWAY: &str = r#"
+apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: { name: gw, namespace: default }
+spec:
+  selector: { istio: ingressgateway }
+  servers:
+  - port: { number: 8080, name: http, protocol: HTTP }
+    hosts: ["*"]
+---
+apiVersion: v1
+kind: Service
+metadata: { name: web, namespace: default }
+spec:
+  selector: { app: web }
+  ports: [{ name: http, port: 80 }]
+"#;
+
+fn routes(out: &XdsJson) -> Vec<Json> {
+    out.routes["http.8080"]["virtual_hosts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|v| v["routes"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+#[test]
+fn a_gateway_whose_selector_misses_the_node_yields_nothing_to_listen_on() {
+    let mut node = gateway_node();
+    node.labels = [("istio".to_string(), "egressgateway".to_string())].into();
+    let (out, bad) = translate_json(&config(GATEWAY), &node, &Options::default());
+    assert!(bad.is_empty(), "{bad:?}");
+    assert!(out.listeners.is_empty() && out.routes.is_empty());
+    // Clusters are the registry's, whichever gateway asks.
+    assert!(out
+        .clusters
+        .contains_key("outbound|80||web.default.svc.cluster.local"));
+}
+
+#[test]
+fn a_server_with_no_virtual_service_answers_404_like_istiod() {
+    let (out, _) = translate_json(&config(GATEWAY), &gateway_node(), &Options::default());
+    let r = routes(&out);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0]["direct_response"]["status"], 404);
+    assert_eq!(
+        out.routes["http.8080"]["virtual_hosts"][0]["name"],
+        "blackhole:8080"
+    );
+}
+
+#[test]
+fn virtual_services_merge_per_host_in_creation_then_name_then_namespace_order() {
+    let vs = |name: &str, ns: &str, ts: &str, prefix: &str| {
+        format!(
+            r#"---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{ name: {name}, namespace: {ns}{ts} }}
+spec:
+  hosts: ["*"]
+  gateways: [default/gw]
+  http:
+  - match: [{{ uri: {{ prefix: {prefix} }} }}]
+    route: [{{ destination: {{ host: web.default.svc.cluster.local }} }}]
+"#
+        )
+    };
+    let yaml = [
+        GATEWAY.to_string(),
+        vs("b", "default", "", "/b-default"),
+        vs("a", "zzz", "", "/a-zzz"),
+        vs("a", "default", "", "/a-default"),
+        vs(
+            "c",
+            "default",
+            ", creationTimestamp: \"2020-01-01T00:00:00Z\"",
+            "/c-old",
+        ),
+        vs(
+            "d",
+            "default",
+            ", creationTimestamp: \"2019-01-01T00:00:00Z\"",
+            "/d-older",
+        ),
+    ]
+    .concat();
+    let (out, bad) = translate_json(&config(&yaml), &gateway_node(), &Options::default());
+    assert!(bad.is_empty(), "{bad:?}");
+    let prefixes: Vec<String> = routes(&out)
+        .iter()
+        .map(|r| r["match"]["prefix"].as_str().unwrap_or("").to_string())
+        .collect();
+    // No timestamp sorts first (as Go's zero time), then by name, then namespace.
+    assert_eq!(
+        prefixes,
+        ["/a-default", "/a-zzz", "/b-default", "/d-older", "/c-old"]
+    );
+}
+
+#[test]
+fn destinations_resolve_short_names_ports_and_drop_zero_weights() {
+    let yaml = format!(
+        r#"{GATEWAY}---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{ name: v, namespace: default }}
+spec:
+  hosts: ["*"]
+  gateways: [gw]
+  http:
+  - match: [{{ uri: {{ prefix: /split }} }}]
+    route:
+    - {{ destination: {{ host: web }}, weight: 100 }}
+    - {{ destination: {{ host: web, subset: canary }}, weight: 0 }}
+  - match: [{{ uri: {{ prefix: /other }}, port: 9999 }}]
+    route: [{{ destination: {{ host: web }} }}]
+  - retries: {{ attempts: 0 }}
+    route: [{{ destination: {{ host: unknown }} }}]
+"#
+    );
+    let (out, bad) = translate_json(&config(&yaml), &gateway_node(), &Options::default());
+    assert!(bad.is_empty(), "{bad:?}");
+    let r = routes(&out);
+    assert_eq!(
+        r.len(),
+        2,
+        "the port-9999 match does not apply on 8080: {r:?}"
+    );
+    // One destination left after dropping weight 0: a plain cluster, as istiod renders it.
+    assert_eq!(
+        r[0]["route"]["cluster"],
+        "outbound|80||web.default.svc.cluster.local"
+    );
+    // An unknown service without a port: the server's port, as istiod falls back to.
+    assert_eq!(
+        r[1]["route"]["cluster"],
+        "outbound|8080||unknown.default.svc.cluster.local"
+    );
+    assert!(r[1]["route"].get("retry_policy").is_none());
+    assert_eq!(r[0]["route"]["retry_policy"]["num_retries"], 2);
+}
+
+#[test]
+fn subsets_hold_only_ready_endpoints_with_their_labels() {
+    let yaml = format!(
+        r#"{GATEWAY}---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {{ name: web, namespace: default }}
+spec:
+  host: web
+  subsets:
+  - {{ name: v1, labels: {{ version: v1 }} }}
+  - {{ name: v2, labels: {{ version: v2 }} }}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{ name: web-1, namespace: default, labels: {{ kubernetes.io/service-name: web }} }}
+ports: [{{ name: http, port: 8080 }}]
+endpoints:
+- {{ addresses: [10.0.0.1], labels: {{ version: v1 }} }}
+- {{ addresses: [10.0.0.2], labels: {{ version: v2 }} }}
+- {{ addresses: [10.0.0.3], labels: {{ version: v2 }}, conditions: {{ ready: false }} }}
+"#
+    );
+    let (out, bad) = translate_json(&config(&yaml), &gateway_node(), &Options::default());
+    assert!(bad.is_empty(), "{bad:?}");
+    let addrs = |c: &str| -> Vec<String> {
+        out.endpoints[c]["endpoints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|l| l["lb_endpoints"].as_array().cloned().unwrap_or_default())
+            .map(|e| {
+                let a = &e["endpoint"]["address"]["socket_address"];
+                format!(
+                    "{}:{}",
+                    a["address"].as_str().unwrap_or(""),
+                    a["port_value"]
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        addrs("outbound|80||web.default.svc.cluster.local"),
+        ["10.0.0.1:8080", "10.0.0.2:8080"]
+    );
+    assert_eq!(
+        addrs("outbound|80|v1|web.default.svc.cluster.local"),
+        ["10.0.0.1:8080"]
+    );
+    assert_eq!(
+        addrs("outbound|80|v2|web.default.svc.cluster.local"),
+        ["10.0.0.2:8080"]
+    );
+}
+
+#[test]
+fn gateway_ports_map_through_the_gateway_service_to_the_pod_port() {
+    let yaml = GATEWAY.replace("number: 8080", "number: 80").to_string()
+        + r#"---
+apiVersion: v1
+kind: Service
+metadata: { name: ingress, namespace: istio-system }
+spec:
+  selector: { istio: ingressgateway }
+  ports: [{ name: http2, port: 80, targetPort: 8080 }]
+"#;
+    let (out, _) = translate_json(&config(&yaml), &gateway_node(), &Options::default());
+    assert_eq!(out.listeners.keys().collect::<Vec<_>>(), ["0.0.0.0_8080"]);
+    assert_eq!(
+        out.listeners["0.0.0.0_8080"]["address"]["socket_address"]["port_value"],
+        8080
+    );
+    assert_eq!(
+        out.routes["http.8080"]["virtual_hosts"][0]["name"],
+        "blackhole:80"
+    );
+}
