@@ -141,6 +141,15 @@ fn invalid(kind: &str, m: &Metadata, reason: String) -> Invalid {
     }
 }
 
+/// istiod names a Deployment's pods by the Deployment: the pod name up to its ReplicaSet's
+/// `pod-template-hash` (`reviews-v3-7d99fd7978-x4k2p` -> `reviews-v3`); other pods by name.
+fn workload_name(pod: &str, labels: &BTreeMap<String, String>) -> String {
+    labels
+        .get("pod-template-hash")
+        .and_then(|h| pod.find(&format!("-{h}-")).map(|i| pod[..i].to_string()))
+        .unwrap_or_else(|| pod.to_string())
+}
+
 fn build_registry(config: &Config, options: &Options, bad: &mut Vec<Invalid>) -> Registry {
     let mut reg = Registry::default();
     let pods: BTreeMap<(String, String), &Metadata> = config
@@ -195,7 +204,7 @@ fn build_registry(config: &Config, options: &Options, bad: &mut Vec<Invalid>) ->
                     let workload = e
                         .target_ref
                         .as_ref()
-                        .map(|t| t.name.clone())
+                        .map(|t| workload_name(&t.name, &labels))
                         .unwrap_or_default();
                     for a in &e.addresses {
                         eps.push(Endpoint {
@@ -227,7 +236,7 @@ fn build_registry(config: &Config, options: &Options, bad: &mut Vec<Invalid>) ->
                                             address: ip.clone(),
                                             port: target,
                                             labels: pm.labels.clone(),
-                                            workload: pm.name.clone(),
+                                            workload: workload_name(&pm.name, &pm.labels),
                                             namespace: namespace.clone(),
                                             weight: 1,
                                             locality: String::new(),
