@@ -227,7 +227,7 @@ async fn traffic_follows_edits_of_the_config_dir() {
     wait_backend(&url, "reviews-v1").await;
     let log = cp.log();
     assert!(
-        log.contains("broken.yaml") && log.contains("VirtualService 'broken'"),
+        log.contains("broken.yaml: VirtualService '") && log.contains("broken': "),
         "the invalid object is logged by file, kind and name:\n{log}"
     );
 
@@ -293,8 +293,9 @@ fn check_reports_invalid_objects_and_sets_the_exit_code() {
     );
     let err = text(&bad.stderr);
     assert!(err.contains("broken.yaml"), "names the file: {err}");
+    // The name may carry its namespace ('default/broken').
     assert!(
-        err.contains("VirtualService 'broken'"),
+        err.contains("broken.yaml: VirtualService '") && err.contains("broken': "),
         "names kind and name: {err}"
     );
     assert!(

@@ -122,6 +122,20 @@ impl Generation {
     }
 }
 
+/// [`Generation::xds_for`] off the async workers: a translation can take a while (seconds
+/// for a large config in a debug build) and must not stall the other streams meanwhile.
+async fn translated(generation: &Arc<Generation>, node: &NodeInfo) -> Result<Arc<Xds>, End> {
+    let (generation, node) = (generation.clone(), node.clone());
+    tokio::task::spawn_blocking(move || generation.xds_for(&node))
+        .await
+        .map_err(|e| {
+            // Ending the stream keeps the gateway on its last good config; an empty answer
+            // would take its routes away.
+            tracing::error!("translation failed: {e}");
+            End::Error(tonic::Status::internal(format!("translation failed: {e}")))
+        })
+}
+
 /// `k=v,k=v`, for logs.
 pub fn labels_text(labels: &BTreeMap<String, String>) -> String {
     labels
@@ -415,7 +429,7 @@ impl AdsStream {
                 ..info.clone()
             });
             let generation = self.generation.borrow_and_update().clone();
-            self.xds = generation.xds_for(&info);
+            self.xds = translated(&generation, &info).await?;
             self.version = generation.version.clone();
             self.node = Some(info);
         }
@@ -481,7 +495,7 @@ impl AdsStream {
         let Some(node) = &self.node else {
             return Ok(());
         };
-        self.xds = generation.xds_for(node);
+        self.xds = translated(&generation, node).await?;
         self.version = generation.version.clone();
         for type_url in PUSH_ORDER {
             let Some(sub) = self.subs.get(type_url) else {

@@ -84,20 +84,37 @@ impl DirWatch {
 
     /// Polls until the control plane stops, publishing every config that differs from the
     /// one served.
-    pub async fn run(mut self, cp: ControlPlane) {
+    pub async fn run(self, cp: ControlPlane) {
         tokio::select! {
             () = self.poll(&cp) => {}
             () = cp.stopped() => {}
         }
     }
 
-    async fn poll(&mut self, cp: &ControlPlane) {
+    async fn poll(mut self, cp: &ControlPlane) {
         loop {
             tokio::time::sleep(POLL).await;
             if !self.settle().await {
                 continue;
             }
-            match self.reload(&cp.nodes()) {
+            let nodes = cp.nodes();
+            // Reading and translating are blocking work; the streams keep being served.
+            let reloaded = tokio::task::spawn_blocking(move || {
+                let result = self.reload(&nodes);
+                (self, result)
+            })
+            .await;
+            let result = match reloaded {
+                Ok((back, result)) => {
+                    self = back;
+                    result
+                }
+                Err(e) => {
+                    tracing::error!("config reload failed, no more reloads: {e}");
+                    return;
+                }
+            };
+            match result {
                 Ok(Some(generation)) => cp.publish(generation),
                 Ok(None) => {}
                 Err(e) => tracing::warn!(
