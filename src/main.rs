@@ -1,6 +1,7 @@
 //! `portico`: Envoy-compatible command line.
 
-use std::path::PathBuf;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -63,12 +64,131 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the built-in bookinfo demo: demo backends plus a gateway routing to them.
+    /// Run the bookinfo demo in one process: demo pods, the control plane serving
+    /// gateway-examples/bookinfo/ over ADS, and a gateway configured by it. The gateway's
+    /// listener port comes from the Gateway object (8080 in the example).
     Demo {
-        /// Port of the demo gateway listener.
-        #[arg(long, default_value_t = 8080)]
-        port: u16,
+        /// The Istio config to serve (default: gateway-examples/bookinfo).
+        #[arg(long, value_name = "DIR")]
+        config_dir: Option<PathBuf>,
+        /// Loopback port of the control plane's ADS server.
+        #[arg(long, default_value_t = 15010)]
+        xds_port: u16,
     },
+    /// Serve the Istio config (Gateway, VirtualService, DestinationRule, Service,
+    /// EndpointSlice YAML) in a directory over ADS, as istiod serves an ingress gateway.
+    /// Files are watched: an edit is pushed to connected gateways.
+    ControlPlane {
+        /// Directory of *.yaml, *.yml and *.json files (not recursive).
+        #[arg(long, value_name = "DIR")]
+        config_dir: PathBuf,
+        /// Address of the ADS gRPC server (istiod's plaintext xDS port is 15010).
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:15010")]
+        listen: SocketAddr,
+        /// Address the gateway listeners bind.
+        #[arg(long, value_name = "IP", default_value = "0.0.0.0")]
+        bind_address: IpAddr,
+        /// Translate once and report instead of serving: every invalid object, the resources
+        /// per type, a summary; exits 1 if any object is invalid.
+        #[arg(long)]
+        check: bool,
+        /// A label of the gateway --check translates for (repeatable).
+        #[arg(long = "gateway-label", value_name = "KEY=VALUE", value_parser = parse_label,
+              default_value = "istio=ingressgateway")]
+        gateway_labels: Vec<(String, String)>,
+    },
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("'{s}' is not KEY=VALUE")),
+    }
+}
+
+/// `portico control-plane`.
+fn control_plane(
+    dir: PathBuf,
+    listen: SocketAddr,
+    bind_address: IpAddr,
+    check: bool,
+    labels: Vec<(String, String)>,
+) -> anyhow::Result<()> {
+    std::fs::read_dir(&dir)
+        .with_context(|| format!("--config-dir {}: cannot read the directory", dir.display()))?;
+    let options = portico::istio::Options {
+        bind_address: bind_address.to_string(),
+        ..Default::default()
+    };
+    if check {
+        return check_config(&dir, &options, labels);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    // The signal handlers need the runtime: installed inside it.
+    rt.block_on(async {
+        let stop = portico::server::shutdown_signal();
+        portico::istio::server::serve(&dir, listen, options, stop).await
+    })
+    .map_err(|e| match e {
+        e @ portico::istio::server::ServeError::Bind { .. } => {
+            anyhow::Error::new(e).context("--listen")
+        }
+        e @ portico::istio::server::ServeError::ConfigDir { .. } => {
+            anyhow::Error::new(e).context("--config-dir")
+        }
+        e => anyhow::Error::new(e),
+    })
+}
+
+/// `portico control-plane --check`: what a gateway with `labels` would get, and every object
+/// left out (on stderr, one per line: file, kind, name, reason).
+fn check_config(
+    dir: &Path,
+    options: &portico::istio::Options,
+    labels: Vec<(String, String)>,
+) -> anyhow::Result<()> {
+    let (config, mut invalid) =
+        portico::istio::load_dir(dir).with_context(|| format!("--config-dir {}", dir.display()))?;
+    let node = portico::istio::NodeInfo {
+        id: "portico-check".into(),
+        labels: labels.into_iter().collect(),
+        namespace: Some("istio-system".into()),
+    };
+    let (xds, bad) = portico::istio::translate(&config, &node, options);
+    invalid.extend(bad);
+    for i in &invalid {
+        eprintln!("invalid: {i}");
+    }
+    for (kind, resources) in [
+        ("listeners", &xds.listeners),
+        ("routes", &xds.routes),
+        ("clusters", &xds.clusters),
+        ("endpoints", &xds.endpoints),
+    ] {
+        println!("{kind} ({}):", resources.len());
+        for name in resources.keys() {
+            println!("  {name}");
+        }
+    }
+    let gateway = portico::istio::server::labels_text(&node.labels);
+    println!(
+        "{}: {} objects, {} invalid; gateway {gateway}: {} listeners, {} routes, {} clusters, {} endpoints",
+        dir.display(),
+        config.objects.len(),
+        invalid.len(),
+        xds.listeners.len(),
+        xds.routes.len(),
+        xds.clusters.len(),
+        xds.endpoints.len()
+    );
+    if !invalid.is_empty() {
+        anyhow::bail!("{} invalid object(s) in {}", invalid.len(), dir.display());
+    }
+    Ok(())
 }
 
 fn log_filter(level: &str) -> anyhow::Result<&'static str> {
@@ -114,8 +234,19 @@ fn real_main() -> anyhow::Result<()> {
             .map(|n| n.get())
             .unwrap_or(1),
     };
-    if let Some(Command::Demo { port }) = cli.command {
-        return portico::demo::run(port, concurrency).context("demo failed");
+    match cli.command {
+        Some(Command::Demo {
+            config_dir,
+            xds_port,
+        }) => return portico::demo::run(config_dir, xds_port, concurrency).context("demo failed"),
+        Some(Command::ControlPlane {
+            config_dir,
+            listen,
+            bind_address,
+            check,
+            gateway_labels,
+        }) => return control_plane(config_dir, listen, bind_address, check, gateway_labels),
+        None => {}
     }
     for (flag, set) in [
         ("--base-id", cli.base_id.is_some()),

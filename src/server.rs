@@ -182,7 +182,7 @@ impl Drop for Workers {
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when it
 /// is first polled, so a signal that arrives during start-up is not lost.
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let term = signal(SignalKind::terminate());
     let int = signal(SignalKind::interrupt());

@@ -5,7 +5,9 @@
 //! (pure, unit-tested, golden-tested); the ADS server and the directory watch serve the result.
 
 pub mod model;
+pub mod server;
 pub mod translate;
+pub mod watch;
 
 use std::collections::BTreeMap;
 use std::path::Path;

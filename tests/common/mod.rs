@@ -948,11 +948,26 @@ pub fn is_envoy(bin: &Path) -> bool {
 }
 
 pub fn bootstrap_yaml(admin_port: u16, ads_port: u16) -> String {
+    bootstrap_yaml_labeled(admin_port, ads_port, &[])
+}
+
+/// The bootstrap with node metadata LABELS, as istio-agent writes them: a control plane
+/// selects Gateways by them.
+pub fn bootstrap_yaml_labeled(admin_port: u16, ads_port: u16, labels: &[(&str, &str)]) -> String {
+    let metadata = if labels.is_empty() {
+        String::new()
+    } else {
+        let entries: String = labels
+            .iter()
+            .map(|(k, v)| format!("      {k}: \"{v}\"\n"))
+            .collect();
+        format!("  metadata:\n    LABELS:\n{entries}")
+    };
     format!(
         r#"node:
   id: "{NODE_ID}"
   cluster: "{NODE_CLUSTER}"
-admin:
+{metadata}admin:
   address:
     socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
 dynamic_resources:
@@ -995,11 +1010,20 @@ pub struct Gateway {
 impl Gateway {
     /// Launches the gateway against the ADS server on `ads_port` and waits for `/ready`.
     pub async fn start(ads_port: u16) -> Gateway {
+        Gateway::start_labeled(ads_port, &[]).await
+    }
+
+    /// As [`Gateway::start`], with node metadata LABELS.
+    pub async fn start_labeled(ads_port: u16, labels: &[(&str, &str)]) -> Gateway {
         let bin = gateway_bin();
         let dir = TempDir::new("portico-it");
         let admin_port = free_port();
         let bootstrap = dir.path.join("bootstrap.yaml");
-        std::fs::write(&bootstrap, bootstrap_yaml(admin_port, ads_port)).expect("write bootstrap");
+        std::fs::write(
+            &bootstrap,
+            bootstrap_yaml_labeled(admin_port, ads_port, labels),
+        )
+        .expect("write bootstrap");
         let stderr_path = dir.path.join("gateway.stderr");
         let stderr = std::fs::File::create(&stderr_path).expect("create stderr file");
         let mut cmd = Command::new(&bin);
