@@ -30,6 +30,9 @@ pub struct XdsJson {
 }
 
 pub fn translate(config: &Config, node: &NodeInfo, options: &Options) -> (Xds, Vec<Invalid>) {
+    // Every resource is encoded through the descriptor pool; decoding the pool is the slow
+    // part, so one stays alive for the whole translation.
+    let _pool = crate::protojson::pool();
     let (out, mut invalid) = translate_json(config, node, options);
     let mut xds = Xds::default();
     let sections = [
