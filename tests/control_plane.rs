@@ -257,6 +257,28 @@ async fn traffic_follows_edits_of_the_config_dir() {
         &virtual_service(&[("v1", 100), ("v2", 0)]),
     );
     wait_backend(&url, "reviews-v1").await;
+
+    // A weighted split: both subsets answer, in roughly the configured shares.
+    write(
+        &dir,
+        "virtualservice.yaml",
+        &virtual_service(&[("v1", 50), ("v2", 50)]),
+    );
+    wait_backend(&url, "reviews-v2b").await;
+    let client = HttpClient::new();
+    let mut v1_count = 0;
+    for _ in 0..200 {
+        match client.get(&url, None, &[]).await.backend() {
+            Some("reviews-v1") => v1_count += 1,
+            Some("reviews-v2b") => {}
+            other => panic!("unexpected backend {other:?}"),
+        }
+    }
+    // 200 draws at p = 0.5: outside 60..140 has probability below 1e-8.
+    assert!(
+        (60..=140).contains(&v1_count),
+        "v1 served {v1_count} of 200"
+    );
 }
 
 fn check(dir: &Path, extra: &[&str]) -> Output {

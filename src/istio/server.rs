@@ -502,8 +502,21 @@ impl AdsStream {
                 continue;
             };
             let now = self.select(type_url, &sub.names);
-            if !same_resources(&now, &sub.sent) {
-                self.send(type_url).await?;
+            if is_wildcard(type_url) {
+                if !same_resources(&now, &sub.sent) {
+                    self.send(type_url).await?;
+                }
+                continue;
+            }
+            // RDS and EDS: a gateway keeps what a response leaves out, so only the resources
+            // that changed (or appeared) travel, as istiod's incremental EDS pushes.
+            let changed: BTreeMap<String, Any> = now
+                .iter()
+                .filter(|(n, a)| sub.sent.get(*n).is_none_or(|b| !same_resource(a, b)))
+                .map(|(n, a)| (n.clone(), a.clone()))
+                .collect();
+            if !changed.is_empty() {
+                self.send_some(type_url, changed, now).await?;
             }
         }
         Ok(())
@@ -533,6 +546,16 @@ impl AdsStream {
             .map(|s| s.names.clone())
             .unwrap_or_default();
         let resources = self.select(type_url, &names);
+        self.send_some(type_url, resources.clone(), resources).await
+    }
+
+    /// Sends `resources`; `now` is everything the gateway holds of the type afterwards.
+    async fn send_some(
+        &mut self,
+        type_url: &str,
+        resources: BTreeMap<String, Any>,
+        now: BTreeMap<String, Any>,
+    ) -> Result<(), End> {
         let nonce = next_nonce();
         let response = DiscoveryResponse {
             version_info: self.version.clone(),
@@ -543,7 +566,7 @@ impl AdsStream {
         };
         let sub = self.subs.entry(type_url.to_string()).or_default();
         sub.nonce = nonce;
-        sub.sent = resources;
+        sub.sent = now;
         tracing::debug!(
             node = self.node.as_ref().map(|n| n.id.as_str()).unwrap_or(""),
             type_url,

@@ -340,6 +340,56 @@ async fn a_reload_pushes_only_what_changed_cds_eds_lds_rds() {
 }
 
 #[tokio::test]
+async fn eds_and_rds_pushes_carry_only_the_resources_that_changed() {
+    let before = Fake {
+        listeners: vec!["0.0.0.0_8080"],
+        routes: vec![("http.8080", "a"), ("http.9090", "a")],
+        clusters: vec![("c1", "a"), ("c2", "a")],
+        endpoints: vec![("c1", 1), ("c2", 1)],
+    };
+    let (cp, addr) = start(before.generation("v1")).await;
+    let mut c = Client::connect(addr, node("gw-1", &[])).await;
+    for (t, n) in [
+        (RDS, &["http.8080", "http.9090"][..]),
+        (EDS, &["c1", "c2"][..]),
+    ] {
+        c.send(t, n, "", "").await;
+        let r = c.recv().await;
+        assert_eq!(
+            r.resources.len(),
+            2,
+            "the first answer holds every named resource"
+        );
+        c.ack(&r, n).await;
+    }
+    let after = Fake {
+        routes: vec![("http.8080", "a"), ("http.9090", "b")],
+        endpoints: vec![("c1", 7), ("c2", 1)],
+        ..before.clone()
+    };
+    cp.publish(after.generation("v2"));
+    let eds = c.recv().await;
+    let rds = c.recv().await;
+    assert_eq!((eds.type_url.as_str(), rds.type_url.as_str()), (EDS, RDS));
+    let names = |r: &DiscoveryResponse, t: &str| -> Vec<String> {
+        r.resources
+            .iter()
+            .map(|a| match t {
+                EDS => ClusterLoadAssignment::decode(a.value.as_slice())
+                    .map(|m| m.cluster_name)
+                    .unwrap_or_default(),
+                _ => RouteConfiguration::decode(a.value.as_slice())
+                    .map(|m| m.name)
+                    .unwrap_or_default(),
+            })
+            .collect()
+    };
+    assert_eq!(names(&eds, EDS), ["c1"]);
+    assert_eq!(names(&rds, RDS), ["http.9090"]);
+    c.silent().await;
+}
+
+#[tokio::test]
 async fn gateways_with_the_same_labels_share_one_translation() {
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
