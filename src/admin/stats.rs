@@ -61,6 +61,13 @@ pub struct ClusterStats {
     pub cx_connect_fail: AtomicU64,
     pub rq_timeout: AtomicU64,
     pub rq_active: AtomicU64,
+    pub rq_retry: AtomicU64,
+    pub rq_retry_success: AtomicU64,
+    pub rq_retry_overflow: AtomicU64,
+    pub rq_retry_limit_exceeded: AtomicU64,
+    pub rq_per_try_timeout: AtomicU64,
+    /// Retries in flight, against the cluster's `max_retries` circuit breaker.
+    pub retry_active: AtomicU64,
 }
 
 impl ClusterStats {
@@ -236,6 +243,18 @@ impl Stats {
                 "",
                 s.rq_active.load(Relaxed),
             );
+            for (stat, v) in [
+                ("upstream_rq_retry", &s.rq_retry),
+                ("upstream_rq_retry_success", &s.rq_retry_success),
+                ("upstream_rq_retry_overflow", &s.rq_retry_overflow),
+                (
+                    "upstream_rq_retry_limit_exceeded",
+                    &s.rq_retry_limit_exceeded,
+                ),
+                ("upstream_rq_per_try_timeout", &s.rq_per_try_timeout),
+            ] {
+                c(&mut f, "counter", stat, "", v.load(Relaxed));
+            }
             for (code, count) in s.codes.snapshot() {
                 c(
                     &mut f,

@@ -19,6 +19,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use crate::admin::stats::HcmStats;
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
+use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveListener;
 use crate::State;
@@ -40,6 +41,20 @@ pub struct Ctx {
     prefix_rewrite: Option<(usize, String)>,
     host_rewrite: Option<String>,
     timeout: Option<std::time::Duration>,
+    /// When the route timeout runs out, across every attempt.
+    deadline: Option<Instant>,
+    retry: Option<Arc<RetryPolicy>>,
+    /// Upstream attempts started (1 on the first try).
+    attempts: u32,
+    /// Hosts already tried, for the previous_hosts predicate (allocated only on a retry).
+    tried: Vec<usize>,
+    /// The current attempt's outcome is to be retried (set where it is decided, read by
+    /// `error_while_proxy`, which pingora calls afterwards).
+    retrying: bool,
+    /// This request holds one of the cluster's concurrent-retry slots.
+    retry_slot: bool,
+    attempt_count_to_upstream: bool,
+    attempt_count_to_client: bool,
     upstream_start: Option<Instant>,
     /// The upstream's response code was counted when its headers arrived.
     code_recorded: bool,
@@ -52,6 +67,7 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
 static X_EXPECTED_TIMEOUT: HeaderName = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
 static X_ORIGINAL_PATH: HeaderName = HeaderName::from_static("x-envoy-original-path");
+static X_ATTEMPT_COUNT: HeaderName = HeaderName::from_static("x-envoy-attempt-count");
 
 /// Control headers Envoy removes from requests that are not internal.
 const UNTRUSTED_ENVOY_HEADERS: &[&str] = &[
@@ -265,6 +281,71 @@ fn strip_response(resp: &mut ResponseHeader) {
 }
 
 impl Gateway {
+    /// Whether the request may be tried again under `policy`, counting Envoy's retry stats:
+    /// retries left, the cluster's concurrent-retry circuit breaker, a body that can be
+    /// resent (pingora buffers it up to its retry buffer size), and time left.
+    fn may_retry(&self, session: &Session, ctx: &mut Ctx, policy: &RetryPolicy) -> bool {
+        let Some(cluster) = ctx.cluster.clone() else {
+            return false;
+        };
+        if ctx.attempts > policy.num_retries {
+            cluster.stats.rq_retry_limit_exceeded.fetch_add(1, Relaxed);
+            return false;
+        }
+        if session.as_ref().retry_buffer_truncated() {
+            return false;
+        }
+        if ctx.deadline.is_some_and(|d| Instant::now() >= d) {
+            return false;
+        }
+        if !ctx.retry_slot {
+            let active = cluster.stats.retry_active.fetch_add(1, Relaxed);
+            if active >= u64::from(cluster.def.max_retries) {
+                cluster.stats.retry_active.fetch_sub(1, Relaxed);
+                cluster.stats.rq_retry_overflow.fetch_add(1, Relaxed);
+                return false;
+            }
+            ctx.retry_slot = true;
+        }
+        cluster.stats.rq_retry.fetch_add(1, Relaxed);
+        true
+    }
+
+    /// Before a retry: Envoy's back-off, then a host of the same cluster, avoiding the hosts
+    /// already tried when the policy has the previous_hosts predicate.
+    async fn next_attempt(&self, ctx: &mut Ctx) -> Result<()> {
+        let (Some(policy), Some(cluster)) = (ctx.retry.clone(), ctx.cluster.clone()) else {
+            return Ok(());
+        };
+        let wait = policy.backoff(ctx.attempts - 1, fastrand::u64(..));
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        ctx.tried.push(ctx.host_index);
+        let mut pick = cluster.pick();
+        if policy.previous_hosts {
+            for _ in 1..policy.host_selection_attempts {
+                match pick {
+                    Some((i, _)) if ctx.tried.contains(&i) => pick = cluster.pick(),
+                    _ => break,
+                }
+            }
+        }
+        let Some((idx, addr)) = pick else {
+            return Error::e_explain(
+                ErrorType::ConnectNoRoute,
+                "no healthy upstream for the retry",
+            );
+        };
+        cluster.active[ctx.host_index].fetch_sub(1, Relaxed);
+        cluster.active[idx].fetch_add(1, Relaxed);
+        ctx.host_index = idx;
+        ctx.peer = Some(addr);
+        // Envoy counts every attempt as an upstream request.
+        cluster.stats.start();
+        Ok(())
+    }
+
     async fn local_reply(
         &self,
         session: &mut Session,
@@ -532,6 +613,10 @@ impl ProxyHttp for Gateway {
             hcm_strips_port(raw, &listener).then(|| split_port(raw).0.to_string())
         });
         ctx.timeout = fwd.timeout;
+        ctx.deadline = fwd.timeout.map(|t| Instant::now() + t);
+        ctx.retry = fwd.retry.clone();
+        ctx.attempt_count_to_upstream = fwd.attempt_count_to_upstream;
+        ctx.attempt_count_to_client = fwd.attempt_count_to_client;
         ctx.host_index = idx;
         ctx.peer = Some(addr);
         ctx.cluster = Some(cluster);
@@ -615,7 +700,9 @@ impl ProxyHttp for Gateway {
                 .or_err(ErrorType::InternalError, "request id")?;
             req.insert_header(X_REQUEST_ID.clone(), id)?;
         }
-        match ctx.timeout {
+        // Envoy announces the per-try timeout when there is one, else the route's.
+        let per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
+        match per_try.or(ctx.timeout) {
             Some(t) => req.insert_header(X_EXPECTED_TIMEOUT.clone(), t.as_millis().to_string())?,
             None => {
                 req.remove_header(&X_EXPECTED_TIMEOUT);
@@ -628,13 +715,25 @@ impl ProxyHttp for Gateway {
     }
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        ctx.attempts += 1;
+        if ctx.attempts > 1 {
+            self.next_attempt(ctx).await?;
+        }
         let (Some(addr), Some(cluster)) = (ctx.peer, &ctx.cluster) else {
             return Error::e_explain(ErrorType::InternalError, "no upstream chosen");
         };
         let mut peer = HttpPeer::new(addr, false, String::new());
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
-        // Approximates Envoy's route timeout: the upstream must answer within it.
-        peer.options.read_timeout = ctx.timeout;
+        // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
+        // and within what is left of the route timeout.
+        let left = ctx
+            .deadline
+            .map(|d| d.saturating_duration_since(Instant::now()));
+        let per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
+        peer.options.read_timeout = match (per_try, left) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if cluster.def.http2 {
             peer.options.set_http_version(2, 2);
         }
@@ -688,10 +787,86 @@ impl ProxyHttp for Gateway {
         if let Some(h) = &ctx.host_rewrite {
             upstream.insert_header(http::header::HOST, h.as_str())?;
         }
+        if ctx.attempt_count_to_upstream {
+            upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
+        }
         ctx.upstream_start = Some(Instant::now());
         Ok(())
     }
 
+    async fn upstream_response_filter(
+        &self,
+        session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let Some(policy) = ctx.retry.clone() else {
+            return Ok(());
+        };
+        let status = resp.status.as_u16();
+        let grpc_status = resp
+            .headers
+            .get("grpc-status")
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok());
+        // Envoy never retries an answer that says the upstream is overloaded or rate limited.
+        let refused = resp.headers.contains_key("x-envoy-overloaded")
+            || resp.headers.contains_key("x-envoy-ratelimited");
+        if refused || !policy.retries_status(status, grpc_status) {
+            if ctx.attempts > 1 {
+                if let Some(c) = &ctx.cluster {
+                    c.stats.rq_retry_success.fetch_add(1, Relaxed);
+                }
+            }
+            return Ok(());
+        }
+        if !self.may_retry(session, ctx, &policy) {
+            return Ok(());
+        }
+        // This attempt's answer is counted now; the client will see the next one.
+        if let Some(c) = &ctx.cluster {
+            c.stats.record_code(status);
+        }
+        ctx.retrying = true;
+        Error::e_explain(
+            ErrorType::Custom("retriable upstream response"),
+            format!("upstream answered {status}, retrying"),
+        )
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Ctx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        if std::mem::take(&mut ctx.retrying) {
+            e.set_retry(true);
+            return e;
+        }
+        let upstream = e.esource() == &ErrorSource::Upstream;
+        let timed_out = matches!(
+            e.etype(),
+            ErrorType::ReadTimedout | ErrorType::WriteTimedout
+        );
+        // A timeout before the route's deadline can only be the per-try one.
+        let per_try = timed_out && ctx.deadline.is_none_or(|d| Instant::now() < d);
+        if per_try {
+            if let Some(c) = &ctx.cluster {
+                c.stats.rq_per_try_timeout.fetch_add(1, Relaxed);
+            }
+        }
+        // A reset, a broken connection or a per-try timeout before the response started.
+        let retry = (per_try || upstream && !timed_out)
+            && session.response_written().is_none()
+            && ctx.retry.clone().is_some_and(|p| {
+                p.retries_failure(Failure::Reset) && self.may_retry(session, ctx, &p)
+            });
+        e.set_retry(retry);
+        e
+    }
     async fn response_filter(
         &self,
         _session: &mut Session,
@@ -713,6 +888,9 @@ impl ProxyHttp for Gateway {
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
         }
+        if ctx.attempt_count_to_client && ctx.attempts > 0 {
+            resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
+        }
         Ok(())
     }
 
@@ -727,7 +905,10 @@ impl ProxyHttp for Gateway {
             c.stats.cx_connect_fail.fetch_add(1, Relaxed);
         }
         // Envoy retries only when a retry policy says so.
-        e.set_retry(false);
+        let retry = ctx.retry.clone().is_some_and(|p| {
+            p.retries_failure(Failure::ConnectFailure) && self.may_retry(_session, ctx, &p)
+        });
+        e.set_retry(retry);
         e
     }
 
@@ -795,6 +976,9 @@ impl ProxyHttp for Gateway {
             self.hcm_stats.finish(code);
         }
         if let Some(c) = &ctx.cluster {
+            if ctx.retry_slot {
+                c.stats.retry_active.fetch_sub(1, Relaxed);
+            }
             c.active[ctx.host_index].fetch_sub(1, Relaxed);
             c.stats.rq_active.fetch_sub(1, Relaxed);
             if !ctx.code_recorded {

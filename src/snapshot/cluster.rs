@@ -37,6 +37,8 @@ pub struct ClusterDef {
     pub http2: bool,
     /// `dns_lookup_family`, for DNS clusters.
     pub dns_family: DnsFamily,
+    /// Circuit breaker on concurrent retries (default priority `max_retries`, Envoy: 3).
+    pub max_retries: u32,
 }
 
 /// Which addresses a DNS lookup keeps, as Envoy's `dns_lookup_family` says.
@@ -380,7 +382,18 @@ impl ClusterDef {
             4 => DnsFamily::All,
             _ => DnsFamily::Auto,
         };
+        let max_retries = c
+            .circuit_breakers
+            .as_ref()
+            .and_then(|cb| {
+                cb.thresholds
+                    .iter()
+                    .find(|t| t.priority == corepb::RoutingPriority::Default as i32)
+            })
+            .and_then(|t| t.max_retries.as_ref())
+            .map_or(3, |v| v.value);
         Ok(ClusterDef {
+            max_retries,
             dns_family,
             name: Arc::from(c.name.as_str()),
             kind,

@@ -133,6 +133,7 @@ fn defaults() {
             panic_threshold: 50.0,
             inline: Some(LoadAssignmentSpec { endpoints: vec![] }),
             http2: false,
+            max_retries: 3,
             dns_family: DnsFamily::Auto,
         }
     );

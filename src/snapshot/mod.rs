@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod listener;
+pub mod retry;
 pub mod route;
 
 use std::collections::HashMap;

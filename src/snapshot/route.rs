@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3 as mpb;
 use http::StatusCode;
 use regex::Regex;
 
+use super::retry::RetryPolicy;
 use super::TranslateError;
 
 /// A compiled `RouteConfiguration`.
@@ -155,6 +156,10 @@ pub struct Forward {
     pub timeout: Option<std::time::Duration>,
     pub prefix_rewrite: Option<String>,
     pub host_rewrite: Option<String>,
+    pub retry: Option<Arc<RetryPolicy>>,
+    /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
+    pub attempt_count_to_upstream: bool,
+    pub attempt_count_to_client: bool,
 }
 
 #[derive(Debug)]
@@ -418,10 +423,22 @@ impl RouteTable {
                     exact.insert(d, vi);
                 }
             }
+            let vhost_retry = match &vh.retry_policy {
+                Some(p) => Some(Arc::new(
+                    RetryPolicy::translate(p)
+                        .map_err(|e| err(format!("{vctx}: retry_policy: {e}")))?,
+                )),
+                None => None,
+            };
+            let vhost_ctx = VhostCtx {
+                retry: vhost_retry,
+                attempt_count_to_upstream: vh.include_request_attempt_count,
+                attempt_count_to_client: vh.include_attempt_count_in_response,
+            };
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
-                let route =
-                    translate_route(r).map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                let route = translate_route(r, &vhost_ctx)
+                    .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
                 routes.push(route);
             }
             vhosts.push(VirtualHost {
@@ -485,7 +502,14 @@ impl RouteTable {
     }
 }
 
-fn translate_route(r: &rpb::Route) -> Result<Route, String> {
+/// What a virtual host lends its routes.
+struct VhostCtx {
+    retry: Option<Arc<RetryPolicy>>,
+    attempt_count_to_upstream: bool,
+    attempt_count_to_client: bool,
+}
+
+fn translate_route(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
     use rpb::route_match::PathSpecifier as PS;
     let m = r.r#match.as_ref().ok_or("match is required")?;
     let case_sensitive = m.case_sensitive.as_ref().map(|b| b.value).unwrap_or(true);
@@ -548,7 +572,7 @@ fn translate_route(r: &rpb::Route) -> Result<Route, String> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let action = match &r.action {
-        Some(rpb::route::Action::Route(ra)) => Action::Forward(forward(ra)?),
+        Some(rpb::route::Action::Route(ra)) => Action::Forward(forward(ra, vh)?),
         Some(rpb::route::Action::DirectResponse(d)) => direct(d)?,
         Some(rpb::route::Action::Redirect(rd)) => Action::Redirect(redirect(rd)?),
         Some(_) => {
@@ -632,7 +656,7 @@ fn query_matcher(q: &rpb::QueryParameterMatcher) -> Result<QueryMatcher, String>
     })
 }
 
-fn forward(ra: &rpb::RouteAction) -> Result<Forward, String> {
+fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
     use rpb::route_action::ClusterSpecifier as C;
     use rpb::route_action::HostRewriteSpecifier as HR;
     let target = match &ra.cluster_specifier {
@@ -680,11 +704,21 @@ fn forward(ra: &rpb::RouteAction) -> Result<Forward, String> {
             (!d.is_zero()).then_some(d)
         }
     };
+    // A route's own policy replaces its virtual host's entirely, as in Envoy.
+    let retry = match &ra.retry_policy {
+        Some(p) => Some(Arc::new(
+            RetryPolicy::translate(p).map_err(|e| format!("retry_policy: {e}"))?,
+        )),
+        None => vh.retry.clone(),
+    };
     Ok(Forward {
         target,
         timeout,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,
+        retry,
+        attempt_count_to_upstream: vh.attempt_count_to_upstream,
+        attempt_count_to_client: vh.attempt_count_to_client,
     })
 }
 
