@@ -197,11 +197,9 @@ fn envoy_gateway_goldens_translate_or_are_refused_by_name() {
             checked += 1;
             if let Err(errors) = Store::default().apply(kind, "1", std::slice::from_ref(&any)) {
                 for reason in errors {
-                    // Routes and endpoints must pass, but for redirect regex_rewrite and retry
-                    // priorities (not yet).
+                    // Routes and endpoints must pass, but for retry priorities (not yet).
                     let allowed = reason.contains("not supported")
                         && (matches!(kind, Kind::Cluster | Kind::Listener)
-                            || reason.contains("regex_rewrite")
                             || reason.contains("retry_priority"));
                     assert!(
                         allowed,

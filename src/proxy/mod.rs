@@ -39,6 +39,8 @@ pub struct Ctx {
     host_index: usize,
     peer: Option<SocketAddr>,
     prefix_rewrite: Option<(usize, String)>,
+    /// The whole new path and query, from `regex_rewrite`.
+    path_rewrite: Option<String>,
     host_rewrite: Option<String>,
     timeout: Option<std::time::Duration>,
     /// When the route timeout runs out, across every attempt.
@@ -434,6 +436,11 @@ impl Gateway {
         }
         match (&r.path, &r.prefix_rewrite, rewrite_len) {
             (Some(p), _, _) => location.push_str(p),
+            _ if r.regex_rewrite.is_some() => {
+                if let Some(rr) = &r.regex_rewrite {
+                    location.push_str(&rr.apply(path));
+                }
+            }
             (None, Some(pre), Some(len)) => {
                 location.push_str(pre);
                 location.push_str(path.get(len..).unwrap_or(""));
@@ -607,6 +614,24 @@ impl ProxyHttp for Gateway {
         if let (Some(rewrite), Some(len)) = (&fwd.prefix_rewrite, route.rewrite_len()) {
             ctx.prefix_rewrite = Some((len, rewrite.clone()));
         }
+        if let Some(rr) = &fwd.regex_rewrite {
+            // The path is rewritten, the query kept as it came.
+            let full = session
+                .req_header()
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str());
+            let (path, query) = match full.split_once('?') {
+                Some((p, q)) => (p, Some(q)),
+                None => (full, None),
+            };
+            let mut new = rr.apply(path);
+            if let Some(q) = query {
+                new.push('?');
+                new.push_str(q);
+            }
+            ctx.path_rewrite = Some(new);
+        }
         ctx.host_rewrite = fwd.host_rewrite.clone().or_else(|| {
             // The HCM's port stripping also changes the Host sent upstream (case kept).
             let raw = raw_authority(session.req_header());
@@ -635,13 +660,14 @@ impl ProxyHttp for Gateway {
                 .req_header_mut()
                 .remove_header(&http::header::EXPECT);
         }
-        let original_path = ctx.prefix_rewrite.is_some().then(|| {
-            session
-                .req_header()
-                .uri
-                .path_and_query()
-                .map_or_else(|| "/".to_string(), |p| p.as_str().to_string())
-        });
+        let original_path =
+            (ctx.prefix_rewrite.is_some() || ctx.path_rewrite.is_some()).then(|| {
+                session
+                    .req_header()
+                    .uri
+                    .path_and_query()
+                    .map_or_else(|| "/".to_string(), |p| p.as_str().to_string())
+            });
         let req = session.req_header_mut();
         // Envoy trusts no client x-envoy-* control headers; by default (no internal address
         // ranges configured) every request counts as external.
@@ -782,6 +808,13 @@ impl ProxyHttp for Gateway {
                 .path_and_query(new)
                 .build()
                 .map_err(|e| Error::because(ErrorType::InternalError, "prefix rewrite", e))?;
+            upstream.set_uri(uri);
+        }
+        if let Some(new) = &ctx.path_rewrite {
+            let uri = http::Uri::builder()
+                .path_and_query(new.as_str())
+                .build()
+                .map_err(|e| Error::because(ErrorType::InternalError, "regex rewrite", e))?;
             upstream.set_uri(uri);
         }
         if let Some(h) = &ctx.host_rewrite {

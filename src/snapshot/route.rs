@@ -155,6 +155,7 @@ pub struct Forward {
     /// Route `timeout`: Envoy's default is 15 s; zero disables it.
     pub timeout: Option<std::time::Duration>,
     pub prefix_rewrite: Option<String>,
+    pub regex_rewrite: Option<RegexRewrite>,
     pub host_rewrite: Option<String>,
     pub retry: Option<Arc<RetryPolicy>>,
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
@@ -197,6 +198,7 @@ pub struct Redirect {
     pub port: Option<u32>,
     pub path: Option<String>,
     pub prefix_rewrite: Option<String>,
+    pub regex_rewrite: Option<RegexRewrite>,
     pub strip_query: bool,
     pub status: StatusCode,
 }
@@ -326,6 +328,79 @@ pub fn compile_full_regex(re: &str) -> Result<Regex, String> {
                 .to_string();
             format!("invalid regex '{re}': {reason}")
         })
+}
+
+/// `regex_rewrite`: every match in the path (not the query) replaced, as RE2's GlobalReplace.
+#[derive(Debug)]
+pub struct RegexRewrite {
+    regex: Regex,
+    /// The substitution in the regex crate's syntax (`\1` becomes `${1}`).
+    substitution: String,
+}
+
+impl RegexRewrite {
+    pub fn translate(m: &mpb::RegexMatchAndSubstitute) -> Result<RegexRewrite, String> {
+        let pattern = m.pattern.as_ref().ok_or("pattern is required")?;
+        if pattern.regex.is_empty() {
+            return Err("pattern.regex must not be empty".into());
+        }
+        check_repeat_limit(&pattern.regex)?;
+        let regex = regex::RegexBuilder::new(&pattern.regex)
+            .size_limit(1 << 20)
+            .build()
+            .map_err(|e| {
+                let msg = e.to_string();
+                let last = msg
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("");
+                format!(
+                    "invalid regex '{}': {}",
+                    pattern.regex,
+                    last.trim().trim_start_matches("error: ")
+                )
+            })?;
+        let groups = regex.captures_len() - 1;
+        let mut substitution = String::with_capacity(m.substitution.len());
+        let mut chars = m.substitution.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some(d @ '0'..='9') => {
+                        let n = d as usize - '0' as usize;
+                        if n > groups {
+                            return Err(format!(
+                                "substitution '{}' refers to group {n}; the pattern has {groups}",
+                                m.substitution
+                            ));
+                        }
+                        substitution.push_str(&format!("${{{n}}}"));
+                    }
+                    Some('\\') => substitution.push('\\'),
+                    _ => {
+                        return Err(format!(
+                        "substitution '{}': a backslash must be followed by a digit or a backslash",
+                        m.substitution
+                    ))
+                    }
+                },
+                '$' => substitution.push_str("$$"),
+                c => substitution.push(c),
+            }
+        }
+        Ok(RegexRewrite {
+            regex,
+            substitution,
+        })
+    }
+
+    /// The rewritten path.
+    pub fn apply(&self, path: &str) -> String {
+        self.regex
+            .replace_all(path, self.substitution.as_str())
+            .into_owned()
+    }
 }
 
 fn regex_matcher(m: &mpb::RegexMatcher) -> Result<Regex, String> {
@@ -711,9 +786,22 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         )),
         None => vh.retry.clone(),
     };
+    let regex_rewrite = match &ra.regex_rewrite {
+        Some(_) if !ra.prefix_rewrite.is_empty() => {
+            return Err(
+                "specify only one of prefix_rewrite, regex_rewrite or path_rewrite_policy".into(),
+            );
+        }
+        Some(rr) => Some(RegexRewrite::translate(rr).map_err(|e| format!("regex_rewrite: {e}"))?),
+        None => None,
+    };
+    if ra.path_rewrite_policy.is_some() {
+        return Err("path_rewrite_policy is not supported yet".into());
+    }
     Ok(Forward {
         target,
         timeout,
+        regex_rewrite,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,
         retry,
@@ -763,10 +851,16 @@ fn redirect(r: &rpb::RedirectAction) -> Result<Redirect, String> {
         Some(SR::SchemeRedirect(s)) if !s.is_empty() => Some(s.to_ascii_lowercase()),
         _ => None,
     };
+    let mut regex_rewrite = None;
     let (path, prefix_rewrite) = match &r.path_rewrite_specifier {
         Some(PR::PathRedirect(p)) => (Some(p.clone()), None),
         Some(PR::PrefixRewrite(p)) => (None, Some(p.clone())),
-        Some(PR::RegexRewrite(_)) => return Err("redirect.regex_rewrite is not supported".into()),
+        Some(PR::RegexRewrite(rr)) => {
+            regex_rewrite = Some(
+                RegexRewrite::translate(rr).map_err(|e| format!("redirect.regex_rewrite: {e}"))?,
+            );
+            (None, None)
+        }
         Some(PR::PathRewrite(_)) => return Err("redirect.path_rewrite is not supported".into()),
         None => (None, None),
     };
@@ -792,6 +886,7 @@ fn redirect(r: &rpb::RedirectAction) -> Result<Redirect, String> {
         port: (r.port_redirect != 0).then_some(r.port_redirect),
         path,
         prefix_rewrite,
+        regex_rewrite,
         strip_query: r.strip_query,
         status,
     })

@@ -739,7 +739,7 @@ fn direct_response_body_from_file_or_env_is_rejected() {
 }
 
 #[test]
-fn redirect_regex_rewrite_is_rejected() {
+fn redirect_regex_rewrite_without_a_pattern_is_rejected() {
     let r = rpb::RedirectAction {
         path_rewrite_specifier: Some(rpb::redirect_action::PathRewriteSpecifier::RegexRewrite(
             Default::default(),
@@ -748,7 +748,7 @@ fn redirect_regex_rewrite_is_rejected() {
     };
     assert_route_rejected(
         route(prefix("/"), redirect(r)),
-        "redirect.regex_rewrite is not supported",
+        "redirect.regex_rewrite: pattern is required",
     );
 }
 
@@ -1298,4 +1298,43 @@ fn index_buckets_routes_by_kind() {
     assert_eq!(seen, [0, 14, 15]);
     assert_eq!(idx.candidates("/exact", |i| i == 12), Some(12));
     assert_eq!(idx.candidates("/none", |_| false), None);
+}
+
+// ---------------------------------------------------------------------------------------------
+// regex_rewrite
+
+fn regex_rewrite(pattern: &str, substitution: &str) -> Result<RegexRewrite, String> {
+    RegexRewrite::translate(&mpb::RegexMatchAndSubstitute {
+        pattern: Some(mpb::RegexMatcher {
+            regex: pattern.into(),
+            ..Default::default()
+        }),
+        substitution: substitution.into(),
+    })
+}
+
+#[test]
+fn regex_rewrite_substitutes_groups_and_literals_like_re2() {
+    let r = regex_rewrite(r"^/service/([^/]+)(/.*)$", r"\2/instance/\1").unwrap();
+    assert_eq!(r.apply("/service/foo/v1/api"), "/v1/api/instance/foo");
+    assert_eq!(r.apply("/other"), "/other");
+    let all = regex_rewrite("o", "0").unwrap();
+    assert_eq!(all.apply("/foo/boo"), "/f00/b00");
+    let literal = regex_rewrite("^/(a)", r"/$1\\\1").unwrap();
+    assert_eq!(literal.apply("/abc"), r"/$1\abc");
+    let whole = regex_rewrite("^/x", r"/y\0").unwrap();
+    assert_eq!(whole.apply("/x/z"), "/y/x/z");
+}
+
+#[test]
+fn regex_rewrite_rejections() {
+    for (pattern, substitution, want) in [
+        ("^/(a)", r"\2", "refers to group 2; the pattern has 1"),
+        ("^/a", r"\q", "a backslash must be followed by a digit"),
+        ("(", "/", "invalid regex '('"),
+        ("", "/", "pattern.regex must not be empty"),
+    ] {
+        let e = regex_rewrite(pattern, substitution).unwrap_err();
+        assert!(e.contains(want), "{pattern} {substitution}: {e}");
+    }
 }
