@@ -68,6 +68,15 @@ pub struct ClusterStats {
     pub rq_per_try_timeout: AtomicU64,
     /// Retries in flight, against the cluster's `max_retries` circuit breaker.
     pub retry_active: AtomicU64,
+    pub rq_pending_overflow: AtomicU64,
+    pub rq_active_overflow: AtomicU64,
+    pub cx_overflow: AtomicU64,
+    /// Requests holding one of the `max_connections` slots (an upstream connection in use).
+    pub cx_busy: AtomicU64,
+    /// Requests waiting for such a slot, against `max_pending_requests`.
+    pub rq_pending_active: AtomicU64,
+    /// Wakes a waiting request when a slot frees.
+    pub cx_freed: tokio::sync::Notify,
 }
 
 impl ClusterStats {
@@ -243,6 +252,13 @@ impl Stats {
                 "",
                 s.rq_active.load(Relaxed),
             );
+            c(
+                &mut f,
+                "gauge",
+                "upstream_rq_pending_active",
+                "",
+                s.rq_pending_active.load(Relaxed),
+            );
             for (stat, v) in [
                 ("upstream_rq_retry", &s.rq_retry),
                 ("upstream_rq_retry_success", &s.rq_retry_success),
@@ -252,6 +268,9 @@ impl Stats {
                     &s.rq_retry_limit_exceeded,
                 ),
                 ("upstream_rq_per_try_timeout", &s.rq_per_try_timeout),
+                ("upstream_rq_pending_overflow", &s.rq_pending_overflow),
+                ("upstream_rq_active_overflow", &s.rq_active_overflow),
+                ("upstream_cx_overflow", &s.cx_overflow),
             ] {
                 c(&mut f, "counter", stat, "", v.load(Relaxed));
             }

@@ -55,6 +55,8 @@ pub struct Ctx {
     retrying: bool,
     /// This request holds one of the cluster's concurrent-retry slots.
     retry_slot: bool,
+    /// This request holds one of the cluster's `max_connections` slots.
+    cx_slot: bool,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
     upstream_start: Option<Instant>,
@@ -70,6 +72,9 @@ static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-s
 static X_EXPECTED_TIMEOUT: HeaderName = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
 static X_ORIGINAL_PATH: HeaderName = HeaderName::from_static("x-envoy-original-path");
 static X_ATTEMPT_COUNT: HeaderName = HeaderName::from_static("x-envoy-attempt-count");
+static X_OVERLOADED: HeaderName = HeaderName::from_static("x-envoy-overloaded");
+/// A circuit breaker overflowed: Envoy's `reset reason: overflow`.
+const OVERFLOW: ErrorType = ErrorType::Custom("upstream overflow");
 
 /// Control headers Envoy removes from requests that are not internal.
 const UNTRUSTED_ENVOY_HEADERS: &[&str] = &[
@@ -311,6 +316,75 @@ impl Gateway {
         }
         cluster.stats.rq_retry.fetch_add(1, Relaxed);
         true
+    }
+
+    /// The cluster's circuit breakers, as Envoy's connection pool applies them: over
+    /// `max_requests` active requests, or with every `max_connections` slot busy and
+    /// `max_pending_requests` already waiting, the request overflows (503,
+    /// `x-envoy-overloaded`); otherwise it waits for a slot, within the route timeout.
+    async fn take_connection_slot(&self, ctx: &mut Ctx) -> Result<()> {
+        let Some(cluster) = ctx.cluster.clone() else {
+            return Ok(());
+        };
+        let (def, s) = (&cluster.def, &cluster.stats);
+        if s.rq_active.load(Relaxed) > u64::from(def.max_requests) {
+            s.rq_active_overflow.fetch_add(1, Relaxed);
+            // It never becomes an upstream request: Envoy does not count it in rq_total.
+            s.rq_total.fetch_sub(1, Relaxed);
+            return Error::e_explain(OVERFLOW, "max_requests circuit breaker open");
+        }
+        // HTTP/2 multiplexes requests: only max_requests limits them.
+        if def.http2 {
+            return Ok(());
+        }
+        let max = u64::from(def.max_connections);
+        let mut waiting = false;
+        let taken = loop {
+            let busy = s.cx_busy.load(Relaxed);
+            if busy < max {
+                if s.cx_busy
+                    .compare_exchange(busy, busy + 1, Relaxed, Relaxed)
+                    .is_ok()
+                {
+                    break Ok(());
+                }
+                continue;
+            }
+            if !waiting {
+                s.cx_overflow.fetch_add(1, Relaxed);
+                let pending = s.rq_pending_active.fetch_add(1, Relaxed);
+                if pending >= u64::from(def.max_pending_requests) {
+                    s.rq_pending_active.fetch_sub(1, Relaxed);
+                    s.rq_pending_overflow.fetch_add(1, Relaxed);
+                    s.rq_total.fetch_sub(1, Relaxed);
+                    return Error::e_explain(OVERFLOW, "max_pending_requests circuit breaker open");
+                }
+                waiting = true;
+            }
+            let freed = s.cx_freed.notified();
+            tokio::pin!(freed);
+            // Registered before the re-check, so a slot freed in between is not missed.
+            freed.as_mut().enable();
+            if s.cx_busy.load(Relaxed) < max {
+                continue;
+            }
+            match ctx.deadline {
+                Some(d) => {
+                    if tokio::time::timeout_at(d.into(), freed).await.is_err() {
+                        break Error::e_explain(
+                            ErrorType::ReadTimedout,
+                            "route timeout while waiting for a connection slot",
+                        );
+                    }
+                }
+                None => freed.await,
+            }
+        };
+        if waiting {
+            s.rq_pending_active.fetch_sub(1, Relaxed);
+        }
+        ctx.cx_slot = taken.is_ok();
+        taken
     }
 
     /// Before a retry: Envoy's back-off, then a host of the same cluster, avoiding the hosts
@@ -745,6 +819,9 @@ impl ProxyHttp for Gateway {
         if ctx.attempts > 1 {
             self.next_attempt(ctx).await?;
         }
+        if !ctx.cx_slot {
+            self.take_connection_slot(ctx).await?;
+        }
         let (Some(addr), Some(cluster)) = (ctx.peer, &ctx.cluster) else {
             return Error::e_explain(ErrorType::InternalError, "no upstream chosen");
         };
@@ -961,6 +1038,10 @@ impl ProxyHttp for Gateway {
                 "upstream connect error or disconnect/reset before headers. reset reason: protocol error",
             ),
             HTTPStatus(code) => (*code, ""),
+            t if *t == OVERFLOW => (
+                503,
+                "upstream connect error or disconnect/reset before headers. reset reason: overflow",
+            ),
             ConnectTimedout => (
                 503,
                 "upstream connect error or disconnect/reset before headers. reset reason: connection timeout",
@@ -993,7 +1074,13 @@ impl ProxyHttp for Gateway {
         };
         if code > 0 {
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
-            if let Err(err) = self.local_reply(session, ctx, code, body, &[]).await {
+            let overloaded = [(X_OVERLOADED.clone(), "true".to_string())];
+            let extra: &[(HeaderName, String)] = if *e.etype() == OVERFLOW {
+                &overloaded
+            } else {
+                &[]
+            };
+            if let Err(err) = self.local_reply(session, ctx, code, body, extra).await {
                 tracing::debug!("failed to send error response downstream: {err}");
             }
         }
@@ -1011,6 +1098,10 @@ impl ProxyHttp for Gateway {
         if let Some(c) = &ctx.cluster {
             if ctx.retry_slot {
                 c.stats.retry_active.fetch_sub(1, Relaxed);
+            }
+            if ctx.cx_slot {
+                c.stats.cx_busy.fetch_sub(1, Relaxed);
+                c.stats.cx_freed.notify_one();
             }
             c.active[ctx.host_index].fetch_sub(1, Relaxed);
             c.stats.rq_active.fetch_sub(1, Relaxed);

@@ -39,6 +39,10 @@ pub struct ClusterDef {
     pub dns_family: DnsFamily,
     /// Circuit breaker on concurrent retries (default priority `max_retries`, Envoy: 3).
     pub max_retries: u32,
+    /// The other default-priority circuit breakers (Envoy: 1024 each).
+    pub max_connections: u32,
+    pub max_pending_requests: u32,
+    pub max_requests: u32,
 }
 
 /// Which addresses a DNS lookup keeps, as Envoy's `dns_lookup_family` says.
@@ -382,18 +386,19 @@ impl ClusterDef {
             4 => DnsFamily::All,
             _ => DnsFamily::Auto,
         };
-        let max_retries = c
-            .circuit_breakers
-            .as_ref()
-            .and_then(|cb| {
-                cb.thresholds
-                    .iter()
-                    .find(|t| t.priority == corepb::RoutingPriority::Default as i32)
-            })
-            .and_then(|t| t.max_retries.as_ref())
-            .map_or(3, |v| v.value);
+        let thresholds = c.circuit_breakers.as_ref().and_then(|cb| {
+            cb.thresholds
+                .iter()
+                .find(|t| t.priority == corepb::RoutingPriority::Default as i32)
+        });
+        let limit = |f: fn(&cpb::circuit_breakers::Thresholds) -> Option<u32>, default| {
+            thresholds.and_then(f).unwrap_or(default)
+        };
         Ok(ClusterDef {
-            max_retries,
+            max_retries: limit(|t| t.max_retries.as_ref().map(|v| v.value), 3),
+            max_connections: limit(|t| t.max_connections.as_ref().map(|v| v.value), 1024),
+            max_pending_requests: limit(|t| t.max_pending_requests.as_ref().map(|v| v.value), 1024),
+            max_requests: limit(|t| t.max_requests.as_ref().map(|v| v.value), 1024),
             dns_family,
             name: Arc::from(c.name.as_str()),
             kind,

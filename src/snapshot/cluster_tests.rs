@@ -134,6 +134,9 @@ fn defaults() {
             inline: Some(LoadAssignmentSpec { endpoints: vec![] }),
             http2: false,
             max_retries: 3,
+            max_connections: 1024,
+            max_pending_requests: 1024,
+            max_requests: 1024,
             dns_family: DnsFamily::Auto,
         }
     );

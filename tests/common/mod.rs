@@ -2495,3 +2495,127 @@ pub fn is_local_address(ip: &str) -> bool {
         .map(|ip| StdTcpListener::bind((ip, 0)).is_ok())
         .unwrap_or(false)
 }
+
+// ===========================================================================
+// Scripted backends (misbehaving on purpose), for the traffic-policy tests
+// ===========================================================================
+
+/// What the backend does with its n-th request (the last entry repeats).
+#[derive(Clone, Copy, Debug)]
+pub enum Step {
+    Status(u16),
+    /// Waits this long, then answers 200.
+    Hang(Duration),
+    /// Reads the request and closes the connection without answering.
+    Close,
+}
+
+/// One request as the backend saw it: its `x-envoy-attempt-count` and its body.
+pub type Seen = (Option<String>, String);
+
+/// A raw HTTP/1.1 backend following a script; it records each request's attempt-count header
+/// and body.
+pub struct Scripted {
+    pub addr: std::net::SocketAddr,
+    pub served: Arc<AtomicUsize>,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Scripted {
+    pub async fn start(name: &'static str, script: Vec<Step>) -> Scripted {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let served = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (s, sn) = (served.clone(), seen.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (s, sn, script) = (s.clone(), sn.clone(), script.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let Some((head, body)) = read_request(&mut sock).await else {
+                            return;
+                        };
+                        let n = s.fetch_add(1, Ordering::SeqCst);
+                        let attempt = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("x-envoy-attempt-count: "))
+                            .map(str::to_string);
+                        sn.lock().expect("lock").push((attempt, body));
+                        let step = script[n.min(script.len() - 1)];
+                        let status = match step {
+                            Step::Status(c) => c,
+                            Step::Hang(d) => {
+                                tokio::time::sleep(d).await;
+                                200
+                            }
+                            Step::Close => return,
+                        };
+                        let resp = format!(
+                            "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nx-backend: {name}\r\n\r\n{name}",
+                            name.len()
+                        );
+                        if tokio::io::AsyncWriteExt::write_all(&mut sock, resp.as_bytes())
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Scripted { addr, served, seen }
+    }
+
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::SeqCst)
+    }
+
+    pub fn reset(&self) {
+        self.served.store(0, Ordering::SeqCst);
+        self.seen.lock().expect("lock").clear();
+    }
+}
+
+/// One request head (lowercased header names) and its content-length body.
+pub async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<(String, String)> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = tokio::io::AsyncReadExt::read(sock, &mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head: String = String::from_utf8_lossy(&buf[..end])
+        .lines()
+        .map(|l| match l.split_once(':') {
+            Some((k, v)) => format!("{}:{v}\n", k.to_ascii_lowercase()),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[end..].to_vec();
+    while body.len() < len {
+        let n = tokio::io::AsyncReadExt::read(sock, &mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    Some((head, String::from_utf8_lossy(&body).into_owned()))
+}
