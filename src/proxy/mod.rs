@@ -31,6 +31,22 @@ pub struct Gateway {
     pub hcm_stats: Arc<HcmStats>,
 }
 
+/// A request on its way to mirror clusters: the chosen targets, then the request as sent
+/// upstream (head, then body as it streams).
+#[derive(Default)]
+struct MirrorJob {
+    targets: Vec<(Arc<str>, String)>,
+    head: Option<(http::Method, String, http::HeaderMap)>,
+    body: Vec<u8>,
+    /// Gave up on a body larger than MIRROR_BODY_LIMIT.
+    dropped: bool,
+    sent: bool,
+}
+
+/// Envoy streams large mirrored bodies; Portico copies bodies up to this size and skips the
+/// mirror for larger ones.
+const MIRROR_BODY_LIMIT: usize = 1 << 20;
+
 /// Per-request state: the snapshot loaded once, and what routing decided.
 #[derive(Default)]
 pub struct Ctx {
@@ -57,6 +73,8 @@ pub struct Ctx {
     retry_slot: bool,
     /// This request holds one of the cluster's `max_connections` slots.
     cx_slot: bool,
+    /// Mirrors this request goes to, and the copy being taken of it.
+    mirror: Option<Box<MirrorJob>>,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
     upstream_start: Option<Instant>,
@@ -387,6 +405,58 @@ impl Gateway {
         taken
     }
 
+    /// Fire and forget: each mirror target gets its copy on a task of its own, so a slow or
+    /// failing mirror never delays or fails the request itself. Counted in the mirror
+    /// cluster's stats, as Envoy's shadow requests are.
+    fn send_mirrors(&self, ctx: &mut Ctx) {
+        let Some(job) = ctx.mirror.as_mut().filter(|j| !j.sent) else {
+            return;
+        };
+        job.sent = true;
+        let Some((method, pq, headers)) = job.head.take() else {
+            return;
+        };
+        let body = Bytes::from(std::mem::take(&mut job.body));
+        let snap = self.state.snapshot.load();
+        let timeout = ctx.timeout;
+        for (name, host) in std::mem::take(&mut job.targets) {
+            let Some(cluster) = snap.clusters.get(name.as_ref()).cloned() else {
+                continue;
+            };
+            let Some((idx, addr)) = cluster.pick() else {
+                continue;
+            };
+            let mut headers = headers.clone();
+            if let Ok(v) = http::HeaderValue::from_str(&host) {
+                headers.insert(http::header::HOST, v);
+            }
+            let (method, pq, body) = (method.clone(), pq.clone(), body.clone());
+            cluster.active[idx].fetch_add(1, Relaxed);
+            cluster.stats.rq_active.fetch_add(1, Relaxed);
+            cluster.stats.start();
+            tokio::spawn(async move {
+                let sent = mirror_request(addr, method, &pq, headers, body);
+                let outcome = match timeout {
+                    Some(t) => tokio::time::timeout(t, sent).await.ok(),
+                    None => Some(sent.await),
+                };
+                match outcome {
+                    Some(Ok(status)) => cluster.stats.record_code(status),
+                    Some(Err(e)) => {
+                        tracing::debug!(cluster = %cluster.def.name, "mirror request failed: {e}");
+                        cluster.stats.record_code(503);
+                    }
+                    None => {
+                        cluster.stats.rq_timeout.fetch_add(1, Relaxed);
+                        cluster.stats.record_code(504);
+                    }
+                }
+                cluster.active[idx].fetch_sub(1, Relaxed);
+                cluster.stats.rq_active.fetch_sub(1, Relaxed);
+            });
+        }
+    }
+
     /// Before a retry: Envoy's back-off, then a host of the same cluster, avoiding the hosts
     /// already tried when the policy has the previous_hosts predicate.
     async fn next_attempt(&self, ctx: &mut Ctx) -> Result<()> {
@@ -536,6 +606,30 @@ impl Gateway {
         )
         .await
     }
+}
+
+/// One mirrored request over a fresh HTTP/1.1 connection; its answer is read and dropped.
+async fn mirror_request(
+    addr: SocketAddr,
+    method: http::Method,
+    pq: &str,
+    headers: http::HeaderMap,
+    body: Bytes,
+) -> std::result::Result<u16, Box<dyn std::error::Error + Send + Sync>> {
+    use http_body_util::BodyExt;
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(pq)
+        .body(http_body_util::Full::new(body))?;
+    *req.headers_mut() = headers;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status().as_u16();
+    resp.into_body().collect().await?;
+    Ok(status)
 }
 
 /// Whether the raw HTTP/1 request head has a header line starting with `name` (lowercase,
@@ -714,6 +808,21 @@ impl ProxyHttp for Gateway {
         ctx.timeout = fwd.timeout;
         ctx.deadline = fwd.timeout.map(|t| Instant::now() + t);
         ctx.retry = fwd.retry.clone();
+        if !fwd.mirrors.is_empty() {
+            let host = raw_authority(session.req_header());
+            let targets: Vec<(Arc<str>, String)> = fwd
+                .mirrors
+                .iter()
+                .filter(|m| fastrand::u32(..1_000_000) < m.per_million)
+                .map(|m| (m.cluster.clone(), m.host(host)))
+                .collect();
+            if !targets.is_empty() {
+                ctx.mirror = Some(Box::new(MirrorJob {
+                    targets,
+                    ..Default::default()
+                }));
+            }
+        }
         ctx.attempt_count_to_upstream = fwd.attempt_count_to_upstream;
         ctx.attempt_count_to_client = fwd.attempt_count_to_client;
         ctx.host_index = idx;
@@ -900,7 +1009,43 @@ impl ProxyHttp for Gateway {
         if ctx.attempt_count_to_upstream {
             upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
+        if let Some(job) = ctx.mirror.as_mut().filter(|j| j.head.is_none()) {
+            // The mirror gets the request as it goes upstream (Envoy copies it after the
+            // router's header changes).
+            let pq = upstream
+                .uri
+                .path_and_query()
+                .map_or_else(|| "/".to_string(), |p| p.as_str().to_string());
+            job.head = Some((upstream.method.clone(), pq, upstream.headers.clone()));
+            if session.as_mut().is_body_empty() {
+                self.send_mirrors(ctx);
+            }
+        }
         ctx.upstream_start = Some(Instant::now());
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let Some(job) = ctx.mirror.as_mut().filter(|j| !j.sent && !j.dropped) else {
+            return Ok(());
+        };
+        if let Some(b) = body {
+            if job.body.len() + b.len() > MIRROR_BODY_LIMIT {
+                job.dropped = true;
+                job.body = Vec::new();
+                return Ok(());
+            }
+            job.body.extend_from_slice(b);
+        }
+        if end_of_stream {
+            self.send_mirrors(ctx);
+        }
         Ok(())
     }
 

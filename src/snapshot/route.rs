@@ -158,9 +158,99 @@ pub struct Forward {
     pub regex_rewrite: Option<RegexRewrite>,
     pub host_rewrite: Option<String>,
     pub retry: Option<Arc<RetryPolicy>>,
+    /// `request_mirror_policies`: the route's own, else its virtual host's.
+    pub mirrors: Arc<[Mirror]>,
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
+}
+
+/// One `request_mirror_policies` entry: a copy of a share of the requests goes to `cluster`.
+#[derive(Debug)]
+pub struct Mirror {
+    pub cluster: Arc<str>,
+    /// The share mirrored, in millionths (Envoy's FractionalPercent scaled to MILLION).
+    pub per_million: u32,
+    /// Envoy appends `-shadow` to the host (before any port) unless told not to.
+    pub shadow_suffix: bool,
+    pub host_rewrite: Option<String>,
+}
+
+impl Mirror {
+    fn translate(m: &rpb::route_action::RequestMirrorPolicy) -> Result<Mirror, String> {
+        use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
+        if m.cluster.is_empty() {
+            return Err(if m.cluster_header.is_empty() {
+                "request_mirror_policies: cluster is required".into()
+            } else {
+                "request_mirror_policies: cluster_header is not supported".into()
+            });
+        }
+        if !m.request_headers_mutations.is_empty() {
+            return Err(
+                "request_mirror_policies: request_headers_mutations is not supported yet".into(),
+            );
+        }
+        let per_million = match m
+            .runtime_fraction
+            .as_ref()
+            .and_then(|r| r.default_value.as_ref())
+        {
+            // No fraction: every request is mirrored.
+            None => 1_000_000,
+            Some(f) => {
+                let scale = match D::try_from(f.denominator) {
+                    Ok(D::Hundred) => 10_000,
+                    Ok(D::TenThousand) => 100,
+                    Ok(D::Million) => 1,
+                    Err(_) => {
+                        return Err(format!(
+                            "request_mirror_policies: unknown denominator {}",
+                            f.denominator
+                        ))
+                    }
+                };
+                f.numerator.saturating_mul(scale).min(1_000_000)
+            }
+        };
+        Ok(Mirror {
+            cluster: Arc::from(m.cluster.as_str()),
+            per_million,
+            shadow_suffix: !m.disable_shadow_host_suffix_append,
+            host_rewrite: (!m.host_rewrite_literal.is_empty())
+                .then(|| m.host_rewrite_literal.clone()),
+        })
+    }
+
+    /// The host a mirrored request carries.
+    pub fn host(&self, host: &str) -> String {
+        if let Some(h) = &self.host_rewrite {
+            return h.clone();
+        }
+        if !self.shadow_suffix {
+            return host.to_string();
+        }
+        match host
+            .rsplit_once(':')
+            .filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()))
+        {
+            Some((h, p)) if !h.ends_with(']') || host.starts_with('[') => format!("{h}-shadow:{p}"),
+            _ => format!("{host}-shadow"),
+        }
+    }
+}
+
+fn mirrors(
+    list: &[rpb::route_action::RequestMirrorPolicy],
+) -> Result<Option<Arc<[Mirror]>>, String> {
+    if list.is_empty() {
+        return Ok(None);
+    }
+    let v = list
+        .iter()
+        .map(Mirror::translate)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(Arc::from(v)))
 }
 
 #[derive(Debug)]
@@ -507,6 +597,9 @@ impl RouteTable {
             };
             let vhost_ctx = VhostCtx {
                 retry: vhost_retry,
+                mirrors: mirrors(&vh.request_mirror_policies)
+                    .map_err(|e| err(format!("{vctx}: {e}")))?
+                    .unwrap_or_else(|| Arc::from(Vec::new())),
                 attempt_count_to_upstream: vh.include_request_attempt_count,
                 attempt_count_to_client: vh.include_attempt_count_in_response,
             };
@@ -580,6 +673,7 @@ impl RouteTable {
 /// What a virtual host lends its routes.
 struct VhostCtx {
     retry: Option<Arc<RetryPolicy>>,
+    mirrors: Arc<[Mirror]>,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
 }
@@ -798,9 +892,11 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
     if ra.path_rewrite_policy.is_some() {
         return Err("path_rewrite_policy is not supported yet".into());
     }
+    let mirrors = mirrors(&ra.request_mirror_policies)?.unwrap_or_else(|| vh.mirrors.clone());
     Ok(Forward {
         target,
         timeout,
+        mirrors,
         regex_rewrite,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,

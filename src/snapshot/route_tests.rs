@@ -1338,3 +1338,50 @@ fn regex_rewrite_rejections() {
         assert!(e.contains(want), "{pattern} {substitution}: {e}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// request_mirror_policies
+
+#[test]
+fn mirror_fractions_and_shadow_hosts() {
+    use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
+    use envoy_types::pb::envoy::r#type::v3::FractionalPercent;
+    let policy = |numerator, denominator: D| rpb::route_action::RequestMirrorPolicy {
+        cluster: "shadow".into(),
+        runtime_fraction: Some(corepb::RuntimeFractionalPercent {
+            default_value: Some(FractionalPercent {
+                numerator,
+                denominator: denominator as i32,
+            }),
+            runtime_key: String::new(),
+        }),
+        ..Default::default()
+    };
+    let m = Mirror::translate(&policy(25, D::Hundred)).unwrap();
+    assert_eq!(m.per_million, 250_000);
+    assert_eq!(
+        Mirror::translate(&policy(5, D::TenThousand))
+            .unwrap()
+            .per_million,
+        500
+    );
+    assert_eq!(
+        Mirror::translate(&policy(200, D::Hundred))
+            .unwrap()
+            .per_million,
+        1_000_000
+    );
+    assert_eq!(m.host("a.example.com"), "a.example.com-shadow");
+    assert_eq!(m.host("a.example.com:8080"), "a.example.com-shadow:8080");
+    assert_eq!(m.host("[::1]:8080"), "[::1]-shadow:8080");
+    let mut raw = policy(1, D::Hundred);
+    raw.cluster.clear();
+    raw.cluster_header = "x-mirror".into();
+    assert!(Mirror::translate(&raw)
+        .unwrap_err()
+        .contains("cluster_header is not supported"));
+    raw.cluster_header.clear();
+    assert!(Mirror::translate(&raw)
+        .unwrap_err()
+        .contains("cluster is required"));
+}

@@ -2519,6 +2519,8 @@ pub struct Scripted {
     pub addr: std::net::SocketAddr,
     pub served: Arc<AtomicUsize>,
     pub seen: Arc<Mutex<Vec<Seen>>>,
+    /// Each request's head, header names lowercased.
+    pub heads: Arc<Mutex<Vec<String>>>,
 }
 
 impl Scripted {
@@ -2529,13 +2531,14 @@ impl Scripted {
         let addr = listener.local_addr().expect("addr");
         let served = Arc::new(AtomicUsize::new(0));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let (s, sn) = (served.clone(), seen.clone());
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let (s, sn, hd) = (served.clone(), seen.clone(), heads.clone());
         tokio::spawn(async move {
             loop {
                 let Ok((mut sock, _)) = listener.accept().await else {
                     continue;
                 };
-                let (s, sn, script) = (s.clone(), sn.clone(), script.clone());
+                let (s, sn, hd, script) = (s.clone(), sn.clone(), hd.clone(), script.clone());
                 tokio::spawn(async move {
                     loop {
                         let Some((head, body)) = read_request(&mut sock).await else {
@@ -2547,6 +2550,7 @@ impl Scripted {
                             .find_map(|l| l.strip_prefix("x-envoy-attempt-count: "))
                             .map(str::to_string);
                         sn.lock().expect("lock").push((attempt, body));
+                        hd.lock().expect("lock").push(head);
                         let step = script[n.min(script.len() - 1)];
                         let status = match step {
                             Step::Status(c) => c,
@@ -2570,7 +2574,12 @@ impl Scripted {
                 });
             }
         });
-        Scripted { addr, served, seen }
+        Scripted {
+            addr,
+            served,
+            seen,
+            heads,
+        }
     }
 
     pub fn served(&self) -> usize {
@@ -2580,6 +2589,7 @@ impl Scripted {
     pub fn reset(&self) {
         self.served.store(0, Ordering::SeqCst);
         self.seen.lock().expect("lock").clear();
+        self.heads.lock().expect("lock").clear();
     }
 }
 
