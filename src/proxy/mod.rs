@@ -19,6 +19,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use crate::admin::stats::HcmStats;
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
+use crate::snapshot::cors::Cors;
 use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveListener;
@@ -75,6 +76,8 @@ pub struct Ctx {
     cx_slot: bool,
     /// Mirrors this request goes to, and the copy being taken of it.
     mirror: Option<Box<MirrorJob>>,
+    /// A CORS request from an allowed origin: the policy and the origin, for the response.
+    cors: Option<(Arc<Cors>, String)>,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
     upstream_start: Option<Instant>,
@@ -525,6 +528,7 @@ impl Gateway {
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
         }
+        cors_response(&mut resp, ctx)?;
         session
             .write_response_header(Box::new(resp), body.is_none() || head_only)
             .await?;
@@ -606,6 +610,90 @@ impl Gateway {
         )
         .await
     }
+}
+
+/// Envoy's CORS filter on the request: latches an allowed origin for the response, and
+/// answers a preflight (OPTIONS with an origin and `access-control-request-method`) itself;
+/// the headers of that answer come back when it must be sent.
+fn cors_preflight(
+    session: &Session,
+    ctx: &mut Ctx,
+    cors: &Arc<Cors>,
+) -> Option<Vec<(HeaderName, String)>> {
+    if cors.enabled_per_million < 1_000_000
+        && fastrand::u32(..1_000_000) >= cors.enabled_per_million
+    {
+        return None;
+    }
+    let req = session.req_header();
+    let text = |name: &str| {
+        req.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    };
+    let origin = text("origin");
+    if origin.is_empty() {
+        return None;
+    }
+    let allowed = cors.origin_allowed(origin);
+    if allowed {
+        ctx.cors = Some((cors.clone(), origin.to_string()));
+    }
+    let method = text("access-control-request-method");
+    if req.method != http::Method::OPTIONS || method.is_empty() {
+        return None;
+    }
+    if !allowed && cors.forward_not_matching_preflights {
+        return None;
+    }
+    let mut out = Vec::new();
+    let h = HeaderName::from_static;
+    if allowed {
+        out.push((h("access-control-allow-origin"), origin.to_string()));
+    }
+    if cors.allow_credentials {
+        out.push((h("access-control-allow-credentials"), "true".into()));
+    }
+    match cors.allow_methods.as_str() {
+        "" => {}
+        "*" => out.push((h("access-control-allow-methods"), method.to_string())),
+        m => out.push((h("access-control-allow-methods"), m.to_string())),
+    }
+    match cors.allow_headers.as_str() {
+        "" => {}
+        "*" => out.push((
+            h("access-control-allow-headers"),
+            text("access-control-request-headers").to_string(),
+        )),
+        v => out.push((h("access-control-allow-headers"), v.to_string())),
+    }
+    if !cors.max_age.is_empty() {
+        out.push((h("access-control-max-age"), cors.max_age.clone()));
+    }
+    if cors.allow_private_network && text("access-control-request-private-network") == "true" {
+        out.push((h("access-control-allow-private-network"), "true".into()));
+    }
+    // The answer passes the filter's response side too (expose-headers included), as in Envoy.
+    Some(out)
+}
+
+/// Envoy's CORS filter on the response to a request from an allowed origin.
+fn cors_response(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
+    let Some((cors, origin)) = &ctx.cors else {
+        return Ok(());
+    };
+    resp.insert_header("access-control-allow-origin", origin.as_str())?;
+    if cors.allow_credentials {
+        resp.insert_header("access-control-allow-credentials", "true")?;
+    }
+    if !cors.expose_headers.is_empty() {
+        resp.insert_header(
+            "access-control-expose-headers",
+            cors.expose_headers.as_str(),
+        )?;
+    }
+    Ok(())
 }
 
 /// One mirrored request over a fresh HTTP/1.1 connection; its answer is read and dropped.
@@ -755,6 +843,11 @@ impl ProxyHttp for Gateway {
             }
             Action::Forward(f) => f,
         };
+        if let (true, Some(cors)) = (listener.def.hcm.cors, &fwd.cors) {
+            if let Some(extra) = cors_preflight(session, ctx, cors) {
+                return self.local_reply(session, ctx, 200, None, &extra).await;
+            }
+        }
         let cluster_name = match &fwd.target {
             Target::Cluster(c) => c,
             Target::Weighted(w) => w.pick(fastrand::u64(..)),
@@ -1146,6 +1239,7 @@ impl ProxyHttp for Gateway {
         if ctx.attempt_count_to_client && ctx.attempts > 0 {
             resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
+        cors_response(resp, ctx)?;
         Ok(())
     }
 

@@ -51,6 +51,8 @@ pub struct Hcm {
     pub strip_any_host_port: bool,
     pub strip_matching_host_port: bool,
     pub server_name: String,
+    /// The chain has an enabled `envoy.filters.http.cors`: routes' CORS policies apply.
+    pub cors: bool,
 }
 
 fn unpack<M: Message + Default>(any: &Any, want: &str, what: &str) -> Result<M, String> {
@@ -174,7 +176,13 @@ impl Hcm {
             return Err("stat_prefix must not be empty".into());
         }
         check_http_filters(&h.http_filters)?;
+        let cors = h.http_filters.iter().any(|f| {
+            !f.disabled
+                && matches!(&f.config_type,
+                    Some(hcm::http_filter::ConfigType::TypedConfig(a)) if config_type(a) == CORS_TYPE)
+        });
         Ok(Hcm {
+            cors,
             stat_prefix: h.stat_prefix.clone(),
             routes,
             codec,

@@ -4,6 +4,7 @@
 //! resource and field) out. The request path reads only these structs.
 
 pub mod cluster;
+pub mod cors;
 pub mod listener;
 pub mod retry;
 pub mod route;

@@ -160,6 +160,8 @@ pub struct Forward {
     pub retry: Option<Arc<RetryPolicy>>,
     /// `request_mirror_policies`: the route's own, else its virtual host's.
     pub mirrors: Arc<[Mirror]>,
+    /// The effective CORS policy, if any level sets one.
+    pub cors: Option<Arc<super::cors::Cors>>,
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
@@ -595,7 +597,12 @@ impl RouteTable {
                 )),
                 None => None,
             };
+            #[allow(deprecated)]
+            let vh_cors = vh.cors.as_ref();
             let vhost_ctx = VhostCtx {
+                filter_configs: &vh.typed_per_filter_config,
+                config_filter_configs: &rc.typed_per_filter_config,
+                cors: vh_cors,
                 retry: vhost_retry,
                 mirrors: mirrors(&vh.request_mirror_policies)
                     .map_err(|e| err(format!("{vctx}: {e}")))?
@@ -670,8 +677,11 @@ impl RouteTable {
     }
 }
 
-/// What a virtual host lends its routes.
-struct VhostCtx {
+/// What a virtual host (and its route configuration) lends its routes.
+struct VhostCtx<'a> {
+    filter_configs: &'a HashMap<String, envoy_types::pb::google::protobuf::Any>,
+    config_filter_configs: &'a HashMap<String, envoy_types::pb::google::protobuf::Any>,
+    cors: Option<&'a rpb::CorsPolicy>,
     retry: Option<Arc<RetryPolicy>>,
     mirrors: Arc<[Mirror]>,
     attempt_count_to_upstream: bool,
@@ -679,6 +689,25 @@ struct VhostCtx {
 }
 
 fn translate_route(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
+    let mut route = translate_route_inner(r, vh)?;
+    // Only forwarding routes have a route entry, which is where Envoy's CORS filter looks.
+    if let (Action::Forward(f), Some(rpb::route::Action::Route(ra))) =
+        (&mut route.action, &r.action)
+    {
+        #[allow(deprecated)]
+        let own = ra.cors.as_ref();
+        f.cors = super::cors::resolve(
+            &r.typed_per_filter_config,
+            vh.filter_configs,
+            vh.config_filter_configs,
+            [own, vh.cors],
+        )?
+        .map(Arc::new);
+    }
+    Ok(route)
+}
+
+fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
     use rpb::route_match::PathSpecifier as PS;
     let m = r.r#match.as_ref().ok_or("match is required")?;
     let case_sensitive = m.case_sensitive.as_ref().map(|b| b.value).unwrap_or(true);
@@ -897,6 +926,7 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         target,
         timeout,
         mirrors,
+        cors: None,
         regex_rewrite,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,
