@@ -19,6 +19,8 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use crate::admin::stats::HcmStats;
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
+use crate::snapshot::fault::{self, AbortWith, PerRoute};
+use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveListener;
 use crate::State;
@@ -44,6 +46,56 @@ pub struct Ctx {
     /// The upstream's response code was counted when its headers arrived.
     code_recorded: bool,
     counted_active: bool,
+    /// Response header mutations of the chosen route (and weighted-cluster entry), applied to
+    /// the upstream response or to the route's own local replies.
+    resp_headers: Option<RespHeaders>,
+    /// Active faults this request holds (one per fault filter that injected), released at
+    /// the end of the request.
+    active_faults: u8,
+}
+
+struct RespHeaders {
+    entry: Option<Arc<HeaderOps>>,
+    plan: Arc<HeaderPlan>,
+    /// What the formatters read besides the request.
+    fmt: FormatCtx,
+}
+
+impl RespHeaders {
+    fn apply(&self, resp: &mut ResponseHeader, req: &RequestHeader) {
+        // Envoy: the weighted-cluster entry first, then the route chain.
+        for ops in self.entry.iter().chain(self.plan.response.iter()) {
+            ops.apply(resp, Some(req), &self.fmt);
+        }
+    }
+}
+
+/// Envoy's downstream remote address: the peer with `use_remote_address` (or the XFF entry
+/// `xff_num_trusted_hops` back), otherwise the last XFF address, else the peer. Addresses
+/// taken from XFF have port 0, as in Envoy.
+fn downstream_remote(
+    headers: &http::HeaderMap,
+    peer: Option<SocketAddr>,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Option<SocketAddr> {
+    let skip = if hcm.use_remote_address {
+        match hcm.xff_num_trusted_hops.checked_sub(1) {
+            Some(n) => n as usize,
+            None => return peer,
+        }
+    } else {
+        hcm.xff_num_trusted_hops as usize
+    };
+    let from_xff = headers
+        .get(&X_FORWARDED_FOR)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let hops: Vec<&str> = v.split(',').collect();
+            let i = hops.len().checked_sub(1 + skip)?;
+            hops[i].trim().parse::<std::net::IpAddr>().ok()
+        })
+        .map(|ip| SocketAddr::new(ip, 0));
+    from_xff.or(peer)
 }
 
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -265,6 +317,94 @@ fn strip_response(resp: &mut ResponseHeader) {
 }
 
 impl Gateway {
+    /// Runs the fault filters in chain order, as Envoy's: each may delay (then the request
+    /// goes on) and then abort. Returns the abort to send, if one fired.
+    async fn inject_faults(
+        &self,
+        ctx: &mut Ctx,
+        faults: &[crate::snapshot::listener::FaultFilter],
+        view: &RequestView<'_>,
+        route: Option<&crate::snapshot::route::Route>,
+        picked: Option<(&Arc<str>, Option<&crate::snapshot::route::ClusterEntry>)>,
+    ) -> Option<AbortWith> {
+        let stats = &self.hcm_stats.fault;
+        if !stats.enabled.load(Relaxed) {
+            stats.enabled.store(true, Relaxed);
+        }
+        for ff in faults {
+            // Most specific config wins: weighted-cluster entry, then the route's layers.
+            let entry = picked
+                .and_then(|(_, e)| e)
+                .and_then(|e| e.faults.iter().find(|(n, _)| *n == ff.name))
+                .map(|(_, p)| p);
+            let cfg = match entry.or_else(|| route.and_then(|r| r.fault_override(&ff.name))) {
+                Some(PerRoute::Disabled) => continue,
+                Some(PerRoute::Config(c)) => c,
+                None => &ff.config,
+            };
+            if !cfg.applies(view, picked.map(|(c, _)| c.as_ref())) {
+                continue;
+            }
+            // One active fault per filter, however many it injects (Envoy's fault_active_).
+            let mut active = false;
+            if let Some(d) = cfg.delay_for(view.headers, || fastrand::u64(..)) {
+                if stats.try_activate(cfg.max_active_faults) {
+                    active = true;
+                    ctx.active_faults += 1;
+                    stats.delays_injected.fetch_add(1, Relaxed);
+                    tokio::time::sleep(d).await;
+                }
+            }
+            if let Some(a) = cfg.abort_for(view.headers, || fastrand::u64(..)) {
+                if active || stats.try_activate(cfg.max_active_faults) {
+                    if !active {
+                        ctx.active_faults += 1;
+                    }
+                    stats.aborts_injected.fetch_add(1, Relaxed);
+                    return Some(a);
+                }
+            }
+        }
+        None
+    }
+
+    /// The fault filter's local reply: `fault filter abort` as text, or for a gRPC request a
+    /// trailers-only gRPC response (HTTP 200, grpc-status, grpc-message), as Envoy's
+    /// `sendLocalReply` makes it.
+    async fn fault_abort(&self, session: &mut Session, ctx: &Ctx, a: AbortWith) -> Result<bool> {
+        let grpc_request = session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v == "application/grpc" || v.starts_with("application/grpc+"));
+        if !grpc_request {
+            return self
+                .local_reply(session, ctx, a.status, Some(a.body), &[])
+                .await;
+        }
+        let grpc_status = a
+            .grpc_status
+            .unwrap_or_else(|| fault::http_to_grpc_status(a.status));
+        let message = String::from_utf8_lossy(&a.body).into_owned();
+        let mut resp = ResponseHeader::build(200, Some(4))?;
+        resp.insert_header(http::header::CONTENT_TYPE, "application/grpc")?;
+        resp.insert_header("grpc-status", grpc_status.to_string())?;
+        resp.insert_header("grpc-message", message)?;
+        let h1 = matches!(
+            session.as_downstream(),
+            pingora_core::protocols::http::ServerSession::H1(_)
+        );
+        if h1 {
+            resp.insert_header(http::header::CONTENT_LENGTH, "0")?;
+        }
+        if let Some(l) = &ctx.listener {
+            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        }
+        session.write_response_header(Box::new(resp), true).await?;
+        Ok(true)
+    }
+
     async fn local_reply(
         &self,
         session: &mut Session,
@@ -294,6 +434,11 @@ impl Gateway {
         }
         for (k, v) in extra {
             resp.insert_header(k.clone(), v.as_str())?;
+        }
+        // The route's response headers reach its own local replies (direct responses,
+        // redirects, upstream failures), as Envoy's router finalizes them.
+        if let Some(rh) = &ctx.resp_headers {
+            rh.apply(&mut resp, session.req_header());
         }
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
@@ -477,10 +622,47 @@ impl ProxyHttp for Gateway {
             scheme,
             headers: &req.headers,
         };
-        let Some((_vh, route)) = router::route(&listener.routes, &view) else {
+        let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
+        // Envoy resolves the weighted cluster with the route, before any filter runs: the
+        // fault filter's upstream_cluster and the entry's overrides see the pick.
+        let picked = match matched.map(|r| &r.action) {
+            Some(Action::Forward(f)) => Some(match &f.target {
+                Target::Cluster(c) => (c, None),
+                Target::Weighted(w) => {
+                    let i = w.pick_index(fastrand::u64(..));
+                    (&w.clusters[i].0, w.entries.get(i))
+                }
+            }),
+            _ => None,
+        };
+        let hcm = &listener.def.hcm;
+        if !hcm.faults.is_empty() {
+            if let Some(a) = self
+                .inject_faults(ctx, &hcm.faults, &view, matched, picked)
+                .await
+            {
+                return self.fault_abort(session, ctx, a).await;
+            }
+        }
+        let Some(route) = matched else {
             self.hcm_stats.no_route.fetch_add(1, Relaxed);
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
+        let entry = picked.and_then(|(_, e)| e);
+        let peer = session.client_addr().and_then(|a| a.as_inet()).copied();
+        let fmt = FormatCtx {
+            remote: downstream_remote(&req.headers, peer, hcm),
+            direct_remote: peer,
+            local: session.server_addr().and_then(|a| a.as_inet()).copied(),
+        };
+        let entry_resp = entry.and_then(|e| e.response_headers.clone());
+        if entry_resp.is_some() || !route.header_plan.response.is_empty() {
+            ctx.resp_headers = Some(RespHeaders {
+                entry: entry_resp,
+                plan: route.header_plan.clone(),
+                fmt,
+            });
+        }
         let fwd: &Forward = match &route.action {
             Action::Direct { status, body } => {
                 let status = status.as_u16();
@@ -499,9 +681,8 @@ impl ProxyHttp for Gateway {
             }
             Action::Forward(f) => f,
         };
-        let cluster_name = match &fwd.target {
-            Target::Cluster(c) => c,
-            Target::Weighted(w) => w.pick(fastrand::u64(..)),
+        let Some((cluster_name, _)) = picked else {
+            return Error::e_explain(ErrorType::InternalError, "forward route without a cluster");
         };
         let Some(cluster) = snap.clusters.get(cluster_name.as_ref()).cloned() else {
             // Envoy's cluster_not_found_response_code default.
@@ -537,7 +718,6 @@ impl ProxyHttp for Gateway {
         ctx.cluster = Some(cluster);
 
         // Request headers as Envoy's connection manager mutates them.
-        let hcm = &listener.def.hcm;
         let client_ip = session
             .client_addr()
             .and_then(|a| a.as_inet())
@@ -621,6 +801,15 @@ impl ProxyHttp for Gateway {
                 req.remove_header(&X_EXPECTED_TIMEOUT);
             }
         }
+        // The route's custom headers (weighted-cluster entry first), after the connection
+        // manager's own, before the path rewrite records x-envoy-original-path: Envoy's order.
+        for ops in entry
+            .and_then(|e| e.request_headers.as_ref())
+            .into_iter()
+            .chain(route.header_plan.request.iter())
+        {
+            ops.apply(req, None, &fmt);
+        }
         if let Some(p) = original_path {
             req.insert_header(X_ORIGINAL_PATH.clone(), p)?;
         }
@@ -694,7 +883,7 @@ impl ProxyHttp for Gateway {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
@@ -709,6 +898,10 @@ impl ProxyHttp for Gateway {
                 X_UPSTREAM_TIME.clone(),
                 start.elapsed().as_millis().to_string(),
             )?;
+        }
+        // After x-envoy-upstream-service-time, before the connection manager's `server`.
+        if let Some(rh) = &ctx.resp_headers {
+            rh.apply(resp, session.req_header());
         }
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
@@ -793,6 +986,12 @@ impl ProxyHttp for Gateway {
         let code = session.response_written().map_or(0, |r| r.status.as_u16());
         if ctx.counted_active {
             self.hcm_stats.finish(code);
+        }
+        if ctx.active_faults > 0 {
+            self.hcm_stats
+                .fault
+                .active_faults
+                .fetch_sub(u64::from(ctx.active_faults), Relaxed);
         }
         if let Some(c) = &ctx.cluster {
             c.active[ctx.host_index].fetch_sub(1, Relaxed);

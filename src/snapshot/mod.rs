@@ -4,6 +4,8 @@
 //! resource and field) out. The request path reads only these structs.
 
 pub mod cluster;
+pub mod fault;
+pub mod headers;
 pub mod listener;
 pub mod route;
 
