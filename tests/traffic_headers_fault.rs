@@ -587,6 +587,15 @@ fn listener_fault() -> HttpFault {
     f
 }
 
+/// (what, path, request headers, status, body)
+type FaultCase = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    u16,
+    &'static str,
+);
+
 async fn fault_mesh(raw: &RawBackend) -> Mesh {
     let mesh = Mesh::start_raw(|port| {
         let mut s = raw_cluster(raw);
@@ -610,8 +619,7 @@ async fn faults_abort_and_delay_as_envoy() {
     let mut aborts = 0u32;
     let mut delays = 0u32;
 
-    // (what, path, request headers, status, body)
-    let cases: &[(&str, &str, &[(&str, &str)], u16, &str)] = &[
+    let cases: &[FaultCase] = &[
         (
             "listener fault, headers not matched",
             "/plain",
