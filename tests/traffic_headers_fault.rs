@@ -149,8 +149,8 @@ fn values(r: &UpstreamRequest, name: &str) -> Vec<String> {
 
 fn raw_cluster(raw: &RawBackend) -> Snapshot {
     Snapshot {
-        clusters: vec![eds_cluster("raw")],
-        endpoints: vec![cla("raw", &[raw.addr])],
+        clusters: vec![eds_cluster("raw"), eds_cluster("empty")],
+        endpoints: vec![cla("raw", &[raw.addr]), cla("empty", &[])],
         ..Default::default()
     }
 }
@@ -215,7 +215,35 @@ fn header_routes(name: &str, most_specific: bool) -> RouteConfiguration {
     let mut d = rt(prefix("/direct"), direct(200, "direct"));
     d.response_headers_to_add = vec![add("x-direct", "yes")];
 
-    let mut vh = vhost("traffic", &[HOST], vec![h, w, d]);
+    let mut xff = rt(prefix("/xff"), to_cluster("raw"));
+    xff.request_headers_to_add = vec![
+        add("x-remote", "%DOWNSTREAM_REMOTE_ADDRESS%"),
+        add("x-remote-ip", "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"),
+        add(
+            "x-direct-ip",
+            "%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%",
+        ),
+        add("x-local-ip", "%DOWNSTREAM_LOCAL_ADDRESS_WITHOUT_PORT%"),
+        add("x-method", "%REQ(:METHOD)% %REQ(:PATH)%"),
+    ];
+
+    // Local replies of the router carry the route's response headers.
+    let mut unhealthy = rt(prefix("/unhealthy"), to_cluster("empty"));
+    unhealthy.response_headers_to_add = vec![add("x-local-reply", "yes")];
+    let mut redirect = rt(
+        prefix("/redirect"),
+        route::Action::Redirect(envoy_types::pb::envoy::config::route::v3::RedirectAction {
+            path_rewrite_specifier: Some(
+                envoy_types::pb::envoy::config::route::v3::redirect_action::PathRewriteSpecifier::PathRedirect(
+                    "/elsewhere".into(),
+                ),
+            ),
+            ..Default::default()
+        }),
+    );
+    redirect.response_headers_to_add = vec![add("x-redirect", "yes")];
+
+    let mut vh = vhost("traffic", &[HOST], vec![h, w, d, xff, unhealthy, redirect]);
     vh.request_headers_to_add = vec![set("x-level", "vh"), add("x-vh", "vh")];
     vh.response_headers_to_add = vec![set("x-resp-level", "vh")];
     vh.response_headers_to_remove = strings(&["x-backend"]);
@@ -372,6 +400,73 @@ async fn custom_headers_reach_the_backend_and_the_client() {
     );
     c.eq("direct x-direct", r.header("x-direct"), Some("yes"));
     c.eq("direct x-resp-level", r.header("x-resp-level"), Some("rc"));
+
+    // Envoy's downstream remote address without use_remote_address: the last XFF entry.
+    let r = mesh
+        .get("/xff", HOST, &[("x-forwarded-for", "10.9.8.7, 1.2.3.4")])
+        .await;
+    c.eq("GET /xff: status", r.status, 200);
+    let up = raw.request("/xff").expect("backend saw /xff");
+    c.eq(
+        "xff backend x-remote",
+        values(&up, "x-remote"),
+        strings(&["1.2.3.4:0"]),
+    );
+    c.eq(
+        "xff backend x-remote-ip",
+        values(&up, "x-remote-ip"),
+        strings(&["1.2.3.4"]),
+    );
+    c.eq(
+        "xff backend x-direct-ip",
+        values(&up, "x-direct-ip"),
+        strings(&["127.0.0.1"]),
+    );
+    c.eq(
+        "xff backend x-local-ip",
+        values(&up, "x-local-ip"),
+        strings(&["127.0.0.1"]),
+    );
+    c.eq(
+        "xff backend x-method",
+        values(&up, "x-method"),
+        strings(&["GET /xff"]),
+    );
+
+    // The router's own local replies and redirects carry the route's response headers.
+    let r = mesh.get("/unhealthy", HOST, &[]).await;
+    c.eq(
+        "no healthy upstream: status, body",
+        (r.status, r.body.as_str()),
+        (503, "no healthy upstream"),
+    );
+    c.eq(
+        "no healthy upstream: x-local-reply",
+        r.header("x-local-reply"),
+        Some("yes"),
+    );
+    c.eq(
+        "no healthy upstream: x-resp-level",
+        r.header("x-resp-level"),
+        Some("rc"),
+    );
+    let req = format!("GET /redirect HTTP/1.1\r\nHost: {HOST}\r\n\r\n");
+    let r = raw_http1(mesh.port, req.as_bytes(), false).await;
+    c.eq(
+        "redirect: status, location, x-redirect, x-resp-level",
+        (
+            r.status,
+            r.header("location"),
+            r.header("x-redirect"),
+            r.header("x-resp-level"),
+        ),
+        (
+            301,
+            Some(format!("http://{HOST}/elsewhere").as_str()),
+            Some("yes"),
+            Some("rc"),
+        ),
+    );
 
     // most_specific_header_mutations_wins: the route's value wins.
     let r = HttpClient::new()
@@ -533,6 +628,21 @@ fn fault_routes(name: &str) -> RouteConfiguration {
         abort_http(418, pct(100, D::Hundred)),
     );
     direct_route.response_headers_to_add = vec![add("x-route-resp", "yes")];
+    let mut max_zero = abort_http(500, pct(100, D::Hundred));
+    max_zero.max_active_faults = Some(UInt32Value { value: 0 });
+    let max_zero = with_fault(rt(prefix("/maxzero"), to_cluster("raw")), max_zero);
+    let header_delay = with_fault(
+        rt(prefix("/hdelay"), to_cluster("raw")),
+        HttpFault {
+            delay: Some(FaultDelay {
+                fault_delay_secifier: Some(fault_delay::FaultDelaySecifier::HeaderDelay(
+                    fault_delay::HeaderDelay {},
+                )),
+                percentage: pct(100, D::Hundred),
+            }),
+            ..Default::default()
+        },
+    );
     let delay_then_abort = with_fault(
         rt(prefix("/both"), to_cluster("raw")),
         HttpFault {
@@ -560,6 +670,8 @@ fn fault_routes(name: &str) -> RouteConfiguration {
                 cluster,
                 direct_route,
                 delay_then_abort,
+                max_zero,
+                header_delay,
             ],
         )],
     )
@@ -595,6 +707,12 @@ type FaultCase = (
     u16,
     &'static str,
 );
+
+/// Whether a delay of `ms` was observed. Envoy's timers fire up to a few ms early as the
+/// client measures (197.7 ms seen for 200 ms), so 5 ms of slack.
+fn at_least(took: Duration, ms: u64) -> bool {
+    took + Duration::from_millis(5) >= Duration::from_millis(ms)
+}
 
 async fn fault_mesh(raw: &RawBackend) -> Mesh {
     let mesh = Mesh::start_raw(|port| {
@@ -705,6 +823,27 @@ async fn faults_abort_and_delay_as_envoy() {
             200,
             "fault filter abort",
         ),
+        (
+            "no route: the listener's fault still runs",
+            "/no-such-route",
+            &[("x-fault-me", "yes")],
+            503,
+            "fault filter abort",
+        ),
+        (
+            "no route, fault not matched",
+            "/no-such-route",
+            &[],
+            404,
+            "",
+        ),
+        (
+            "max_active_faults 0: overflow, no fault",
+            "/maxzero",
+            &[],
+            200,
+            "raw-backend",
+        ),
     ];
     for (what, path, headers, status, body) in cases {
         let served = raw.requests().len();
@@ -767,6 +906,11 @@ async fn faults_abort_and_delay_as_envoy() {
         ),
     );
     c.eq("gRPC abort: body", r.body.as_str(), "");
+    c.eq(
+        "gRPC abort: content-length",
+        r.header("content-length"),
+        Some("0"),
+    );
     let r = mesh.get("/grpchttp", HOST, &grpc).await;
     aborts += 1;
     c.eq(
@@ -781,10 +925,23 @@ async fn faults_abort_and_delay_as_envoy() {
     delays += 1;
     let took = start.elapsed();
     c.eq("delay: status", r.status, 200);
+    c.ok("delay: took >= 300ms", at_least(took, 300), took);
+    // Header-controlled delay.
+    let start = Instant::now();
+    let r = mesh
+        .get("/hdelay", HOST, &[("x-envoy-fault-delay-request", "250")])
+        .await;
+    delays += 1;
+    let took = start.elapsed();
+    c.eq("header delay: status", r.status, 200);
+    c.ok("header delay: took >= 250ms", at_least(took, 250), took);
+    let start = Instant::now();
+    let r = mesh.get("/hdelay", HOST, &[]).await;
+    c.eq("header delay without header: status", r.status, 200);
     c.ok(
-        "delay: took >= 300ms",
-        took >= Duration::from_millis(300),
-        took,
+        "header delay without header: quick",
+        start.elapsed() < Duration::from_millis(200),
+        start.elapsed(),
     );
     // Delay, then abort.
     let start = Instant::now();
@@ -793,11 +950,7 @@ async fn faults_abort_and_delay_as_envoy() {
     aborts += 1;
     let took = start.elapsed();
     c.eq("delay then abort: status", r.status, 429);
-    c.ok(
-        "delay then abort: took >= 200ms",
-        took >= Duration::from_millis(200),
-        took,
-    );
+    c.ok("delay then abort: took >= 200ms", at_least(took, 200), took);
 
     // 50% aborts: within 5 standard deviations of n/2 (n = 400: 200 +- 50).
     let n = 400;
@@ -829,6 +982,11 @@ async fn faults_abort_and_delay_as_envoy() {
         "envoy_http_fault_delays_injected",
         stat("envoy_http_fault_delays_injected"),
         f64::from(delays),
+    );
+    c.eq(
+        "envoy_http_fault_faults_overflow",
+        stat("envoy_http_fault_faults_overflow"),
+        1.0,
     );
     c.eq(
         "envoy_http_fault_active_faults",
