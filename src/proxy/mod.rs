@@ -89,11 +89,8 @@ fn downstream_remote(
     let from_xff = headers
         .get(&X_FORWARDED_FOR)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let hops: Vec<&str> = v.split(',').collect();
-            let i = hops.len().checked_sub(1 + skip)?;
-            hops[i].trim().parse::<std::net::IpAddr>().ok()
-        })
+        .and_then(|v| v.rsplit(',').nth(skip))
+        .and_then(|hop| hop.trim().parse::<std::net::IpAddr>().ok())
         .map(|ip| SocketAddr::new(ip, 0));
     from_xff.or(peer)
 }
@@ -649,11 +646,18 @@ impl ProxyHttp for Gateway {
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
         let entry = picked.and_then(|(_, e)| e);
-        let peer = session.client_addr().and_then(|a| a.as_inet()).copied();
-        let fmt = FormatCtx {
-            remote: downstream_remote(&req.headers, peer, hcm),
-            direct_remote: peer,
-            local: session.server_addr().and_then(|a| a.as_inet()).copied(),
+        let has_entry_ops =
+            entry.is_some_and(|e| e.request_headers.is_some() || e.response_headers.is_some());
+        // Only routes with custom headers need the formatter context (XFF parsing included).
+        let fmt = if has_entry_ops || !route.header_plan.is_empty() {
+            let peer = session.client_addr().and_then(|a| a.as_inet()).copied();
+            FormatCtx {
+                remote: downstream_remote(&req.headers, peer, hcm),
+                direct_remote: peer,
+                local: session.server_addr().and_then(|a| a.as_inet()).copied(),
+            }
+        } else {
+            FormatCtx::default()
         };
         let entry_resp = entry.and_then(|e| e.response_headers.clone());
         if entry_resp.is_some() || !route.header_plan.response.is_empty() {
@@ -1028,6 +1032,56 @@ mod tests {
                 ids.iter().filter_map(|id| id.chars().nth(i)).collect();
             assert!(distinct.len() > 1, "position {i} never changes");
         }
+    }
+
+    #[test]
+    fn downstream_remote_follows_envoys_xff_rules() {
+        use crate::snapshot::listener::{Codec, Hcm, RouteSource};
+        let hcm = |use_remote_address: bool, hops: u32| Hcm {
+            stat_prefix: "p".into(),
+            routes: RouteSource::Rds("r".into()),
+            codec: Codec::Auto,
+            use_remote_address,
+            skip_xff_append: false,
+            xff_num_trusted_hops: hops,
+            generate_request_id: true,
+            preserve_external_request_id: false,
+            strip_any_host_port: false,
+            strip_matching_host_port: false,
+            server_name: "envoy".into(),
+            faults: Vec::new(),
+        };
+        let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
+        let mut h = http::HeaderMap::new();
+        let ip = |a: Option<SocketAddr>| a.map(|a| a.to_string());
+        // No XFF: the peer either way.
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
+        h.insert(
+            X_FORWARDED_FOR.clone(),
+            http::HeaderValue::from_static("10.0.0.1, 10.0.0.2"),
+        );
+        // Without use_remote_address: the last entry (port 0), or `hops` back from it.
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(false, 0))).as_deref(),
+            Some("10.0.0.2:0")
+        );
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(false, 1))).as_deref(),
+            Some("10.0.0.1:0")
+        );
+        // With use_remote_address: the peer, unless hops are trusted.
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(true, 0))), ip(peer));
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(true, 1))).as_deref(),
+            Some("10.0.0.2:0")
+        );
+        // Too few entries or garbage: the peer.
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 5))), ip(peer));
+        h.insert(
+            X_FORWARDED_FOR.clone(),
+            http::HeaderValue::from_static("junk"),
+        );
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
     }
 
     #[test]
