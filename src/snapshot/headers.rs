@@ -288,7 +288,7 @@ impl HeaderOps {
                             buf.clear();
                             render(parts, reqh, ctx, &mut buf);
                             // A request value may hold bytes a header cannot; drop it then.
-                            HeaderValue::from_str(&buf).ok()?
+                            HeaderValue::from_bytes(buf.as_bytes()).ok()?
                         }
                     };
                     (a.keep_empty || !v.is_empty()).then_some(v)
@@ -410,12 +410,13 @@ fn header_add(h: &corepb::HeaderValueOption) -> Result<Option<HeaderAdd>, Header
     let value = match parts.as_slice() {
         [] => Format::Static(HeaderValue::from_static("")),
         [Part::Literal(s)] => Format::Static(
-            HeaderValue::from_str(s).map_err(|_| HeaderError::InvalidValue(hv.key.clone()))?,
+            HeaderValue::from_bytes(s.as_bytes())
+                .map_err(|_| HeaderError::InvalidValue(hv.key.clone()))?,
         ),
         _ => {
             for p in &parts {
                 if let Part::Literal(s) = p {
-                    HeaderValue::from_str(s)
+                    HeaderValue::from_bytes(s.as_bytes())
                         .map_err(|_| HeaderError::InvalidValue(hv.key.clone()))?;
                 }
             }
