@@ -30,6 +30,8 @@ use envoy_types::pb::google::protobuf::{BoolValue, Duration as PbDuration, UInt3
 
 const HOST: &str = "traffic.example.com";
 const FAULT: &str = "envoy.filters.http.fault";
+/// The name of a fault filter that is `disabled` in the chain.
+const OFF: &str = "fault-off";
 
 /// Differences from Envoy that are known and explained: (mismatch prefix, reason).
 const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[(
@@ -681,6 +683,20 @@ fn fault_routes(name: &str) -> RouteConfiguration {
         abort_http(418, pct(100, D::Hundred)),
     );
     direct_route.response_headers_to_add = vec![add("x-route-resp", "yes")];
+    // Enabling the disabled filter: an empty FilterConfig config keeps its listener config; a
+    // plain config replaces it.
+    let mut enable = rt(prefix("/enable-empty"), to_cluster("raw"));
+    enable.typed_per_filter_config.insert(
+        OFF.into(),
+        any(FilterConfig {
+            config: Some(envoy_types::pb::google::protobuf::Any::default()),
+            ..Default::default()
+        }),
+    );
+    let mut enable_own = rt(prefix("/enable-own"), to_cluster("raw"));
+    enable_own
+        .typed_per_filter_config
+        .insert(OFF.into(), any(abort_http(451, pct(100, D::Hundred))));
     let mut max_zero = abort_http(500, pct(100, D::Hundred));
     max_zero.max_active_faults = Some(UInt32Value { value: 0 });
     let max_zero = with_fault(rt(prefix("/maxzero"), to_cluster("raw")), max_zero);
@@ -725,6 +741,8 @@ fn fault_routes(name: &str) -> RouteConfiguration {
                 delay_then_abort,
                 max_zero,
                 header_delay,
+                enable,
+                enable_own,
             ],
         )],
     )
@@ -772,7 +790,11 @@ async fn fault_mesh(raw: &RawBackend) -> Mesh {
         let mut s = raw_cluster(raw);
         let mut h = hcm(port);
         h.stat_prefix = "faults".into();
-        h.http_filters = vec![fault_filter(listener_fault()), router_filter()];
+        // A second fault filter, off unless a route enables it.
+        let mut off = fault_filter(abort_http(500, pct(100, D::Hundred)));
+        off.name = OFF.into();
+        off.disabled = true;
+        h.http_filters = vec![fault_filter(listener_fault()), off, router_filter()];
         s.listeners = vec![listener_with(port, h)];
         s.routes = vec![fault_routes(&route_name(port))];
         s
@@ -889,6 +911,20 @@ async fn faults_abort_and_delay_as_envoy() {
             &[],
             404,
             "",
+        ),
+        (
+            "disabled filter, enabled by an empty FilterConfig",
+            "/enable-empty",
+            &[],
+            500,
+            "fault filter abort",
+        ),
+        (
+            "disabled filter, enabled by its own config",
+            "/enable-own",
+            &[],
+            451,
+            "fault filter abort",
         ),
         (
             "max_active_faults 0: overflow, no fault",

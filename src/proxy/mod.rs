@@ -19,7 +19,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use crate::admin::stats::HcmStats;
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
-use crate::snapshot::fault::{self, AbortWith, PerRoute};
+use crate::snapshot::fault::{self, AbortWith};
 use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveListener;
@@ -329,16 +329,24 @@ impl Gateway {
             stats.enabled.store(true, Relaxed);
         }
         for ff in faults {
-            // Most specific config wins: weighted-cluster entry, then the route's layers.
+            // Most specific first: the weighted-cluster entry, then the route's layers; the
+            // enabled flag and the config resolve separately, as in Envoy.
             let entry = picked
                 .and_then(|(_, e)| e)
                 .and_then(|e| e.faults.iter().find(|(n, _)| *n == ff.name))
                 .map(|(_, p)| p);
-            let cfg = match entry.or_else(|| route.and_then(|r| r.fault_override(&ff.name))) {
-                Some(PerRoute::Disabled) => continue,
-                Some(PerRoute::Config(c)) => c,
-                None => &ff.config,
-            };
+            let routed = route.and_then(|r| r.fault_override(&ff.name));
+            let disabled = entry
+                .and_then(|p| p.disabled)
+                .or_else(|| routed.and_then(|p| p.disabled))
+                .unwrap_or(ff.disabled);
+            if disabled {
+                continue;
+            }
+            let cfg = entry
+                .and_then(|p| p.config.as_ref())
+                .or_else(|| routed.and_then(|p| p.config.as_ref()))
+                .unwrap_or(&ff.config);
             if !cfg.applies(view, picked.map(|(c, _)| c.as_ref())) {
                 continue;
             }

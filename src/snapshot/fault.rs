@@ -107,11 +107,24 @@ pub struct Fault {
     pub max_active_faults: Option<u64>,
 }
 
-/// A route's word on one fault filter (by filter name): its own config, or disabled.
-#[derive(Debug, Clone)]
-pub enum PerRoute {
-    Config(Arc<Fault>),
-    Disabled,
+/// A level's word on one filter (by filter name), as Envoy's `PerFilterConfigs`: whether it
+/// is enabled or disabled there, and its own config. Each field resolves on its own, most
+/// specific level first (an entry that only enables the filter keeps a vhost's config).
+#[derive(Debug, Clone, Default)]
+pub struct PerRoute {
+    /// `Some(false)`: explicitly enabled (any config entry does that); `Some(true)`:
+    /// `FilterConfig { disabled: true }`.
+    pub disabled: Option<bool>,
+    pub config: Option<Arc<Fault>>,
+}
+
+impl PerRoute {
+    fn config(f: Fault) -> PerRoute {
+        PerRoute {
+            disabled: Some(false),
+            config: Some(Arc::new(f)),
+        }
+    }
 }
 
 impl Fault {
@@ -315,9 +328,9 @@ fn abort(a: &fpb::FaultAbort) -> Result<Abort, String> {
     })
 }
 
-/// The fault overrides among a `typed_per_filter_config` map: entries holding an HTTPFault
-/// (or a `FilterConfig` wrapping one, or disabling the filter). Other filters' entries are
-/// left alone, as before.
+/// The fault-relevant entries of a `typed_per_filter_config` map: HTTPFault configs, and
+/// `FilterConfig` wrappers (which enable or disable any filter by name). Other filters'
+/// configs are left alone, as before.
 pub fn per_route(
     map: &std::collections::HashMap<String, Any>,
 ) -> Result<Vec<(String, PerRoute)>, String> {
@@ -327,19 +340,38 @@ pub fn per_route(
         match a.type_url.as_str() {
             FAULT_TYPE => out.push((
                 name.clone(),
-                PerRoute::Config(Arc::new(Fault::from_any(a).map_err(ctx)?)),
+                PerRoute::config(Fault::from_any(a).map_err(ctx)?),
             )),
             FILTER_CONFIG_TYPE => {
                 let fc = rpb::FilterConfig::decode(a.value.as_slice())
                     .map_err(|e| ctx(format!("cannot decode FilterConfig: {e}")))?;
-                match fc.config {
-                    _ if fc.disabled => out.push((name.clone(), PerRoute::Disabled)),
-                    Some(inner) if inner.type_url == FAULT_TYPE => out.push((
-                        name.clone(),
-                        PerRoute::Config(Arc::new(Fault::from_any(&inner).map_err(ctx)?)),
-                    )),
-                    _ => {}
-                }
+                let entry = match fc.config {
+                    _ if fc.disabled => PerRoute {
+                        disabled: Some(true),
+                        config: None,
+                    },
+                    // Envoy's wording.
+                    None => {
+                        return Err(format!(
+                            "Empty route/virtual host per filter configuration for {name} filter"
+                        ))
+                    }
+                    // An empty config only enables the filter.
+                    Some(inner) if inner.type_url.is_empty() => PerRoute {
+                        disabled: Some(false),
+                        config: None,
+                    },
+                    Some(inner) if inner.type_url == FAULT_TYPE => {
+                        PerRoute::config(Fault::from_any(&inner).map_err(ctx)?)
+                    }
+                    // Another filter's config: it enables that filter, which is not a fault
+                    // filter, so nothing here reads it.
+                    Some(_) => PerRoute {
+                        disabled: Some(false),
+                        config: None,
+                    },
+                };
+                out.push((name.clone(), entry));
             }
             _ => {}
         }
@@ -349,16 +381,26 @@ pub fn per_route(
     Ok(out)
 }
 
-/// A route's per-filter entries layered over its vhost's and route config's (most specific
-/// wins per filter name), as Envoy's `mostSpecificPerFilterConfig`.
-pub fn layer(levels: [&[(String, PerRoute)]; 3]) -> Vec<(String, PerRoute)> {
+/// Per-filter entries layered least to most specific: for each filter name, the most
+/// specific level that says anything about `disabled`, and separately about `config`, wins
+/// (Envoy's `filterDisabled` and `mostSpecificPerFilterConfig`).
+pub fn layer(levels: &[&[(String, PerRoute)]]) -> Vec<(String, PerRoute)> {
     let mut out: Vec<(String, PerRoute)> = Vec::new();
-    // Least specific first, each more specific level replacing by name.
     for level in levels {
-        for (name, v) in level {
-            match out.iter_mut().find(|(n, _)| n == name) {
-                Some(slot) => slot.1 = v.clone(),
-                None => out.push((name.clone(), v.clone())),
+        for (name, v) in level.iter() {
+            let i = match out.iter().position(|(n, _)| n == name) {
+                Some(i) => i,
+                None => {
+                    out.push((name.clone(), PerRoute::default()));
+                    out.len() - 1
+                }
+            };
+            let slot = &mut out[i].1;
+            if v.disabled.is_some() {
+                slot.disabled = v.disabled;
+            }
+            if v.config.is_some() {
+                slot.config = v.config.clone();
             }
         }
     }

@@ -262,8 +262,10 @@ fn per_route_entries_and_layering() {
     let got = per_route(&map).expect("valid");
     let names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["f1", "f2", "f3"]);
-    assert!(matches!(got[1].1, PerRoute::Disabled));
-    assert!(matches!(&got[2].1, PerRoute::Config(c) if c.abort.is_some()));
+    assert_eq!(got[1].1.disabled, Some(true));
+    assert!(got[1].1.config.is_none());
+    assert_eq!(got[2].1.disabled, Some(false));
+    assert!(got[2].1.config.as_ref().is_some_and(|c| c.abort.is_some()));
 
     let bad: std::collections::HashMap<String, Any> = [(
         "f".to_string(),
@@ -279,8 +281,37 @@ fn per_route_entries_and_layering() {
         "typed_per_filter_config['f']: abort: http_status: value 100 must be inside range [200, 600)"
     );
 
-    let vh = vec![("f1".to_string(), PerRoute::Disabled)];
-    let layered = layer([&[], &vh, &got[..1]]);
-    assert_eq!(layered.len(), 1);
-    assert!(matches!(layered[0].1, PerRoute::Config(_)));
+    // The route only enables f1; the vhost's config for it stays.
+    let enable_only = PerRoute {
+        disabled: Some(false),
+        config: None,
+    };
+    let vh = vec![
+        ("f1".to_string(), got[0].1.clone()),
+        ("f2".to_string(), got[1].1.clone()),
+    ];
+    let rt = vec![
+        ("f1".to_string(), enable_only.clone()),
+        ("f2".to_string(), enable_only),
+    ];
+    let layered = layer(&[&[], &vh, &rt]);
+    assert_eq!(layered.len(), 2);
+    assert_eq!(layered[0].1.disabled, Some(false));
+    assert!(layered[0].1.config.is_some());
+    assert_eq!(layered[1].1.disabled, Some(false));
+
+    let empty = FilterConfig::default();
+    let bad: std::collections::HashMap<String, Any> = [(
+        "f".to_string(),
+        Any {
+            type_url: FILTER_CONFIG_TYPE.into(),
+            value: empty.encode_to_vec(),
+        },
+    )]
+    .into_iter()
+    .collect();
+    assert_eq!(
+        per_route(&bad).expect_err("empty FilterConfig"),
+        "Empty route/virtual host per filter configuration for f filter"
+    );
 }

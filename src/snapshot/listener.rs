@@ -62,6 +62,8 @@ pub struct Hcm {
 pub struct FaultFilter {
     pub name: String,
     pub config: Arc<Fault>,
+    /// `disabled: true` in the chain: off unless a route's per-filter config enables it.
+    pub disabled: bool,
 }
 
 fn unpack<M: Message + Default>(any: &Any, want: &str, what: &str) -> Result<M, String> {
@@ -273,9 +275,6 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
                 f.name
             ));
         }
-        if f.is_optional || f.disabled {
-            continue;
-        }
         if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &f.config_type {
             match config_type(a).as_str() {
                 // A TypedStruct carries the config as JSON, which Portico does not map.
@@ -291,6 +290,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
                     faults.push(FaultFilter {
                         name: f.name.clone(),
                         config: Arc::new(config),
+                        disabled: f.disabled,
                     });
                     continue;
                 }
@@ -299,6 +299,10 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
                 CORS_TYPE => continue,
                 _ => {}
             }
+        }
+        // A filter Portico does not implement is fine if the config says it may be skipped.
+        if f.is_optional || f.disabled {
+            continue;
         }
         let kind = match &f.config_type {
             Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a),

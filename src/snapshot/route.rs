@@ -480,7 +480,7 @@ impl RouteTable {
                 ));
                 let own = fault::per_route(&r.typed_per_filter_config)
                     .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
-                route.faults = fault::layer([&rc_faults, &vh_faults, &own]);
+                route.faults = fault::layer(&[&rc_faults, &vh_faults, &own]);
                 routes.push(route);
             }
             vhosts.push(VirtualHost {

@@ -1431,7 +1431,9 @@ fn fault_overrides_layer_route_over_vhost() {
         .insert("envoy.filters.http.fault".into(), fault(503));
     let t = translate(&config("rc", vec![vh.clone()]));
     let status = |r: &Route| match r.fault_override("envoy.filters.http.fault") {
-        Some(PerRoute::Config(c)) => c.abort.as_ref().map(|a| a.kind.clone()),
+        Some(PerRoute {
+            config: Some(c), ..
+        }) => c.abort.as_ref().map(|a| a.kind.clone()),
         _ => None,
     };
     assert_eq!(
