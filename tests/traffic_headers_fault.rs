@@ -155,9 +155,19 @@ fn values(r: &UpstreamRequest, name: &str) -> Vec<String> {
 }
 
 fn raw_cluster(raw: &RawBackend) -> Snapshot {
+    // A port nothing listens on: bound, then released.
+    let dead: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
     Snapshot {
-        clusters: vec![eds_cluster("raw"), eds_cluster("empty")],
-        endpoints: vec![cla("raw", &[raw.addr]), cla("empty", &[])],
+        clusters: vec![
+            eds_cluster("raw"),
+            eds_cluster("empty"),
+            eds_cluster("dead"),
+        ],
+        endpoints: vec![
+            cla("raw", &[raw.addr]),
+            cla("empty", &[]),
+            cla("dead", &[dead]),
+        ],
         ..Default::default()
     }
 }
@@ -240,6 +250,8 @@ fn header_routes(name: &str, most_specific: bool) -> RouteConfiguration {
     // Local replies of the router carry the route's response headers.
     let mut unhealthy = rt(prefix("/unhealthy"), to_cluster("empty"));
     unhealthy.response_headers_to_add = vec![add("x-local-reply", "yes")];
+    let mut refused = rt(prefix("/refused"), to_cluster("dead"));
+    refused.response_headers_to_add = vec![add("x-local-reply", "yes")];
     let mut redirect = rt(
         prefix("/redirect"),
         route::Action::Redirect(envoy_types::pb::envoy::config::route::v3::RedirectAction {
@@ -253,7 +265,11 @@ fn header_routes(name: &str, most_specific: bool) -> RouteConfiguration {
     );
     redirect.response_headers_to_add = vec![add("x-redirect", "yes")];
 
-    let mut vh = vhost("traffic", &[HOST], vec![h, w, d, xff, unhealthy, redirect]);
+    let mut vh = vhost(
+        "traffic",
+        &[HOST],
+        vec![h, w, d, xff, unhealthy, refused, redirect],
+    );
     vh.request_headers_to_add = vec![set("x-level", "vh"), add("x-vh", "vh")];
     vh.response_headers_to_add = vec![set("x-resp-level", "vh")];
     vh.response_headers_to_remove = strings(&["x-backend"]);
@@ -468,6 +484,13 @@ async fn custom_headers_reach_the_backend_and_the_client() {
         "no healthy upstream: x-resp-level",
         r.header("x-resp-level"),
         Some("rc"),
+    );
+    let r = mesh.get("/refused", HOST, &[]).await;
+    c.eq("connection refused: status", r.status, 503);
+    c.eq(
+        "connection refused: x-local-reply",
+        r.header("x-local-reply"),
+        Some("yes"),
     );
     let req = format!("GET /redirect HTTP/1.1\r\nHost: {HOST}\r\n\r\n");
     let r = raw_http1(mesh.port, req.as_bytes(), false).await;
