@@ -440,6 +440,27 @@ mod tests {
     }
 
     #[test]
+    fn fault_stats_render_under_envoys_names_once_enabled() {
+        let stats = Stats::new();
+        let h = stats.hcm("ingress");
+        assert!(!stats.render(&|_| None).contains("fault"));
+        h.fault.enabled.store(true, Relaxed);
+        h.fault.aborts_injected.fetch_add(2, Relaxed);
+        assert!(h.fault.try_activate(Some(1)));
+        assert!(!h.fault.try_activate(Some(1)), "max_active_faults reached");
+        let text = stats.render(&|_| None);
+        for line in [
+            "envoy_http_fault_aborts_injected{envoy_http_conn_manager_prefix=\"ingress\"} 2",
+            "envoy_http_fault_delays_injected{envoy_http_conn_manager_prefix=\"ingress\"} 0",
+            "envoy_http_fault_faults_overflow{envoy_http_conn_manager_prefix=\"ingress\"} 1",
+            "envoy_http_fault_active_faults{envoy_http_conn_manager_prefix=\"ingress\"} 1",
+            "# TYPE envoy_http_fault_active_faults gauge",
+        ] {
+            assert!(text.contains(line), "{line} missing in\n{text}");
+        }
+    }
+
+    #[test]
     fn render_uses_envoy_names() {
         let stats = Stats::new();
         let c = stats.cluster("outbound|9080|v1|reviews.default.svc.cluster.local");
