@@ -744,9 +744,10 @@ fn fault_routes(name: &str) -> RouteConfiguration {
     );
     route_config(
         name,
+        // `*` too: an h2 client's :authority carries the port.
         vec![vhost(
             "traffic",
-            &[HOST],
+            &[HOST, "*"],
             vec![
                 plain,
                 override_,
@@ -1029,6 +1030,35 @@ async fn faults_abort_and_delay_as_envoy() {
         "HTTP abort of a gRPC request: status, grpc-status",
         (r.status, r.header("grpc-status")),
         (200, Some("14")),
+    );
+
+    // Over HTTP/2 (h2c), as gRPC clients talk.
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .resolve(HOST, ([127, 0, 0, 1], mesh.port).into())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("h2c client");
+    let url = |p: &str| format!("http://{HOST}:{}{p}", mesh.port);
+    let r = send_request(&h2, "POST", &url("/grpc"), None, &grpc, Some(vec![0; 5])).await;
+    aborts += 1;
+    c.eq(
+        "h2 gRPC abort: status, grpc-status, grpc-message, content-length",
+        (
+            r.status,
+            r.header("grpc-status"),
+            r.header("grpc-message"),
+            r.header("content-length"),
+        ),
+        (200, Some("14"), Some("fault filter abort"), None),
+    );
+    let r = send_request(&h2, "GET", &url("/override"), None, &[], None).await;
+    aborts += 1;
+    c.eq(
+        "h2 abort: status, body, content-length",
+        (r.status, r.body.as_str(), r.header("content-length")),
+        (418, "fault filter abort", Some("18")),
     );
 
     // Delays happen before the upstream request.
