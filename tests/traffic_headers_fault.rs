@@ -720,6 +720,9 @@ fn fault_routes(name: &str) -> RouteConfiguration {
     enable_own
         .typed_per_filter_config
         .insert(OFF.into(), any(abort_http(451, pct(100, D::Hundred))));
+    let mut nodes = abort_http(503, pct(100, D::Hundred));
+    nodes.downstream_nodes = strings(&["node-a"]);
+    let nodes = with_fault(rt(prefix("/nodes"), to_cluster("raw")), nodes);
     let mut max_zero = abort_http(500, pct(100, D::Hundred));
     max_zero.max_active_faults = Some(UInt32Value { value: 0 });
     let max_zero = with_fault(rt(prefix("/maxzero"), to_cluster("raw")), max_zero);
@@ -767,6 +770,7 @@ fn fault_routes(name: &str) -> RouteConfiguration {
                 header_delay,
                 enable,
                 enable_own,
+                nodes,
             ],
         )],
     )
@@ -936,6 +940,31 @@ async fn faults_abort_and_delay_as_envoy() {
             404,
             "",
         ),
+        (
+            "header abort, percentage header 0",
+            "/header",
+            &[
+                ("x-envoy-fault-abort-request", "429"),
+                ("x-envoy-fault-abort-request-percentage", "0"),
+            ],
+            200,
+            "raw-backend",
+        ),
+        (
+            "downstream node listed",
+            "/nodes",
+            &[("x-envoy-downstream-service-node", "node-a")],
+            503,
+            "fault filter abort",
+        ),
+        (
+            "downstream node not listed",
+            "/nodes",
+            &[("x-envoy-downstream-service-node", "node-b")],
+            200,
+            "raw-backend",
+        ),
+        ("downstream node absent", "/nodes", &[], 200, "raw-backend"),
         (
             "disabled filter, enabled by an empty FilterConfig",
             "/enable-empty",
