@@ -207,7 +207,11 @@ fn header_routes(name: &str, most_specific: bool) -> RouteConfiguration {
         add("x-copy-dup", "%REQ(x-dup)%"),
         add("x-utf8", "café ☕"),
     ];
-    h.request_headers_to_remove = strings(&["x-remove-me", "x-forwarded-proto"]);
+    h.request_headers_to_remove = strings(&[
+        "x-remove-me",
+        "x-forwarded-proto",
+        "x-envoy-expected-rq-timeout-ms",
+    ]);
     h.response_headers_to_add = vec![
         add("x-resp", "route"),
         set("x-resp-level", "route"),
@@ -254,6 +258,17 @@ fn header_routes(name: &str, most_specific: bool) -> RouteConfiguration {
         add("x-method", "%REQ(:METHOD)% %REQ(:PATH)%"),
     ];
 
+    // x-envoy-original-path is set after the custom headers: removing it has no effect.
+    let mut rewrite = rt(
+        prefix("/rw"),
+        route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster("raw".into())),
+            prefix_rewrite: "/rewritten".into(),
+            ..Default::default()
+        }),
+    );
+    rewrite.request_headers_to_remove = strings(&["x-envoy-original-path"]);
+
     // Local replies of the router carry the route's response headers.
     let mut unhealthy = rt(prefix("/unhealthy"), to_cluster("empty"));
     unhealthy.response_headers_to_add = vec![add("x-local-reply", "yes")];
@@ -275,7 +290,7 @@ fn header_routes(name: &str, most_specific: bool) -> RouteConfiguration {
     let mut vh = vhost(
         "traffic",
         &[HOST],
-        vec![h, w, d, xff, unhealthy, refused, redirect],
+        vec![h, w, d, xff, rewrite, unhealthy, refused, redirect],
     );
     vh.request_headers_to_add = vec![set("x-level", "vh"), add("x-vh", "vh")];
     vh.response_headers_to_add = vec![set("x-resp-level", "vh")];
@@ -377,6 +392,11 @@ async fn custom_headers_reach_the_backend_and_the_client() {
         strings(&["fixed-id"]),
     );
     c.eq("backend x-copy-dup", at("x-copy-dup"), strings(&["first"]));
+    c.eq(
+        "backend x-envoy-expected-rq-timeout-ms (removed)",
+        at("x-envoy-expected-rq-timeout-ms"),
+        strings(&[]),
+    );
     c.eq("backend x-utf8", at("x-utf8"), strings(&["café ☕"]));
 
     c.eq(
@@ -473,6 +493,15 @@ async fn custom_headers_reach_the_backend_and_the_client() {
         "xff backend x-method",
         values(&up, "x-method"),
         strings(&["GET /xff"]),
+    );
+
+    let r = mesh.get("/rw/x", HOST, &[]).await;
+    c.eq("GET /rw/x: status", r.status, 200);
+    let up = raw.request("/rewritten/x");
+    c.eq(
+        "rewrite: x-envoy-original-path survives its removal",
+        up.map(|u| values(&u, "x-envoy-original-path")),
+        Some(strings(&["/rw/x"])),
     );
 
     // The router's own local replies and redirects carry the route's response headers.
