@@ -756,6 +756,11 @@ fn fault_routes(name: &str) -> RouteConfiguration {
     enable_own
         .typed_per_filter_config
         .insert(OFF.into(), any(abort_http(451, pct(100, D::Hundred))));
+    let mut custom = abort(fault_abort::ErrorType::GrpcStatus(13), pct(100, D::Hundred));
+    if let Some(a) = custom.abort.as_mut() {
+        a.response_body = "100% café".into();
+    }
+    let custom = with_fault(rt(prefix("/custom"), to_cluster("raw")), custom);
     let mut nodes = abort_http(503, pct(100, D::Hundred));
     nodes.downstream_nodes = strings(&["node-a"]);
     let nodes = with_fault(rt(prefix("/nodes"), to_cluster("raw")), nodes);
@@ -807,6 +812,7 @@ fn fault_routes(name: &str) -> RouteConfiguration {
                 enable,
                 enable_own,
                 nodes,
+                custom,
             ],
         )],
     )
@@ -1095,6 +1101,22 @@ async fn faults_abort_and_delay_as_envoy() {
         "HTTP abort of a gRPC request: status, grpc-status",
         (r.status, r.header("grpc-status")),
         (200, Some("14")),
+    );
+
+    // response_body replaces the text; in grpc-message it is percent-encoded.
+    let r = mesh.get("/custom", HOST, &[]).await;
+    aborts += 1;
+    c.eq(
+        "custom body: status, body",
+        (r.status, r.body.as_str()),
+        (200, "100% café"),
+    );
+    let r = mesh.get("/custom", HOST, &grpc).await;
+    aborts += 1;
+    c.eq(
+        "custom body, gRPC: grpc-status, grpc-message",
+        (r.header("grpc-status"), r.header("grpc-message")),
+        (Some("13"), Some("100%25 caf%C3%A9")),
     );
 
     // Over HTTP/2 (h2c), as gRPC clients talk.

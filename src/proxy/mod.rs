@@ -51,7 +51,7 @@ pub struct Ctx {
     resp_headers: Option<RespHeaders>,
     /// Active faults this request holds (one per fault filter that injected), released at
     /// the end of the request.
-    active_faults: u8,
+    active_faults: u32,
 }
 
 struct RespHeaders {
@@ -68,6 +68,21 @@ impl RespHeaders {
             ops.apply(resp, Some(req), &self.fmt);
         }
     }
+}
+
+/// grpc-message encoding (gRPC's HTTP/2 spec, as Envoy's `PercentEncoding::encode`): bytes
+/// outside printable ASCII, and `%`, become `%XX`.
+fn grpc_percent_encode(msg: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(msg.len());
+    for &b in msg {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
 }
 
 /// Envoy's downstream remote address: the peer with `use_remote_address` (or the XFF entry
@@ -391,7 +406,7 @@ impl Gateway {
         let grpc_status = a
             .grpc_status
             .unwrap_or_else(|| fault::http_to_grpc_status(a.status));
-        let message = String::from_utf8_lossy(&a.body).into_owned();
+        let message = grpc_percent_encode(&a.body);
         let mut resp = ResponseHeader::build(200, Some(4))?;
         resp.insert_header(http::header::CONTENT_TYPE, "application/grpc")?;
         resp.insert_header("grpc-status", grpc_status.to_string())?;
@@ -1040,6 +1055,18 @@ mod tests {
                 ids.iter().filter_map(|id| id.chars().nth(i)).collect();
             assert!(distinct.len() > 1, "position {i} never changes");
         }
+    }
+
+    #[test]
+    fn grpc_messages_are_percent_encoded() {
+        assert_eq!(
+            grpc_percent_encode(b"fault filter abort"),
+            "fault filter abort"
+        );
+        assert_eq!(
+            grpc_percent_encode("100% café\n".as_bytes()),
+            "100%25 caf%C3%A9%0A"
+        );
     }
 
     #[test]
