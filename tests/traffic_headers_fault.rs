@@ -1315,3 +1315,76 @@ async fn bad_fault_configs_are_nacked() {
     c.eq("last good config serves", r.status, 200);
     c.finish();
 }
+
+/// (path, grpc-status, grpc-message, a route response header expected)
+type GrpcCase = (
+    &'static str,
+    &'static str,
+    Option<&'static str>,
+    Option<(&'static str, &'static str)>,
+);
+
+/// Envoy answers a gRPC request's local replies (direct responses, redirects, no route, no
+/// healthy upstream, connect failures) as trailers-only gRPC: HTTP 200, grpc-status mapped
+/// from the HTTP status, the body as grpc-message, the route's response headers kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_requests_get_grpc_local_replies() {
+    let raw = RawBackend::start().await;
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = raw_cluster(&raw);
+        s.listeners = vec![l(port)];
+        s.routes = vec![header_routes(&route_name(port), false)];
+        s
+    })
+    .await;
+    mesh.wait_status("/direct", HOST, 200).await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    let refused = "upstream connect error or disconnect/reset before headers. reset reason: \
+                   remote connection failure";
+    let cases: &[GrpcCase] = &[
+        ("/direct", "2", Some("direct"), Some(("x-direct", "yes"))),
+        (
+            "/unhealthy",
+            "14",
+            Some("no healthy upstream"),
+            Some(("x-local-reply", "yes")),
+        ),
+        (
+            "/refused",
+            "14",
+            Some(refused),
+            Some(("x-local-reply", "yes")),
+        ),
+        ("/nothing", "12", None, None),
+        ("/redirect", "2", None, Some(("x-redirect", "yes"))),
+    ];
+    for (path, status, message, route_header) in cases {
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: {HOST}\r\ncontent-type: application/grpc\r\n\r\n"
+        );
+        let r = raw_http1(mesh.port, req.as_bytes(), false).await;
+        c.eq(
+            format!("gRPC {path}: status, content-type, grpc-status, grpc-message, length, body"),
+            (
+                r.status,
+                r.header("content-type"),
+                r.header("grpc-status"),
+                r.header("grpc-message"),
+                r.header("content-length"),
+                r.body_str(),
+            ),
+            (
+                200,
+                Some("application/grpc"),
+                Some(*status),
+                *message,
+                Some("0"),
+                String::new(),
+            ),
+        );
+        if let Some((k, v)) = route_header {
+            c.eq(format!("gRPC {path}: {k}"), r.header(k), Some(*v));
+        }
+    }
+    c.finish();
+}

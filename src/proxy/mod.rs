@@ -52,6 +52,9 @@ pub struct Ctx {
     /// Active faults this request holds (one per fault filter that injected), released at
     /// the end of the request.
     active_faults: u32,
+    /// A gRPC request (by content-type): Envoy turns every local reply after routing into a
+    /// trailers-only gRPC response for it.
+    grpc_request: bool,
 }
 
 struct RespHeaders {
@@ -392,25 +395,45 @@ impl Gateway {
     /// trailers-only gRPC response (HTTP 200, grpc-status, grpc-message), as Envoy's
     /// `sendLocalReply` makes it.
     async fn fault_abort(&self, session: &mut Session, ctx: &Ctx, a: AbortWith) -> Result<bool> {
-        let grpc_request = session
-            .req_header()
-            .headers
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v == "application/grpc" || v.starts_with("application/grpc+"));
-        if !grpc_request {
-            return self
-                .local_reply(session, ctx, a.status, Some(a.body), &[])
-                .await;
+        self.local_reply_grpc(session, ctx, a.status, Some(a.body), &[], a.grpc_status)
+            .await
+    }
+
+    async fn local_reply(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        status: u16,
+        body: Option<Bytes>,
+        extra: &[(HeaderName, String)],
+    ) -> Result<bool> {
+        self.local_reply_grpc(session, ctx, status, body, extra, None)
+            .await
+    }
+
+    /// A gRPC request's local reply, as Envoy's `sendLocalReply` makes it: HTTP 200 with
+    /// headers only (trailers-only), grpc-status (given, or mapped from the HTTP status) and
+    /// the body as grpc-message.
+    async fn grpc_local_reply(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        grpc_status: u32,
+        body: Option<Bytes>,
+        extra: &[(HeaderName, String)],
+    ) -> Result<bool> {
+        let mut resp = ResponseHeader::build(200, Some(6))?;
+        for (k, v) in extra {
+            resp.insert_header(k.clone(), v.as_str())?;
         }
-        let grpc_status = a
-            .grpc_status
-            .unwrap_or_else(|| fault::http_to_grpc_status(a.status));
-        let message = grpc_percent_encode(&a.body);
-        let mut resp = ResponseHeader::build(200, Some(4))?;
         resp.insert_header(http::header::CONTENT_TYPE, "application/grpc")?;
         resp.insert_header("grpc-status", grpc_status.to_string())?;
-        resp.insert_header("grpc-message", message)?;
+        if let Some(b) = body.filter(|b| !b.is_empty()) {
+            resp.insert_header("grpc-message", grpc_percent_encode(&b))?;
+        }
+        if let Some(rh) = &ctx.resp_headers {
+            rh.apply(&mut resp, session.req_header());
+        }
         let h1 = matches!(
             session.as_downstream(),
             pingora_core::protocols::http::ServerSession::H1(_)
@@ -425,14 +448,22 @@ impl Gateway {
         Ok(true)
     }
 
-    async fn local_reply(
+    /// A local reply; `grpc_status` is the fault filter's for gRPC aborts.
+    async fn local_reply_grpc(
         &self,
         session: &mut Session,
         ctx: &Ctx,
         status: u16,
         body: Option<Bytes>,
         extra: &[(HeaderName, String)],
+        grpc_status: Option<u32>,
     ) -> Result<bool> {
+        if ctx.grpc_request {
+            let grpc_status = grpc_status.unwrap_or_else(|| fault::http_to_grpc_status(status));
+            return self
+                .grpc_local_reply(session, ctx, grpc_status, body, extra)
+                .await;
+        }
         let mut resp = ResponseHeader::build(status, Some(4))?;
         let len = body.as_ref().map_or(0, |b| b.len());
         // 1xx and 204 responses never carry a body or its length (RFC 9110 §8.6).
@@ -625,6 +656,8 @@ impl ProxyHttp for Gateway {
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             return self.local_reply(session, ctx, status, body, &[]).await;
         }
+        // Set after the codec-level checks above, whose replies stay plain.
+        ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = session
             .req_header()
             .headers
