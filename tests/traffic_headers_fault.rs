@@ -1,7 +1,8 @@
 //! Traffic policy as a client and a backend see it: custom request/response headers at every
-//! level (route config, virtual host, route, weighted-cluster entry) and the HTTP fault filter
-//! (listener config and per-route overrides). Envoy is the spec: run with
-//! `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh)` to check the expectations against it.
+//! level (route config, virtual host, route, weighted-cluster entry), the HTTP fault filter
+//! (listener config and per-route overrides), and gRPC local replies. Envoy is the spec: run
+//! with `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh)` to check the expectations against it
+//! (every case here passes against Envoy 1.40; the known differences are listed below).
 
 mod common;
 
