@@ -92,7 +92,8 @@ pub fn route_matches(r: &Route, req: &RequestView<'_>, path: &str) -> bool {
     r.headers.iter().all(|h| header_matches(h, req)) && query_matches(r, req)
 }
 
-fn is_grpc(headers: &HeaderMap) -> bool {
+/// A gRPC request, by content-type (`application/grpc` or `application/grpc+...`).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())

@@ -198,9 +198,13 @@ fn envoy_gateway_goldens_translate_or_are_refused_by_name() {
             if let Err(errors) = Store::default().apply(kind, "1", std::slice::from_ref(&any)) {
                 for reason in errors {
                     // Routes and endpoints must pass, but for retry priorities (not yet).
-                    let allowed = reason.contains("not supported")
+                    let allowed = (reason.contains("not supported")
                         && (matches!(kind, Kind::Cluster | Kind::Listener)
-                            || reason.contains("retry_priority"));
+                            || reason.contains("retry_priority")))
+                        // Envoy Gateway's CORS golden holds an origin regex RE2 cannot parse;
+                        // Envoy 1.40 refuses it too ("no argument for repetition operator: *").
+                        || (file == "cors.routes.yaml"
+                            && reason.contains("invalid regex '*.example.com'"));
                     assert!(
                         allowed,
                         "{file}: refused for a reason other than a missing feature: {reason}"

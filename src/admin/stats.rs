@@ -101,6 +101,40 @@ pub struct HcmStats {
     pub rq_active: AtomicU64,
     pub cx_total: AtomicU64,
     pub no_route: AtomicU64,
+    pub fault: FaultStats,
+}
+
+/// Envoy's `http.<stat_prefix>.fault.*` stats, shown once a listener with this prefix has a
+/// fault filter (Envoy creates them with the filter).
+#[derive(Debug, Default)]
+pub struct FaultStats {
+    pub enabled: std::sync::atomic::AtomicBool,
+    pub delays_injected: AtomicU64,
+    pub aborts_injected: AtomicU64,
+    pub faults_overflow: AtomicU64,
+    pub active_faults: AtomicU64,
+}
+
+impl FaultStats {
+    /// Envoy's `tryIncActiveFaults`: counts one active fault unless `max` are already active
+    /// (then `faults_overflow` counts the refusal).
+    pub fn try_activate(&self, max: Option<u64>) -> bool {
+        let max = max.unwrap_or(u64::MAX);
+        let mut cur = self.active_faults.load(Relaxed);
+        loop {
+            if cur >= max {
+                self.faults_overflow.fetch_add(1, Relaxed);
+                return false;
+            }
+            match self
+                .active_faults
+                .compare_exchange_weak(cur, cur + 1, Relaxed, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(now) => cur = now,
+            }
+        }
+    }
 }
 
 impl HcmStats {
@@ -317,6 +351,24 @@ impl Stats {
                 s.cx_total.load(Relaxed),
             );
             h(&mut f, "counter", "no_route", "", s.no_route.load(Relaxed));
+            if s.fault.enabled.load(Relaxed) {
+                let fs = &s.fault;
+                for (stat, v) in [
+                    ("fault_delays_injected", &fs.delays_injected),
+                    ("fault_aborts_injected", &fs.aborts_injected),
+                    ("fault_faults_overflow", &fs.faults_overflow),
+                    ("fault_response_rl_injected", &AtomicU64::new(0)),
+                ] {
+                    h(&mut f, "counter", stat, "", v.load(Relaxed));
+                }
+                h(
+                    &mut f,
+                    "gauge",
+                    "fault_active_faults",
+                    "",
+                    fs.active_faults.load(Relaxed),
+                );
+            }
             h(
                 &mut f,
                 "gauge",
@@ -423,6 +475,27 @@ mod tests {
         assert_eq!(s.len(), 15);
         assert_eq!(s[&200], 1);
         assert_eq!(s[&214], 15);
+    }
+
+    #[test]
+    fn fault_stats_render_under_envoys_names_once_enabled() {
+        let stats = Stats::new();
+        let h = stats.hcm("ingress");
+        assert!(!stats.render(&|_| None).contains("fault"));
+        h.fault.enabled.store(true, Relaxed);
+        h.fault.aborts_injected.fetch_add(2, Relaxed);
+        assert!(h.fault.try_activate(Some(1)));
+        assert!(!h.fault.try_activate(Some(1)), "max_active_faults reached");
+        let text = stats.render(&|_| None);
+        for line in [
+            "envoy_http_fault_aborts_injected{envoy_http_conn_manager_prefix=\"ingress\"} 2",
+            "envoy_http_fault_delays_injected{envoy_http_conn_manager_prefix=\"ingress\"} 0",
+            "envoy_http_fault_faults_overflow{envoy_http_conn_manager_prefix=\"ingress\"} 1",
+            "envoy_http_fault_active_faults{envoy_http_conn_manager_prefix=\"ingress\"} 1",
+            "# TYPE envoy_http_fault_active_faults gauge",
+        ] {
+            assert!(text.contains(line), "{line} missing in\n{text}");
+        }
     }
 
     #[test]

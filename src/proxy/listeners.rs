@@ -160,6 +160,13 @@ impl ListenerManager {
                 })
                 .collect();
             let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
+            if !l.def.hcm.faults.is_empty() {
+                // Envoy creates the fault stats with the filter, so they show before any fault.
+                hcm_stats
+                    .fault
+                    .enabled
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             tracing::info!(listener = %name, %addr, "listener serving");
             for ((w, sock), a) in self.workers.iter().zip(socks).zip(&apps) {
                 w.spawn(accept_loop(sock, a.clone(), rx.clone(), hcm_stats.clone()));

@@ -20,6 +20,8 @@ use crate::admin::stats::HcmStats;
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
 use crate::snapshot::cors::Cors;
+use crate::snapshot::fault::{self, AbortWith};
+use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
 use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveListener;
@@ -84,6 +86,71 @@ pub struct Ctx {
     /// The upstream's response code was counted when its headers arrived.
     code_recorded: bool,
     counted_active: bool,
+    /// Response header mutations of the chosen route (and weighted-cluster entry), applied to
+    /// the upstream response or to the route's own local replies.
+    resp_headers: Option<RespHeaders>,
+    /// Active faults this request holds (one per fault filter that injected), released at
+    /// the end of the request.
+    active_faults: u32,
+    /// A gRPC request (by content-type): Envoy turns every local reply after routing into a
+    /// trailers-only gRPC response for it.
+    grpc_request: bool,
+}
+
+struct RespHeaders {
+    entry: Option<Arc<HeaderOps>>,
+    plan: Arc<HeaderPlan>,
+    /// What the formatters read besides the request.
+    fmt: FormatCtx,
+}
+
+impl RespHeaders {
+    fn apply(&self, resp: &mut ResponseHeader, req: &RequestHeader) {
+        // Envoy: the weighted-cluster entry first, then the route chain.
+        for ops in self.entry.iter().chain(self.plan.response.iter()) {
+            ops.apply(resp, Some(req), &self.fmt);
+        }
+    }
+}
+
+/// grpc-message encoding (gRPC's HTTP/2 spec, as Envoy's `PercentEncoding::encode`): bytes
+/// outside printable ASCII, and `%`, become `%XX`.
+fn grpc_percent_encode(msg: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(msg.len());
+    for &b in msg {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// Envoy's downstream remote address: the peer with `use_remote_address` (or the XFF entry
+/// `xff_num_trusted_hops` back), otherwise the last XFF address, else the peer. Addresses
+/// taken from XFF have port 0, as in Envoy.
+fn downstream_remote(
+    headers: &http::HeaderMap,
+    peer: Option<SocketAddr>,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Option<SocketAddr> {
+    let skip = if hcm.use_remote_address {
+        match hcm.xff_num_trusted_hops.checked_sub(1) {
+            Some(n) => n as usize,
+            None => return peer,
+        }
+    } else {
+        hcm.xff_num_trusted_hops as usize
+    };
+    let from_xff = headers
+        .get(&X_FORWARDED_FOR)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.rsplit(',').nth(skip))
+        .and_then(|hop| hop.trim().parse::<std::net::IpAddr>().ok())
+        .map(|ip| SocketAddr::new(ip, 0));
+    from_xff.or(peer)
 }
 
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -495,6 +562,73 @@ impl Gateway {
         Ok(())
     }
 
+    /// Runs the fault filters in chain order, as Envoy's: each may delay (then the request
+    /// goes on) and then abort. Returns the abort to send, if one fired.
+    async fn inject_faults(
+        &self,
+        ctx: &mut Ctx,
+        faults: &[crate::snapshot::listener::FaultFilter],
+        view: &RequestView<'_>,
+        route: Option<&crate::snapshot::route::Route>,
+        picked: Option<(&Arc<str>, Option<&crate::snapshot::route::ClusterEntry>)>,
+    ) -> Option<AbortWith> {
+        let stats = &self.hcm_stats.fault;
+        if !stats.enabled.load(Relaxed) {
+            stats.enabled.store(true, Relaxed);
+        }
+        for ff in faults {
+            // Most specific first: the weighted-cluster entry, then the route's layers; the
+            // enabled flag and the config resolve separately, as in Envoy.
+            let entry = picked
+                .and_then(|(_, e)| e)
+                .and_then(|e| e.faults.iter().find(|(n, _)| *n == ff.name))
+                .map(|(_, p)| p);
+            let routed = route.and_then(|r| r.fault_override(&ff.name));
+            let disabled = entry
+                .and_then(|p| p.disabled)
+                .or_else(|| routed.and_then(|p| p.disabled))
+                .unwrap_or(ff.disabled);
+            if disabled {
+                continue;
+            }
+            let cfg = entry
+                .and_then(|p| p.config.as_ref())
+                .or_else(|| routed.and_then(|p| p.config.as_ref()))
+                .unwrap_or(&ff.config);
+            if !cfg.applies(view, picked.map(|(c, _)| c.as_ref())) {
+                continue;
+            }
+            // One active fault per filter, however many it injects (Envoy's fault_active_).
+            let mut active = false;
+            if let Some(d) = cfg.delay_for(view.headers, || fastrand::u64(..)) {
+                if stats.try_activate(cfg.max_active_faults) {
+                    active = true;
+                    ctx.active_faults += 1;
+                    stats.delays_injected.fetch_add(1, Relaxed);
+                    tokio::time::sleep(d).await;
+                }
+            }
+            if let Some(a) = cfg.abort_for(view.headers, || fastrand::u64(..)) {
+                if active || stats.try_activate(cfg.max_active_faults) {
+                    if !active {
+                        ctx.active_faults += 1;
+                    }
+                    stats.aborts_injected.fetch_add(1, Relaxed);
+                    return Some(a);
+                }
+            }
+        }
+        None
+    }
+
+    /// The fault filter's local reply: `fault filter abort` as text, or for a gRPC request a
+    /// trailers-only gRPC response (HTTP 200, grpc-status, grpc-message), as Envoy's
+    /// `sendLocalReply` makes it.
+    async fn fault_abort(&self, session: &mut Session, ctx: &Ctx, a: AbortWith) -> Result<bool> {
+        self.local_reply_grpc(session, ctx, a.status, Some(a.body), &[], a.grpc_status)
+            .await
+    }
+
     async fn local_reply(
         &self,
         session: &mut Session,
@@ -503,6 +637,63 @@ impl Gateway {
         body: Option<Bytes>,
         extra: &[(HeaderName, String)],
     ) -> Result<bool> {
+        self.local_reply_grpc(session, ctx, status, body, extra, None)
+            .await
+    }
+
+    /// A gRPC request's local reply, as Envoy's `sendLocalReply` makes it: HTTP 200 with
+    /// headers only (trailers-only), grpc-status (given, or mapped from the HTTP status) and
+    /// the body as grpc-message.
+    async fn grpc_local_reply(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        grpc_status: u32,
+        body: Option<Bytes>,
+        extra: &[(HeaderName, String)],
+    ) -> Result<bool> {
+        let mut resp = ResponseHeader::build(200, Some(6))?;
+        for (k, v) in extra {
+            resp.insert_header(k.clone(), v.as_str())?;
+        }
+        resp.insert_header(http::header::CONTENT_TYPE, "application/grpc")?;
+        resp.insert_header("grpc-status", grpc_status.to_string())?;
+        if let Some(b) = body.filter(|b| !b.is_empty()) {
+            resp.insert_header("grpc-message", grpc_percent_encode(&b))?;
+        }
+        if let Some(rh) = &ctx.resp_headers {
+            rh.apply(&mut resp, session.req_header());
+        }
+        let h1 = matches!(
+            session.as_downstream(),
+            pingora_core::protocols::http::ServerSession::H1(_)
+        );
+        if h1 {
+            resp.insert_header(http::header::CONTENT_LENGTH, "0")?;
+        }
+        if let Some(l) = &ctx.listener {
+            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        }
+        session.write_response_header(Box::new(resp), true).await?;
+        Ok(true)
+    }
+
+    /// A local reply; `grpc_status` is the fault filter's for gRPC aborts.
+    async fn local_reply_grpc(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        status: u16,
+        body: Option<Bytes>,
+        extra: &[(HeaderName, String)],
+        grpc_status: Option<u32>,
+    ) -> Result<bool> {
+        if ctx.grpc_request {
+            let grpc_status = grpc_status.unwrap_or_else(|| fault::http_to_grpc_status(status));
+            return self
+                .grpc_local_reply(session, ctx, grpc_status, body, extra)
+                .await;
+        }
         let mut resp = ResponseHeader::build(status, Some(4))?;
         let len = body.as_ref().map_or(0, |b| b.len());
         // 1xx and 204 responses never carry a body or its length (RFC 9110 §8.6).
@@ -524,6 +715,11 @@ impl Gateway {
         }
         for (k, v) in extra {
             resp.insert_header(k.clone(), v.as_str())?;
+        }
+        // The route's response headers reach its own local replies (direct responses,
+        // redirects, upstream failures), as Envoy's router finalizes them.
+        if let Some(rh) = &ctx.resp_headers {
+            rh.apply(&mut resp, session.req_header());
         }
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
@@ -804,6 +1000,8 @@ impl ProxyHttp for Gateway {
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             return self.local_reply(session, ctx, status, body, &[]).await;
         }
+        // Set after the codec-level checks above, whose replies stay plain.
+        ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = session
             .req_header()
             .headers
@@ -821,10 +1019,54 @@ impl ProxyHttp for Gateway {
             scheme,
             headers: &req.headers,
         };
-        let Some((_vh, route)) = router::route(&listener.routes, &view) else {
+        let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
+        // Envoy resolves the weighted cluster with the route, before any filter runs: the
+        // fault filter's upstream_cluster and the entry's overrides see the pick.
+        let picked = match matched.map(|r| &r.action) {
+            Some(Action::Forward(f)) => Some(match &f.target {
+                Target::Cluster(c) => (c, None),
+                Target::Weighted(w) => {
+                    let i = w.pick_index(fastrand::u64(..));
+                    (&w.clusters[i].0, w.entries.get(i))
+                }
+            }),
+            _ => None,
+        };
+        let hcm = &listener.def.hcm;
+        if !hcm.faults.is_empty() {
+            if let Some(a) = self
+                .inject_faults(ctx, &hcm.faults, &view, matched, picked)
+                .await
+            {
+                return self.fault_abort(session, ctx, a).await;
+            }
+        }
+        let Some(route) = matched else {
             self.hcm_stats.no_route.fetch_add(1, Relaxed);
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
+        let entry = picked.and_then(|(_, e)| e);
+        let has_entry_ops =
+            entry.is_some_and(|e| e.request_headers.is_some() || e.response_headers.is_some());
+        // Only routes with custom headers need the formatter context (XFF parsing included).
+        let fmt = if has_entry_ops || !route.header_plan.is_empty() {
+            let peer = session.client_addr().and_then(|a| a.as_inet()).copied();
+            FormatCtx {
+                remote: downstream_remote(&req.headers, peer, hcm),
+                direct_remote: peer,
+                local: session.server_addr().and_then(|a| a.as_inet()).copied(),
+            }
+        } else {
+            FormatCtx::default()
+        };
+        let entry_resp = entry.and_then(|e| e.response_headers.clone());
+        if entry_resp.is_some() || !route.header_plan.response.is_empty() {
+            ctx.resp_headers = Some(RespHeaders {
+                entry: entry_resp,
+                plan: route.header_plan.clone(),
+                fmt,
+            });
+        }
         let fwd: &Forward = match &route.action {
             Action::Direct { status, body } => {
                 let status = status.as_u16();
@@ -848,9 +1090,8 @@ impl ProxyHttp for Gateway {
                 return self.local_reply(session, ctx, 200, None, &extra).await;
             }
         }
-        let cluster_name = match &fwd.target {
-            Target::Cluster(c) => c,
-            Target::Weighted(w) => w.pick(fastrand::u64(..)),
+        let Some((cluster_name, _)) = picked else {
+            return Error::e_explain(ErrorType::InternalError, "forward route without a cluster");
         };
         let Some(cluster) = snap.clusters.get(cluster_name.as_ref()).cloned() else {
             // Envoy's cluster_not_found_response_code default.
@@ -923,7 +1164,6 @@ impl ProxyHttp for Gateway {
         ctx.cluster = Some(cluster);
 
         // Request headers as Envoy's connection manager mutates them.
-        let hcm = &listener.def.hcm;
         let client_ip = session
             .client_addr()
             .and_then(|a| a.as_inet())
@@ -1009,6 +1249,15 @@ impl ProxyHttp for Gateway {
             None => {
                 req.remove_header(&X_EXPECTED_TIMEOUT);
             }
+        }
+        // The route's custom headers (weighted-cluster entry first), after the connection
+        // manager's own, before the path rewrite records x-envoy-original-path: Envoy's order.
+        for ops in entry
+            .and_then(|e| e.request_headers.as_ref())
+            .into_iter()
+            .chain(route.header_plan.request.iter())
+        {
+            ops.apply(req, None, &fmt);
         }
         if let Some(p) = original_path {
             req.insert_header(X_ORIGINAL_PATH.clone(), p)?;
@@ -1217,7 +1466,7 @@ impl ProxyHttp for Gateway {
     }
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
@@ -1232,6 +1481,10 @@ impl ProxyHttp for Gateway {
                 X_UPSTREAM_TIME.clone(),
                 start.elapsed().as_millis().to_string(),
             )?;
+        }
+        // After x-envoy-upstream-service-time, before the connection manager's `server`.
+        if let Some(rh) = &ctx.resp_headers {
+            rh.apply(resp, session.req_header());
         }
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
@@ -1334,6 +1587,12 @@ impl ProxyHttp for Gateway {
         if ctx.counted_active {
             self.hcm_stats.finish(code);
         }
+        if ctx.active_faults > 0 {
+            self.hcm_stats
+                .fault
+                .active_faults
+                .fetch_sub(u64::from(ctx.active_faults), Relaxed);
+        }
         if let Some(c) = &ctx.cluster {
             if ctx.retry_slot {
                 c.stats.retry_active.fetch_sub(1, Relaxed);
@@ -1376,6 +1635,69 @@ mod tests {
                 ids.iter().filter_map(|id| id.chars().nth(i)).collect();
             assert!(distinct.len() > 1, "position {i} never changes");
         }
+    }
+
+    #[test]
+    fn grpc_messages_are_percent_encoded() {
+        assert_eq!(
+            grpc_percent_encode(b"fault filter abort"),
+            "fault filter abort"
+        );
+        assert_eq!(
+            grpc_percent_encode("100% café\n".as_bytes()),
+            "100%25 caf%C3%A9%0A"
+        );
+    }
+
+    #[test]
+    fn downstream_remote_follows_envoys_xff_rules() {
+        use crate::snapshot::listener::{Codec, Hcm, RouteSource};
+        let hcm = |use_remote_address: bool, hops: u32| Hcm {
+            stat_prefix: "p".into(),
+            routes: RouteSource::Rds("r".into()),
+            codec: Codec::Auto,
+            use_remote_address,
+            skip_xff_append: false,
+            xff_num_trusted_hops: hops,
+            generate_request_id: true,
+            preserve_external_request_id: false,
+            strip_any_host_port: false,
+            strip_matching_host_port: false,
+            server_name: "envoy".into(),
+            faults: Vec::new(),
+            cors: false,
+        };
+        let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
+        let mut h = http::HeaderMap::new();
+        let ip = |a: Option<SocketAddr>| a.map(|a| a.to_string());
+        // No XFF: the peer either way.
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
+        h.insert(
+            X_FORWARDED_FOR.clone(),
+            http::HeaderValue::from_static("10.0.0.1, 10.0.0.2"),
+        );
+        // Without use_remote_address: the last entry (port 0), or `hops` back from it.
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(false, 0))).as_deref(),
+            Some("10.0.0.2:0")
+        );
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(false, 1))).as_deref(),
+            Some("10.0.0.1:0")
+        );
+        // With use_remote_address: the peer, unless hops are trusted.
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(true, 0))), ip(peer));
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(true, 1))).as_deref(),
+            Some("10.0.0.2:0")
+        );
+        // Too few entries or garbage: the peer.
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 5))), ip(peer));
+        h.insert(
+            X_FORWARDED_FOR.clone(),
+            http::HeaderValue::from_static("junk"),
+        );
+        assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
     }
 
     #[test]

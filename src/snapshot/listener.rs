@@ -9,6 +9,7 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
+use super::fault::{Fault, FAULT_TYPE};
 use super::route::RouteTable;
 use super::{socket_address, TranslateError};
 
@@ -53,6 +54,18 @@ pub struct Hcm {
     pub server_name: String,
     /// The chain has an enabled `envoy.filters.http.cors`: routes' CORS policies apply.
     pub cors: bool,
+    /// `envoy.filters.http.fault` instances, in filter-chain order.
+    pub faults: Vec<FaultFilter>,
+}
+
+/// A fault filter of the chain: its name (how routes address it) and its listener-level
+/// config, which a route's `typed_per_filter_config` entry of the same name replaces.
+#[derive(Debug)]
+pub struct FaultFilter {
+    pub name: String,
+    pub config: Arc<Fault>,
+    /// `disabled: true` in the chain: off unless a route's per-filter config enables it.
+    pub disabled: bool,
 }
 
 fn unpack<M: Message + Default>(any: &Any, want: &str, what: &str) -> Result<M, String> {
@@ -175,7 +188,7 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
-        check_http_filters(&h.http_filters)?;
+        let faults = check_http_filters(&h.http_filters)?;
         let cors = h.http_filters.iter().any(|f| {
             !f.disabled
                 && matches!(&f.config_type,
@@ -201,6 +214,7 @@ impl Hcm {
             } else {
                 h.server_name.clone()
             },
+            faults,
         })
     }
 }
@@ -227,13 +241,12 @@ fn config_type(a: &Any) -> String {
     a.type_url.clone()
 }
 
-const FAULT_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault";
 const CORS_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors";
 
 /// Envoy's rule: the router must be the last filter (no filters at all means the router
 /// alone); any other filter Portico does not implement is an error unless the config marks it
-/// `is_optional` (or `disabled`).
-fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
+/// `is_optional` (or `disabled`). Returns the fault filters, which Portico implements.
+fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, String> {
     let is_router = |f: &hcm::HttpFilter| match &f.config_type {
         Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a) == ROUTER_TYPE,
         _ => false,
@@ -242,7 +255,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
         return Err(format!("http_filters[{i}]: name must not be empty"));
     }
     let Some(last) = filters.last() else {
-        return Ok(());
+        return Ok(Vec::new());
     };
     if last.name == "envoy.filters.http.router" && last.config_type.is_none() {
         return Err(
@@ -262,6 +275,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
             last.name
         ));
     }
+    let mut faults = Vec::new();
     for (i, f) in filters[..filters.len() - 1].iter().enumerate() {
         if is_router(f) {
             return Err(format!(
@@ -269,23 +283,34 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
                 f.name
             ));
         }
-        if f.is_optional || f.disabled {
-            continue;
-        }
         if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &f.config_type {
             match config_type(a).as_str() {
-                // istiod puts both on every gateway listener. With no per-route config they
-                // do nothing in Envoy either; route-level fault and CORS are issue 5's.
-                FAULT_TYPE if a.value.is_empty() => continue,
-                FAULT_TYPE => {
+                // A TypedStruct carries the config as JSON, which Portico does not map.
+                FAULT_TYPE if a.type_url != FAULT_TYPE => {
                     return Err(format!(
-                        "http_filters[{i}]: '{}': listener-level fault injection is not supported yet (an empty HTTPFault, as istiod sends, is)",
+                        "http_filters[{i}] '{}': a fault config wrapped in a TypedStruct is not supported",
                         f.name
                     ))
                 }
+                FAULT_TYPE => {
+                    let config = Fault::from_any(a)
+                        .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
+                    faults.push(FaultFilter {
+                        name: f.name.clone(),
+                        config: Arc::new(config),
+                        disabled: f.disabled,
+                    });
+                    continue;
+                }
+                // istiod puts CORS on every gateway listener; with no per-route policy it does
+                // nothing in Envoy either.
                 CORS_TYPE => continue,
                 _ => {}
             }
+        }
+        // A filter Portico does not implement is fine if the config says it may be skipped.
+        if f.is_optional || f.disabled {
+            continue;
         }
         let kind = match &f.config_type {
             Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a),
@@ -299,7 +324,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<(), String> {
             f.name
         ));
     }
-    Ok(())
+    Ok(faults)
 }
 
 #[cfg(test)]

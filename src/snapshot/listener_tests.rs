@@ -641,7 +641,7 @@ fn first_error_wins_in_listener_order() {
 }
 
 #[test]
-fn istiods_empty_fault_and_cors_filters_are_accepted_but_listener_level_faults_are_not() {
+fn fault_filters_are_translated_and_bad_ones_rejected() {
     let fault = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault";
     let cors = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors";
     let mut h = base_hcm();
@@ -650,12 +650,27 @@ fn istiods_empty_fault_and_cors_filters_are_accepted_but_listener_level_faults_a
         typed_filter("envoy.filters.http.cors", cors),
         router(),
     ];
-    ok(&listener_with(&h));
-    let mut with_abort = typed_filter("envoy.filters.http.fault", fault);
+    // istiod's empty HTTPFault: a fault filter that injects nothing.
+    let l = ok(&listener_with(&h));
+    assert_eq!(l.hcm.faults.len(), 1);
+    assert_eq!(l.hcm.faults[0].name, "envoy.filters.http.fault");
+    assert!(l.hcm.faults[0].config.abort.is_none());
+    let mut with_abort = typed_filter("my-fault", fault);
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // HTTPFault { abort: { http_status: 503 } }: field 2, message with field 2 = 503.
         a.value = vec![0x12, 0x03, 0x10, 0xf7, 0x03];
     }
+    h.http_filters = vec![with_abort.clone(), router()];
+    let l = ok(&listener_with(&h));
+    assert_eq!(l.hcm.faults[0].name, "my-fault");
+    assert!(l.hcm.faults[0].config.abort.is_some());
+    if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
+        // http_status: 99
+        a.value = vec![0x12, 0x02, 0x10, 0x63];
+    }
     h.http_filters = vec![with_abort, router()];
-    hcm_rejected(h, "listener-level fault injection is not supported yet");
+    hcm_rejected(
+        h,
+        "http_filters[0] 'my-fault': abort: http_status: value 99 must be inside range [200, 600)",
+    );
 }

@@ -5,6 +5,8 @@
 
 pub mod cluster;
 pub mod cors;
+pub mod fault;
+pub mod headers;
 pub mod listener;
 pub mod retry;
 pub mod route;

@@ -13,6 +13,8 @@ use envoy_types::pb::envoy::r#type::matcher::v3 as mpb;
 use http::StatusCode;
 use regex::Regex;
 
+use super::fault::{self, PerRoute};
+use super::headers::{self, HeaderOps, HeaderPlan};
 use super::retry::RetryPolicy;
 use super::TranslateError;
 
@@ -116,9 +118,19 @@ pub struct Route {
     pub query: Vec<QueryMatcher>,
     pub grpc_only: bool,
     pub action: Action,
+    /// Custom request/response headers of this route, its vhost and its route config, in
+    /// the order Envoy applies them.
+    pub header_plan: Arc<HeaderPlan>,
+    /// Fault filter overrides by filter name (route over vhost over route config).
+    pub faults: Vec<(String, PerRoute)>,
 }
 
 impl Route {
+    /// This route's word on the fault filter named `name`, if any.
+    pub fn fault_override(&self, name: &str) -> Option<&PerRoute> {
+        self.faults.iter().find(|(n, _)| n == name).map(|(_, p)| p)
+    }
+
     /// How much of the path `prefix_rewrite` replaces: the matched prefix, or the whole path
     /// for an exact match. Regex routes have no prefix to replace.
     pub fn rewrite_len(&self) -> Option<usize> {
@@ -266,20 +278,35 @@ pub enum Target {
 pub struct WeightedClusters {
     pub clusters: Vec<(Arc<str>, u64)>,
     pub total: u64,
+    /// Per entry (same order as `clusters`): its own header mutations and fault overrides,
+    /// applied before the route's.
+    pub entries: Vec<ClusterEntry>,
+}
+
+#[derive(Debug, Default)]
+pub struct ClusterEntry {
+    pub request_headers: Option<Arc<HeaderOps>>,
+    pub response_headers: Option<Arc<HeaderOps>>,
+    pub faults: Vec<(String, PerRoute)>,
 }
 
 impl WeightedClusters {
     /// `value` is uniformly random; Envoy picks `value % total` against running sums.
     pub fn pick(&self, value: u64) -> &Arc<str> {
+        &self.clusters[self.pick_index(value)].0
+    }
+
+    /// The index of the entry `pick` would choose.
+    pub fn pick_index(&self, value: u64) -> usize {
         let mut point = value % self.total.max(1);
-        for (name, weight) in &self.clusters {
+        for (i, (_, weight)) in self.clusters.iter().enumerate() {
             if point < *weight {
-                return name;
+                return i;
             }
             point -= weight;
         }
         // Unreachable when total is the sum of weights; fall back to the last cluster.
-        &self.clusters[self.clusters.len() - 1].0
+        self.clusters.len() - 1
     }
 }
 
@@ -563,6 +590,15 @@ impl RouteTable {
         let mut prefixes = Vec::new();
         let mut any = None;
         let mut seen = HashMap::new();
+        let rc_headers = headers::level(
+            &rc.request_headers_to_add,
+            &rc.request_headers_to_remove,
+            &rc.response_headers_to_add,
+            &rc.response_headers_to_remove,
+        )
+        .map_err(err)?;
+        let rc_faults = fault::per_route(&rc.typed_per_filter_config).map_err(err)?;
+        let most_specific_wins = rc.most_specific_header_mutations_wins;
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
             if vh.name.is_empty() {
@@ -610,10 +646,33 @@ impl RouteTable {
                 attempt_count_to_upstream: vh.include_request_attempt_count,
                 attempt_count_to_client: vh.include_attempt_count_in_response,
             };
+            let vh_headers = headers::level(
+                &vh.request_headers_to_add,
+                &vh.request_headers_to_remove,
+                &vh.response_headers_to_add,
+                &vh.response_headers_to_remove,
+            )
+            .map_err(|e| err(format!("{vctx}: {e}")))?;
+            let vh_faults = fault::per_route(&vh.typed_per_filter_config)
+                .map_err(|e| err(format!("{vctx}: {e}")))?;
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
-                let route = translate_route(r, &vhost_ctx)
+                let mut route = translate_route(r, &vhost_ctx)
                     .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                let (rq, rs) = headers::level(
+                    &r.request_headers_to_add,
+                    &r.request_headers_to_remove,
+                    &r.response_headers_to_add,
+                    &r.response_headers_to_remove,
+                )
+                .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                route.header_plan = Arc::new(HeaderPlan::build(
+                    [&rc_headers, &vh_headers, &(rq, rs)],
+                    most_specific_wins,
+                ));
+                let own = fault::per_route(&r.typed_per_filter_config)
+                    .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                route.faults = fault::layer(&[&rc_faults, &vh_faults, &own]);
                 routes.push(route);
             }
             vhosts.push(VirtualHost {
@@ -786,10 +845,12 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
         query,
         grpc_only: m.grpc.is_some(),
         action,
+        header_plan: Arc::default(),
+        faults: Vec::new(),
     })
 }
 
-fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
+pub(crate) fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
     #[allow(deprecated)]
     use rpb::header_matcher::HeaderMatchSpecifier as H;
     if h.name.is_empty() {
@@ -865,6 +926,7 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
                 return Err("weighted_clusters.clusters must not be empty".into());
             }
             let mut clusters = Vec::with_capacity(w.clusters.len());
+            let mut entries = Vec::with_capacity(w.clusters.len());
             let mut total = 0u64;
             for (i, c) in w.clusters.iter().enumerate() {
                 if c.name.is_empty() {
@@ -875,6 +937,19 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
                 let weight = c.weight.as_ref().map(|v| u64::from(v.value)).unwrap_or(0);
                 total += weight;
                 clusters.push((Arc::from(c.name.as_str()), weight));
+                let wctx = |e: String| format!("weighted_clusters.clusters[{i}] '{}': {e}", c.name);
+                let (request_headers, response_headers) = headers::level(
+                    &c.request_headers_to_add,
+                    &c.request_headers_to_remove,
+                    &c.response_headers_to_add,
+                    &c.response_headers_to_remove,
+                )
+                .map_err(wctx)?;
+                entries.push(ClusterEntry {
+                    request_headers,
+                    response_headers,
+                    faults: fault::per_route(&c.typed_per_filter_config).map_err(wctx)?,
+                });
             }
             // total_weight is deprecated and ignored by Envoy 1.40.
             if total > u64::from(u32::MAX) {
@@ -885,7 +960,11 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
             if total == 0 {
                 return Err("weighted_clusters: sum of weights must be greater than 0".into());
             }
-            Target::Weighted(WeightedClusters { clusters, total })
+            Target::Weighted(WeightedClusters {
+                clusters,
+                total,
+                entries,
+            })
         }
         Some(C::ClusterHeader(_)) => return Err("cluster_header is not supported".into()),
         Some(_) => return Err("cluster specifier plugins are not supported".into()),

@@ -1385,3 +1385,157 @@ fn mirror_fractions_and_shadow_hosts() {
         .unwrap_err()
         .contains("cluster is required"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Custom headers and fault overrides
+
+fn add(key: &str, value: &str) -> corepb::HeaderValueOption {
+    corepb::HeaderValueOption {
+        header: Some(corepb::HeaderValue {
+            key: key.into(),
+            value: value.into(),
+            ..Default::default()
+        }),
+        append_action: corepb::header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd
+            as i32,
+        ..Default::default()
+    }
+}
+
+fn level_values(ops: &[Arc<HeaderOps>]) -> Vec<String> {
+    ops.iter()
+        .flat_map(|o| o.add.iter())
+        .map(|a| match &a.value {
+            headers::Format::Static(v) => v.to_str().unwrap_or("?").to_string(),
+            headers::Format::Dynamic(_) => "dyn".to_string(),
+        })
+        .collect()
+}
+
+#[test]
+fn header_levels_are_precomputed_per_route_in_envoys_order() {
+    let mut r = route(prefix("/"), to("c"));
+    r.request_headers_to_add = vec![add("x-l", "route")];
+    r.response_headers_to_add = vec![add("x-r", "route")];
+    let mut vh = vhost("vh", &["*"], vec![r]);
+    vh.request_headers_to_add = vec![add("x-l", "vh")];
+    vh.response_headers_to_remove = vec!["x-gone".into()];
+    let mut rc = config("rc", vec![vh]);
+    rc.request_headers_to_add = vec![add("x-l", "rc")];
+    let t = translate(&rc);
+    let plan = &t.vhosts[0].routes[0].header_plan;
+    assert_eq!(level_values(&plan.request), ["route", "vh", "rc"]);
+    assert_eq!(level_values(&plan.response), ["route"]);
+    assert_eq!(plan.response.len(), 2, "vhost removal level kept");
+    rc.most_specific_header_mutations_wins = true;
+    let t = translate(&rc);
+    let plan = &t.vhosts[0].routes[0].header_plan;
+    assert_eq!(level_values(&plan.request), ["rc", "vh", "route"]);
+}
+
+#[test]
+fn header_rejections_name_the_level() {
+    let mut r = route(prefix("/"), to("c"));
+    r.request_headers_to_add = vec![add(":path", "/x")];
+    let e = rejection(&config("rc", vec![vhost("vh", &["*"], vec![r])]));
+    assert_eq!(
+        e.to_string(),
+        "route 'rc': vhost 'vh' route 0: request_headers_to_add[0] ':path': :-prefixed or host headers may not be modified"
+    );
+    let mut vh = vhost("vh", &["*"], vec![route(prefix("/"), to("c"))]);
+    vh.response_headers_to_add = vec![add("x-a", "%BAD%")];
+    let e = rejection(&config("rc", vec![vh]));
+    assert_eq!(
+        e.to_string(),
+        "route 'rc': vhost 'vh': response_headers_to_add[0] 'x-a': Not supported field in StreamInfo: BAD"
+    );
+    let mut rc = config(
+        "rc",
+        vec![vhost("vh", &["*"], vec![route(prefix("/"), to("c"))])],
+    );
+    rc.request_headers_to_remove = vec!["Host".into()];
+    assert_eq!(
+        rejection(&rc).to_string(),
+        "route 'rc': request_headers_to_remove[0] 'Host': :-prefixed or host headers may not be removed"
+    );
+    let mut a = cw("a", Some(1));
+    a.request_headers_to_add = vec![add("x-a", "100%")];
+    let e = rejection(&config(
+        "rc",
+        vec![vhost(
+            "vh",
+            &["*"],
+            vec![route(prefix("/"), weighted(vec![a], None))],
+        )],
+    ));
+    assert_eq!(
+        e.to_string(),
+        "route 'rc': vhost 'vh' route 0: weighted_clusters.clusters[0] 'a': request_headers_to_add[0] 'x-a': Incorrect configuration: 100%. Couldn't find valid command at position 3"
+    );
+}
+
+#[test]
+fn weighted_entries_keep_their_own_headers() {
+    let mut a = cw("a", Some(1));
+    a.request_headers_to_add = vec![add("x-entry", "a")];
+    let b = cw("b", Some(1));
+    let r = translate_one(route(prefix("/"), weighted(vec![a, b], None)));
+    let Action::Forward(Forward {
+        target: Target::Weighted(w),
+        ..
+    }) = &r.action
+    else {
+        panic!("not weighted");
+    };
+    assert_eq!(w.entries.len(), 2);
+    assert!(w.entries[0].request_headers.is_some());
+    assert!(w.entries[1].request_headers.is_none());
+    assert_eq!(w.pick_index(0), 0);
+    assert_eq!(w.pick_index(1), 1);
+}
+
+#[test]
+fn fault_overrides_layer_route_over_vhost() {
+    use envoy_types::pb::envoy::extensions::filters::http::fault::v3 as fpb;
+    use prost::Message;
+    let fault = |status: u32| envoy_types::pb::google::protobuf::Any {
+        type_url: fault::FAULT_TYPE.into(),
+        value: fpb::HttpFault {
+            abort: Some(fpb::FaultAbort {
+                error_type: Some(fpb::fault_abort::ErrorType::HttpStatus(status)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+        .encode_to_vec(),
+    };
+    let mut r = route(prefix("/a"), to("c"));
+    r.typed_per_filter_config
+        .insert("envoy.filters.http.fault".into(), fault(418));
+    let mut vh = vhost("vh", &["*"], vec![r, route(prefix("/"), to("c"))]);
+    vh.typed_per_filter_config
+        .insert("envoy.filters.http.fault".into(), fault(503));
+    let t = translate(&config("rc", vec![vh.clone()]));
+    let status = |r: &Route| match r.fault_override("envoy.filters.http.fault") {
+        Some(PerRoute {
+            config: Some(c), ..
+        }) => c.abort.as_ref().map(|a| a.kind.clone()),
+        _ => None,
+    };
+    assert_eq!(
+        status(&t.vhosts[0].routes[0]),
+        Some(fault::AbortKind::Http(418))
+    );
+    assert_eq!(
+        status(&t.vhosts[0].routes[1]),
+        Some(fault::AbortKind::Http(503))
+    );
+    assert!(t.vhosts[0].routes[0].fault_override("other").is_none());
+    vh.routes[0]
+        .typed_per_filter_config
+        .insert("envoy.filters.http.fault".into(), fault(700));
+    assert_eq!(
+        rejection(&config("rc", vec![vh])).to_string(),
+        "route 'rc': vhost 'vh' route 0: typed_per_filter_config['envoy.filters.http.fault']: abort: http_status: value 700 must be inside range [200, 600)"
+    );
+}
