@@ -155,6 +155,8 @@ pub struct Forward {
     pub timeout: Option<std::time::Duration>,
     pub prefix_rewrite: Option<String>,
     pub host_rewrite: Option<String>,
+    /// What ring hash and Maglev clusters hash; other balancers ignore it.
+    pub hash_policy: Vec<crate::lb::hash_policy::HashPolicy>,
 }
 
 #[derive(Debug)]
@@ -680,9 +682,11 @@ fn forward(ra: &rpb::RouteAction) -> Result<Forward, String> {
             (!d.is_zero()).then_some(d)
         }
     };
+    let hash_policy = crate::lb::hash_policy::translate(&ra.hash_policy)?;
     Ok(Forward {
         target,
         timeout,
+        hash_policy,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,
     })
