@@ -65,7 +65,12 @@ fn ring_size_follows_min_max_and_weights() {
     let r = Ring::build(&three, 1024, 100, HashFunction::XxHash);
     assert!(r.len() <= 100 && r.len() >= 99, "{}", r.len());
     // Weights 1:3 give a quarter and three quarters of the entries.
-    let r = Ring::build(&hosts(&[1, 2], &[1, 3]), 1024, 8 << 20, HashFunction::XxHash);
+    let r = Ring::build(
+        &hosts(&[1, 2], &[1, 3]),
+        1024,
+        8 << 20,
+        HashFunction::XxHash,
+    );
     let first = r.hosts.iter().filter(|h| **h == 0).count();
     assert_eq!((first, r.len() - first), (256, 768));
     assert!(Ring::build(&[], 1024, 8 << 20, HashFunction::XxHash)
@@ -95,7 +100,11 @@ fn maglev_matches_envoys_tables() {
     let t = MaglevTable::build(&hosts(&[90, 91, 92, 93, 94, 95], &[1; 6]), 7);
     let got: Vec<usize> = (0..7).filter_map(|i| t.pick(i)).collect();
     assert_eq!(got, vec![2, 4, 0, 1, 5, 0, 3]);
-    assert_eq!(t.pick(7), Some(2), "the hash is taken modulo the table size");
+    assert_eq!(
+        t.pick(7),
+        Some(2),
+        "the hash is taken modulo the table size"
+    );
     let t = MaglevTable::build(&hosts(&[90, 91], &[1, 2]), 17);
     let got: Vec<usize> = (0..17).filter_map(|i| t.pick(i)).collect();
     assert_eq!(got, vec![1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 0, 1]);

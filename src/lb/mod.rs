@@ -90,7 +90,11 @@ impl Balancer {
     }
 
     /// `key` names host `i` (an index into the cluster's hosts) for the hash ring or table.
-    pub fn with_keys(policy: Policy, eligible: Eligible, key: impl Fn(usize) -> String) -> Balancer {
+    pub fn with_keys(
+        policy: Policy,
+        eligible: Eligible,
+        key: impl Fn(usize) -> String,
+    ) -> Balancer {
         let hashed = match policy {
             Policy::RingHash {
                 min_ring_size,

@@ -534,7 +534,8 @@ fn legacy_consistent_hashing(c: &cpb::Cluster) -> Result<(), String> {
         .and_then(|l| l.consistent_hashing_lb_config.as_ref());
     consistent_hashing_unsupported(
         chc.is_some_and(|h| h.use_hostname_for_hashing),
-        chc.and_then(|h| h.hash_balance_factor.as_ref()).map(|f| f.value),
+        chc.and_then(|h| h.hash_balance_factor.as_ref())
+            .map(|f| f.value),
         false,
     )
     .map_err(|e| format!("common_lb_config.consistent_hashing_lb_config: {e}"))
@@ -580,7 +581,8 @@ fn typed_consistent_hashing(
 ) -> Result<(), String> {
     consistent_hashing_unsupported(
         chc.is_some_and(|h| h.use_hostname_for_hashing),
-        chc.and_then(|h| h.hash_balance_factor.as_ref()).map(|f| f.value),
+        chc.and_then(|h| h.hash_balance_factor.as_ref())
+            .map(|f| f.value),
         chc.is_some_and(|h| !h.hash_policy.is_empty()),
     )
     .map_err(|e| format!("consistent_hashing_lb_config: {e}"))
