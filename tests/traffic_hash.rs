@@ -1,0 +1,394 @@
+//! Consistent hashing end to end: RING_HASH and MAGLEV clusters behind routes with a
+//! `hash_policy`, real backends, EDS changes. Runs against Portico, or against Envoy with
+//! `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh)`.
+//!
+//! Besides stickiness and spread, every test checks the exact backend: it rebuilds Envoy's ring
+//! or Maglev table with Portico's library from the endpoint addresses and predicts where each
+//! key goes. Passing against Envoy shows that Portico's construction is Envoy's.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::route::v3::route_action::hash_policy::{
+    ConnectionProperties, Cookie, Header, PolicySpecifier, QueryParameter,
+};
+use envoy_types::pb::envoy::config::route::v3::route_action::HashPolicy;
+use envoy_types::pb::envoy::config::route::v3::{route, RouteConfiguration};
+use portico::lb::hash::{xx64, HashFunction, HashHost, MaglevTable, Ring};
+
+const HOST: &str = "hash.example.com";
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Ring,
+    Maglev,
+}
+
+const KINDS: [Kind; 2] = [Kind::Ring, Kind::Maglev];
+
+fn hash_cluster(name: &str, kind: Kind) -> Cluster {
+    let mut c = eds_cluster(name);
+    c.lb_policy = match kind {
+        Kind::Ring => cluster::LbPolicy::RingHash,
+        Kind::Maglev => cluster::LbPolicy::Maglev,
+    } as i32;
+    c
+}
+
+fn policy(spec: PolicySpecifier) -> HashPolicy {
+    HashPolicy {
+        policy_specifier: Some(spec),
+        terminal: false,
+    }
+}
+
+fn header_policy(name: &str) -> HashPolicy {
+    policy(PolicySpecifier::Header(Header {
+        header_name: name.into(),
+        regex_rewrite: None,
+    }))
+}
+
+fn cookie_policy(name: &str, path: &str, ttl_secs: Option<i64>) -> HashPolicy {
+    policy(PolicySpecifier::Cookie(Cookie {
+        name: name.into(),
+        path: path.into(),
+        ttl: ttl_secs.map(|s| envoy_types::pb::google::protobuf::Duration {
+            seconds: s,
+            nanos: 0,
+        }),
+        attributes: vec![],
+    }))
+}
+
+fn routes(port: u16, policies: Vec<HashPolicy>) -> RouteConfiguration {
+    let mut action = to_cluster("hash");
+    if let route::Action::Route(ra) = &mut action {
+        ra.hash_policy = policies;
+    }
+    route_config(
+        &route_name(port),
+        vec![vhost("hash", &[HOST], vec![rt(prefix("/"), action)])],
+    )
+}
+
+/// Envoy's structure over `addrs` (in EDS order), to predict the backend of a hash.
+struct Model {
+    kind: Kind,
+    ring: Ring,
+    table: MaglevTable,
+}
+
+impl Model {
+    fn new(kind: Kind, addrs: &[SocketAddr]) -> Model {
+        let hosts: Vec<HashHost> = addrs
+            .iter()
+            .enumerate()
+            .map(|(index, a)| HashHost {
+                key: a.to_string(),
+                index,
+                weight: 1,
+            })
+            .collect();
+        Model {
+            kind,
+            ring: Ring::build(&hosts, 1024, 8 << 20, HashFunction::XxHash),
+            table: MaglevTable::build(&hosts, 65537),
+        }
+    }
+
+    fn pick(&self, hash: u64) -> Option<usize> {
+        match self.kind {
+            Kind::Ring => self.ring.pick(hash),
+            Kind::Maglev => self.table.pick(hash),
+        }
+    }
+}
+
+struct Fixture {
+    mesh: Mesh,
+    backends: Vec<Backend>,
+    kind: Kind,
+}
+
+impl Fixture {
+    async fn start(kind: Kind, n: usize, policies: Vec<HashPolicy>) -> Fixture {
+        let mut backends = Vec::new();
+        for i in 0..n {
+            backends.push(Backend::start(&format!("b{i}")).await);
+        }
+        let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+        let mesh = Mesh::start(|port| Snapshot {
+            routes: vec![routes(port, policies)],
+            clusters: vec![hash_cluster("hash", kind)],
+            endpoints: vec![cla("hash", &addrs)],
+            ..Default::default()
+        })
+        .await;
+        mesh.wait_status("/", HOST, 200).await;
+        Fixture {
+            mesh,
+            backends,
+            kind,
+        }
+    }
+
+    fn addrs(&self) -> Vec<SocketAddr> {
+        self.backends.iter().map(|b| b.addr).collect()
+    }
+
+    fn model(&self) -> Model {
+        Model::new(self.kind, &self.addrs())
+    }
+
+    /// The backend name the model predicts for the hash of `key`.
+    fn predicted(&self, model: &Model, hash: u64) -> String {
+        let i = model.pick(hash).expect("non-empty model");
+        self.backends[i].name.clone()
+    }
+
+    async fn backend(&self, path: &str, headers: &[(&str, &str)]) -> String {
+        let r = self.mesh.get(path, HOST, headers).await;
+        assert_eq!(r.status, 200, "{path} {headers:?}: {r:?}");
+        r.backend().expect("x-backend").to_string()
+    }
+}
+
+/// Each key always reaches the same backend, keys spread over the backends, and the backend is
+/// the one Envoy's ring/table construction predicts.
+async fn check_sticky_and_predicted(
+    f: &Fixture,
+    keys: &[String],
+    request: impl Fn(&str) -> (String, Vec<(String, String)>),
+) {
+    let model = f.model();
+    let mut chosen = BTreeMap::new();
+    for key in keys {
+        let (path, headers) = request(key);
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let first = f.backend(&path, &headers).await;
+        for _ in 0..3 {
+            assert_eq!(
+                f.backend(&path, &headers).await,
+                first,
+                "{:?} key {key}",
+                f.kind
+            );
+        }
+        assert_eq!(
+            first,
+            f.predicted(&model, xx64(key.as_bytes(), 0)),
+            "{:?}: key {key} went to another backend than Envoy's construction predicts",
+            f.kind
+        );
+        chosen.insert(key.clone(), first);
+    }
+    let spread: BTreeSet<&String> = chosen.values().collect();
+    assert!(
+        spread.len() >= 3,
+        "{:?}: {} keys reached only {spread:?}",
+        f.kind,
+        keys.len()
+    );
+}
+
+fn users(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("user-{i}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_hash_is_sticky_spreads_and_matches_envoys_ring_and_table() {
+    for kind in KINDS {
+        let f = Fixture::start(kind, 4, vec![header_policy("x-user")]).await;
+        check_sticky_and_predicted(&f, &users(24), |k| {
+            ("/".into(), vec![("x-user".into(), k.to_string())])
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_parameter_hash_is_sticky() {
+    let spec = PolicySpecifier::QueryParameter(QueryParameter {
+        name: "session".into(),
+    });
+    for kind in KINDS {
+        let f = Fixture::start(kind, 4, vec![policy(spec.clone())]).await;
+        check_sticky_and_predicted(&f, &users(16), |k| {
+            (format!("/items?a=1&session={k}"), vec![])
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_hash_requests_spread_randomly() {
+    let f = Fixture::start(Kind::Ring, 4, vec![header_policy("x-user")]).await;
+    let mut seen = BTreeSet::new();
+    for _ in 0..40 {
+        seen.insert(f.backend("/", &[]).await);
+    }
+    assert!(seen.len() >= 3, "no hash, yet only {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookie_is_hashed_and_generated_with_name_path_and_ttl() {
+    for kind in KINDS {
+        let f = Fixture::start(kind, 4, vec![cookie_policy("sticky", "/app", Some(3600))]).await;
+        let model = f.model();
+        // A request carrying the cookie hashes its value; no set-cookie then.
+        for k in users(8) {
+            let cookie = format!("other=1; sticky={k}");
+            let r = f.mesh.get("/", HOST, &[("cookie", cookie.as_str())]).await;
+            assert_eq!(
+                r.backend(),
+                Some(f.predicted(&model, xx64(k.as_bytes(), 0)).as_str())
+            );
+            assert_eq!(r.header("set-cookie"), None);
+        }
+        // Without it, the gateway generates one and the request goes where that value hashes.
+        let r = get(&f.mesh.url("/"), Some(HOST), &[]).await;
+        assert_eq!(r.status, 200, "{r:?}");
+        let set = r
+            .header("set-cookie")
+            .expect("a generated cookie")
+            .to_string();
+        let value = set
+            .strip_prefix("sticky=\"")
+            .and_then(|s| s.split_once('"'))
+            .map(|(v, rest)| (v.to_string(), rest.to_string()));
+        let Some((value, rest)) = value else {
+            panic!("unexpected set-cookie {set:?}");
+        };
+        assert_eq!(rest, "; Max-Age=3600; Path=/app; HttpOnly", "{set}");
+        assert!(
+            value.len() == 16 && value.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{value}"
+        );
+        let first = r.backend().expect("x-backend").to_string();
+        assert_eq!(first, f.predicted(&model, xx64(value.as_bytes(), 0)));
+        // Sending it back (quoted, as set) sticks to the same backend.
+        let cookie = format!("sticky=\"{value}\"");
+        for _ in 0..5 {
+            let r = f.mesh.get("/", HOST, &[("cookie", cookie.as_str())]).await;
+            assert_eq!(r.backend(), Some(first.as_str()));
+            assert_eq!(r.header("set-cookie"), None);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookie_without_ttl_is_not_generated() {
+    let f = Fixture::start(Kind::Maglev, 3, vec![cookie_policy("sticky", "/", None)]).await;
+    for _ in 0..5 {
+        let r = f.mesh.get("/", HOST, &[]).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("set-cookie"), None);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_ip_is_sticky_per_client_address() {
+    let spec = PolicySpecifier::ConnectionProperties(ConnectionProperties { source_ip: true });
+    for kind in KINDS {
+        let f = Fixture::start(kind, 4, vec![policy(spec.clone())]).await;
+        let model = f.model();
+        let mut seen = BTreeSet::new();
+        for last in 2..18u8 {
+            let ip = IpAddr::from([127, 0, 0, last]);
+            let client = reqwest::Client::builder()
+                .no_proxy()
+                .local_address(ip)
+                .timeout(Duration::from_secs(5))
+                .build()
+                .expect("client");
+            let want = f.predicted(&model, xx64(ip.to_string().as_bytes(), 0));
+            for _ in 0..3 {
+                // A new connection each time: the hash follows the address, not the connection.
+                let r = client
+                    .get(f.mesh.url("/"))
+                    .header("host", HOST)
+                    .header("connection", "close")
+                    .send()
+                    .await
+                    .expect("request");
+                let got = r
+                    .headers()
+                    .get("x-backend")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                assert_eq!(got.as_deref(), Some(want.as_str()), "{kind:?} from {ip}");
+            }
+            seen.insert(want);
+        }
+        assert!(
+            seen.len() >= 3,
+            "{kind:?}: 16 sources reached only {seen:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_an_endpoint_via_eds_keeps_most_keys_on_their_backend() {
+    for kind in KINDS {
+        let f = Fixture::start(kind, 5, vec![header_policy("x-user")]).await;
+        let keys = users(60);
+        let mut before = BTreeMap::new();
+        for k in &keys {
+            before.insert(k.clone(), f.backend("/", &[("x-user", k.as_str())]).await);
+        }
+        // Remove b2.
+        let remaining: Vec<SocketAddr> = f
+            .addrs()
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, a)| a)
+            .collect();
+        f.mesh.ads.set_endpoints("2", &[cla("hash", &remaining)]);
+        f.mesh.ads.wait_for_ack(EDS, "2", PROPAGATION).await;
+        // Wait until no key reaches b2 any more.
+        let on_b2: Vec<&String> = keys.iter().filter(|k| before[*k] == "b2").collect();
+        assert!(!on_b2.is_empty(), "{kind:?}: no key was on b2");
+        for k in &on_b2 {
+            let what = format!("{kind:?}: {k} to leave b2");
+            eventually(&what, PROPAGATION, || async {
+                match f.backend("/", &[("x-user", k.as_str())]).await {
+                    b if b == "b2" => Err(b),
+                    _ => Ok(()),
+                }
+            })
+            .await;
+        }
+        let after_model = Model::new(kind, &remaining);
+        let names: Vec<&str> = ["b0", "b1", "b3", "b4"].to_vec();
+        let mut stayed = 0;
+        let mut kept = 0;
+        for k in &keys {
+            let now = f.backend("/", &[("x-user", k.as_str())]).await;
+            let predicted = after_model.pick(xx64(k.as_bytes(), 0)).map(|i| names[i]);
+            assert_eq!(
+                Some(now.as_str()),
+                predicted,
+                "{kind:?}: {k} after the removal"
+            );
+            if before[k] != "b2" {
+                kept += 1;
+                if before[k] == now {
+                    stayed += 1;
+                }
+            }
+        }
+        let fraction = f64::from(stayed) / f64::from(kept);
+        eprintln!("{kind:?}: {stayed} of {kept} keys not on the removed backend stayed");
+        assert!(fraction >= 0.8, "{kind:?}: only {fraction:.2} stayed");
+    }
+}
