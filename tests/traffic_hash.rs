@@ -392,3 +392,118 @@ async fn removing_an_endpoint_via_eds_keeps_most_keys_on_their_backend() {
         assert!(fraction >= 0.8, "{kind:?}: only {fraction:.2} stayed");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_weights_scale_ring_entries_and_table_slots() {
+    use envoy_types::pb::envoy::config::endpoint::v3::LbEndpoint;
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    let weights = [1u32, 2, 3, 4];
+    for kind in KINDS {
+        let mut backends = Vec::new();
+        for i in 0..weights.len() {
+            backends.push(Backend::start(&format!("b{i}")).await);
+        }
+        let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+        let mut assignment = cla("hash", &addrs);
+        for (ep, w) in assignment.endpoints[0].lb_endpoints.iter_mut().zip(weights) {
+            let ep: &mut LbEndpoint = ep;
+            ep.load_balancing_weight = Some(UInt32Value { value: w });
+        }
+        let mesh = Mesh::start(|port| Snapshot {
+            routes: vec![routes(port, vec![header_policy("x-user")])],
+            clusters: vec![hash_cluster("hash", kind)],
+            endpoints: vec![assignment],
+            ..Default::default()
+        })
+        .await;
+        mesh.wait_status("/", HOST, 200).await;
+        let hosts: Vec<HashHost> = addrs
+            .iter()
+            .zip(weights)
+            .enumerate()
+            .map(|(index, (a, weight))| HashHost {
+                key: a.to_string(),
+                index,
+                weight,
+            })
+            .collect();
+        let ring = Ring::build(&hosts, 1024, 8 << 20, HashFunction::XxHash);
+        let table = MaglevTable::build(&hosts, 65537);
+        let mut counts = [0usize; 4];
+        for k in users(40) {
+            let r = mesh.get("/", HOST, &[("x-user", k.as_str())]).await;
+            let h = xx64(k.as_bytes(), 0);
+            let want = match kind {
+                Kind::Ring => ring.pick(h),
+                Kind::Maglev => table.pick(h),
+            }
+            .expect("non-empty");
+            assert_eq!(r.backend(), Some(backends[want].name.as_str()), "{kind:?} {k}");
+            counts[want] += 1;
+        }
+        // The heaviest endpoint takes the most keys.
+        assert!(counts[3] > counts[0], "{kind:?}: {counts:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_policies_combine_and_terminal_stops() {
+    let terminal = |mut p: HashPolicy| {
+        p.terminal = true;
+        p
+    };
+    let f = Fixture::start(
+        Kind::Maglev,
+        5,
+        vec![
+            terminal(header_policy("x-first")),
+            header_policy("x-a"),
+            header_policy("x-b"),
+        ],
+    )
+    .await;
+    let model = f.model();
+    for k in users(12) {
+        let (a, b) = (format!("{k}-a"), format!("{k}-b"));
+        let (ha, hb) = (xx64(a.as_bytes(), 0), xx64(b.as_bytes(), 0));
+        // x-first absent: its terminal flag does not stop the list; x-a and x-b combine.
+        let got = f.backend("/", &[("x-a", &a), ("x-b", &b)]).await;
+        assert_eq!(got, f.predicted(&model, ha.rotate_left(1) ^ hb), "{k}");
+        // x-first present: it alone decides.
+        let got = f
+            .backend("/", &[("x-first", &k), ("x-a", &a), ("x-b", &b)])
+            .await;
+        assert_eq!(got, f.predicted(&model, xx64(k.as_bytes(), 0)), "{k}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generated_cookie_is_the_hash_of_the_connection_addresses() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = Fixture::start(Kind::Ring, 3, vec![cookie_policy("sid", "", Some(0))]).await;
+    let gateway: SocketAddr = ([127, 0, 0, 1], f.mesh.port).into();
+    let mut s = tokio::net::TcpStream::connect(gateway)
+        .await
+        .expect("connect");
+    let local = s.local_addr().expect("local addr");
+    s.write_all(format!("GET / HTTP/1.1\r\nhost: {HOST}\r\nconnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.expect("read");
+    let set: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| {
+            l.split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case("set-cookie"))
+        })
+        .map(|(_, v)| v.trim())
+        .collect();
+    // Envoy: XXH64 of the downstream remote then local address, as 16 hex digits; a zero ttl
+    // sets no Max-Age, an empty path no Path.
+    let value = format!(
+        "{:016x}",
+        xx64(format!("{local}{gateway}").as_bytes(), 0)
+    );
+    assert_eq!(set, vec![format!("sid=\"{value}\"; HttpOnly")], "{raw}");
+}
