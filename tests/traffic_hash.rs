@@ -438,7 +438,11 @@ async fn endpoint_weights_scale_ring_entries_and_table_slots() {
                 Kind::Maglev => table.pick(h),
             }
             .expect("non-empty");
-            assert_eq!(r.backend(), Some(backends[want].name.as_str()), "{kind:?} {k}");
+            assert_eq!(
+                r.backend(),
+                Some(backends[want].name.as_str()),
+                "{kind:?} {k}"
+            );
             counts[want] += 1;
         }
         // The heaviest endpoint takes the most keys.
@@ -501,9 +505,54 @@ async fn generated_cookie_is_the_hash_of_the_connection_addresses() {
         .collect();
     // Envoy: XXH64 of the downstream remote then local address, as 16 hex digits; a zero ttl
     // sets no Max-Age, an empty path no Path.
-    let value = format!(
-        "{:016x}",
-        xx64(format!("{local}{gateway}").as_bytes(), 0)
-    );
+    let value = format!("{:016x}", xx64(format!("{local}{gateway}").as_bytes(), 0));
     assert_eq!(set, vec![format!("sid=\"{value}\"; HttpOnly")], "{raw}");
+}
+
+/// Configs Envoy refuses are NACKed with Envoy's reason; the last good cluster keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_hash_clusters_are_nacked_with_envoys_reason() {
+    use cluster::{LbConfig, MaglevLbConfig, RingHashLbConfig};
+    use envoy_types::pb::google::protobuf::UInt64Value;
+    let f = Fixture::start(Kind::Maglev, 2, vec![header_policy("x-user")]).await;
+    let mut not_prime = hash_cluster("hash", Kind::Maglev);
+    not_prime.lb_config = Some(LbConfig::MaglevLbConfig(MaglevLbConfig {
+        table_size: Some(UInt64Value { value: 65536 }),
+    }));
+    let mut min_over_max = hash_cluster("hash", Kind::Ring);
+    min_over_max.lb_config = Some(LbConfig::RingHashLbConfig(RingHashLbConfig {
+        minimum_ring_size: Some(UInt64Value { value: 2048 }),
+        maximum_ring_size: Some(UInt64Value { value: 1024 }),
+        hash_function: 0,
+    }));
+    for (version, bad, reason) in [
+        (
+            "2",
+            not_prime,
+            "The table size of maglev must be prime number",
+        ),
+        (
+            "3",
+            min_over_max,
+            "ring hash: minimum_ring_size (2048) > maximum_ring_size (1024)",
+        ),
+    ] {
+        let before = f.mesh.ads.log().len();
+        f.mesh.ads.set_clusters(version, &[bad]);
+        let what = format!("a NACK of CDS version {version}");
+        let nack = eventually(&what, PROPAGATION, || async {
+            f.mesh
+                .ads
+                .log()
+                .into_iter()
+                .skip(before)
+                .find(|r| r.type_url == CDS && r.is_nack())
+                .ok_or_else(|| "not yet".to_string())
+        })
+        .await;
+        let err = nack.error.unwrap_or_default();
+        assert!(err.contains(reason), "{err}");
+        let r = f.mesh.get("/", HOST, &[("x-user", "u")]).await;
+        assert_eq!(r.status, 200, "the last good cluster serves: {r:?}");
+    }
 }
