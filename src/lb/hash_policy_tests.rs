@@ -116,8 +116,9 @@ fn header_regex_rewrite_applies_before_hashing() {
     );
     let a = Req::new(&[("x-session", "user-1")], "/");
     let b = Req::new(&[("x-session", "user-2")], "/");
-    assert_eq!(hash_of(&[p.clone()], &a), Some(xx64(b"user", 0)));
-    assert_eq!(hash_of(&[p.clone()], &a), hash_of(&[p], &b));
+    let p = std::slice::from_ref(&p);
+    assert_eq!(hash_of(p, &a), Some(xx64(b"user", 0)));
+    assert_eq!(hash_of(p, &a), hash_of(p, &b));
     assert_eq!(re2_substitution("\\1-$x\\\\"), "${1}-$$x\\");
 }
 
