@@ -556,3 +556,21 @@ async fn invalid_hash_clusters_are_nacked_with_envoys_reason() {
         assert_eq!(r.status, 200, "the last good cluster serves: {r:?}");
     }
 }
+
+/// Pseudo-headers hash their value; `host` is the authority (Envoy keeps HTTP/1's Host as
+/// `:authority`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pseudo_headers_and_host_hash_their_values() {
+    for (name, value) in [
+        ("host", HOST),
+        (":authority", HOST),
+        (":path", "/x?y=1"),
+        (":method", "GET"),
+    ] {
+        let f = Fixture::start(Kind::Maglev, 4, vec![header_policy(name)]).await;
+        let want = f.predicted(&f.model(), xx64(value.as_bytes(), 0));
+        for _ in 0..10 {
+            assert_eq!(f.backend("/x?y=1", &[]).await, want, "{name}");
+        }
+    }
+}

@@ -222,7 +222,9 @@ fn translate_one(p: &rpb::route_action::HashPolicy) -> Result<Option<HashPolicy>
             }
             let lower = h.header_name.to_ascii_lowercase();
             let header = match lower.as_str() {
-                ":authority" => HeaderKey::Authority,
+                // Envoy keeps HTTP/1's Host as `:authority`; so `host` names the authority
+                // whatever the protocol.
+                ":authority" | "host" => HeaderKey::Authority,
                 ":path" => HeaderKey::Path,
                 ":method" => HeaderKey::Method,
                 ":scheme" => HeaderKey::Scheme,
