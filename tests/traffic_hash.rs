@@ -574,3 +574,38 @@ async fn pseudo_headers_and_host_hash_their_values() {
         }
     }
 }
+
+/// Unhealthy endpoints are left out of the ring / table (built over the healthy ones, in EDS
+/// order), exactly as Envoy builds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unhealthy_endpoints_are_left_out_of_the_ring_and_table() {
+    use envoy_types::pb::envoy::config::core::v3::HealthStatus;
+    for kind in KINDS {
+        let f = Fixture::start(kind, 5, vec![header_policy("x-user")]).await;
+        let mut assignment = cla("hash", &f.addrs());
+        assignment.endpoints[0].lb_endpoints[1].health_status = HealthStatus::Unhealthy as i32;
+        f.mesh.ads.set_endpoints("2", &[assignment]);
+        f.mesh.ads.wait_for_ack(EDS, "2", PROPAGATION).await;
+        let healthy: Vec<SocketAddr> = f
+            .addrs()
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 1)
+            .map(|(_, a)| a)
+            .collect();
+        let model = Model::new(kind, &healthy);
+        let names = ["b0", "b2", "b3", "b4"];
+        for k in users(30) {
+            let want = names[model.pick(xx64(k.as_bytes(), 0)).expect("non-empty")];
+            let what = format!("{kind:?}: {k} to reach {want}");
+            // The first keys may still race the EDS update.
+            eventually(&what, PROPAGATION, || async {
+                match f.backend("/", &[("x-user", k.as_str())]).await {
+                    b if b == want => Ok(()),
+                    b => Err(b),
+                }
+            })
+            .await;
+        }
+    }
+}

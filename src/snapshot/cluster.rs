@@ -149,7 +149,9 @@ impl Cluster {
             return self.pick();
         }
         let h = hash.unwrap_or_else(|| fastrand::u64(..));
-        let balancer = self.bucket(|total| (h % u64::from(total)) as u32)?;
+        // Envoy chooses the priority with `hash % 100` against whole-percent loads; scaled to
+        // the shares' total, the same hash lands in the same level.
+        let balancer = self.bucket(|total| ((h % 100) * u64::from(total) / 100) as u32)?;
         let i = balancer.pick_hash(h, &self.active)?;
         Some((i, self.endpoints.hosts[i].addr))
     }

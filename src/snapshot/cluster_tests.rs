@@ -610,6 +610,38 @@ mod consistent_hashing {
     }
 
     #[test]
+    fn the_priority_level_is_chosen_by_hash_modulo_100_as_envoy_does() {
+        // P0 at 50% health keeps 70% of the load, P1 takes 30%: hashes with `h % 100 < 70`
+        // stay on P0.
+        let la = Arc::new(LoadAssignment {
+            hosts: [
+                (Health::Healthy, 0),
+                (Health::Unhealthy, 0),
+                (Health::Healthy, 1),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(i, (health, priority))| Host {
+                addr: SocketAddr::from(([10, 0, 0, 1], 8000 + i as u16)),
+                weight: 1,
+                health: *health,
+                priority: *priority,
+            })
+            .collect(),
+        });
+        let def = Arc::new(ok(&with(LbPolicy::Maglev, None)));
+        let c = Cluster::new(def, la, Default::default());
+        for h in [0u64, 69, 169, 70, 99, 1070, u64::MAX] {
+            let want = if h % 100 < 70 { 0 } else { 2 };
+            assert_eq!(
+                c.pick_hashed(Some(h)).map(|(i, _)| i),
+                Some(want),
+                "hash {h}"
+            );
+        }
+    }
+
+    #[test]
     fn no_hash_picks_a_random_host() {
         let c = built(LbPolicy::Maglev, hosts(4));
         let seen: std::collections::BTreeSet<usize> = (0..200)
