@@ -144,10 +144,23 @@ impl Ring {
     }
 }
 
-/// Envoy's Maglev lookup table: `table_size` slots, each naming a host index.
+/// Envoy's Maglev lookup table: `table_size` slots, each naming a host. Slots hold a position in
+/// `hosts` in the narrowest integer that fits (one byte for up to 256 hosts), so the default
+/// 65,537-slot table of a small cluster takes 64 KiB rather than 256 (Envoy's compact table
+/// packs bits for the same reason).
 #[derive(Debug, Default)]
 pub struct MaglevTable {
-    slots: Vec<u32>,
+    hosts: Vec<u32>,
+    slots: Slots,
+}
+
+#[derive(Debug, Default)]
+enum Slots {
+    #[default]
+    Empty,
+    U8(Vec<u8>),
+    U16(Vec<u16>),
+    U32(Vec<u32>),
 }
 
 impl MaglevTable {
@@ -186,11 +199,12 @@ impl MaglevTable {
             .collect();
         const EMPTY: u32 = u32::MAX;
         let size = table_size as usize;
+        // Positions in `entries` while filling; narrowed below.
         let mut slots = vec![EMPTY; size];
         let mut filled = 0usize;
         let mut iteration: u32 = 1;
         while filled < size {
-            for e in entries.iter_mut() {
+            for (pos, e) in entries.iter_mut().enumerate() {
                 if filled >= size {
                     break;
                 }
@@ -203,28 +217,43 @@ impl MaglevTable {
                     e.next += 1;
                     c = e.offset.wrapping_add(e.skip.wrapping_mul(e.next)) % table_size;
                 }
-                slots[c as usize] = e.index;
+                slots[c as usize] = pos as u32;
                 e.next += 1;
                 filled += 1;
             }
             iteration = iteration.wrapping_add(1);
         }
-        MaglevTable { slots }
+        let hosts: Vec<u32> = entries.iter().map(|e| e.index).collect();
+        let slots = match hosts.len() {
+            0..=256 => Slots::U8(slots.into_iter().map(|p| p as u8).collect()),
+            257..=65536 => Slots::U16(slots.into_iter().map(|p| p as u16).collect()),
+            _ => Slots::U32(slots),
+        };
+        MaglevTable { hosts, slots }
     }
 
     pub fn len(&self) -> usize {
-        self.slots.len()
+        match &self.slots {
+            Slots::Empty => 0,
+            Slots::U8(s) => s.len(),
+            Slots::U16(s) => s.len(),
+            Slots::U32(s) => s.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.len() == 0
     }
 
     pub fn pick(&self, h: u64) -> Option<usize> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        Some(self.slots[(h % self.slots.len() as u64) as usize] as usize)
+        let at = |len: usize| (h % len as u64) as usize;
+        let pos = match &self.slots {
+            Slots::Empty => return None,
+            Slots::U8(s) => usize::from(s[at(s.len())]),
+            Slots::U16(s) => usize::from(s[at(s.len())]),
+            Slots::U32(s) => s[at(s.len())] as usize,
+        };
+        self.hosts.get(pos).map(|i| *i as usize)
     }
 }
 

@@ -219,3 +219,41 @@ fn adding_a_host_moves_keys_mostly_to_it() {
         assert!(a == b || a == Some(10), "key {k} moved from {b:?} to {a:?}");
     }
 }
+
+#[test]
+fn maglev_slot_width_follows_the_host_count() {
+    for n in [1usize, 256, 257, 70_000] {
+        let hs: Vec<HashHost> = (0..n)
+            .map(|i| HashHost {
+                key: format!("10.{}.{}.{}:80", i >> 16, (i >> 8) & 255, i & 255),
+                index: i,
+                weight: 1,
+            })
+            .collect();
+        // 70,000 hosts need a table larger than the host count.
+        let size = if n > 65537 { 140_009 } else { 65537 };
+        let t = MaglevTable::build(&hs, size);
+        assert_eq!(t.len(), size as usize);
+        let mut seen = vec![false; n];
+        for i in 0..size {
+            seen[t.pick(i).expect("non-empty")] = true;
+        }
+        assert!(seen.iter().all(|s| *s), "{n} hosts: every host has a slot");
+        let width = match &t.slots {
+            Slots::U8(_) => 1,
+            Slots::U16(_) => 2,
+            Slots::U32(_) => 4,
+            Slots::Empty => 0,
+        };
+        assert_eq!(
+            width,
+            if n <= 256 {
+                1
+            } else if n <= 65536 {
+                2
+            } else {
+                4
+            }
+        );
+    }
+}
