@@ -609,3 +609,49 @@ async fn unhealthy_endpoints_are_left_out_of_the_ring_and_table() {
         }
     }
 }
+
+/// The source address is the one the connection manager settles on: without
+/// `use_remote_address`, the last `x-forwarded-for` entry; with it, the peer (unless trusted
+/// hops point into XFF).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_ip_follows_the_connection_managers_remote_address() {
+    use envoy_types::pb::google::protobuf::BoolValue;
+    let spec = PolicySpecifier::ConnectionProperties(ConnectionProperties { source_ip: true });
+    for use_remote in [false, true] {
+        let mut backends = Vec::new();
+        for i in 0..4 {
+            backends.push(Backend::start(&format!("b{i}")).await);
+        }
+        let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+        let mesh = Mesh::start_raw(|port| {
+            let mut h = hcm(port);
+            h.use_remote_address = Some(BoolValue { value: use_remote });
+            Snapshot {
+                listeners: vec![listener_with(port, h)],
+                routes: vec![routes(port, vec![policy(spec.clone())])],
+                clusters: vec![hash_cluster("hash", Kind::Maglev)],
+                endpoints: vec![cla("hash", &addrs)],
+            }
+        })
+        .await;
+        mesh.wait_status("/", HOST, 200).await;
+        let model = Model::new(Kind::Maglev, &addrs);
+        for last in 1..13u8 {
+            let xff = format!("192.0.2.1, 198.51.100.{last}");
+            let r = mesh
+                .get("/", HOST, &[("x-forwarded-for", xff.as_str())])
+                .await;
+            let ip = if use_remote {
+                "127.0.0.1".to_string()
+            } else {
+                format!("198.51.100.{last}")
+            };
+            let want = &backends[model.pick(xx64(ip.as_bytes(), 0)).expect("host")].name;
+            assert_eq!(
+                r.backend(),
+                Some(want.as_str()),
+                "use_remote_address {use_remote}, {xff}"
+            );
+        }
+    }
+}
