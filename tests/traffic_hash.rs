@@ -655,3 +655,55 @@ async fn source_ip_follows_the_connection_managers_remote_address() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_regex_rewrite_and_cookie_attributes() {
+    use envoy_types::pb::envoy::config::route::v3::route_action::hash_policy::CookieAttribute;
+    use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatchAndSubstitute, RegexMatcher};
+    let rewrite = policy(PolicySpecifier::Header(Header {
+        header_name: "x-session".into(),
+        regex_rewrite: Some(RegexMatchAndSubstitute {
+            pattern: Some(RegexMatcher {
+                regex: "-[0-9]+".into(),
+                ..Default::default()
+            }),
+            substitution: "/\\0".into(),
+        }),
+    }));
+    let f = Fixture::start(Kind::Ring, 4, vec![rewrite]).await;
+    let model = f.model();
+    for k in users(10) {
+        // Every match is replaced (`\0` is the whole match): "user-3-7" -> "user/-3/-7".
+        let value = format!("{k}-7");
+        let want = f.predicted(
+            &model,
+            xx64(format!("{}/-7", k.replace('-', "/-")).as_bytes(), 0),
+        );
+        assert_eq!(
+            f.backend("/", &[("x-session", value.as_str())]).await,
+            want,
+            "{value}"
+        );
+    }
+    let mut with_attrs = cookie_policy("sid", "/", Some(60));
+    if let Some(PolicySpecifier::Cookie(c)) = &mut with_attrs.policy_specifier {
+        c.attributes = vec![
+            CookieAttribute {
+                name: "SameSite".into(),
+                value: "Lax".into(),
+            },
+            CookieAttribute {
+                name: "Secure".into(),
+                value: String::new(),
+            },
+        ];
+    }
+    let f = Fixture::start(Kind::Ring, 2, vec![with_attrs]).await;
+    let r = get(&f.mesh.url("/"), Some(HOST), &[]).await;
+    let set = r.header("set-cookie").expect("set-cookie").to_string();
+    assert!(
+        set.starts_with("sid=\"")
+            && set.ends_with("\"; Max-Age=60; Path=/; SameSite=Lax; Secure; HttpOnly"),
+        "{set}"
+    );
+}
