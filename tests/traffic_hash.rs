@@ -5,6 +5,13 @@
 //! Besides stickiness and spread, every test checks the exact backend: it rebuilds Envoy's ring
 //! or Maglev table with Portico's library from the endpoint addresses and predicts where each
 //! key goes. Passing against Envoy shows that Portico's construction is Envoy's.
+//!
+//! Known differences, none observable here: an endpoint's `envoy.lb` `hash_key` metadata is not
+//! read (Portico places every endpoint by its address); `locality_weighted_lb_config` does not
+//! scale ring entries by locality weight; when a degraded priority level takes load, Portico
+//! hashes over its degraded hosts (Envoy's per-level ring holds only healthy hosts); retry host
+//! predicates (walking the ring on a retry) wait for retries. NACKed where Envoy accepts:
+//! `use_hostname_for_hashing`, `hash_balance_factor`, a cluster-level `hash_policy`.
 
 mod common;
 
