@@ -5,8 +5,9 @@
 //! downstream/upstream status stats and round-robin order.
 //!
 //! Not covered because Portico refuses them by design (NACKed as "not
-//! supported yet"): TLS, listener filters, several filter chains, ring hash
-//! and Maglev, HTTP filters other than the router unless `is_optional`.
+//! supported yet"): TLS, listener filters, several filter chains, HTTP
+//! filters other than the router unless `is_optional`. Ring hash and Maglev:
+//! `tests/traffic_hash.rs`.
 
 mod common;
 

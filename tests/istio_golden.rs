@@ -428,13 +428,9 @@ fn envoy_and_portico_accept_every_feature_the_control_plane_renders() {
         "Envoy: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // Portico's data plane implements consistent hashing with the traffic-policy work;
-    // until then it refuses those clusters (named), and accepts everything else.
+    // Consistent hashing (RING_HASH, MAGLEV, route hash_policy) included.
     let portico = Path::new(env!("CARGO_BIN_EXE_portico"));
     let out = validate_static(portico, "features", &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("lb_policy RING_HASH is not supported yet"));
-    let out = validate_static(portico, "features", &["RING_HASH", "MAGLEV"]);
     assert!(
         out.status.success(),
         "Portico: {}",

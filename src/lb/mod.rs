@@ -1,7 +1,15 @@
 //! Load balancers over a cluster's eligible hosts. Each `pick` is lock-free: one atomic or one
-//! random draw, plus a read of per-host active-request counters for least-request.
+//! random draw, plus a read of per-host active-request counters for least-request; the
+//! consistent-hash policies (ring hash, Maglev) look a request hash up in a structure built with
+//! the balancer.
+
+pub mod hash;
+pub mod hash_policy;
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+pub use hash::HashFunction;
+use hash::{HashHost, MaglevTable, Ring};
 
 /// The host set a balancer chooses from: indices into the cluster's hosts with their weights.
 #[derive(Debug)]
@@ -15,6 +23,38 @@ pub enum Policy {
     RoundRobin,
     LeastRequest,
     Random,
+    RingHash {
+        min_ring_size: u64,
+        max_ring_size: u64,
+        function: HashFunction,
+    },
+    Maglev {
+        table_size: u64,
+    },
+}
+
+impl Policy {
+    /// Envoy's defaults for `ring_hash_lb_config` (1024 .. 8M entries, XXH64).
+    pub const RING_HASH_DEFAULT: Policy = Policy::RingHash {
+        min_ring_size: 1024,
+        max_ring_size: 8 * 1024 * 1024,
+        function: HashFunction::XxHash,
+    };
+    /// Envoy's default Maglev table size, a prime.
+    pub const MAGLEV_DEFAULT: Policy = Policy::Maglev { table_size: 65537 };
+
+    /// Whether picks use the request hash of the route's `hash_policy`.
+    pub fn is_hashing(&self) -> bool {
+        matches!(self, Policy::RingHash { .. } | Policy::Maglev { .. })
+    }
+}
+
+/// The lookup structure of a consistent-hash balancer.
+#[derive(Debug)]
+enum Hashed {
+    None,
+    Ring(Ring),
+    Maglev(MaglevTable),
 }
 
 /// Per-cluster balancer state, built once per endpoint set.
@@ -28,6 +68,7 @@ pub struct Balancer {
     cumulative: Vec<u64>,
     next: AtomicUsize,
     uniform: bool,
+    hashed: Hashed,
 }
 
 /// Longest precomputed round-robin schedule; larger weight sums fall back to weighted random.
@@ -42,7 +83,34 @@ fn gcd(a: u64, b: u64) -> u64 {
 }
 
 impl Balancer {
+    /// A balancer whose hosts, if it hashes, are placed by their index (tests and benches);
+    /// clusters use [`Balancer::with_keys`] to place hosts by address, as Envoy does.
     pub fn new(policy: Policy, eligible: Eligible) -> Balancer {
+        Balancer::with_keys(policy, eligible, |i| i.to_string())
+    }
+
+    /// `key` names host `i` (an index into the cluster's hosts) for the hash ring or table.
+    pub fn with_keys(
+        policy: Policy,
+        eligible: Eligible,
+        key: impl Fn(usize) -> String,
+    ) -> Balancer {
+        let hashed = match policy {
+            Policy::RingHash {
+                min_ring_size,
+                max_ring_size,
+                function,
+            } => Hashed::Ring(Ring::build(
+                &hash_hosts(&eligible, &key),
+                min_ring_size,
+                max_ring_size,
+                function,
+            )),
+            Policy::Maglev { table_size } => {
+                Hashed::Maglev(MaglevTable::build(&hash_hosts(&eligible, &key), table_size))
+            }
+            _ => Hashed::None,
+        };
         let uniform = eligible.weights.windows(2).all(|w| w[0] == w[1]);
         let mut cumulative = Vec::with_capacity(eligible.weights.len());
         let mut sum = 0u64;
@@ -64,6 +132,25 @@ impl Balancer {
             cumulative,
             next: AtomicUsize::new(start),
             uniform,
+            hashed,
+        }
+    }
+
+    /// The host a consistent-hash balancer maps `hash` to; other policies ignore the hash.
+    pub fn pick_hash(&self, hash: u64, active: &[AtomicU32]) -> Option<usize> {
+        match &self.hashed {
+            Hashed::Ring(r) => r.pick(hash),
+            Hashed::Maglev(m) => m.pick(hash),
+            Hashed::None => self.pick(active),
+        }
+    }
+
+    /// Ring entries or table slots: what a hashing balancer holds (for tests and stats).
+    pub fn hash_table_len(&self) -> usize {
+        match &self.hashed {
+            Hashed::Ring(r) => r.len(),
+            Hashed::Maglev(m) => m.len(),
+            Hashed::None => 0,
         }
     }
 
@@ -87,6 +174,11 @@ impl Balancer {
                 self.schedule[i] as usize
             }
             Policy::RoundRobin | Policy::Random => self.weighted_random(),
+            // Without a request hash Envoy hashes a random number, which keeps the ring's
+            // (weighted) distribution.
+            Policy::RingHash { .. } | Policy::Maglev { .. } => {
+                return self.pick_hash(fastrand::u64(..), active)
+            }
             Policy::LeastRequest => {
                 // Power of two choices; with weights, compare load per unit of weight.
                 let a = fastrand::usize(..n);
@@ -118,6 +210,19 @@ impl Balancer {
         let point = fastrand::u64(..total);
         self.cumulative.partition_point(|c| *c <= point)
     }
+}
+
+fn hash_hosts(eligible: &Eligible, key: &impl Fn(usize) -> String) -> Vec<HashHost> {
+    eligible
+        .hosts
+        .iter()
+        .zip(&eligible.weights)
+        .map(|(&index, &weight)| HashHost {
+            key: key(index),
+            index,
+            weight,
+        })
+        .collect()
 }
 
 /// nginx's smooth weighted round robin, unrolled into a fixed order of slots.

@@ -83,6 +83,8 @@ pub struct Ctx {
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
     upstream_start: Option<Instant>,
+    /// `set-cookie` values for cookies a hash policy generated, added to the upstream response.
+    set_cookies: Vec<String>,
     /// The upstream's response code was counted when its headers arrived.
     code_recorded: bool,
     counted_active: bool,
@@ -969,6 +971,75 @@ fn split_port(authority: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// The downstream address as Envoy's connection manager settles it: the peer with
+/// `use_remote_address` (or the XFF entry the trusted hops point at), otherwise the last XFF
+/// entry (skipping trusted hops) when it is an IP, else the peer.
+fn downstream_ip(
+    headers: &http::HeaderMap,
+    peer: Option<std::net::IpAddr>,
+    listener: &ActiveListener,
+) -> Option<std::net::IpAddr> {
+    let hcm = &listener.def.hcm;
+    let skip = if hcm.use_remote_address {
+        match hcm.xff_num_trusted_hops.checked_sub(1) {
+            Some(s) => s as usize,
+            None => return peer,
+        }
+    } else {
+        hcm.xff_num_trusted_hops as usize
+    };
+    let xff: Vec<&str> = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .collect();
+    xff.len()
+        .checked_sub(skip + 1)
+        .and_then(|i| xff.get(i))
+        .and_then(|a| a.parse().ok())
+        .or(peer)
+}
+
+/// The request hash of the route's `hash_policy`, for a ring hash or Maglev cluster. A cookie
+/// policy with a ttl whose cookie the request lacks generates one, as Envoy's router does, and
+/// leaves its `set-cookie` in `set_cookies` for the response.
+fn request_hash(
+    session: &Session,
+    listener: &ActiveListener,
+    fwd: &Forward,
+    set_cookies: &mut Vec<String>,
+) -> Option<u64> {
+    use crate::lb::hash_policy::{self, HashInput};
+    if fwd.hash_policy.is_empty() {
+        return None;
+    }
+    let req = session.req_header();
+    let peer = session.client_addr().and_then(|a| a.as_inet()).copied();
+    let input = HashInput {
+        headers: &req.headers,
+        authority: raw_authority(req),
+        path: req.uri.path_and_query().map_or("/", |p| p.as_str()),
+        method: req.method.as_str(),
+        scheme: req.uri.scheme_str().unwrap_or("http"),
+        source_ip: downstream_ip(&req.headers, peer.map(|a| a.ip()), listener),
+    };
+    hash_policy::generate(&fwd.hash_policy, &input, |cookie| {
+        // Envoy hashes the connection's remote and local addresses, so every request of one
+        // connection gets the same cookie.
+        let remote = peer.map(|a| a.to_string()).unwrap_or_default();
+        let local = session
+            .server_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let value = hash_policy::generated_cookie(&remote, &local);
+        set_cookies.push(hash_policy::set_cookie_value(cookie, &value));
+        value
+    })
+}
+
 #[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = Ctx;
@@ -1097,7 +1168,13 @@ impl ProxyHttp for Gateway {
             // Envoy's cluster_not_found_response_code default.
             return self.local_reply(session, ctx, 503, None, &[]).await;
         };
-        let Some((idx, addr)) = cluster.pick() else {
+        let picked = if cluster.hashes() {
+            let hash = request_hash(session, &listener, fwd, &mut ctx.set_cookies);
+            cluster.pick_hashed(hash)
+        } else {
+            cluster.pick()
+        };
+        let Some((idx, addr)) = picked else {
             // Envoy counts the code (upstream_rq_503), though no upstream request started.
             cluster.stats.record_code(503);
             return self
@@ -1493,6 +1570,9 @@ impl ProxyHttp for Gateway {
             resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
         cors_response(resp, ctx)?;
+        for c in ctx.set_cookies.drain(..) {
+            resp.append_header(http::header::SET_COOKIE, c)?;
+        }
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::config::endpoint::v3 as epb;
 
 use super::{duration, socket_address, TranslateError};
 use crate::admin::stats::ClusterStats;
-use crate::lb::{Balancer, Eligible, Policy};
+use crate::lb::{Balancer, Eligible, HashFunction, Policy};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DiscoveryKind {
@@ -118,9 +118,14 @@ impl Cluster {
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
     ) -> Cluster {
-        let buckets = load_buckets(&endpoints.hosts, def.panic_threshold)
+        let hosts = &endpoints.hosts;
+        // Hashing balancers place hosts by address, as Envoy does (`ip:port`).
+        let buckets = load_buckets(hosts, def.panic_threshold)
             .into_iter()
-            .map(|(share, eligible)| (share, Balancer::new(def.policy, eligible)))
+            .map(|(share, eligible)| {
+                let b = Balancer::with_keys(def.policy, eligible, |i| hosts[i].addr.to_string());
+                (share, b)
+            })
             .collect();
         let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
         Cluster {
@@ -133,12 +138,38 @@ impl Cluster {
     }
 
     pub fn pick(&self) -> Option<(usize, SocketAddr)> {
+        let balancer = self.bucket(|total| fastrand::u32(..total))?;
+        let i = balancer.pick(&self.active)?;
+        Some((i, self.endpoints.hosts[i].addr))
+    }
+
+    /// Whether picks use the route's request hash (ring hash, Maglev).
+    pub fn hashes(&self) -> bool {
+        self.def.policy.is_hashing()
+    }
+
+    /// A pick for a hashing cluster: `hash` (a random one when the route's hash policies
+    /// produced none, as Envoy does) chooses the priority level and the host.
+    pub fn pick_hashed(&self, hash: Option<u64>) -> Option<(usize, SocketAddr)> {
+        if !self.hashes() {
+            return self.pick();
+        }
+        let h = hash.unwrap_or_else(|| fastrand::u64(..));
+        // Envoy chooses the priority with `hash % 100` against whole-percent loads; scaled to
+        // the shares' total, the same hash lands in the same level.
+        let balancer = self.bucket(|total| ((h % 100) * u64::from(total) / 100) as u32)?;
+        let i = balancer.pick_hash(h, &self.active)?;
+        Some((i, self.endpoints.hosts[i].addr))
+    }
+
+    /// The bucket `point` (given the shares' total, at least 1) falls in.
+    fn bucket(&self, point: impl FnOnce(u32) -> u32) -> Option<&Balancer> {
         let balancer = match self.buckets.as_slice() {
             [] => return None,
             [(_, only)] => only,
             many => {
                 let total: u32 = many.iter().map(|(s, _)| *s).sum();
-                let mut point = fastrand::u32(..total.max(1));
+                let mut point = point(total.max(1));
                 let mut chosen = &many[0].1;
                 for (share, b) in many {
                     if point < *share {
@@ -150,8 +181,7 @@ impl Cluster {
                 chosen
             }
         };
-        let i = balancer.pick(&self.active)?;
-        Some((i, self.endpoints.hosts[i].addr))
+        Some(balancer)
     }
 
     pub fn healthy_count(&self) -> usize {
@@ -281,7 +311,7 @@ impl ClusterDef {
                 .policies
                 .iter()
                 .filter_map(|p| p.typed_extension_config.as_ref()?.typed_config.as_ref())
-                .find_map(|any| typed_policy(&any.type_url))
+                .find_map(typed_policy)
                 .ok_or_else(|| {
                     let names: Vec<&str> = lbp
                         .policies
@@ -292,11 +322,14 @@ impl ClusterDef {
                         "load_balancing_policy: policies [{}] are not supported yet",
                         names.join(", ")
                     ))
-                })?,
+                })?
+                .map_err(|e| err(format!("load_balancing_policy: {e}")))?,
             None => match LbPolicy::try_from(c.lb_policy) {
                 Ok(LbPolicy::RoundRobin) => Policy::RoundRobin,
                 Ok(LbPolicy::LeastRequest) => Policy::LeastRequest,
                 Ok(LbPolicy::Random) => Policy::Random,
+                Ok(LbPolicy::RingHash) => legacy_ring_hash(c).map_err(err)?,
+                Ok(LbPolicy::Maglev) => legacy_maglev(c).map_err(err)?,
                 Ok(other) => {
                     return Err(err(format!(
                         "lb_policy {} is not supported yet",
@@ -412,18 +445,200 @@ impl ClusterDef {
     }
 }
 
-/// A typed load-balancing policy Portico implements, by its config type.
-fn typed_policy(type_url: &str) -> Option<Policy> {
-    match type_url.strip_prefix("type.googleapis.com/")? {
+/// A typed load-balancing policy Portico implements, by its config type; `Some(Err)` when the
+/// policy is known but its config is invalid (Envoy rejects the cluster then).
+fn typed_policy(any: &envoy_types::pb::google::protobuf::Any) -> Option<Result<Policy, String>> {
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::{maglev, ring_hash};
+    use prost::Message;
+    let ok = |p| Some(Ok(p));
+    match any.type_url.strip_prefix("type.googleapis.com/")? {
         "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin" => {
-            Some(Policy::RoundRobin)
+            ok(Policy::RoundRobin)
         }
         "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest" => {
-            Some(Policy::LeastRequest)
+            ok(Policy::LeastRequest)
         }
-        "envoy.extensions.load_balancing_policies.random.v3.Random" => Some(Policy::Random),
+        "envoy.extensions.load_balancing_policies.random.v3.Random" => ok(Policy::Random),
+        "envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash" => Some(
+            ring_hash::v3::RingHash::decode(any.value.as_slice())
+                .map_err(|e| format!("RingHash: {e}"))
+                .and_then(|r| typed_ring_hash(&r).map_err(|e| format!("RingHash: {e}"))),
+        ),
+        "envoy.extensions.load_balancing_policies.maglev.v3.Maglev" => Some(
+            maglev::v3::Maglev::decode(any.value.as_slice())
+                .map_err(|e| format!("Maglev: {e}"))
+                .and_then(|m| typed_maglev(&m).map_err(|e| format!("Maglev: {e}"))),
+        ),
         _ => None,
     }
+}
+
+/// Envoy's proto limit for both ring sizes (2^23 entries).
+const MAX_RING_SIZE: u64 = 8 * 1024 * 1024;
+/// Envoy's proto limit for a Maglev table.
+const MAX_MAGLEV_TABLE: u64 = 5_000_011;
+
+fn ring_hash_policy(
+    min: Option<u64>,
+    max: Option<u64>,
+    function: HashFunction,
+) -> Result<Policy, String> {
+    let Policy::RingHash {
+        min_ring_size: default_min,
+        max_ring_size: default_max,
+        ..
+    } = Policy::RING_HASH_DEFAULT
+    else {
+        return Err("ring hash defaults".into());
+    };
+    let (min, max) = (min.unwrap_or(default_min), max.unwrap_or(default_max));
+    for (field, v) in [("minimum_ring_size", min), ("maximum_ring_size", max)] {
+        if v > MAX_RING_SIZE {
+            return Err(format!("{field} {v} must be at most {MAX_RING_SIZE}"));
+        }
+    }
+    if min > max {
+        return Err(format!(
+            "ring hash: minimum_ring_size ({min}) > maximum_ring_size ({max})"
+        ));
+    }
+    Ok(Policy::RingHash {
+        min_ring_size: min,
+        max_ring_size: max,
+        function,
+    })
+}
+
+fn maglev_policy(table_size: Option<u64>) -> Result<Policy, String> {
+    let Policy::Maglev {
+        table_size: default,
+    } = Policy::MAGLEV_DEFAULT
+    else {
+        return Err("maglev defaults".into());
+    };
+    let size = table_size.unwrap_or(default);
+    if size > MAX_MAGLEV_TABLE {
+        return Err(format!(
+            "table_size {size} must be at most {MAX_MAGLEV_TABLE}"
+        ));
+    }
+    if !crate::lb::hash::is_prime(size) {
+        return Err("The table size of maglev must be prime number".into());
+    }
+    Ok(Policy::Maglev { table_size: size })
+}
+
+/// What neither balancer implements yet: bounded loads and hashing by hostname (Portico keeps no
+/// endpoint hostnames), and a cluster-level hash policy.
+fn consistent_hashing_unsupported(
+    use_hostname: bool,
+    balance_factor: Option<u32>,
+    cluster_hash_policy: bool,
+) -> Result<(), String> {
+    if use_hostname {
+        return Err("use_hostname_for_hashing is not supported yet".into());
+    }
+    if balance_factor.is_some_and(|f| f > 0) {
+        return Err("hash_balance_factor (bounded load) is not supported yet".into());
+    }
+    if cluster_hash_policy {
+        return Err("consistent_hashing_lb_config.hash_policy is not supported yet; set hash_policy on the route".into());
+    }
+    Ok(())
+}
+
+fn legacy_consistent_hashing(c: &cpb::Cluster) -> Result<(), String> {
+    let chc = c
+        .common_lb_config
+        .as_ref()
+        .and_then(|l| l.consistent_hashing_lb_config.as_ref());
+    consistent_hashing_unsupported(
+        chc.is_some_and(|h| h.use_hostname_for_hashing),
+        chc.and_then(|h| h.hash_balance_factor.as_ref())
+            .map(|f| f.value),
+        false,
+    )
+    .map_err(|e| format!("common_lb_config.consistent_hashing_lb_config: {e}"))
+}
+
+/// `lb_policy: RING_HASH` with the optional `ring_hash_lb_config`.
+fn legacy_ring_hash(c: &cpb::Cluster) -> Result<Policy, String> {
+    use cpb::cluster::ring_hash_lb_config::HashFunction as F;
+    legacy_consistent_hashing(c)?;
+    let Some(cpb::cluster::LbConfig::RingHashLbConfig(r)) = &c.lb_config else {
+        return Ok(Policy::RING_HASH_DEFAULT);
+    };
+    let function = match F::try_from(r.hash_function) {
+        Ok(F::XxHash) => HashFunction::XxHash,
+        Ok(F::MurmurHash2) => HashFunction::MurmurHash2,
+        Err(_) => {
+            return Err(format!(
+                "ring_hash_lb_config.hash_function: unknown value {}",
+                r.hash_function
+            ))
+        }
+    };
+    ring_hash_policy(
+        r.minimum_ring_size.as_ref().map(|v| v.value),
+        r.maximum_ring_size.as_ref().map(|v| v.value),
+        function,
+    )
+    .map_err(|e| format!("ring_hash_lb_config: {e}"))
+}
+
+/// `lb_policy: MAGLEV` with the optional `maglev_lb_config`.
+fn legacy_maglev(c: &cpb::Cluster) -> Result<Policy, String> {
+    legacy_consistent_hashing(c)?;
+    let size = match &c.lb_config {
+        Some(cpb::cluster::LbConfig::MaglevLbConfig(m)) => m.table_size.as_ref().map(|v| v.value),
+        _ => None,
+    };
+    maglev_policy(size).map_err(|e| format!("maglev_lb_config: {e}"))
+}
+
+fn typed_consistent_hashing(
+    chc: Option<&envoy_types::pb::envoy::extensions::load_balancing_policies::common::v3::ConsistentHashingLbConfig>,
+) -> Result<(), String> {
+    consistent_hashing_unsupported(
+        chc.is_some_and(|h| h.use_hostname_for_hashing),
+        chc.and_then(|h| h.hash_balance_factor.as_ref())
+            .map(|f| f.value),
+        chc.is_some_and(|h| !h.hash_policy.is_empty()),
+    )
+    .map_err(|e| format!("consistent_hashing_lb_config: {e}"))
+}
+
+fn typed_ring_hash(
+    r: &envoy_types::pb::envoy::extensions::load_balancing_policies::ring_hash::v3::RingHash,
+) -> Result<Policy, String> {
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::ring_hash::v3::ring_hash::HashFunction as F;
+    #[allow(deprecated)]
+    let (use_hostname, factor) = (
+        r.use_hostname_for_hashing,
+        r.hash_balance_factor.as_ref().map(|f| f.value),
+    );
+    // The deprecated top-level fields count only without consistent_hashing_lb_config.
+    match &r.consistent_hashing_lb_config {
+        Some(chc) => typed_consistent_hashing(Some(chc))?,
+        None => consistent_hashing_unsupported(use_hostname, factor, false)?,
+    }
+    let function = match F::try_from(r.hash_function) {
+        Ok(F::DefaultHash) | Ok(F::XxHash) => HashFunction::XxHash,
+        Ok(F::MurmurHash2) => HashFunction::MurmurHash2,
+        Err(_) => return Err(format!("hash_function: unknown value {}", r.hash_function)),
+    };
+    ring_hash_policy(
+        r.minimum_ring_size.as_ref().map(|v| v.value),
+        r.maximum_ring_size.as_ref().map(|v| v.value),
+        function,
+    )
+}
+
+fn typed_maglev(
+    m: &envoy_types::pb::envoy::extensions::load_balancing_policies::maglev::v3::Maglev,
+) -> Result<Policy, String> {
+    typed_consistent_hashing(m.consistent_hashing_lb_config.as_ref())?;
+    maglev_policy(m.table_size.as_ref().map(|v| v.value))
 }
 
 /// Envoy picks a transport socket by its `typed_config` type, and by name only without one.

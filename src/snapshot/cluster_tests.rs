@@ -209,8 +209,6 @@ fn supported_lb_policies() {
 #[test]
 fn unsupported_lb_policies_are_rejected() {
     for p in [
-        LbPolicy::RingHash,
-        LbPolicy::Maglev,
         LbPolicy::ClusterProvided,
         LbPolicy::LoadBalancingPolicyConfig,
     ] {
@@ -248,8 +246,8 @@ fn typed_load_balancing_policy_first_supported_wins() {
     let mut c = cluster("c");
     c.load_balancing_policy = Some(typed_lb(&[
         (
-            "envoy.load_balancing_policies.maglev",
-            "envoy.extensions.load_balancing_policies.maglev.v3.Maglev",
+            "envoy.load_balancing_policies.wrr_locality",
+            "envoy.extensions.load_balancing_policies.wrr_locality.v3.WrrLocality",
         ),
         (
             "envoy.load_balancing_policies.least_request",
@@ -267,13 +265,422 @@ fn typed_load_balancing_policy_first_supported_wins() {
 fn typed_load_balancing_policy_without_a_supported_one_is_rejected() {
     let mut c = cluster("c");
     c.load_balancing_policy = Some(typed_lb(&[(
-        "envoy.load_balancing_policies.maglev",
-        "envoy.extensions.load_balancing_policies.maglev.v3.Maglev",
+        "envoy.load_balancing_policies.wrr_locality",
+        "envoy.extensions.load_balancing_policies.wrr_locality.v3.WrrLocality",
     )]));
     rejected(
         &c,
-        "load_balancing_policy: policies [envoy.load_balancing_policies.maglev] are not supported yet",
+        "load_balancing_policy: policies [envoy.load_balancing_policies.wrr_locality] are not supported yet",
     );
+}
+
+mod consistent_hashing {
+    use super::*;
+    use cpb::cluster::common_lb_config::ConsistentHashingLbConfig as LegacyChc;
+    use cpb::cluster::ring_hash_lb_config::HashFunction as LegacyFn;
+    use cpb::cluster::{LbConfig, MaglevLbConfig, RingHashLbConfig};
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::common::v3::ConsistentHashingLbConfig;
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::maglev::v3::Maglev;
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::ring_hash::v3::{
+        ring_hash::HashFunction as TypedFn, RingHash,
+    };
+    use envoy_types::pb::google::protobuf::UInt64Value;
+
+    fn with(p: LbPolicy, cfg: Option<LbConfig>) -> cpb::Cluster {
+        cpb::Cluster {
+            lb_policy: p as i32,
+            lb_config: cfg,
+            ..cluster("c")
+        }
+    }
+
+    fn u64v(v: u64) -> Option<UInt64Value> {
+        Some(UInt64Value { value: v })
+    }
+
+    fn ring(min: Option<u64>, max: Option<u64>, f: LegacyFn) -> Option<LbConfig> {
+        Some(LbConfig::RingHashLbConfig(RingHashLbConfig {
+            minimum_ring_size: min.and_then(u64v),
+            maximum_ring_size: max.and_then(u64v),
+            hash_function: f as i32,
+        }))
+    }
+
+    fn maglev(size: u64) -> Option<LbConfig> {
+        Some(LbConfig::MaglevLbConfig(MaglevLbConfig {
+            table_size: u64v(size),
+        }))
+    }
+
+    fn typed(name: &str, ty: &str, value: Vec<u8>) -> cpb::Cluster {
+        let mut c = cluster("c");
+        let mut lb = typed_lb(&[(name, ty)]);
+        if let Some(a) = lb.policies[0]
+            .typed_extension_config
+            .as_mut()
+            .and_then(|t| t.typed_config.as_mut())
+        {
+            a.value = value;
+        }
+        c.load_balancing_policy = Some(lb);
+        c
+    }
+
+    const RING: &str = "envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash";
+    const MAGLEV: &str = "envoy.extensions.load_balancing_policies.maglev.v3.Maglev";
+
+    #[test]
+    fn defaults() {
+        assert_eq!(
+            ok(&with(LbPolicy::RingHash, None)).policy,
+            Policy::RingHash {
+                min_ring_size: 1024,
+                max_ring_size: 8388608,
+                function: HashFunction::XxHash
+            }
+        );
+        assert_eq!(
+            ok(&with(LbPolicy::Maglev, None)).policy,
+            Policy::Maglev { table_size: 65537 }
+        );
+        assert_eq!(
+            ok(&typed("ring", RING, vec![])).policy,
+            Policy::RING_HASH_DEFAULT
+        );
+        assert_eq!(
+            ok(&typed("maglev", MAGLEV, vec![])).policy,
+            Policy::MAGLEV_DEFAULT
+        );
+    }
+
+    #[test]
+    fn configured_sizes_and_functions() {
+        let c = with(
+            LbPolicy::RingHash,
+            ring(Some(16), Some(4096), LegacyFn::MurmurHash2),
+        );
+        assert_eq!(
+            ok(&c).policy,
+            Policy::RingHash {
+                min_ring_size: 16,
+                max_ring_size: 4096,
+                function: HashFunction::MurmurHash2
+            }
+        );
+        assert_eq!(
+            ok(&with(LbPolicy::Maglev, maglev(7))).policy,
+            Policy::Maglev { table_size: 7 }
+        );
+        let r = RingHash {
+            hash_function: TypedFn::MurmurHash2 as i32,
+            minimum_ring_size: u64v(64),
+            ..Default::default()
+        };
+        assert_eq!(
+            ok(&typed("ring", RING, r.encode_to_vec())).policy,
+            Policy::RingHash {
+                min_ring_size: 64,
+                max_ring_size: 8388608,
+                function: HashFunction::MurmurHash2
+            }
+        );
+        let m = Maglev {
+            table_size: u64v(5_000_011),
+            ..Default::default()
+        };
+        assert_eq!(
+            ok(&typed("maglev", MAGLEV, m.encode_to_vec())).policy,
+            Policy::Maglev {
+                table_size: 5_000_011
+            }
+        );
+    }
+
+    #[test]
+    fn every_rejection_reason() {
+        let cases: Vec<(cpb::Cluster, &str)> = vec![
+            (
+                with(LbPolicy::RingHash, ring(Some(2048), Some(1024), LegacyFn::XxHash)),
+                "ring_hash_lb_config: ring hash: minimum_ring_size (2048) > maximum_ring_size (1024)",
+            ),
+            (
+                with(LbPolicy::RingHash, ring(None, Some(1000), LegacyFn::XxHash)),
+                "minimum_ring_size (1024) > maximum_ring_size (1000)",
+            ),
+            (
+                with(LbPolicy::RingHash, ring(Some(8388609), None, LegacyFn::XxHash)),
+                "ring_hash_lb_config: minimum_ring_size 8388609 must be at most 8388608",
+            ),
+            (
+                with(LbPolicy::RingHash, ring(None, Some(8388609), LegacyFn::XxHash)),
+                "ring_hash_lb_config: maximum_ring_size 8388609 must be at most 8388608",
+            ),
+            (
+                with(
+                    LbPolicy::RingHash,
+                    Some(LbConfig::RingHashLbConfig(RingHashLbConfig {
+                        hash_function: 7,
+                        ..Default::default()
+                    })),
+                ),
+                "ring_hash_lb_config.hash_function: unknown value 7",
+            ),
+            (
+                with(LbPolicy::Maglev, maglev(65536)),
+                "maglev_lb_config: The table size of maglev must be prime number",
+            ),
+            (
+                with(LbPolicy::Maglev, maglev(1)),
+                "The table size of maglev must be prime number",
+            ),
+            (
+                with(LbPolicy::Maglev, maglev(5_000_012)),
+                "maglev_lb_config: table_size 5000012 must be at most 5000011",
+            ),
+            (
+                typed(
+                    "maglev",
+                    MAGLEV,
+                    Maglev {
+                        table_size: u64v(100),
+                        ..Default::default()
+                    }
+                    .encode_to_vec(),
+                ),
+                "load_balancing_policy: Maglev: The table size of maglev must be prime number",
+            ),
+            (
+                typed(
+                    "ring",
+                    RING,
+                    RingHash {
+                        minimum_ring_size: u64v(10),
+                        maximum_ring_size: u64v(5),
+                        ..Default::default()
+                    }
+                    .encode_to_vec(),
+                ),
+                "load_balancing_policy: RingHash: ring hash: minimum_ring_size (10) > maximum_ring_size (5)",
+            ),
+            (
+                typed(
+                    "ring",
+                    RING,
+                    RingHash {
+                        hash_function: 9,
+                        ..Default::default()
+                    }
+                    .encode_to_vec(),
+                ),
+                "RingHash: hash_function: unknown value 9",
+            ),
+            (
+                typed("ring", RING, vec![0xff]),
+                "load_balancing_policy: RingHash: ",
+            ),
+            (
+                typed(
+                    "maglev",
+                    MAGLEV,
+                    Maglev {
+                        consistent_hashing_lb_config: Some(ConsistentHashingLbConfig {
+                            use_hostname_for_hashing: true,
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }
+                    .encode_to_vec(),
+                ),
+                "Maglev: consistent_hashing_lb_config: use_hostname_for_hashing is not supported yet",
+            ),
+            (
+                typed(
+                    "ring",
+                    RING,
+                    RingHash {
+                        consistent_hashing_lb_config: Some(ConsistentHashingLbConfig {
+                            hash_balance_factor: Some(UInt32Value { value: 150 }),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }
+                    .encode_to_vec(),
+                ),
+                "hash_balance_factor (bounded load) is not supported yet",
+            ),
+            (
+                typed(
+                    "ring",
+                    RING,
+                    RingHash {
+                        consistent_hashing_lb_config: Some(ConsistentHashingLbConfig {
+                            hash_policy: vec![Default::default()],
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }
+                    .encode_to_vec(),
+                ),
+                "consistent_hashing_lb_config.hash_policy is not supported yet",
+            ),
+        ];
+        for (c, needle) in &cases {
+            rejected(c, needle);
+        }
+        #[allow(deprecated)]
+        let deprecated = RingHash {
+            use_hostname_for_hashing: true,
+            ..Default::default()
+        };
+        rejected(
+            &typed("ring", RING, deprecated.encode_to_vec()),
+            "RingHash: use_hostname_for_hashing is not supported yet",
+        );
+        for p in [LbPolicy::RingHash, LbPolicy::Maglev] {
+            let mut c = with(p, None);
+            c.common_lb_config = Some(CommonLbConfig {
+                consistent_hashing_lb_config: Some(LegacyChc {
+                    use_hostname_for_hashing: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            rejected(
+                &c,
+                "common_lb_config.consistent_hashing_lb_config: use_hostname_for_hashing is not supported yet",
+            );
+        }
+    }
+
+    fn hosts(n: u16) -> Arc<LoadAssignment> {
+        Arc::new(LoadAssignment {
+            hosts: (0..n)
+                .map(|i| Host {
+                    addr: SocketAddr::from(([10, 0, 0, 1], 8000 + i)),
+                    weight: 1,
+                    health: Health::Healthy,
+                    priority: 0,
+                })
+                .collect(),
+        })
+    }
+
+    fn built(policy: LbPolicy, la: Arc<LoadAssignment>) -> Cluster {
+        let def = Arc::new(ok(&with(policy, None)));
+        Cluster::new(def, la, Default::default())
+    }
+
+    #[test]
+    fn the_same_hash_always_picks_the_same_host() {
+        for p in [LbPolicy::RingHash, LbPolicy::Maglev] {
+            let c = built(p, hosts(5));
+            assert!(c.hashes());
+            let mut seen = std::collections::BTreeSet::new();
+            for key in 0..200u64 {
+                let h = crate::lb::hash::xx64(&key.to_le_bytes(), 0);
+                let first = c.pick_hashed(Some(h));
+                for _ in 0..5 {
+                    assert_eq!(c.pick_hashed(Some(h)), first);
+                }
+                seen.insert(first.map(|(i, _)| i));
+            }
+            assert_eq!(seen.len(), 5, "{p:?}: keys spread over every host");
+        }
+    }
+
+    #[test]
+    fn unhealthy_hosts_are_left_out_of_the_ring_and_their_keys_move() {
+        // As Envoy: the ring is built over the healthy hosts only, so a key whose host turns
+        // unhealthy lands on the next entry of the new ring; the others keep their host.
+        for p in [LbPolicy::RingHash, LbPolicy::Maglev] {
+            let all = built(p, hosts(5));
+            let mut la = Arc::try_unwrap(hosts(5)).expect("not shared");
+            la.hosts[2].health = Health::Unhealthy;
+            let some = built(p, Arc::new(la));
+            let mut moved = 0;
+            for key in 0..2000u64 {
+                let h = crate::lb::hash::xx64(&key.to_le_bytes(), 0);
+                let (before, after) = (all.pick_hashed(Some(h)), some.pick_hashed(Some(h)));
+                assert_ne!(after.map(|(i, _)| i), Some(2));
+                if before.map(|(i, _)| i) == Some(2) {
+                    moved += 1;
+                }
+            }
+            assert!(
+                moved > 200,
+                "{p:?}: {moved} keys were on the unhealthy host"
+            );
+        }
+    }
+
+    #[test]
+    fn the_priority_level_is_chosen_by_hash_modulo_100_as_envoy_does() {
+        // P0 at 50% health keeps 70% of the load, P1 takes 30%: hashes with `h % 100 < 70`
+        // stay on P0.
+        let la = Arc::new(LoadAssignment {
+            hosts: [
+                (Health::Healthy, 0),
+                (Health::Unhealthy, 0),
+                (Health::Healthy, 1),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(i, (health, priority))| Host {
+                addr: SocketAddr::from(([10, 0, 0, 1], 8000 + i as u16)),
+                weight: 1,
+                health: *health,
+                priority: *priority,
+            })
+            .collect(),
+        });
+        let def = Arc::new(ok(&with(LbPolicy::Maglev, None)));
+        let c = Cluster::new(def, la, Default::default());
+        for h in [0u64, 69, 169, 70, 99, 1070, u64::MAX] {
+            let want = if h % 100 < 70 { 0 } else { 2 };
+            assert_eq!(
+                c.pick_hashed(Some(h)).map(|(i, _)| i),
+                Some(want),
+                "hash {h}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_hash_picks_a_random_host() {
+        let c = built(LbPolicy::Maglev, hosts(4));
+        let seen: std::collections::BTreeSet<usize> = (0..200)
+            .filter_map(|_| c.pick_hashed(None).map(|(i, _)| i))
+            .collect();
+        assert_eq!(seen.len(), 4);
+    }
+
+    #[test]
+    fn weights_count() {
+        let la = Arc::new(LoadAssignment {
+            hosts: (0..2u16)
+                .map(|i| Host {
+                    addr: SocketAddr::from(([10, 0, 0, 1], 8000 + i)),
+                    weight: 1 + 3 * u32::from(i),
+                    health: Health::Healthy,
+                    priority: 0,
+                })
+                .collect(),
+        });
+        for p in [LbPolicy::RingHash, LbPolicy::Maglev] {
+            let c = built(p, la.clone());
+            let heavy = (0..20_000u64)
+                .filter(|k| {
+                    let h = crate::lb::hash::xx64(&k.to_le_bytes(), 0);
+                    c.pick_hashed(Some(h)).map(|(i, _)| i) == Some(1)
+                })
+                .count();
+            let share = heavy as f64 / 20_000.0;
+            assert!(
+                (share - 0.8).abs() < 0.04,
+                "{p:?}: weight 4 of 5 got {share}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -169,6 +169,8 @@ pub struct Forward {
     pub prefix_rewrite: Option<String>,
     pub regex_rewrite: Option<RegexRewrite>,
     pub host_rewrite: Option<String>,
+    /// What ring hash and Maglev clusters hash; other balancers ignore it.
+    pub hash_policy: Vec<crate::lb::hash_policy::HashPolicy>,
     pub retry: Option<Arc<RetryPolicy>>,
     /// `request_mirror_policies`: the route's own, else its virtual host's.
     pub mirrors: Arc<[Mirror]>,
@@ -1001,7 +1003,9 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         return Err("path_rewrite_policy is not supported yet".into());
     }
     let mirrors = mirrors(&ra.request_mirror_policies)?.unwrap_or_else(|| vh.mirrors.clone());
+    let hash_policy = crate::lb::hash_policy::translate(&ra.hash_policy)?;
     Ok(Forward {
+        hash_policy,
         target,
         timeout,
         mirrors,

@@ -1539,3 +1539,33 @@ fn fault_overrides_layer_route_over_vhost() {
         "route 'rc': vhost 'vh' route 0: typed_per_filter_config['envoy.filters.http.fault']: abort: http_status: value 700 must be inside range [200, 600)"
     );
 }
+
+#[test]
+fn hash_policy_is_translated_and_its_errors_name_the_route() {
+    use rpb::route_action::hash_policy::{Header, PolicySpecifier};
+    let hp = |name: &str| rpb::route_action::HashPolicy {
+        policy_specifier: Some(PolicySpecifier::Header(Header {
+            header_name: name.into(),
+            regex_rewrite: None,
+        })),
+        terminal: false,
+    };
+    let with_policy = |names: &[&str]| {
+        let mut ra = rpb::RouteAction {
+            cluster_specifier: Some(CS::Cluster("c".into())),
+            ..Default::default()
+        };
+        ra.hash_policy = names.iter().map(|n| hp(n)).collect();
+        route(prefix("/"), rpb::route::Action::Route(ra))
+    };
+    let r = translate_one(with_policy(&["x-user", "x-tenant"]));
+    let Action::Forward(f) = &r.action else {
+        panic!("forward expected");
+    };
+    assert_eq!(f.hash_policy.len(), 2);
+    let msg = assert_route_rejected(with_policy(&["x-user", ""]), "hash_policy[1]");
+    assert!(
+        msg.contains("header.header_name must not be empty"),
+        "{msg}"
+    );
+}

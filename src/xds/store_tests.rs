@@ -454,7 +454,7 @@ fn a_bad_resource_rejects_the_whole_push_with_every_reason() {
 #[test]
 fn bad_clusters_routes_and_endpoints_are_all_reported() {
     let mut bad = eds_cluster("x", "");
-    bad.lb_policy = 2;
+    bad.lb_policy = 6;
     let mut bad2 = eds_cluster("y", "");
     bad2.connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
         seconds: -1,
@@ -467,7 +467,7 @@ fn bad_clusters_routes_and_endpoints_are_all_reported() {
     );
     assert_eq!(errs.len(), 2, "{errs:#?}");
     assert!(
-        errs[0].starts_with("cluster 'x': lb_policy RING_HASH"),
+        errs[0].starts_with("cluster 'x': lb_policy CLUSTER_PROVIDED"),
         "{errs:#?}"
     );
     assert!(
