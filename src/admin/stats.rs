@@ -77,6 +77,7 @@ pub struct ClusterStats {
     pub rq_pending_active: AtomicU64,
     /// Wakes a waiting request when a slot frees.
     pub cx_freed: tokio::sync::Notify,
+    pub outlier: crate::snapshot::outlier::OutlierHosts,
 }
 
 impl ClusterStats {
@@ -289,6 +290,13 @@ impl Stats {
             c(
                 &mut f,
                 "gauge",
+                "outlier_detection_ejections_active",
+                "",
+                u64::from(s.outlier.ejected.load(Relaxed)),
+            );
+            c(
+                &mut f,
+                "gauge",
                 "upstream_rq_pending_active",
                 "",
                 s.rq_pending_active.load(Relaxed),
@@ -305,6 +313,30 @@ impl Stats {
                 ("upstream_rq_pending_overflow", &s.rq_pending_overflow),
                 ("upstream_rq_active_overflow", &s.rq_active_overflow),
                 ("upstream_cx_overflow", &s.cx_overflow),
+                (
+                    "outlier_detection_ejections_enforced_total",
+                    &s.outlier.ejections_enforced_total,
+                ),
+                (
+                    "outlier_detection_ejections_enforced_consecutive_5xx",
+                    &s.outlier.ejections_enforced_5xx,
+                ),
+                (
+                    "outlier_detection_ejections_enforced_consecutive_gateway_failure",
+                    &s.outlier.ejections_enforced_gateway,
+                ),
+                (
+                    "outlier_detection_ejections_detected_consecutive_5xx",
+                    &s.outlier.ejections_detected_5xx,
+                ),
+                (
+                    "outlier_detection_ejections_detected_consecutive_gateway_failure",
+                    &s.outlier.ejections_detected_gateway,
+                ),
+                (
+                    "outlier_detection_ejections_overflow",
+                    &s.outlier.ejections_overflow,
+                ),
             ] {
                 c(&mut f, "counter", stat, "", v.load(Relaxed));
             }

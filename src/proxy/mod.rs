@@ -1474,10 +1474,13 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        let status = resp.status.as_u16();
+        if let Some(c) = &ctx.cluster {
+            c.record_outcome(ctx.host_index, status);
+        }
         let Some(policy) = ctx.retry.clone() else {
             return Ok(());
         };
-        let status = resp.status.as_u16();
         let grpc_status = resp
             .headers
             .get("grpc-status")
@@ -1530,6 +1533,12 @@ impl ProxyHttp for Gateway {
         if per_try {
             if let Some(c) = &ctx.cluster {
                 c.stats.rq_per_try_timeout.fetch_add(1, Relaxed);
+            }
+        }
+        if upstream && session.response_written().is_none() {
+            if let Some(c) = &ctx.cluster {
+                // Timeouts count as 504, resets and broken connections as 503.
+                c.record_outcome(ctx.host_index, if timed_out { 504 } else { 503 });
             }
         }
         // A reset, a broken connection or a per-try timeout before the response started.
@@ -1585,6 +1594,8 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         if let Some(c) = &ctx.cluster {
             c.stats.cx_connect_fail.fetch_add(1, Relaxed);
+            // A local-origin failure counts as a 503 for outlier detection, as in Envoy.
+            c.record_outcome(ctx.host_index, 503);
         }
         // Envoy retries only when a retry policy says so.
         let retry = ctx.retry.clone().is_some_and(|p| {

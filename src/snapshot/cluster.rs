@@ -43,6 +43,7 @@ pub struct ClusterDef {
     pub max_connections: u32,
     pub max_pending_requests: u32,
     pub max_requests: u32,
+    pub outlier: Option<super::outlier::OutlierConfig>,
 }
 
 /// Which addresses a DNS lookup keeps, as Envoy's `dns_lookup_family` says.
@@ -110,6 +111,8 @@ pub struct Cluster {
     /// In-flight requests per host, for least-request.
     pub active: Vec<AtomicU32>,
     pub stats: Arc<ClusterStats>,
+    /// Outlier-detection state per host (empty without `outlier_detection`).
+    pub outlier: Vec<Arc<super::outlier::HostOutlier>>,
 }
 
 impl Cluster {
@@ -128,7 +131,14 @@ impl Cluster {
             })
             .collect();
         let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
+        let outlier = if def.outlier.is_some() {
+            let addrs: Vec<SocketAddr> = hosts.iter().map(|h| h.addr).collect();
+            stats.outlier.resolve(&addrs)
+        } else {
+            Vec::new()
+        };
         Cluster {
+            outlier,
             buckets,
             def,
             endpoints,
@@ -139,8 +149,46 @@ impl Cluster {
 
     pub fn pick(&self) -> Option<(usize, SocketAddr)> {
         let balancer = self.bucket(|total| fastrand::u32(..total))?;
-        let i = balancer.pick(&self.active)?;
+        let i = self.not_ejected(balancer.pick(&self.active)?);
         Some((i, self.endpoints.hosts[i].addr))
+    }
+
+    /// `i`, or when outlier detection has ejected it, the next host of the same priority and
+    /// health that is in; with every such host out, `i` (Envoy's panic mode uses all hosts).
+    fn not_ejected(&self, i: usize) -> usize {
+        let out = |j: usize| {
+            self.outlier
+                .get(j)
+                .is_some_and(|h| h.is_ejected(&self.stats.outlier))
+        };
+        if self.outlier.is_empty()
+            || self
+                .stats
+                .outlier
+                .ejected
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == 0
+            || !out(i)
+        {
+            return i;
+        }
+        let hosts = &self.endpoints.hosts;
+        let n = hosts.len();
+        (1..n)
+            .map(|k| (i + k) % n)
+            .find(|&j| {
+                hosts[j].priority == hosts[i].priority
+                    && hosts[j].health == hosts[i].health
+                    && !out(j)
+            })
+            .unwrap_or(i)
+    }
+
+    /// One upstream outcome for outlier detection (a status; 503/504 for failures).
+    pub fn record_outcome(&self, i: usize, status: u16) {
+        if let (Some(cfg), Some(h)) = (&self.def.outlier, self.outlier.get(i)) {
+            h.record(status, cfg, &self.stats.outlier, self.outlier.len());
+        }
     }
 
     /// Whether picks use the route's request hash (ring hash, Maglev).
@@ -158,7 +206,7 @@ impl Cluster {
         // Envoy chooses the priority with `hash % 100` against whole-percent loads; scaled to
         // the shares' total, the same hash lands in the same level.
         let balancer = self.bucket(|total| ((h % 100) * u64::from(total) / 100) as u32)?;
-        let i = balancer.pick_hash(h, &self.active)?;
+        let i = self.not_ejected(balancer.pick_hash(h, &self.active)?);
         Some((i, self.endpoints.hosts[i].addr))
     }
 
@@ -427,7 +475,12 @@ impl ClusterDef {
         let limit = |f: fn(&cpb::circuit_breakers::Thresholds) -> Option<u32>, default| {
             thresholds.and_then(f).unwrap_or(default)
         };
+        let outlier = match &c.outlier_detection {
+            Some(o) => Some(super::outlier::OutlierConfig::translate(o).map_err(err)?),
+            None => None,
+        };
         Ok(ClusterDef {
+            outlier,
             max_retries: limit(|t| t.max_retries.as_ref().map(|v| v.value), 3),
             max_connections: limit(|t| t.max_connections.as_ref().map(|v| v.value), 1024),
             max_pending_requests: limit(|t| t.max_pending_requests.as_ref().map(|v| v.value), 1024),

@@ -137,6 +137,7 @@ fn defaults() {
             max_connections: 1024,
             max_pending_requests: 1024,
             max_requests: 1024,
+            outlier: None,
             dns_family: DnsFamily::Auto,
         }
     );

@@ -8,6 +8,7 @@ pub mod cors;
 pub mod fault;
 pub mod headers;
 pub mod listener;
+pub mod outlier;
 pub mod retry;
 pub mod route;
 

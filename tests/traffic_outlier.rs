@@ -1,0 +1,127 @@
+//! Outlier detection against a backend that always fails: after `consecutive_5xx` errors in a
+//! row it is ejected and traffic goes to the healthy one, then it comes back after its
+//! ejection time. Runs against Envoy too (PORTICO_GATEWAY_BIN).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::config::cluster::v3::OutlierDetection;
+use envoy_types::pb::google::protobuf::{Duration as PDuration, UInt32Value};
+
+const HOST: &str = "outlier.example.com";
+
+fn ms(n: i64) -> Option<PDuration> {
+    Some(PDuration {
+        seconds: n / 1000,
+        nanos: (n % 1000) as i32 * 1_000_000,
+    })
+}
+
+async fn mesh(bad: &Scripted, good: &Scripted, od: OutlierDetection) -> Mesh {
+    let mesh = Mesh::start(|port| {
+        let mut c = eds_cluster("pool");
+        c.outlier_detection = Some(od);
+        Snapshot {
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "o",
+                    &[HOST],
+                    vec![rt(prefix("/"), to_cluster("pool"))],
+                )],
+            )],
+            clusters: vec![c],
+            endpoints: vec![cla("pool", &[bad.addr, good.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    eventually("routes", PROPAGATION, || async {
+        let r = mesh.get("/", "nowhere.example", &[]).await;
+        if r.status == 404 {
+            Ok(())
+        } else {
+            Err(format!("{r:?}"))
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    mesh
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_host_is_ejected_then_returns() {
+    let bad = Scripted::start("bad", vec![Step::Status(500)]).await;
+    let good = Scripted::start("good", vec![Step::Status(200)]).await;
+    let mesh = mesh(
+        &bad,
+        &good,
+        OutlierDetection {
+            consecutive_5xx: Some(UInt32Value { value: 3 }),
+            interval: ms(100),
+            base_ejection_time: ms(1500),
+            max_ejection_percent: Some(UInt32Value { value: 100 }),
+            ..Default::default()
+        },
+    )
+    .await;
+    for _ in 0..30 {
+        mesh.get("/", HOST, &[]).await;
+    }
+    // Round robin over two hosts: the bad one answers three times, then it is out.
+    assert_eq!(bad.served(), 3, "bad served {}", bad.served());
+    assert_eq!(good.served(), 27);
+    let stats = mesh.gw.prometheus().await;
+    let (metric, label) = envoy_cluster_metric(
+        "pool",
+        "outlier_detection_ejections_enforced_consecutive_5xx",
+    );
+    assert_eq!(
+        prom_value(&stats, &metric, "envoy_cluster_name", &label),
+        1.0
+    );
+    let (metric, label) = envoy_cluster_metric("pool", "outlier_detection_ejections_active");
+    assert_eq!(
+        prom_value(&stats, &metric, "envoy_cluster_name", &label),
+        1.0
+    );
+
+    // After the ejection time the host is back and takes traffic again.
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    for _ in 0..10 {
+        mesh.get("/", HOST, &[]).await;
+    }
+    assert!(bad.served() > 3, "bad served {}", bad.served());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_errors_eject_only_when_enforced_and_max_ejection_percent_holds() {
+    let bad = Scripted::start("bad", vec![Step::Status(503)]).await;
+    let good = Scripted::start("good", vec![Step::Status(200)]).await;
+    // consecutive_5xx off (0); gateway failures detected but Envoy's default enforcement is 0%.
+    let mesh = mesh(
+        &bad,
+        &good,
+        OutlierDetection {
+            consecutive_5xx: Some(UInt32Value { value: 0 }),
+            consecutive_gateway_failure: Some(UInt32Value { value: 2 }),
+            interval: ms(100),
+            base_ejection_time: ms(5000),
+            max_ejection_percent: Some(UInt32Value { value: 100 }),
+            ..Default::default()
+        },
+    )
+    .await;
+    for _ in 0..20 {
+        mesh.get("/", HOST, &[]).await;
+    }
+    assert_eq!(bad.served(), 10, "not enforced: round robin as before");
+    let stats = mesh.gw.prometheus().await;
+    let (metric, label) = envoy_cluster_metric(
+        "pool",
+        "outlier_detection_ejections_detected_consecutive_gateway_failure",
+    );
+    assert!(prom_value(&stats, &metric, "envoy_cluster_name", &label) >= 1.0);
+}
