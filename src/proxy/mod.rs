@@ -22,6 +22,7 @@ use crate::snapshot::cluster::Cluster;
 use crate::snapshot::cors::Cors;
 use crate::snapshot::fault::{self, AbortWith};
 use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
+use crate::snapshot::ratelimit::LocalRateLimit;
 use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveListener;
@@ -78,6 +79,10 @@ pub struct Ctx {
     cx_slot: bool,
     /// Mirrors this request goes to, and the copy being taken of it.
     mirror: Option<Box<MirrorJob>>,
+    /// A local rate limit that limited this request without enforcing: its request headers.
+    rate_limit_headers: Option<Arc<LocalRateLimit>>,
+    /// The local rate limit whose `x-ratelimit-*` headers go on the response.
+    rate_limit_response: Option<Arc<LocalRateLimit>>,
     /// A CORS request from an allowed origin: the policy and the origin, for the response.
     cors: Option<(Arc<Cors>, String)>,
     attempt_count_to_upstream: bool,
@@ -477,6 +482,74 @@ impl Gateway {
         taken
     }
 
+    /// The local rate limit filters of the chain, with the route's overrides: the config that
+    /// limited the request and enforces it, if any, and one that limited it without enforcing.
+    fn rate_limit(
+        &self,
+        ctx: &mut Ctx,
+        filters: &[crate::snapshot::listener::RateLimitFilter],
+        route: Option<&crate::snapshot::route::Route>,
+    ) -> (Option<Arc<LocalRateLimit>>, Option<Arc<LocalRateLimit>>) {
+        let mut not_enforced = None;
+        for f in filters {
+            let own = route.and_then(|r| r.rate_limits.iter().find(|(n, _)| *n == f.name));
+            let config = match own {
+                Some((_, c)) => c,
+                None if f.disabled => continue,
+                None => &f.config,
+            };
+            let Some((limited, enforced)) = config.check() else {
+                continue;
+            };
+            if config.x_ratelimit_headers && config.bucket.is_some() {
+                ctx.rate_limit_response = Some(config.clone());
+            }
+            if limited && enforced {
+                return (Some(config.clone()), not_enforced);
+            }
+            if limited {
+                not_enforced = Some(config.clone());
+            }
+        }
+        (None, not_enforced)
+    }
+
+    /// Envoy's local rate limit reply: `status` (429) with `local_rate_limited`, the
+    /// configured response headers, and Retry-After when asked for.
+    async fn rate_limited(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        limited: Option<Arc<LocalRateLimit>>,
+    ) -> Result<bool> {
+        let Some(rl) = limited else {
+            return Ok(false);
+        };
+        let mut extra: Vec<(HeaderName, String)> = rl
+            .response_headers
+            .iter()
+            .filter_map(|(k, v, _)| Some((k.clone(), v.to_str().ok()?.to_string())))
+            .collect();
+        if rl.retry_after
+            && rl.status == 429
+            && !extra.iter().any(|(k, _)| k == http::header::RETRY_AFTER)
+        {
+            if let Some(b) = &rl.bucket {
+                extra.push((http::header::RETRY_AFTER, b.seconds_to_next().to_string()));
+            }
+        }
+        let grpc = rl.grpc_resource_exhausted.then_some(8);
+        self.local_reply_grpc(
+            session,
+            ctx,
+            rl.status,
+            Some(Bytes::from_static(b"local_rate_limited")),
+            &extra,
+            grpc,
+        )
+        .await
+    }
+
     /// Fire and forget: each mirror target gets its copy on a task of its own, so a slow or
     /// failing mirror never delays or fails the request itself. Counted in the mirror
     /// cluster's stats, as Envoy's shadow requests are.
@@ -727,6 +800,7 @@ impl Gateway {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
         }
         cors_response(&mut resp, ctx)?;
+        rate_limit_response(&mut resp, ctx)?;
         session
             .write_response_header(Box::new(resp), body.is_none() || head_only)
             .await?;
@@ -874,6 +948,22 @@ fn cors_preflight(
     }
     // The answer passes the filter's response side too (expose-headers included), as in Envoy.
     Some(out)
+}
+
+/// `enable_x_ratelimit_headers: DRAFT_VERSION_03`: the bucket's size, what is left, and
+/// the seconds until the next token.
+fn rate_limit_response(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
+    let Some(b) = ctx
+        .rate_limit_response
+        .as_ref()
+        .and_then(|r| r.bucket.as_ref())
+    else {
+        return Ok(());
+    };
+    resp.insert_header("x-ratelimit-limit", b.max_tokens.to_string())?;
+    resp.insert_header("x-ratelimit-remaining", b.remaining().to_string())?;
+    resp.insert_header("x-ratelimit-reset", b.seconds_to_next().to_string())?;
+    Ok(())
 }
 
 /// Envoy's CORS filter on the response to a request from an allowed origin.
@@ -1104,6 +1194,18 @@ impl ProxyHttp for Gateway {
             _ => None,
         };
         let hcm = &listener.def.hcm;
+        // Local rate limits and faults run in their chain order, before routing acts.
+        let limited = if hcm.rate_limits.is_empty() {
+            None
+        } else {
+            let (limited, not_enforced) = self.rate_limit(ctx, &hcm.rate_limits, matched);
+            if hcm.rate_limit_first && limited.is_some() {
+                return self.rate_limited(session, ctx, limited).await;
+            }
+            // Not enforced: the request goes on, carrying the configured headers upstream.
+            ctx.rate_limit_headers = not_enforced;
+            limited
+        };
         if !hcm.faults.is_empty() {
             if let Some(a) = self
                 .inject_faults(ctx, &hcm.faults, &view, matched, picked)
@@ -1111,6 +1213,9 @@ impl ProxyHttp for Gateway {
             {
                 return self.fault_abort(session, ctx, a).await;
             }
+        }
+        if limited.is_some() {
+            return self.rate_limited(session, ctx, limited).await;
         }
         let Some(route) = matched else {
             self.hcm_stats.no_route.fetch_add(1, Relaxed);
@@ -1428,6 +1533,15 @@ impl ProxyHttp for Gateway {
         if ctx.attempt_count_to_upstream {
             upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
+        if let Some(rl) = &ctx.rate_limit_headers {
+            for (k, v, append) in &rl.request_headers_not_enforced {
+                if *append {
+                    upstream.append_header(k.clone(), v.clone())?;
+                } else {
+                    upstream.insert_header(k.clone(), v.clone())?;
+                }
+            }
+        }
         if let Some(job) = ctx.mirror.as_mut().filter(|j| j.head.is_none()) {
             // The mirror gets the request as it goes upstream (Envoy copies it after the
             // router's header changes).
@@ -1579,6 +1693,7 @@ impl ProxyHttp for Gateway {
             resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
         cors_response(resp, ctx)?;
+        rate_limit_response(resp, ctx)?;
         for c in ctx.set_cookies.drain(..) {
             resp.append_header(http::header::SET_COOKIE, c)?;
         }
@@ -1756,6 +1871,8 @@ mod tests {
             strip_matching_host_port: false,
             server_name: "envoy".into(),
             faults: Vec::new(),
+            rate_limits: Vec::new(),
+            rate_limit_first: false,
             cors: false,
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();

@@ -10,6 +10,7 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
 use super::fault::{Fault, FAULT_TYPE};
+use super::ratelimit::LocalRateLimit;
 use super::route::RouteTable;
 use super::{socket_address, TranslateError};
 
@@ -56,6 +57,10 @@ pub struct Hcm {
     pub cors: bool,
     /// `envoy.filters.http.fault` instances, in filter-chain order.
     pub faults: Vec<FaultFilter>,
+    /// `envoy.filters.http.local_ratelimit` instances, in chain order.
+    pub rate_limits: Vec<RateLimitFilter>,
+    /// The first rate limit filter comes before the first fault filter in the chain.
+    pub rate_limit_first: bool,
 }
 
 /// A fault filter of the chain: its name (how routes address it) and its listener-level
@@ -188,7 +193,7 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
-        let faults = check_http_filters(&h.http_filters)?;
+        let (faults, rate_limits, rate_limit_first) = check_http_filters(&h.http_filters)?;
         let cors = h.http_filters.iter().any(|f| {
             !f.disabled
                 && matches!(&f.config_type,
@@ -215,6 +220,8 @@ impl Hcm {
                 h.server_name.clone()
             },
             faults,
+            rate_limits,
+            rate_limit_first,
         })
     }
 }
@@ -241,12 +248,24 @@ fn config_type(a: &Any) -> String {
     a.type_url.clone()
 }
 
+const RATELIMIT_TYPE: &str = super::ratelimit::TYPE;
 const CORS_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors";
 
 /// Envoy's rule: the router must be the last filter (no filters at all means the router
 /// alone); any other filter Portico does not implement is an error unless the config marks it
 /// `is_optional` (or `disabled`). Returns the fault filters, which Portico implements.
-fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, String> {
+/// A local rate limit filter of the chain; a route's per-filter config of the same name
+/// replaces its config (a filter-level config without a bucket limits nothing).
+#[derive(Debug)]
+pub struct RateLimitFilter {
+    pub name: String,
+    pub config: Arc<LocalRateLimit>,
+    pub disabled: bool,
+}
+
+type HttpFilters = (Vec<FaultFilter>, Vec<RateLimitFilter>, bool);
+
+fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String> {
     let is_router = |f: &hcm::HttpFilter| match &f.config_type {
         Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a) == ROUTER_TYPE,
         _ => false,
@@ -255,7 +274,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
         return Err(format!("http_filters[{i}]: name must not be empty"));
     }
     let Some(last) = filters.last() else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new(), false));
     };
     if last.name == "envoy.filters.http.router" && last.config_type.is_none() {
         return Err(
@@ -276,6 +295,8 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
         ));
     }
     let mut faults = Vec::new();
+    let mut rate_limits = Vec::new();
+    let mut rate_limit_first = false;
     for (i, f) in filters[..filters.len() - 1].iter().enumerate() {
         if is_router(f) {
             return Err(format!(
@@ -296,6 +317,17 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
                     let config = Fault::from_any(a)
                         .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
                     faults.push(FaultFilter {
+                        name: f.name.clone(),
+                        config: Arc::new(config),
+                        disabled: f.disabled,
+                    });
+                    continue;
+                }
+                RATELIMIT_TYPE => {
+                    let config = LocalRateLimit::from_any(a)
+                        .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
+                    rate_limit_first |= faults.is_empty() && rate_limits.is_empty();
+                    rate_limits.push(RateLimitFilter {
                         name: f.name.clone(),
                         config: Arc::new(config),
                         disabled: f.disabled,
@@ -324,7 +356,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<Vec<FaultFilter>, S
             f.name
         ));
     }
-    Ok(faults)
+    Ok((faults, rate_limits, rate_limit_first))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod fault;
 pub mod headers;
 pub mod listener;
 pub mod outlier;
+pub mod ratelimit;
 pub mod retry;
 pub mod route;
 

@@ -121,6 +121,8 @@ pub struct Route {
     /// Custom request/response headers of this route, its vhost and its route config, in
     /// the order Envoy applies them.
     pub header_plan: Arc<HeaderPlan>,
+    /// Local rate limit overrides by filter name, most specific level first resolved.
+    pub rate_limits: Vec<(String, Arc<super::ratelimit::LocalRateLimit>)>,
     /// Fault filter overrides by filter name (route over vhost over route config).
     pub faults: Vec<(String, PerRoute)>,
 }
@@ -600,6 +602,7 @@ impl RouteTable {
         )
         .map_err(err)?;
         let rc_faults = fault::per_route(&rc.typed_per_filter_config).map_err(err)?;
+        let rc_limits = super::ratelimit::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let most_specific_wins = rc.most_specific_header_mutations_wins;
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
@@ -657,6 +660,8 @@ impl RouteTable {
             .map_err(|e| err(format!("{vctx}: {e}")))?;
             let vh_faults = fault::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
+            let vh_limits = super::ratelimit::per_route(&vh.typed_per_filter_config)
+                .map_err(|e| err(format!("{vctx}: {e}")))?;
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
                 let mut route = translate_route(r, &vhost_ctx)
@@ -675,6 +680,16 @@ impl RouteTable {
                 let own = fault::per_route(&r.typed_per_filter_config)
                     .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
                 route.faults = fault::layer(&[&rc_faults, &vh_faults, &own]);
+                let own_limits = super::ratelimit::per_route(&r.typed_per_filter_config)
+                    .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                route.rate_limits = own_limits;
+                for level in [&vh_limits, &rc_limits] {
+                    for (name, c) in level.iter() {
+                        if !route.rate_limits.iter().any(|(n, _)| n == name) {
+                            route.rate_limits.push((name.clone(), c.clone()));
+                        }
+                    }
+                }
                 routes.push(route);
             }
             vhosts.push(VirtualHost {
@@ -848,6 +863,7 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
         grpc_only: m.grpc.is_some(),
         action,
         header_plan: Arc::default(),
+        rate_limits: Vec::new(),
         faults: Vec::new(),
     })
 }

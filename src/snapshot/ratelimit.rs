@@ -1,0 +1,289 @@
+//! Local rate limiting (`envoy.filters.http.local_ratelimit`): a token bucket per config
+//! (the listener's filter config, or a route / virtual host / route configuration override),
+//! refilled continuously at `tokens_per_fill / fill_interval` as Envoy's atomic bucket does.
+//! Limited requests get `status` (429) with `local_rate_limited`. The bucket is one atomic:
+//! the request path takes no lock.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::filters::http::local_ratelimit::v3 as lpb;
+use envoy_types::pb::google::protobuf::Any;
+use http::{HeaderName, HeaderValue};
+use prost::Message;
+
+pub const TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit";
+
+#[derive(Debug)]
+pub struct LocalRateLimit {
+    pub stat_prefix: String,
+    pub status: u16,
+    pub bucket: Option<TokenBucket>,
+    pub enabled_per_million: u32,
+    pub enforced_per_million: u32,
+    pub response_headers: Vec<(HeaderName, HeaderValue, bool)>,
+    pub request_headers_not_enforced: Vec<(HeaderName, HeaderValue, bool)>,
+    /// `enable_x_ratelimit_headers: DRAFT_VERSION_03`.
+    pub x_ratelimit_headers: bool,
+    pub retry_after: bool,
+    pub grpc_resource_exhausted: bool,
+}
+
+/// Tokens refill continuously; the state is the instant (ns since [`epoch`]) at which the
+/// bucket was (or would have been) empty.
+#[derive(Debug)]
+pub struct TokenBucket {
+    pub max_tokens: u32,
+    /// Nanoseconds to earn one token.
+    per_token_ns: u64,
+    pub fill_interval: Duration,
+    empty_at: AtomicU64,
+}
+
+fn epoch() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+/// Nanoseconds since the epoch, offset so that a full bucket's empty instant is not negative.
+fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos() as u64 + (1 << 62)
+}
+
+impl TokenBucket {
+    fn new(max_tokens: u32, per_fill: u32, fill_interval: Duration) -> TokenBucket {
+        let per_token_ns = (fill_interval.as_nanos() / u128::from(per_fill.max(1))).max(1) as u64;
+        TokenBucket {
+            max_tokens,
+            per_token_ns,
+            fill_interval,
+            // Starts full, as Envoy's does.
+            empty_at: AtomicU64::new(now_ns().saturating_sub(u64::from(max_tokens) * per_token_ns)),
+        }
+    }
+
+    /// Takes one token if there is one.
+    pub fn consume(&self) -> bool {
+        let full_span = u64::from(self.max_tokens) * self.per_token_ns;
+        loop {
+            let now = now_ns();
+            let seen = self.empty_at.load(Relaxed);
+            // More than `max_tokens` of idle time earns nothing more.
+            let from = seen.max(now.saturating_sub(full_span));
+            let next = from + self.per_token_ns;
+            if next > now {
+                return false;
+            }
+            if self
+                .empty_at
+                .compare_exchange(seen, next, Relaxed, Relaxed)
+                .is_ok()
+            {
+                return true;
+            }
+        }
+    }
+
+    /// Whole tokens left now.
+    pub fn remaining(&self) -> u32 {
+        let now = now_ns();
+        let full_span = u64::from(self.max_tokens) * self.per_token_ns;
+        let from = self
+            .empty_at
+            .load(Relaxed)
+            .max(now.saturating_sub(full_span));
+        (now.saturating_sub(from) / self.per_token_ns).min(u64::from(self.max_tokens)) as u32
+    }
+
+    /// Whole seconds until the next token, at least 1 (Retry-After / x-ratelimit-reset).
+    pub fn seconds_to_next(&self) -> u64 {
+        let now = now_ns();
+        let from = self.empty_at.load(Relaxed);
+        let next = from + self.per_token_ns;
+        next.saturating_sub(now).div_ceil(1_000_000_000).max(1)
+    }
+}
+
+fn per_million(
+    f: Option<&envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent>,
+) -> Result<u32, String> {
+    use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
+    // Envoy: absent means 0% (the filter is off unless a fraction turns it on).
+    let Some(v) = f.and_then(|f| f.default_value.as_ref()) else {
+        return Ok(0);
+    };
+    let scale = match D::try_from(v.denominator) {
+        Ok(D::Hundred) => 10_000,
+        Ok(D::TenThousand) => 100,
+        Ok(D::Million) => 1,
+        Err(_) => return Err(format!("unknown denominator {}", v.denominator)),
+    };
+    Ok(v.numerator.saturating_mul(scale).min(1_000_000))
+}
+
+fn header_list(
+    list: &[envoy_types::pb::envoy::config::core::v3::HeaderValueOption],
+    what: &str,
+) -> Result<Vec<(HeaderName, HeaderValue, bool)>, String> {
+    use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction as A;
+    list.iter()
+        .map(|o| {
+            let h = o
+                .header
+                .as_ref()
+                .ok_or(format!("{what}: header is required"))?;
+            let name = HeaderName::from_bytes(h.key.as_bytes())
+                .map_err(|_| format!("{what}: invalid header name '{}'", h.key))?;
+            let value = HeaderValue::from_str(&h.value)
+                .map_err(|_| format!("{what}: invalid value for '{}'", h.key))?;
+            #[allow(deprecated)]
+            let append = match &o.append {
+                Some(b) => b.value,
+                None => A::try_from(o.append_action) == Ok(A::AppendIfExistsOrAdd),
+            };
+            Ok((name, value, append))
+        })
+        .collect()
+}
+
+impl LocalRateLimit {
+    pub fn from_any(any: &Any) -> Result<LocalRateLimit, String> {
+        let c = lpb::LocalRateLimit::decode(any.value.as_slice())
+            .map_err(|e| format!("cannot decode LocalRateLimit: {e}"))?;
+        if c.stat_prefix.is_empty() {
+            return Err("stat_prefix: value length must be at least 1 characters".into());
+        }
+        if !c.descriptors.is_empty() || !c.rate_limits.is_empty() {
+            return Err("descriptors / rate_limits are not supported yet".into());
+        }
+        if c.local_rate_limit_per_downstream_connection {
+            return Err("local_rate_limit_per_downstream_connection is not supported yet".into());
+        }
+        if c.local_cluster_rate_limit.is_some() {
+            return Err("local_cluster_rate_limit is not supported".into());
+        }
+        let bucket = match &c.token_bucket {
+            Some(b) => {
+                let interval = b
+                    .fill_interval
+                    .as_ref()
+                    .ok_or("token_bucket.fill_interval is required")?;
+                let interval = super::duration(interval)
+                    .map_err(|e| format!("token_bucket.fill_interval: {e}"))?;
+                if interval.is_zero() {
+                    return Err("token_bucket.fill_interval: value must be greater than 0s".into());
+                }
+                if b.max_tokens == 0 {
+                    return Err("token_bucket.max_tokens: value must be greater than 0".into());
+                }
+                let per_fill = b.tokens_per_fill.as_ref().map_or(1, |v| v.value);
+                if per_fill == 0 {
+                    return Err("token_bucket.tokens_per_fill: value must be greater than 0".into());
+                }
+                Some(TokenBucket::new(b.max_tokens, per_fill, interval))
+            }
+            None => None,
+        };
+        let status = match &c.status {
+            Some(s) if (200..600).contains(&s.code) => s.code as u16,
+            Some(s) if s.code != 0 => {
+                return Err(format!("status: {} is not an HTTP status", s.code))
+            }
+            _ => 429,
+        };
+        Ok(LocalRateLimit {
+            stat_prefix: c.stat_prefix.clone(),
+            status,
+            bucket,
+            enabled_per_million: per_million(c.filter_enabled.as_ref())
+                .map_err(|e| format!("filter_enabled: {e}"))?,
+            enforced_per_million: per_million(c.filter_enforced.as_ref())
+                .map_err(|e| format!("filter_enforced: {e}"))?,
+            response_headers: header_list(&c.response_headers_to_add, "response_headers_to_add")?,
+            request_headers_not_enforced: header_list(
+                &c.request_headers_to_add_when_not_enforced,
+                "request_headers_to_add_when_not_enforced",
+            )?,
+            x_ratelimit_headers: c.enable_x_ratelimit_headers == 1,
+            retry_after: c.enable_retry_after_header,
+            grpc_resource_exhausted: c.rate_limited_as_resource_exhausted,
+        })
+    }
+
+    /// Whether this request is limited, and whether that is enforced: (limited, enforced).
+    /// `None` when the filter is not enabled for it.
+    pub fn check(&self) -> Option<(bool, bool)> {
+        let draw = |pm: u32| pm >= 1_000_000 || (pm > 0 && fastrand::u32(..1_000_000) < pm);
+        if !draw(self.enabled_per_million) {
+            return None;
+        }
+        // No bucket: nothing limits (Envoy allows every request).
+        let allowed = self.bucket.as_ref().is_none_or(TokenBucket::consume);
+        if allowed {
+            return Some((false, false));
+        }
+        Some((true, draw(self.enforced_per_million)))
+    }
+}
+
+/// The per-filter override of a route, virtual host or route configuration, by filter name.
+pub fn per_route(
+    map: &std::collections::HashMap<String, Any>,
+) -> Result<Vec<(String, Arc<LocalRateLimit>)>, String> {
+    let mut out = Vec::new();
+    for (name, a) in map {
+        if a.type_url == TYPE {
+            let c = LocalRateLimit::from_any(a)
+                .map_err(|e| format!("typed_per_filter_config['{name}']: {e}"))?;
+            out.push((name.clone(), Arc::new(c)));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_starts_full_and_refills_over_time() {
+        let b = TokenBucket::new(3, 3, Duration::from_millis(300));
+        assert_eq!(b.remaining(), 3);
+        assert!(b.consume() && b.consume() && b.consume());
+        assert!(!b.consume());
+        assert_eq!(b.remaining(), 0);
+        std::thread::sleep(Duration::from_millis(120));
+        assert!(b.consume(), "one token per 100 ms");
+        assert!(!b.consume());
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(b.remaining(), 3, "never above max_tokens");
+    }
+
+    #[test]
+    fn rejections() {
+        let any = |c: lpb::LocalRateLimit| Any {
+            type_url: TYPE.into(),
+            value: c.encode_to_vec(),
+        };
+        let e = LocalRateLimit::from_any(&any(lpb::LocalRateLimit::default())).unwrap_err();
+        assert!(e.contains("stat_prefix"));
+        let c = lpb::LocalRateLimit {
+            stat_prefix: "rl".into(),
+            local_rate_limit_per_downstream_connection: true,
+            ..Default::default()
+        };
+        assert!(LocalRateLimit::from_any(&any(c))
+            .unwrap_err()
+            .contains("per_downstream_connection"));
+        let ok = LocalRateLimit::from_any(&any(lpb::LocalRateLimit {
+            stat_prefix: "rl".into(),
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!((ok.status, ok.enabled_per_million), (429, 0));
+        assert_eq!(ok.check(), None, "filter_enabled absent: off");
+    }
+}
