@@ -17,4 +17,6 @@ USER 1337
 # 8080: example HTTP listener; 15000: admin (/ready, /stats/prometheus, /config_dump).
 EXPOSE 8080 15000
 ENTRYPOINT ["/usr/local/bin/portico"]
-CMD ["-c", "/etc/portico/examples/bookinfo/bootstrap-ads.yaml"]
+# The demo (demo pods, control plane and gateway in one process):
+#   docker run -p 8080:8080 IMAGE demo --config-dir /etc/portico/examples/bookinfo
+CMD ["-c", "/etc/portico/examples/bootstraps/bookinfo-ads.yaml"]
