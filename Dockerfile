@@ -18,5 +18,6 @@ USER 1337
 EXPOSE 8080 15000
 ENTRYPOINT ["/usr/local/bin/portico"]
 # The demo (demo pods, control plane and gateway in one process):
-#   docker run -p 8080:8080 IMAGE demo --config-dir /etc/portico/examples/bookinfo
+#   docker run --network host IMAGE demo --config-dir /etc/portico/examples/bookinfo
+# (it listens on 127.0.0.1 only, like the demo outside a container)
 CMD ["-c", "/etc/portico/examples/bootstraps/bookinfo-ads.yaml"]
