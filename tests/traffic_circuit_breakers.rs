@@ -36,18 +36,7 @@ async fn mesh(backend: &Scripted, cluster: &str, limits: circuit_breakers::Thres
         }
     })
     .await;
-    // Readiness without touching the backend: an unknown host answers 404 once routes exist.
-    eventually("routes", PROPAGATION, || async {
-        let r = mesh.get("/", "nowhere.example", &[]).await;
-        if r.status == 404 {
-            Ok(())
-        } else {
-            Err(format!("{r:?}"))
-        }
-    })
-    .await;
-    // Clusters and endpoints arrive before routes, but leave Envoy a moment to warm.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    mesh.wait_routes_untouched().await;
     mesh
 }
 

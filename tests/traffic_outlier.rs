@@ -38,16 +38,7 @@ async fn mesh(bad: &Scripted, good: &Scripted, od: OutlierDetection) -> Mesh {
         }
     })
     .await;
-    eventually("routes", PROPAGATION, || async {
-        let r = mesh.get("/", "nowhere.example", &[]).await;
-        if r.status == 404 {
-            Ok(())
-        } else {
-            Err(format!("{r:?}"))
-        }
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    mesh.wait_routes_untouched().await;
     mesh
 }
 
@@ -70,9 +61,12 @@ async fn a_failing_host_is_ejected_then_returns() {
     for _ in 0..30 {
         mesh.get("/", HOST, &[]).await;
     }
-    // Round robin over two hosts: the bad one answers three times, then it is out.
-    assert_eq!(bad.served(), 3, "bad served {}", bad.served());
-    assert_eq!(good.served(), 27);
+    // Round robin over two hosts: the bad one answers three times, then it is out. Envoy
+    // ejects on its main thread, so on a loaded machine one more request can reach the host
+    // before the ejection lands (Portico ejects inline: exactly 3).
+    let n = bad.served();
+    assert!((3..=4).contains(&n), "bad served {n}");
+    assert_eq!(good.served(), 30 - n);
     let stats = mesh.gw.prometheus().await;
     let (metric, label) = envoy_cluster_metric(
         "pool",

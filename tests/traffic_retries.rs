@@ -202,17 +202,7 @@ async fn per_try_timeout_retries_a_hung_attempt() {
         nanos: 300_000_000,
     });
     let mesh = mesh("slow", &[b.addr], Some(p), false).await;
-    // Readiness probes would use up the hang: wait for the route with a 404 check only.
-    eventually("route ready", PROPAGATION, || async {
-        let r = mesh.get("/", "nowhere.example", &[]).await;
-        if r.status == 404 {
-            Ok(())
-        } else {
-            Err(format!("{r:?}"))
-        }
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    mesh.wait_routes_untouched().await;
     let start = Instant::now();
     let r = mesh.get("/", HOST, &[]).await;
     assert_eq!(r.status, 200, "{r:?}");
@@ -228,16 +218,7 @@ async fn per_try_timeout_retries_a_hung_attempt() {
 async fn a_closed_connection_is_retried_under_5xx_with_the_body_resent() {
     let b = Scripted::start("closer", vec![Step::Close, Step::Status(200)]).await;
     let mesh = mesh("closer", &[b.addr], Some(policy("5xx", 1)), false).await;
-    eventually("route ready", PROPAGATION, || async {
-        let r = mesh.get("/", "nowhere.example", &[]).await;
-        if r.status == 404 {
-            Ok(())
-        } else {
-            Err(format!("{r:?}"))
-        }
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    mesh.wait_routes_untouched().await;
     let r = send_request(
         &reqwest::Client::new(),
         "POST",

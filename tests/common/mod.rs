@@ -1277,6 +1277,22 @@ impl Mesh {
         .await
     }
 
+    /// Waits until routes are in without sending anything to a backend (a host no virtual
+    /// host serves answers 404 once the route table exists), then leaves the gateway a moment
+    /// to warm clusters: for backends whose script readiness probes would use up.
+    pub async fn wait_routes_untouched(&self) {
+        eventually("routes", PROPAGATION, || async {
+            let r = self.get("/", "nowhere.example", &[]).await;
+            if r.status == 404 {
+                Ok(())
+            } else {
+                Err(format!("{r:?}"))
+            }
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
     /// Waits until the route table answers `path`/`host` with `status`.
     pub async fn wait_status(&self, path: &str, host: &str, status: u16) -> Resp {
         let what = format!("{host}{path} to answer {status}");
