@@ -151,10 +151,14 @@ fn downstream_remote(
     } else {
         hcm.xff_num_trusted_hops as usize
     };
+    // Several XFF lines count as one comma-joined list, as Envoy's header map keeps them.
     let from_xff = headers
-        .get(&X_FORWARDED_FOR)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.rsplit(',').nth(skip))
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .rev()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.rsplit(','))
+        .nth(skip)
         .and_then(|hop| hop.trim().parse::<std::net::IpAddr>().ok())
         .map(|ip| SocketAddr::new(ip, 0));
     from_xff.or(peer)
@@ -1061,37 +1065,6 @@ fn split_port(authority: &str) -> (&str, Option<&str>) {
     }
 }
 
-/// The downstream address as Envoy's connection manager settles it: the peer with
-/// `use_remote_address` (or the XFF entry the trusted hops point at), otherwise the last XFF
-/// entry (skipping trusted hops) when it is an IP, else the peer.
-fn downstream_ip(
-    headers: &http::HeaderMap,
-    peer: Option<std::net::IpAddr>,
-    listener: &ActiveListener,
-) -> Option<std::net::IpAddr> {
-    let hcm = &listener.def.hcm;
-    let skip = if hcm.use_remote_address {
-        match hcm.xff_num_trusted_hops.checked_sub(1) {
-            Some(s) => s as usize,
-            None => return peer,
-        }
-    } else {
-        hcm.xff_num_trusted_hops as usize
-    };
-    let xff: Vec<&str> = headers
-        .get_all(&X_FORWARDED_FOR)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .collect();
-    xff.len()
-        .checked_sub(skip + 1)
-        .and_then(|i| xff.get(i))
-        .and_then(|a| a.parse().ok())
-        .or(peer)
-}
-
 /// The request hash of the route's `hash_policy`, for a ring hash or Maglev cluster. A cookie
 /// policy with a ttl whose cookie the request lacks generates one, as Envoy's router does, and
 /// leaves its `set-cookie` in `set_cookies` for the response.
@@ -1113,7 +1086,7 @@ fn request_hash(
         path: req.uri.path_and_query().map_or("/", |p| p.as_str()),
         method: req.method.as_str(),
         scheme: req.uri.scheme_str().unwrap_or("http"),
-        source_ip: downstream_ip(&req.headers, peer.map(|a| a.ip()), listener),
+        source_ip: downstream_remote(&req.headers, peer, &listener.def.hcm).map(|a| a.ip()),
     };
     hash_policy::generate(&fwd.hash_policy, &input, |cookie| {
         // Envoy hashes the connection's remote and local addresses, so every request of one
@@ -1906,6 +1879,23 @@ mod tests {
             http::HeaderValue::from_static("junk"),
         );
         assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
+        // Several XFF lines read as one list: the last entry of the last line, then back.
+        h.insert(
+            X_FORWARDED_FOR.clone(),
+            http::HeaderValue::from_static("1.1.1.1, 2.2.2.2"),
+        );
+        h.append(
+            X_FORWARDED_FOR.clone(),
+            http::HeaderValue::from_static("3.3.3.3"),
+        );
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(false, 0))).as_deref(),
+            Some("3.3.3.3:0")
+        );
+        assert_eq!(
+            ip(downstream_remote(&h, peer, &hcm(false, 1))).as_deref(),
+            Some("2.2.2.2:0")
+        );
     }
 
     #[test]

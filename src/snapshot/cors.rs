@@ -47,22 +47,8 @@ struct Policy {
 fn per_million(
     f: Option<&envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent>,
 ) -> Result<u32, String> {
-    use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
-    let Some(v) = f.and_then(|f| f.default_value.as_ref()) else {
-        return Ok(1_000_000);
-    };
-    let scale = match D::try_from(v.denominator) {
-        Ok(D::Hundred) => 10_000,
-        Ok(D::TenThousand) => 100,
-        Ok(D::Million) => 1,
-        Err(_) => {
-            return Err(format!(
-                "filter_enabled: unknown denominator {}",
-                v.denominator
-            ))
-        }
-    };
-    Ok(v.numerator.saturating_mul(scale).min(1_000_000))
+    // No fraction: the policy applies to every request.
+    super::per_million(f, 1_000_000).map_err(|e| format!("filter_enabled: {e}"))
 }
 
 fn from_typed(any: &Any) -> Result<Policy, String> {

@@ -109,18 +109,8 @@ impl TokenBucket {
 fn per_million(
     f: Option<&envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent>,
 ) -> Result<u32, String> {
-    use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
     // Envoy: absent means 0% (the filter is off unless a fraction turns it on).
-    let Some(v) = f.and_then(|f| f.default_value.as_ref()) else {
-        return Ok(0);
-    };
-    let scale = match D::try_from(v.denominator) {
-        Ok(D::Hundred) => 10_000,
-        Ok(D::TenThousand) => 100,
-        Ok(D::Million) => 1,
-        Err(_) => return Err(format!("unknown denominator {}", v.denominator)),
-    };
-    Ok(v.numerator.saturating_mul(scale).min(1_000_000))
+    super::per_million(f, 0)
 }
 
 fn header_list(

@@ -196,7 +196,6 @@ pub struct Mirror {
 
 impl Mirror {
     fn translate(m: &rpb::route_action::RequestMirrorPolicy) -> Result<Mirror, String> {
-        use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
         if m.cluster.is_empty() {
             return Err(if m.cluster_header.is_empty() {
                 "request_mirror_policies: cluster is required".into()
@@ -209,28 +208,9 @@ impl Mirror {
                 "request_mirror_policies: request_headers_mutations is not supported yet".into(),
             );
         }
-        let per_million = match m
-            .runtime_fraction
-            .as_ref()
-            .and_then(|r| r.default_value.as_ref())
-        {
-            // No fraction: every request is mirrored.
-            None => 1_000_000,
-            Some(f) => {
-                let scale = match D::try_from(f.denominator) {
-                    Ok(D::Hundred) => 10_000,
-                    Ok(D::TenThousand) => 100,
-                    Ok(D::Million) => 1,
-                    Err(_) => {
-                        return Err(format!(
-                            "request_mirror_policies: unknown denominator {}",
-                            f.denominator
-                        ))
-                    }
-                };
-                f.numerator.saturating_mul(scale).min(1_000_000)
-            }
-        };
+        // No fraction: every request is mirrored.
+        let per_million = super::per_million(m.runtime_fraction.as_ref(), 1_000_000)
+            .map_err(|e| format!("request_mirror_policies: {e}"))?;
         Ok(Mirror {
             cluster: Arc::from(m.cluster.as_str()),
             per_million,
