@@ -65,6 +65,17 @@ pub struct Ctx {
     timeout: Option<std::time::Duration>,
     /// When the route timeout runs out, across every attempt.
     deadline: Option<Instant>,
+    /// The per-try timeout (route policy or `x-envoy-upstream-rq-per-try-timeout-ms`).
+    per_try: Option<std::time::Duration>,
+    /// When the stream's maximum duration runs out (`max_stream_duration`, `grpc-timeout`).
+    stream_deadline: Option<Instant>,
+    /// The stream idle timeout (route `idle_timeout`, else the connection manager's).
+    idle: Option<std::time::Duration>,
+    /// Which timeout bounds the current attempt's wait for the upstream.
+    timeout_kind: TimeoutKind,
+    /// This request is the last its upstream connection may carry
+    /// (`max_requests_per_connection`).
+    close_upstream: bool,
     retry: Option<Arc<RetryPolicy>>,
     /// Upstream attempts started (1 on the first try).
     attempts: u32,
@@ -102,6 +113,236 @@ pub struct Ctx {
     /// A gRPC request (by content-type): Envoy turns every local reply after routing into a
     /// trailers-only gRPC response for it.
     grpc_request: bool,
+}
+
+/// The timeouts that can end a wait for the upstream, each answered as Envoy answers it.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
+enum TimeoutKind {
+    #[default]
+    Route,
+    PerTry,
+    /// The stream's maximum duration: 504 `downstream duration timeout`.
+    Stream,
+    /// The stream idle timeout: 504 `stream timeout`.
+    Idle,
+}
+
+static X_UPSTREAM_RQ_TIMEOUT: HeaderName =
+    HeaderName::from_static("x-envoy-upstream-rq-timeout-ms");
+static X_UPSTREAM_PER_TRY_TIMEOUT: HeaderName =
+    HeaderName::from_static("x-envoy-upstream-rq-per-try-timeout-ms");
+static X_ENVOY_INTERNAL: HeaderName = HeaderName::from_static("x-envoy-internal");
+static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+
+/// A `grpc-timeout` value (gRPC's HTTP/2 spec: up to 8 digits and a unit), as Envoy reads it.
+fn parse_grpc_timeout(v: &http::HeaderValue) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let v = v.as_bytes();
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b"H" => Duration::from_secs(n * 3600),
+        b"M" => Duration::from_secs(n * 60),
+        b"S" => Duration::from_secs(n),
+        b"m" => Duration::from_millis(n),
+        // Envoy works in whole milliseconds and rounds smaller units up.
+        b"u" => Duration::from_millis(n.div_ceil(1000)),
+        b"n" => Duration::from_millis(n.div_ceil(1_000_000)),
+        _ => return None,
+    })
+}
+
+/// Envoy's `grpc-timeout` form: milliseconds, or a larger unit when it would not fit 8 digits.
+fn grpc_timeout_value(d: std::time::Duration) -> String {
+    const MAX: u128 = 99_999_999;
+    let mut t = d.as_millis();
+    for (unit, next) in [('m', 1000), ('S', 60), ('M', 60)] {
+        if t <= MAX {
+            return format!("{t}{unit}");
+        }
+        t /= next;
+    }
+    format!("{}H", t.min(MAX))
+}
+
+/// Envoy's internal-request rule: with `use_remote_address` the request must carry no XFF and
+/// come from an internal peer; without it XFF must hold exactly one address, an internal one.
+/// Internal ranges come only from `internal_address_config` (Envoy 1.40 has none by default).
+fn is_internal_request(
+    headers: &http::HeaderMap,
+    peer: Option<std::net::IpAddr>,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> bool {
+    if hcm.internal_ranges.is_empty() {
+        return false;
+    }
+    let remote = if hcm.use_remote_address {
+        if headers.contains_key(&X_FORWARDED_FOR) {
+            return false;
+        }
+        peer
+    } else {
+        let mut entries = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','));
+        match (entries.next(), entries.next()) {
+            (Some(one), None) => one.trim().parse().ok(),
+            _ => None,
+        }
+    };
+    remote.is_some_and(|ip| hcm.internal_ranges.iter().any(|c| c.contains(ip)))
+}
+
+/// A non-negative integer header (Envoy's `SimpleAtoi`), in milliseconds.
+fn header_ms(req: &RequestHeader, name: &HeaderName) -> Option<Option<std::time::Duration>> {
+    let v = req.headers.get(name)?;
+    Some(
+        v.to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(std::time::Duration::from_millis),
+    )
+}
+
+/// Envoy's timeouts for a routed request: the router's (`finalTimeout`: route timeout or the
+/// gRPC header under `max_grpc_timeout`, `x-envoy-upstream-rq-timeout-ms`, per-try timeout)
+/// and the connection manager's stream timers (`max_stream_duration`, `grpc-timeout` under
+/// `grpc_timeout_header_max`, stream idle timeout). Control headers are consumed here; they
+/// are only still present on internal requests.
+fn set_timeouts(
+    ctx: &mut Ctx,
+    req: &mut RequestHeader,
+    fwd: &Forward,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Result<()> {
+    use std::time::Duration;
+    let now = Instant::now();
+    let t = &fwd.timeouts;
+    let grpc_header = if ctx.grpc_request {
+        req.headers.get(&GRPC_TIMEOUT).and_then(parse_grpc_timeout)
+    } else {
+        None
+    };
+    let legacy_grpc = t.max_stream.is_none() && ctx.grpc_request && t.max_grpc.is_some();
+    // With max_stream_duration on the route, Envoy's "new timeouts" leave no route timeout.
+    let mut global = match (&t.max_stream, t.max_grpc) {
+        (Some(_), _) => None,
+        (None, Some(max)) if ctx.grpc_request => {
+            let mut g = grpc_header.unwrap_or(Duration::ZERO);
+            if let Some(off) = t.grpc_offset.filter(|off| *off < g) {
+                g -= off;
+            }
+            if !max.is_zero() && (g.is_zero() || g > max) {
+                g = max;
+            }
+            Some(g)
+        }
+        _ => fwd.timeout,
+    }
+    .filter(|d| !d.is_zero());
+    if let Some(v) = header_ms(req, &X_UPSTREAM_RQ_TIMEOUT) {
+        if let Some(ms) = v {
+            global = (!ms.is_zero()).then_some(ms);
+        }
+        req.remove_header(&X_UPSTREAM_RQ_TIMEOUT);
+    }
+    let mut per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
+    if let Some(v) = header_ms(req, &X_UPSTREAM_PER_TRY_TIMEOUT) {
+        if let Some(ms) = v {
+            per_try = Some(ms);
+        }
+        req.remove_header(&X_UPSTREAM_PER_TRY_TIMEOUT);
+    }
+    // A per-try timeout as long as the whole one means nothing.
+    per_try = per_try.filter(|p| !p.is_zero() && global.is_none_or(|g| *p < g));
+    ctx.timeout = global;
+    ctx.deadline = global.map(|g| now + g);
+    ctx.per_try = per_try;
+    match per_try.or(global) {
+        Some(expected) => {
+            req.insert_header(X_EXPECTED_TIMEOUT.clone(), expected.as_millis().to_string())?;
+            if legacy_grpc {
+                req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(expected))?;
+            }
+        }
+        None => {
+            req.remove_header(&X_EXPECTED_TIMEOUT);
+        }
+    }
+    let header_max = t.max_stream.as_ref().and_then(|m| m.grpc_header_max);
+    let stream = match (grpc_header, header_max) {
+        (Some(mut d), Some(max)) => {
+            if !max.is_zero() && d > max {
+                d = max;
+            }
+            if let Some(off) = t.max_stream.as_ref().and_then(|m| m.grpc_header_offset) {
+                if !d.is_zero() {
+                    d = d.saturating_sub(off);
+                }
+            }
+            Some(d)
+        }
+        _ => match t.max_stream.as_ref().and_then(|m| m.duration) {
+            Some(route) => route,
+            None => hcm.max_stream_duration,
+        },
+    };
+    if let (Some(d), true) = (stream, t.max_stream.is_some() && ctx.grpc_request) {
+        req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(d))?;
+    }
+    ctx.stream_deadline = stream.map(|d| now + d);
+    ctx.idle = match t.idle {
+        Some(route) => route,
+        None => hcm.stream_idle_timeout,
+    };
+    Ok(())
+}
+
+thread_local! {
+    /// Requests carried so far per upstream connection of this worker, by socket. Each worker
+    /// has its own connection pool, so a connection is only ever reused on the thread that
+    /// opened it; a new connection on a recycled descriptor starts again at one.
+    static CONNECTION_USES: std::cell::RefCell<std::collections::HashMap<i32, u32>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// Counts one more request on the connection `fd`; true when it is the last one allowed.
+fn count_connection_use(fd: i32, reused: bool, max: u32) -> bool {
+    CONNECTION_USES.with(|uses| {
+        let mut uses = uses.borrow_mut();
+        let n = if reused {
+            uses.get(&fd).copied().unwrap_or(0) + 1
+        } else {
+            1
+        };
+        if n >= max {
+            uses.remove(&fd);
+            true
+        } else {
+            uses.insert(fd, n);
+            false
+        }
+    })
+}
+
+/// Envoy leaves unset keepalive fields to the kernel; pingora needs all three, so unset ones
+/// take Linux's defaults (7200 s idle, 75 s between probes, 9 probes).
+fn tcp_keepalive(
+    k: crate::snapshot::cluster::TcpKeepalive,
+) -> pingora_core::protocols::TcpKeepalive {
+    use std::time::Duration;
+    pingora_core::protocols::TcpKeepalive {
+        idle: Duration::from_secs(u64::from(k.time.unwrap_or(7200))),
+        interval: Duration::from_secs(u64::from(k.interval.unwrap_or(75))),
+        count: k.probes.unwrap_or(9) as usize,
+        #[cfg(target_os = "linux")]
+        user_timeout: Duration::ZERO,
+    }
 }
 
 struct RespHeaders {
@@ -1340,9 +1581,12 @@ impl ProxyHttp for Gateway {
                     .map_or_else(|| "/".to_string(), |p| p.as_str().to_string())
             });
         let req = session.req_header_mut();
-        // Envoy trusts no client x-envoy-* control headers; by default (no internal address
-        // ranges configured) every request counts as external.
-        if req
+        // Envoy trusts x-envoy-* control headers only from internal clients; Envoy 1.40 has no
+        // internal address ranges unless internal_address_config names some.
+        let internal = is_internal_request(&req.headers, client_ip, hcm);
+        if internal {
+            req.insert_header(X_ENVOY_INTERNAL.clone(), "true")?;
+        } else if req
             .headers
             .keys()
             .any(|k| k.as_str().starts_with("x-envoy-"))
@@ -1351,9 +1595,7 @@ impl ProxyHttp for Gateway {
                 req.remove_header(*h);
             }
         }
-        // With use_remote_address every request is an edge request: Envoy 1.40 has no
-        // internal address ranges unless internal_address_config names some.
-        let edge = hcm.use_remote_address;
+        let edge = hcm.use_remote_address && !internal;
         if edge {
             for h in EDGE_STRIPPED_HEADERS {
                 req.remove_header(*h);
@@ -1386,7 +1628,10 @@ impl ProxyHttp for Gateway {
                     }
                 }
             }
-            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
+            // Only edge requests: an internal client is not entering the trusted network.
+            if edge {
+                req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
+            }
         }
         if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
             req.insert_header(X_FORWARDED_PROTO.clone(), "http")?;
@@ -1398,13 +1643,7 @@ impl ProxyHttp for Gateway {
             req.insert_header(X_REQUEST_ID.clone(), id)?;
         }
         // Envoy announces the per-try timeout when there is one, else the route's.
-        let per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
-        match per_try.or(ctx.timeout) {
-            Some(t) => req.insert_header(X_EXPECTED_TIMEOUT.clone(), t.as_millis().to_string())?,
-            None => {
-                req.remove_header(&X_EXPECTED_TIMEOUT);
-            }
-        }
+        set_timeouts(ctx, req, fwd, hcm)?;
         // The route's custom headers (weighted-cluster entry first), after the connection
         // manager's own, before the path rewrite records x-envoy-original-path: Envoy's order.
         for ops in entry
@@ -1435,18 +1674,50 @@ impl ProxyHttp for Gateway {
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
         // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
         // and within what is left of the route timeout.
-        let left = ctx
-            .deadline
-            .map(|d| d.saturating_duration_since(Instant::now()));
-        let per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
-        peer.options.read_timeout = match (per_try, left) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let now = Instant::now();
+        let left = |d: Option<Instant>| d.map(|d| d.saturating_duration_since(now));
+        let bounds = [
+            (ctx.per_try, TimeoutKind::PerTry),
+            (left(ctx.deadline), TimeoutKind::Route),
+            (left(ctx.stream_deadline), TimeoutKind::Stream),
+            (ctx.idle, TimeoutKind::Idle),
+        ];
+        let first = bounds
+            .into_iter()
+            .filter_map(|(d, kind)| Some((d?, kind)))
+            .min_by_key(|(d, _)| *d);
+        peer.options.read_timeout = first.map(|(d, _)| d);
+        ctx.timeout_kind = first.map_or(TimeoutKind::Route, |(_, kind)| kind);
         if cluster.def.http2 {
             peer.options.set_http_version(2, 2);
         }
+        peer.options.idle_timeout = cluster.def.idle_timeout;
+        if let Some(k) = cluster.def.tcp_keepalive {
+            peer.options.tcp_keepalive = Some(tcp_keepalive(k));
+        }
         Ok(Box::new(peer))
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        reused: bool,
+        _peer: &HttpPeer,
+        #[cfg(unix)] fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
+        _digest: Option<&pingora_core::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let limit = ctx
+            .cluster
+            .as_ref()
+            .filter(|c| !c.def.http2)
+            .and_then(|c| c.def.max_requests_per_connection);
+        #[cfg(unix)]
+        if let Some(max) = limit {
+            ctx.close_upstream = count_connection_use(fd, reused, max);
+        }
+        Ok(())
     }
 
     async fn upstream_request_filter(
@@ -1456,6 +1727,10 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         strip_request(upstream)?;
+        if ctx.close_upstream {
+            // pingora keeps no connection whose request asked to close it.
+            upstream.insert_header(http::header::CONNECTION, "close")?;
+        }
         // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
         // `trailer` and `proxy-authorization` (unless `Connection` names them).
         let down = &session.req_header().headers;
@@ -1615,8 +1890,7 @@ impl ProxyHttp for Gateway {
             e.etype(),
             ErrorType::ReadTimedout | ErrorType::WriteTimedout
         );
-        // A timeout before the route's deadline can only be the per-try one.
-        let per_try = timed_out && ctx.deadline.is_none_or(|d| Instant::now() < d);
+        let per_try = timed_out && ctx.timeout_kind == TimeoutKind::PerTry;
         if per_try {
             if let Some(c) = &ctx.cluster {
                 c.stats.rq_per_try_timeout.fetch_add(1, Relaxed);
@@ -1725,12 +1999,17 @@ impl ProxyHttp for Gateway {
                 503,
                 "upstream connect error or disconnect/reset before headers. reset reason: local connection failure",
             ),
-            ReadTimedout | WriteTimedout => {
-                if let Some(c) = &ctx.cluster {
-                    c.stats.rq_timeout.fetch_add(1, Relaxed);
+            ReadTimedout | WriteTimedout => match ctx.timeout_kind {
+                // The connection manager's stream timers answer for the stream, not the route.
+                TimeoutKind::Stream => (504, "downstream duration timeout"),
+                TimeoutKind::Idle => (504, "stream timeout"),
+                TimeoutKind::Route | TimeoutKind::PerTry => {
+                    if let Some(c) = &ctx.cluster {
+                        c.stats.rq_timeout.fetch_add(1, Relaxed);
+                    }
+                    (504, "upstream request timeout")
                 }
-                (504, "upstream request timeout")
-            }
+            },
             _ => match e.esource() {
                 ErrorSource::Upstream => (
                     503,
@@ -1794,6 +2073,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn grpc_timeouts_parse_and_format_as_envoy() {
+        let v = |s: &'static str| parse_grpc_timeout(&http::HeaderValue::from_static(s));
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(v("300m"), Some(ms(300)));
+        assert_eq!(v("2S"), Some(ms(2000)));
+        assert_eq!(v("1M"), Some(ms(60_000)));
+        assert_eq!(v("1H"), Some(ms(3_600_000)));
+        assert_eq!(v("1500u"), Some(ms(2)), "sub-millisecond units round up");
+        assert_eq!(v("1n"), Some(ms(1)));
+        for bad in ["", "m", "10", "123456789m", "1x", "-1m", "1.5S"] {
+            assert_eq!(v(bad), None, "{bad}");
+        }
+        assert_eq!(grpc_timeout_value(ms(400)), "400m");
+        assert_eq!(grpc_timeout_value(ms(100_000_000)), "100000S");
+        assert_eq!(
+            grpc_timeout_value(std::time::Duration::from_secs(100_000_000)),
+            "1666666M"
+        );
+    }
+
+    #[test]
     fn request_ids_are_uuid_v4() {
         let id = request_id();
         assert_eq!(id.len(), 36);
@@ -1847,6 +2147,9 @@ mod tests {
             rate_limits: Vec::new(),
             rate_limit_first: false,
             cors: false,
+            stream_idle_timeout: None,
+            max_stream_duration: None,
+            internal_ranges: Vec::new(),
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

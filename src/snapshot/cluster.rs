@@ -44,6 +44,21 @@ pub struct ClusterDef {
     pub max_pending_requests: u32,
     pub max_requests: u32,
     pub outlier: Option<super::outlier::OutlierConfig>,
+    /// The connection pool closes an upstream connection idle this long (Envoy: 1 hour;
+    /// zero: never).
+    pub idle_timeout: Option<Duration>,
+    /// `max_requests_per_connection`: an upstream connection closes after this many requests.
+    pub max_requests_per_connection: Option<u32>,
+    /// `upstream_connection_options.tcp_keepalive`.
+    pub tcp_keepalive: Option<TcpKeepalive>,
+}
+
+/// TCP keepalive for upstream connections; an unset field keeps the kernel's setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpKeepalive {
+    pub probes: Option<u32>,
+    pub time: Option<u32>,
+    pub interval: Option<u32>,
 }
 
 /// Which addresses a DNS lookup keeps, as Envoy's `dns_lookup_family` says.
@@ -455,11 +470,47 @@ impl ClusterDef {
                 ));
             }
         }
+        let options = protocol_options(c).map_err(err)?;
         #[allow(deprecated)]
-        let http2 = c.http2_protocol_options.is_some()
-            || c.typed_extension_protocol_options
-                .get("envoy.extensions.upstreams.http.v3.HttpProtocolOptions")
-                .is_some_and(|a| http2_in_protocol_options(&a.value));
+        let http2 = c.http2_protocol_options.is_some() || options.as_ref().is_some_and(|o| {
+            use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+                explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
+            };
+            matches!(
+                &o.upstream_protocol_options,
+                Some(UpstreamProtocolOptions::ExplicitHttpConfig(e))
+                    if matches!(e.protocol_config, Some(ProtocolConfig::Http2ProtocolOptions(_)))
+            )
+        });
+        // The extension's common options replace the cluster's deprecated ones.
+        #[allow(deprecated)]
+        let common = options
+            .as_ref()
+            .and_then(|o| o.common_http_protocol_options.as_ref())
+            .or(c.common_http_protocol_options.as_ref());
+        let idle_timeout = match common.and_then(|o| o.idle_timeout.as_ref()) {
+            Some(d) => Some(
+                duration(d)
+                    .map_err(|e| err(format!("common_http_protocol_options.idle_timeout: {e}")))?,
+            )
+            .filter(|d| !d.is_zero()),
+            None => Some(Duration::from_secs(3600)),
+        };
+        #[allow(deprecated)]
+        let max_requests_per_connection = common
+            .and_then(|o| o.max_requests_per_connection.as_ref())
+            .or(c.max_requests_per_connection.as_ref())
+            .map(|v| v.value)
+            .filter(|n| *n > 0);
+        let tcp_keepalive = c
+            .upstream_connection_options
+            .as_ref()
+            .and_then(|o| o.tcp_keepalive.as_ref())
+            .map(|k| TcpKeepalive {
+                probes: k.keepalive_probes.as_ref().map(|v| v.value),
+                time: k.keepalive_time.as_ref().map(|v| v.value),
+                interval: k.keepalive_interval.as_ref().map(|v| v.value),
+            });
         let dns_family = match c.dns_lookup_family {
             1 => DnsFamily::V4Only,
             2 => DnsFamily::V6Only,
@@ -480,6 +531,9 @@ impl ClusterDef {
             None => None,
         };
         Ok(ClusterDef {
+            idle_timeout,
+            max_requests_per_connection,
+            tcp_keepalive,
             outlier,
             max_retries: limit(|t| t.max_retries.as_ref().map(|v| v.value), 3),
             max_connections: limit(|t| t.max_connections.as_ref().map(|v| v.value), 1024),
@@ -705,19 +759,34 @@ pub fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
     }
 }
 
-fn http2_in_protocol_options(bytes: &[u8]) -> bool {
-    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
-        explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
-    };
-    use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
+const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// The cluster's `HttpProtocolOptions` extension, if it has one.
+fn protocol_options(
+    c: &cpb::Cluster,
+) -> Result<
+    Option<envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
+    String,
+> {
     use prost::Message;
-    HttpProtocolOptions::decode(bytes).is_ok_and(|o| {
-        matches!(
-            o.upstream_protocol_options,
-            Some(UpstreamProtocolOptions::ExplicitHttpConfig(e))
-                if matches!(e.protocol_config, Some(ProtocolConfig::Http2ProtocolOptions(_)))
-        )
-    })
+    let Some(any) = c
+        .typed_extension_protocol_options
+        .get(HTTP_PROTOCOL_OPTIONS)
+    else {
+        return Ok(None);
+    };
+    let at = format!("typed_extension_protocol_options['{HTTP_PROTOCOL_OPTIONS}']");
+    if any.type_url != format!("type.googleapis.com/{HTTP_PROTOCOL_OPTIONS}") {
+        return Err(format!(
+            "{at}: expected {HTTP_PROTOCOL_OPTIONS}, got {}",
+            any.type_url
+        ));
+    }
+    envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions::decode(
+        any.value.as_slice(),
+    )
+    .map(Some)
+    .map_err(|e| format!("{at}: cannot decode: {e}"))
 }
 
 fn health(status: i32) -> Health {

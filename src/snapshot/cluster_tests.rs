@@ -139,6 +139,9 @@ fn defaults() {
             max_requests: 1024,
             outlier: None,
             dns_family: DnsFamily::Auto,
+            idle_timeout: Some(Duration::from_secs(3600)),
+            max_requests_per_connection: None,
+            tcp_keepalive: None,
         }
     );
 }
@@ -865,7 +868,80 @@ fn http2_detection() {
             value: vec![0xff],
         },
     );
-    assert!(!ok(&c).http2);
+    // Envoy cannot unpack it either and rejects the cluster.
+    rejected(
+        &c,
+        "expected envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    );
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        Any {
+            type_url: format!("type.googleapis.com/{HPO_KEY}"),
+            value: vec![0xff],
+        },
+    );
+    rejected(&c, "cannot decode");
+}
+
+#[test]
+fn connection_pool_options() {
+    use envoy_types::pb::envoy::config::core::v3::{
+        HttpProtocolOptions as Common, TcpKeepalive as Ka,
+    };
+    let d = |secs| {
+        Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: secs,
+            nanos: 0,
+        })
+    };
+    let mut c = cluster("c");
+    let o = HttpProtocolOptions {
+        common_http_protocol_options: Some(Common {
+            idle_timeout: d(30),
+            max_requests_per_connection: Some(UInt32Value { value: 2 }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        Any {
+            type_url: format!("type.googleapis.com/{HPO_KEY}"),
+            value: o.encode_to_vec(),
+        },
+    );
+    c.upstream_connection_options = Some(cpb::UpstreamConnectionOptions {
+        tcp_keepalive: Some(Ka {
+            keepalive_time: Some(UInt32Value { value: 60 }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let def = ok(&c);
+    assert_eq!(def.idle_timeout, Some(Duration::from_secs(30)));
+    assert_eq!(def.max_requests_per_connection, Some(2));
+    assert_eq!(
+        def.tcp_keepalive,
+        Some(TcpKeepalive {
+            probes: None,
+            time: Some(60),
+            interval: None
+        })
+    );
+    // Zero idle timeout: never closed for idleness. The deprecated cluster fields count when
+    // the extension does not set them.
+    let mut c = cluster("c");
+    #[allow(deprecated)]
+    {
+        c.common_http_protocol_options = Some(Common {
+            idle_timeout: d(0),
+            ..Default::default()
+        });
+        c.max_requests_per_connection = Some(UInt32Value { value: 1 });
+    }
+    let def = ok(&c);
+    assert_eq!(def.idle_timeout, None);
+    assert_eq!(def.max_requests_per_connection, Some(1));
 }
 
 // ---------------------------------------------------------------------------------------------

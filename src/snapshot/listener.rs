@@ -61,6 +61,61 @@ pub struct Hcm {
     pub rate_limits: Vec<RateLimitFilter>,
     /// The first rate limit filter comes before the first fault filter in the chain.
     pub rate_limit_first: bool,
+    /// `stream_idle_timeout`: Envoy's default is 5 minutes; zero disables it.
+    pub stream_idle_timeout: Option<std::time::Duration>,
+    /// `common_http_protocol_options.max_stream_duration` (unset or zero: no limit).
+    pub max_stream_duration: Option<std::time::Duration>,
+    /// `internal_address_config.cidr_ranges`: downstream addresses Envoy treats as internal.
+    pub internal_ranges: Vec<Cidr>,
+}
+
+/// An address range (`CidrRange`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: std::net::IpAddr,
+    pub len: u8,
+}
+
+impl Cidr {
+    fn translate(c: &corepb::CidrRange) -> Result<Cidr, String> {
+        let addr: std::net::IpAddr = c
+            .address_prefix
+            .parse()
+            .map_err(|_| format!("malformed IP address: {}", c.address_prefix))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = c.prefix_len.as_ref().map_or(0, |v| v.value);
+        if len > max {
+            return Err(format!("prefix_len {len} must be at most {max}"));
+        }
+        Ok(Cidr {
+            addr,
+            len: len as u8,
+        })
+    }
+
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        use std::net::IpAddr;
+        let ip = match ip {
+            IpAddr::V6(v6) if self.addr.is_ipv4() => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => return false,
+            },
+            other => other,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(a), IpAddr::V4(b)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(self.len)).unwrap_or(0);
+                u32::from(a) & mask == u32::from(b) & mask
+            }
+            (IpAddr::V6(a), IpAddr::V6(b)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.len))
+                    .unwrap_or(0);
+                u128::from(a) & mask == u128::from(b) & mask
+            }
+            _ => false,
+        }
+    }
 }
 
 /// A fault filter of the chain: its name (how routes address it) and its listener-level
@@ -199,7 +254,39 @@ impl Hcm {
                 && matches!(&f.config_type,
                     Some(hcm::http_filter::ConfigType::TypedConfig(a)) if config_type(a) == CORS_TYPE)
         });
+        let opt_duration =
+            |field: &str, d: Option<&envoy_types::pb::google::protobuf::Duration>| {
+                d.map(|d| super::duration(d).map_err(|e| format!("{field}: {e}")))
+                    .transpose()
+            };
+        let stream_idle_timeout =
+            match opt_duration("stream_idle_timeout", h.stream_idle_timeout.as_ref())? {
+                None => Some(std::time::Duration::from_secs(300)),
+                Some(d) => (!d.is_zero()).then_some(d),
+            };
+        let max_stream_duration = opt_duration(
+            "common_http_protocol_options.max_stream_duration",
+            h.common_http_protocol_options
+                .as_ref()
+                .and_then(|o| o.max_stream_duration.as_ref()),
+        )?
+        .filter(|d| !d.is_zero());
+        let internal_ranges = match &h.internal_address_config {
+            Some(c) => c
+                .cidr_ranges
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    Cidr::translate(r)
+                        .map_err(|e| format!("internal_address_config.cidr_ranges[{i}]: {e}"))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
         Ok(Hcm {
+            stream_idle_timeout,
+            max_stream_duration,
+            internal_ranges,
             cors,
             stat_prefix: h.stat_prefix.clone(),
             routes,

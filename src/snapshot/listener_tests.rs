@@ -674,3 +674,60 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
         "http_filters[0] 'my-fault': abort: http_status: value 99 must be inside range [200, 600)",
     );
 }
+
+#[test]
+fn stream_timeouts_and_internal_addresses() {
+    use std::time::Duration;
+    let d = |secs: i64| {
+        Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: secs,
+            nanos: 0,
+        })
+    };
+    let def = ok(&listener_with(&base_hcm()));
+    assert_eq!(def.hcm.stream_idle_timeout, Some(Duration::from_secs(300)));
+    assert_eq!(def.hcm.max_stream_duration, None);
+    assert!(def.hcm.internal_ranges.is_empty());
+
+    let mut h = base_hcm();
+    h.stream_idle_timeout = d(0);
+    h.common_http_protocol_options = Some(corepb::HttpProtocolOptions {
+        max_stream_duration: d(30),
+        ..Default::default()
+    });
+    let cidr = |prefix: &str, len: u32| corepb::CidrRange {
+        address_prefix: prefix.into(),
+        prefix_len: Some(envoy_types::pb::google::protobuf::UInt32Value { value: len }),
+    };
+    h.internal_address_config = Some(hcm::http_connection_manager::InternalAddressConfig {
+        cidr_ranges: vec![cidr("10.0.0.0", 8), cidr("fd00::", 8)],
+        ..Default::default()
+    });
+    let def = ok(&listener_with(&h));
+    assert_eq!(def.hcm.stream_idle_timeout, None);
+    assert_eq!(def.hcm.max_stream_duration, Some(Duration::from_secs(30)));
+    let r = &def.hcm.internal_ranges;
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    assert!(r[0].contains(ip("10.1.2.3")));
+    assert!(
+        r[0].contains(ip("::ffff:10.1.2.3")),
+        "v4-mapped addresses match v4 ranges"
+    );
+    assert!(!r[0].contains(ip("11.0.0.1")));
+    assert!(r[1].contains(ip("fd12::1")));
+    assert!(!r[1].contains(ip("10.1.2.3")));
+
+    h.internal_address_config = Some(hcm::http_connection_manager::InternalAddressConfig {
+        cidr_ranges: vec![cidr("10.0.0.0", 33)],
+        ..Default::default()
+    });
+    hcm_rejected(
+        h.clone(),
+        "internal_address_config.cidr_ranges[0]: prefix_len 33",
+    );
+    h.internal_address_config = Some(hcm::http_connection_manager::InternalAddressConfig {
+        cidr_ranges: vec![cidr("ten", 8)],
+        ..Default::default()
+    });
+    hcm_rejected(h, "malformed IP address: ten");
+}

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::data_source::Specifier as DataSpecifier;
@@ -168,6 +169,8 @@ pub struct Forward {
     pub target: Target,
     /// Route `timeout`: Envoy's default is 15 s; zero disables it.
     pub timeout: Option<std::time::Duration>,
+    /// The route's other timeouts: stream idle, stream duration, gRPC header timeouts.
+    pub timeouts: StreamTimeouts,
     pub prefix_rewrite: Option<String>,
     pub regex_rewrite: Option<RegexRewrite>,
     pub host_rewrite: Option<String>,
@@ -181,6 +184,69 @@ pub struct Forward {
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
+}
+
+/// A route's timeouts besides `timeout`, as Envoy reads them.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct StreamTimeouts {
+    /// `idle_timeout`: replaces the connection manager's `stream_idle_timeout`; `Some(None)`
+    /// (zero) disables it.
+    pub idle: Option<Option<Duration>>,
+    /// `max_stream_duration`. When a route sets it at all, Envoy uses the "new" timeouts: the
+    /// route `timeout` and `max_grpc_timeout` no longer apply.
+    pub max_stream: Option<MaxStream>,
+    /// Deprecated `max_grpc_timeout`: for gRPC requests the `grpc-timeout` header becomes the
+    /// route timeout, capped by this (zero: no cap).
+    pub max_grpc: Option<Duration>,
+    /// Deprecated `grpc_timeout_offset`, subtracted from the header's timeout.
+    pub grpc_offset: Option<Duration>,
+}
+
+/// `RouteAction.max_stream_duration`.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct MaxStream {
+    /// `max_stream_duration`: `None` falls back to the connection manager's; `Some(None)`
+    /// (zero) disables the limit.
+    pub duration: Option<Option<Duration>>,
+    /// `grpc_timeout_header_max`: a gRPC request's `grpc-timeout` sets the stream limit,
+    /// capped by this (zero: no cap). Unset: the header is not used.
+    pub grpc_header_max: Option<Duration>,
+    pub grpc_header_offset: Option<Duration>,
+}
+
+impl StreamTimeouts {
+    #[allow(deprecated)]
+    fn translate(ra: &rpb::RouteAction) -> Result<StreamTimeouts, String> {
+        let d = |field: &str, v: &Option<envoy_types::pb::google::protobuf::Duration>| {
+            v.as_ref()
+                .map(|d| super::duration(d).map_err(|e| format!("{field}: {e}")))
+                .transpose()
+        };
+        let nonzero = |v: Option<Duration>| v.map(|d| (!d.is_zero()).then_some(d));
+        let max_stream = match &ra.max_stream_duration {
+            Some(m) => Some(MaxStream {
+                duration: nonzero(d(
+                    "max_stream_duration.max_stream_duration",
+                    &m.max_stream_duration,
+                )?),
+                grpc_header_max: d(
+                    "max_stream_duration.grpc_timeout_header_max",
+                    &m.grpc_timeout_header_max,
+                )?,
+                grpc_header_offset: d(
+                    "max_stream_duration.grpc_timeout_header_offset",
+                    &m.grpc_timeout_header_offset,
+                )?,
+            }),
+            None => None,
+        };
+        Ok(StreamTimeouts {
+            idle: nonzero(d("idle_timeout", &ra.idle_timeout)?),
+            max_stream,
+            max_grpc: d("max_grpc_timeout", &ra.max_grpc_timeout)?,
+            grpc_offset: d("grpc_timeout_offset", &ra.grpc_timeout_offset)?,
+        })
+    }
 }
 
 /// One `request_mirror_policies` entry: a copy of a share of the requests goes to `cluster`.
@@ -1000,10 +1066,12 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
     }
     let mirrors = mirrors(&ra.request_mirror_policies)?.unwrap_or_else(|| vh.mirrors.clone());
     let hash_policy = crate::lb::hash_policy::translate(&ra.hash_policy)?;
+    let timeouts = StreamTimeouts::translate(ra)?;
     Ok(Forward {
         hash_policy,
         target,
         timeout,
+        timeouts,
         mirrors,
         cors: None,
         regex_rewrite,

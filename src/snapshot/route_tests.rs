@@ -1569,3 +1569,75 @@ fn hash_policy_is_translated_and_its_errors_name_the_route() {
         "{msg}"
     );
 }
+
+#[test]
+#[allow(deprecated)]
+fn stream_timeouts_translate() {
+    let d = |ms: i64| {
+        Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: ms / 1000,
+            nanos: (ms % 1000) as i32 * 1_000_000,
+        })
+    };
+    let timeouts = |f: &dyn Fn(&mut rpb::RouteAction)| {
+        let mut ra = rpb::RouteAction {
+            cluster_specifier: Some(CS::Cluster("c".into())),
+            ..Default::default()
+        };
+        f(&mut ra);
+        let Action::Forward(fwd) =
+            translate_one(route(prefix("/"), rpb::route::Action::Route(ra))).action
+        else {
+            panic!("not a forward");
+        };
+        fwd.timeouts
+    };
+    // Nothing set: the connection manager's idle timeout, the route timeout, no gRPC rules.
+    assert_eq!(timeouts(&|_| {}), StreamTimeouts::default());
+    let t = timeouts(&|ra| {
+        ra.idle_timeout = d(0);
+        ra.max_grpc_timeout = d(0);
+        ra.grpc_timeout_offset = d(5);
+    });
+    assert_eq!(t.idle, Some(None), "zero switches the idle timeout off");
+    assert_eq!(
+        t.max_grpc,
+        Some(Duration::ZERO),
+        "zero: the header is not capped"
+    );
+    assert_eq!(t.grpc_offset, Some(Duration::from_millis(5)));
+    let t = timeouts(&|ra| {
+        ra.idle_timeout = d(1500);
+        ra.max_stream_duration = Some(rpb::route_action::MaxStreamDuration {
+            max_stream_duration: d(0),
+            grpc_timeout_header_max: d(2000),
+            ..Default::default()
+        });
+    });
+    assert_eq!(t.idle, Some(Some(Duration::from_millis(1500))));
+    assert_eq!(
+        t.max_stream,
+        Some(MaxStream {
+            duration: Some(None),
+            grpc_header_max: Some(Duration::from_secs(2)),
+            grpc_header_offset: None,
+        })
+    );
+    // An empty max_stream_duration still switches Envoy to the new timeouts.
+    let t = timeouts(&|ra| ra.max_stream_duration = Some(Default::default()));
+    assert_eq!(t.max_stream, Some(MaxStream::default()));
+}
+
+#[test]
+fn negative_stream_timeouts_are_rejected() {
+    let ra = rpb::RouteAction {
+        cluster_specifier: Some(CS::Cluster("c".into())),
+        idle_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: -1,
+            nanos: 0,
+        }),
+        ..Default::default()
+    };
+    let rc = second_route(route(prefix("/"), rpb::route::Action::Route(ra)));
+    assert!(rejection(&rc).to_string().contains("idle_timeout"));
+}

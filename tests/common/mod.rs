@@ -2537,6 +2537,8 @@ pub struct Scripted {
     pub seen: Arc<Mutex<Vec<Seen>>>,
     /// Each request's head, header names lowercased.
     pub heads: Arc<Mutex<Vec<String>>>,
+    /// Connections accepted.
+    pub connections: Arc<AtomicUsize>,
 }
 
 impl Scripted {
@@ -2549,11 +2551,14 @@ impl Scripted {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let heads = Arc::new(Mutex::new(Vec::new()));
         let (s, sn, hd) = (served.clone(), seen.clone(), heads.clone());
+        let connections = Arc::new(AtomicUsize::new(0));
+        let cx = connections.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((mut sock, _)) = listener.accept().await else {
                     continue;
                 };
+                cx.fetch_add(1, Ordering::SeqCst);
                 let (s, sn, hd, script) = (s.clone(), sn.clone(), hd.clone(), script.clone());
                 tokio::spawn(async move {
                     loop {
@@ -2595,6 +2600,7 @@ impl Scripted {
             served,
             seen,
             heads,
+            connections,
         }
     }
 
@@ -2602,7 +2608,12 @@ impl Scripted {
         self.served.load(Ordering::SeqCst)
     }
 
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+
     pub fn reset(&self) {
+        self.connections.store(0, Ordering::SeqCst);
         self.served.store(0, Ordering::SeqCst);
         self.seen.lock().expect("lock").clear();
         self.heads.lock().expect("lock").clear();
