@@ -1690,6 +1690,9 @@ impl ProxyHttp for Gateway {
         ctx.timeout_kind = first.map_or(TimeoutKind::Route, |(_, kind)| kind);
         if cluster.def.http2 {
             peer.options.set_http_version(2, 2);
+            // pingora's default of one stream per connection would open a connection per
+            // concurrent request; Envoy multiplexes them.
+            peer.options.max_h2_streams = cluster.def.h2_max_streams as usize;
         }
         peer.options.idle_timeout = cluster.def.idle_timeout;
         if let Some(k) = cluster.def.tcp_keepalive {

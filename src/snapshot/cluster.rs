@@ -35,6 +35,8 @@ pub struct ClusterDef {
     /// For STATIC and DNS clusters: the inline `load_assignment`.
     pub inline: Option<LoadAssignmentSpec>,
     pub http2: bool,
+    /// `http2_protocol_options.max_concurrent_streams`: streams one upstream connection carries.
+    pub h2_max_streams: u32,
     /// `dns_lookup_family`, for DNS clusters.
     pub dns_family: DnsFamily,
     /// Circuit breaker on concurrent retries (default priority `max_retries`, Envoy: 3).
@@ -472,16 +474,24 @@ impl ClusterDef {
         }
         let options = protocol_options(c).map_err(err)?;
         #[allow(deprecated)]
-        let http2 = c.http2_protocol_options.is_some() || options.as_ref().is_some_and(|o| {
+        let h2_options = c.http2_protocol_options.as_ref().or_else(|| {
             use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
                 explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
             };
-            matches!(
-                &o.upstream_protocol_options,
-                Some(UpstreamProtocolOptions::ExplicitHttpConfig(e))
-                    if matches!(e.protocol_config, Some(ProtocolConfig::Http2ProtocolOptions(_)))
-            )
+            match options.as_ref()?.upstream_protocol_options.as_ref()? {
+                UpstreamProtocolOptions::ExplicitHttpConfig(e) => match &e.protocol_config {
+                    Some(ProtocolConfig::Http2ProtocolOptions(h2)) => Some(h2),
+                    _ => None,
+                },
+                _ => None,
+            }
         });
+        let http2 = h2_options.is_some();
+        // Envoy's default is 2^31 - 1: in practice the server's SETTINGS decide.
+        let h2_max_streams = h2_options
+            .and_then(|o| o.max_concurrent_streams.as_ref())
+            .map_or(i32::MAX as u32, |v| v.value)
+            .max(1);
         // The extension's common options replace the cluster's deprecated ones.
         #[allow(deprecated)]
         let common = options
@@ -548,6 +558,7 @@ impl ClusterDef {
             panic_threshold,
             inline,
             http2,
+            h2_max_streams,
         })
     }
 }

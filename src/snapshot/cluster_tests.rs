@@ -133,6 +133,7 @@ fn defaults() {
             panic_threshold: 50.0,
             inline: Some(LoadAssignmentSpec { endpoints: vec![] }),
             http2: false,
+            h2_max_streams: i32::MAX as u32,
             max_retries: 3,
             max_connections: 1024,
             max_pending_requests: 1024,
@@ -856,6 +857,19 @@ fn http2_detection() {
         opts(ProtocolConfig::Http2ProtocolOptions(Default::default())),
     );
     assert!(ok(&c).http2);
+    assert_eq!(ok(&c).h2_max_streams, i32::MAX as u32);
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        opts(ProtocolConfig::Http2ProtocolOptions(
+            envoy_types::pb::envoy::config::core::v3::Http2ProtocolOptions {
+                max_concurrent_streams: Some(envoy_types::pb::google::protobuf::UInt32Value {
+                    value: 7,
+                }),
+                ..Default::default()
+            },
+        )),
+    );
+    assert_eq!(ok(&c).h2_max_streams, 7);
     c.typed_extension_protocol_options.insert(
         HPO_KEY.into(),
         opts(ProtocolConfig::HttpProtocolOptions(Default::default())),
