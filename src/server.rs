@@ -48,10 +48,7 @@ fn ads_target(store: &Store, cluster: &str) -> Result<Option<(String, u16)>, Ser
         .inline
         .as_ref()
         .ok_or_else(|| err("must be STATIC or STRICT_DNS"))?;
-    Ok(spec
-        .endpoints
-        .first()
-        .map(|(host, port, ..)| (host.clone(), *port)))
+    Ok(spec.endpoints.first().map(|e| (e.host.clone(), e.port)))
 }
 
 /// Runs until SIGINT or SIGTERM.

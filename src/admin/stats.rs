@@ -78,6 +78,10 @@ pub struct ClusterStats {
     /// Wakes a waiting request when a slot frees.
     pub cx_freed: tokio::sync::Notify,
     pub outlier: crate::snapshot::outlier::OutlierHosts,
+    /// Slow start: when each host turned healthy.
+    pub healthy_since: crate::snapshot::load::HealthySince,
+    /// Picks that found their priority level in panic.
+    pub lb_healthy_panic: AtomicU64,
 }
 
 impl ClusterStats {
@@ -313,6 +317,7 @@ impl Stats {
                 ("upstream_rq_pending_overflow", &s.rq_pending_overflow),
                 ("upstream_rq_active_overflow", &s.rq_active_overflow),
                 ("upstream_cx_overflow", &s.cx_overflow),
+                ("lb_healthy_panic", &s.lb_healthy_panic),
                 (
                     "outlier_detection_ejections_enforced_total",
                     &s.outlier.ejections_enforced_total,

@@ -7,6 +7,7 @@ pub mod hash;
 pub mod hash_policy;
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 pub use hash::HashFunction;
 use hash::{HashHost, MaglevTable, Ring};
@@ -49,6 +50,43 @@ impl Policy {
     }
 }
 
+/// `slow_start_config` of round robin and least request: a host's weight ramps up over
+/// `window` after it joins (or turns healthy), as
+/// `weight * max(min_weight, (elapsed / window) ^ (1 / aggression))`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlowStart {
+    pub window: Duration,
+    pub aggression: f64,
+    /// A fraction (Envoy's `min_weight_percent`, default 10%).
+    pub min_weight: f64,
+}
+
+impl SlowStart {
+    /// The weight factor after `elapsed` in the window (1 once it is over).
+    pub fn factor(&self, elapsed: Duration) -> f64 {
+        if elapsed >= self.window {
+            return 1.0;
+        }
+        let ms = |d: Duration| d.as_millis() as f64;
+        let time = ms(elapsed).max(1.0) / ms(self.window).max(1.0);
+        let ramp = if self.aggression == 1.0 || time == 1.0 {
+            time
+        } else {
+            time.powf(1.0 / self.aggression)
+        };
+        ramp.max(self.min_weight)
+    }
+}
+
+/// Slow-start state of one balancer: when each eligible host began its ramp.
+#[derive(Debug)]
+struct Ramp {
+    config: SlowStart,
+    since: Vec<Option<Instant>>,
+    /// After this no host is ramping and picks take the plain path.
+    until: Instant,
+}
+
 /// The lookup structure of a consistent-hash balancer.
 #[derive(Debug)]
 enum Hashed {
@@ -69,6 +107,11 @@ pub struct Balancer {
     next: AtomicUsize,
     uniform: bool,
     hashed: Hashed,
+    /// Least request: hosts sampled per pick (Envoy's `choice_count`, default 2).
+    choices: u32,
+    /// Least request with unequal weights: `weight / (active + 1) ^ bias`.
+    bias: f64,
+    ramp: Option<Box<Ramp>>,
 }
 
 /// Longest precomputed round-robin schedule; larger weight sums fall back to weighted random.
@@ -133,7 +176,44 @@ impl Balancer {
             next: AtomicUsize::new(start),
             uniform,
             hashed,
+            choices: 2,
+            bias: 1.0,
+            ramp: None,
         }
+    }
+
+    /// Least request's `choice_count` and `active_request_bias`.
+    pub fn with_least_request(mut self, choices: u32, bias: f64) -> Balancer {
+        self.choices = choices.max(2);
+        self.bias = bias;
+        self
+    }
+
+    /// Slow start for round robin and least request: `since(i)` is when cluster host `i`
+    /// began its ramp (`None`: it does not ramp, e.g. it is not healthy).
+    pub fn with_slow_start(
+        mut self,
+        config: Option<SlowStart>,
+        since: impl Fn(usize) -> Option<Instant>,
+    ) -> Balancer {
+        let Some(config) = config else {
+            return self;
+        };
+        if !matches!(self.policy, Policy::RoundRobin | Policy::LeastRequest) {
+            return self;
+        }
+        let since: Vec<Option<Instant>> = self.eligible.hosts.iter().map(|&i| since(i)).collect();
+        let Some(until) = since.iter().flatten().max().map(|t| *t + config.window) else {
+            return self;
+        };
+        if until > Instant::now() {
+            self.ramp = Some(Box::new(Ramp {
+                config,
+                since,
+                until,
+            }));
+        }
+        self
     }
 
     /// The host a consistent-hash balancer maps `hash` to; other policies ignore the hash.
@@ -167,6 +247,16 @@ impl Balancer {
         if n == 1 {
             return Some(self.eligible.hosts[0]);
         }
+        if let Some(ramp) = &self.ramp {
+            let now = Instant::now();
+            if now < ramp.until {
+                let slot = self.weighted_pick(active, |slot, w| match ramp.since[slot] {
+                    Some(t) => w * ramp.config.factor(now.saturating_duration_since(t)),
+                    None => w,
+                });
+                return Some(self.eligible.hosts[slot]);
+            }
+        }
         let slot = match self.policy {
             Policy::RoundRobin if self.uniform => self.next.fetch_add(1, Ordering::Relaxed) % n,
             Policy::RoundRobin if !self.schedule.is_empty() => {
@@ -179,27 +269,61 @@ impl Balancer {
             Policy::RingHash { .. } | Policy::Maglev { .. } => {
                 return self.pick_hash(fastrand::u64(..), active)
             }
+            // Envoy: with unequal weights, each host's weight over its active requests plus
+            // one (an EDF schedule; drawn at random here, the same shares).
+            Policy::LeastRequest if !self.uniform => self.weighted_pick(active, |_, w| w),
             Policy::LeastRequest => {
-                // Power of two choices; with weights, compare load per unit of weight.
-                let a = fastrand::usize(..n);
-                let mut b = fastrand::usize(..n - 1);
-                if b >= a {
-                    b += 1;
-                }
+                // `choice_count` samples (with replacement, as Envoy), the least loaded wins.
                 let load = |s: usize| {
-                    let act = active
+                    active
                         .get(self.eligible.hosts[s])
-                        .map_or(0, |c| c.load(Ordering::Relaxed));
-                    (u64::from(act) + 1) * 1_000_000 / u64::from(self.eligible.weights[s].max(1))
+                        .map_or(0, |c| c.load(Ordering::Relaxed))
                 };
-                if load(b) < load(a) {
-                    b
-                } else {
-                    a
+                let mut best = fastrand::usize(..n);
+                for _ in 1..self.choices {
+                    let other = fastrand::usize(..n);
+                    if load(other) < load(best) {
+                        best = other;
+                    }
                 }
+                best
             }
         };
         Some(self.eligible.hosts[slot])
+    }
+
+    /// A draw weighted by `weight(slot, configured weight)`, divided by the active requests
+    /// plus one for least request.
+    fn weighted_pick(&self, active: &[AtomicU32], weight: impl Fn(usize, f64) -> f64) -> usize {
+        let effective = |slot: usize| {
+            let w = weight(slot, f64::from(self.eligible.weights[slot]));
+            if self.policy == Policy::LeastRequest {
+                let act = active
+                    .get(self.eligible.hosts[slot])
+                    .map_or(0, |c| c.load(Ordering::Relaxed));
+                let load = f64::from(act) + 1.0;
+                if self.bias == 1.0 {
+                    w / load
+                } else {
+                    w / load.powf(self.bias)
+                }
+            } else {
+                w
+            }
+        };
+        let n = self.eligible.hosts.len();
+        let total: f64 = (0..n).map(effective).sum();
+        if total.is_nan() || total <= 0.0 {
+            return fastrand::usize(..n);
+        }
+        let mut point = fastrand::f64() * total;
+        for slot in 0..n {
+            point -= effective(slot);
+            if point < 0.0 {
+                return slot;
+            }
+        }
+        n - 1
     }
 
     fn weighted_random(&self) -> usize {
@@ -318,9 +442,69 @@ mod tests {
     fn least_request_avoids_busy_host() {
         let b = Balancer::new(Policy::LeastRequest, eligible(&[1, 1]));
         let active = [AtomicU32::new(100), AtomicU32::new(0)];
-        for _ in 0..100 {
-            assert_eq!(b.pick(&active), Some(1));
+        // Two samples with replacement, as Envoy: the idle host wins unless both samples
+        // are the busy one (1 in 4).
+        let idle = (0..4000).filter(|_| b.pick(&active) == Some(1)).count();
+        assert!((2800..3200).contains(&idle), "{idle} of 4000");
+        let b = Balancer::new(Policy::LeastRequest, eligible(&[1, 1])).with_least_request(10, 1.0);
+        let idle = (0..4000).filter(|_| b.pick(&active) == Some(1)).count();
+        assert!(idle > 3950, "{idle} of 4000");
+    }
+
+    #[test]
+    fn weighted_least_request_follows_weight_over_active_requests() {
+        // Envoy's EDF for unequal weights: weight / (active + 1). Idle: 1 : 3.
+        let b = Balancer::new(Policy::LeastRequest, eligible(&[1, 3]));
+        let idle = [AtomicU32::new(0), AtomicU32::new(0)];
+        let heavy = (0..8000).filter(|_| b.pick(&idle) == Some(1)).count();
+        assert!((5700..6300).contains(&heavy), "{heavy} of 8000");
+        // The heavy host with 5 in flight: 1 : 3 / 6, so the light one takes two thirds.
+        let busy = [AtomicU32::new(0), AtomicU32::new(5)];
+        let light = (0..6000).filter(|_| b.pick(&busy) == Some(0)).count();
+        assert!((3700..4300).contains(&light), "{light} of 6000");
+    }
+
+    #[test]
+    fn slow_start_factor_follows_envoys_formula() {
+        let s = SlowStart {
+            window: Duration::from_secs(10),
+            aggression: 1.0,
+            min_weight: 0.1,
+        };
+        assert_eq!(s.factor(Duration::from_secs(5)), 0.5);
+        assert_eq!(s.factor(Duration::ZERO), 0.1);
+        assert_eq!(s.factor(Duration::from_secs(10)), 1.0);
+        let s = SlowStart {
+            aggression: 2.0,
+            ..s
+        };
+        assert!((s.factor(Duration::from_millis(2500)) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_ramping_host_gets_its_share_of_the_weight() {
+        let s = SlowStart {
+            window: Duration::from_secs(100),
+            aggression: 1.0,
+            min_weight: 0.1,
+        };
+        let now = Instant::now();
+        // Host 1 joined 25 s ago: weight 0.25 against host 0's full 1 (out of its window).
+        for policy in [Policy::RoundRobin, Policy::LeastRequest] {
+            let b = Balancer::new(policy, eligible(&[1, 1])).with_slow_start(Some(s), |i| {
+                Some(if i == 0 {
+                    now - Duration::from_secs(200)
+                } else {
+                    now - Duration::from_secs(25)
+                })
+            });
+            let c = counts(&b, 2, 10_000);
+            assert!((1800..2200).contains(&c[1]), "{policy:?}: {c:?}");
         }
+        // Nobody in the window: the plain (exact) round robin.
+        let b = Balancer::new(Policy::RoundRobin, eligible(&[1, 1]))
+            .with_slow_start(Some(s), |_| Some(now - Duration::from_secs(500)));
+        assert_eq!(counts(&b, 2, 100), vec![50, 50]);
     }
 
     #[test]

@@ -62,6 +62,12 @@ pub struct Ctx {
     /// The whole new path and query, from `regex_rewrite`.
     path_rewrite: Option<String>,
     host_rewrite: Option<String>,
+    /// `auto_host_rewrite`: the chosen endpoint's hostname becomes the Host.
+    auto_host: bool,
+    /// `append_x_forwarded_host` on a route that rewrites the host: the original Host.
+    forwarded_host: Option<String>,
+    /// The route rewrote the host (not the connection manager's port stripping).
+    route_host: bool,
     timeout: Option<std::time::Duration>,
     /// When the route timeout runs out, across every attempt.
     deadline: Option<Instant>,
@@ -408,6 +414,7 @@ fn downstream_remote(
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
 static X_EXPECTED_TIMEOUT: HeaderName = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
 static X_ORIGINAL_PATH: HeaderName = HeaderName::from_static("x-envoy-original-path");
@@ -1530,7 +1537,30 @@ impl ProxyHttp for Gateway {
             }
             ctx.path_rewrite = Some(new);
         }
-        ctx.host_rewrite = fwd.host_rewrite.clone().or_else(|| {
+        let rewritten = fwd.host_rewrite.clone().or_else(|| {
+            use crate::snapshot::route::HostRewrite as HR;
+            let req = session.req_header();
+            match fwd.host_rewrite_from.as_deref()? {
+                HR::Header(name) => req
+                    .headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .filter(|v| !v.is_empty())
+                    .map(str::to_string),
+                HR::PathRegex(rr) => Some(rr.apply(req.uri.path())),
+                HR::Auto => None,
+            }
+        });
+        ctx.auto_host = matches!(
+            fwd.host_rewrite_from.as_deref(),
+            Some(crate::snapshot::route::HostRewrite::Auto)
+        );
+        ctx.route_host = rewritten.is_some();
+        ctx.forwarded_host = (fwd.append_x_forwarded_host
+            && (rewritten.is_some() || ctx.auto_host))
+            .then(|| raw_authority(session.req_header()).to_string())
+            .filter(|h| !h.is_empty());
+        ctx.host_rewrite = rewritten.or_else(|| {
             // The HCM's port stripping also changes the Host sent upstream (case kept).
             let raw = raw_authority(session.req_header());
             hcm_strips_port(raw, &listener).then(|| split_port(raw).0.to_string())
@@ -1778,8 +1808,33 @@ impl ProxyHttp for Gateway {
                 .map_err(|e| Error::because(ErrorType::InternalError, "regex rewrite", e))?;
             upstream.set_uri(uri);
         }
-        if let Some(h) = &ctx.host_rewrite {
+        let auto = ctx
+            .cluster
+            .as_ref()
+            .filter(|_| ctx.auto_host)
+            .and_then(|c| c.endpoints.hosts.get(ctx.host_index)?.hostname.clone());
+        let mut host_rewritten = ctx.route_host;
+        if let Some(h) = &auto {
+            upstream.insert_header(http::header::HOST, &**h)?;
+            host_rewritten = true;
+        } else if let Some(h) = &ctx.host_rewrite {
             upstream.insert_header(http::header::HOST, h.as_str())?;
+        }
+        if let (true, Some(original)) = (host_rewritten, &ctx.forwarded_host) {
+            // Envoy appends unless the header already ends with the original host.
+            let prev = upstream
+                .headers
+                .get(&X_FORWARDED_HOST)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            if !prev.ends_with(original.as_str()) {
+                let value = if prev.is_empty() {
+                    original.clone()
+                } else {
+                    format!("{prev},{original}")
+                };
+                upstream.insert_header(X_FORWARDED_HOST.clone(), value)?;
+            }
         }
         if ctx.attempt_count_to_upstream {
             upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;

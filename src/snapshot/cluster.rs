@@ -9,6 +9,7 @@ use envoy_types::pb::envoy::config::cluster::v3 as cpb;
 use envoy_types::pb::envoy::config::core::v3 as corepb;
 use envoy_types::pb::envoy::config::endpoint::v3 as epb;
 
+use super::load::{LoadPolicy, Plan, Pool};
 use super::{duration, socket_address, TranslateError};
 use crate::admin::stats::ClusterStats;
 use crate::lb::{Balancer, Eligible, HashFunction, Policy};
@@ -30,8 +31,11 @@ pub struct ClusterDef {
     pub eds_name: String,
     pub connect_timeout: Duration,
     pub policy: Policy,
-    /// Percent of healthy hosts under which Envoy balances across all hosts (panic mode).
-    pub panic_threshold: f64,
+    /// Locality weighting, slow start and least-request sampling.
+    pub lb: LbOptions,
+    /// Percent of healthy hosts under which Envoy balances across all hosts (panic mode),
+    /// rounded as Envoy rounds it.
+    pub panic_threshold: u32,
     /// For STATIC and DNS clusters: the inline `load_assignment`.
     pub inline: Option<LoadAssignmentSpec>,
     pub http2: bool,
@@ -53,6 +57,29 @@ pub struct ClusterDef {
     pub max_requests_per_connection: Option<u32>,
     /// `upstream_connection_options.tcp_keepalive`.
     pub tcp_keepalive: Option<TcpKeepalive>,
+}
+
+/// What a cluster's load-balancer config says beyond the policy itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LbOptions {
+    /// `locality_weighted_lb_config`: choose a locality by weight before the host.
+    pub locality_weighted: bool,
+    pub slow_start: Option<crate::lb::SlowStart>,
+    /// Least request: hosts sampled per pick.
+    pub choice_count: u32,
+    /// Least request with unequal weights: `weight / (active + 1) ^ bias`.
+    pub active_request_bias: f64,
+}
+
+impl Default for LbOptions {
+    fn default() -> Self {
+        LbOptions {
+            locality_weighted: false,
+            slow_start: None,
+            choice_count: 2,
+            active_request_bias: 1.0,
+        }
+    }
 }
 
 /// TCP keepalive for upstream connections; an unset field keeps the kernel's setting.
@@ -92,8 +119,25 @@ impl DnsFamily {
 
 /// An endpoint before DNS resolution (DNS clusters may name hosts instead of IPs).
 #[derive(Debug, Clone, PartialEq)]
+pub struct SpecEndpoint {
+    /// An IP literal, or for DNS clusters a name to resolve.
+    pub host: String,
+    pub port: u16,
+    pub weight: u32,
+    pub health: Health,
+    pub priority: u32,
+    /// Index into the assignment's `locality_weights`.
+    pub locality: u32,
+    /// `endpoint.hostname` (DNS clusters: the name resolved when it is empty).
+    pub hostname: Option<Arc<str>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct LoadAssignmentSpec {
-    pub endpoints: Vec<(String, u16, u32, Health, u32)>,
+    pub endpoints: Vec<SpecEndpoint>,
+    /// Each locality's `load_balancing_weight`, in the order localities first appear.
+    pub locality_weights: Vec<Option<u32>>,
+    pub policy: LoadPolicy,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,12 +153,18 @@ pub struct Host {
     pub weight: u32,
     pub health: Health,
     pub priority: u32,
+    /// Index into the assignment's `locality_weights`.
+    pub locality: u32,
+    /// What `auto_host_rewrite` puts in the Host header.
+    pub hostname: Option<Arc<str>>,
 }
 
 /// A translated ClusterLoadAssignment.
 #[derive(Debug, Default)]
 pub struct LoadAssignment {
     pub hosts: Vec<Host>,
+    pub locality_weights: Vec<Option<u32>>,
+    pub policy: LoadPolicy,
 }
 
 /// A routable cluster: definition, endpoints and balancer state.
@@ -122,9 +172,8 @@ pub struct LoadAssignment {
 pub struct Cluster {
     pub def: Arc<ClusterDef>,
     pub endpoints: Arc<LoadAssignment>,
-    /// Where traffic goes: (share in percent, balancer over that share's hosts), per priority
-    /// level and health (healthy, then degraded), as Envoy splits load.
-    pub buckets: Vec<(u32, Balancer)>,
+    /// Where traffic goes: shares per priority level and health, as Envoy splits load.
+    pub plan: Plan,
     /// In-flight requests per host, for least-request.
     pub active: Vec<AtomicU32>,
     pub stats: Arc<ClusterStats>,
@@ -139,14 +188,27 @@ impl Cluster {
         stats: Arc<ClusterStats>,
     ) -> Cluster {
         let hosts = &endpoints.hosts;
-        // Hashing balancers place hosts by address, as Envoy does (`ip:port`).
-        let buckets = load_buckets(hosts, def.panic_threshold)
-            .into_iter()
-            .map(|(share, eligible)| {
-                let b = Balancer::with_keys(def.policy, eligible, |i| hosts[i].addr.to_string());
-                (share, b)
-            })
-            .collect();
+        let since = match def.lb.slow_start {
+            Some(_) => stats.healthy_since.resolve(hosts),
+            None => Vec::new(),
+        };
+        let make = |eligible: Eligible| {
+            // Hashing balancers place hosts by address, as Envoy does (`ip:port`).
+            Balancer::with_keys(def.policy, eligible, |i| hosts[i].addr.to_string())
+                .with_least_request(def.lb.choice_count, def.lb.active_request_bias)
+                .with_slow_start(def.lb.slow_start, |i| since.get(i).copied().flatten())
+        };
+        let plan = super::load::plan(
+            &super::load::Inputs {
+                hosts,
+                locality_weights: &endpoints.locality_weights,
+                policy: endpoints.policy,
+                panic_threshold: def.panic_threshold,
+                locality_weighted: def.lb.locality_weighted,
+                lb: def.policy,
+            },
+            &make,
+        );
         let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
         let outlier = if def.outlier.is_some() {
             let addrs: Vec<SocketAddr> = hosts.iter().map(|h| h.addr).collect();
@@ -156,7 +218,7 @@ impl Cluster {
         };
         Cluster {
             outlier,
-            buckets,
+            plan,
             def,
             endpoints,
             active,
@@ -165,9 +227,20 @@ impl Cluster {
     }
 
     pub fn pick(&self) -> Option<(usize, SocketAddr)> {
-        let balancer = self.bucket(|total| fastrand::u32(..total))?;
-        let i = self.not_ejected(balancer.pick(&self.active)?);
+        let pool = self.pool(fastrand::u32(..100))?;
+        let i = self.not_ejected(pool.pick(&self.active)?);
         Some((i, self.endpoints.hosts[i].addr))
+    }
+
+    /// The pool a point in `0..100` chooses; counts `lb_healthy_panic` as Envoy does.
+    fn pool(&self, point: u32) -> Option<&Pool> {
+        let (pool, panic) = self.plan.bucket(point)?;
+        if panic {
+            self.stats
+                .lb_healthy_panic
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Some(pool)
     }
 
     /// `i`, or when outlier detection has ejected it, the next host of the same priority and
@@ -220,33 +293,10 @@ impl Cluster {
             return self.pick();
         }
         let h = hash.unwrap_or_else(|| fastrand::u64(..));
-        // Envoy chooses the priority with `hash % 100` against whole-percent loads; scaled to
-        // the shares' total, the same hash lands in the same level.
-        let balancer = self.bucket(|total| ((h % 100) * u64::from(total) / 100) as u32)?;
-        let i = self.not_ejected(balancer.pick_hash(h, &self.active)?);
+        // Envoy chooses the priority with `hash % 100` against whole-percent loads.
+        let pool = self.pool((h % 100) as u32)?;
+        let i = self.not_ejected(pool.pick_hash(h, &self.active)?);
         Some((i, self.endpoints.hosts[i].addr))
-    }
-
-    /// The bucket `point` (given the shares' total, at least 1) falls in.
-    fn bucket(&self, point: impl FnOnce(u32) -> u32) -> Option<&Balancer> {
-        let balancer = match self.buckets.as_slice() {
-            [] => return None,
-            [(_, only)] => only,
-            many => {
-                let total: u32 = many.iter().map(|(s, _)| *s).sum();
-                let mut point = point(total.max(1));
-                let mut chosen = &many[0].1;
-                for (share, b) in many {
-                    if point < *share {
-                        chosen = b;
-                        break;
-                    }
-                    point -= share;
-                }
-                chosen
-            }
-        };
-        Some(balancer)
     }
 
     pub fn healthy_count(&self) -> usize {
@@ -256,95 +306,6 @@ impl Cluster {
             .filter(|h| h.health == Health::Healthy)
             .count()
     }
-}
-
-/// Envoy's default overprovisioning factor (1.4): a level at 72% health still takes all load.
-const OVERPROVISIONING: f64 = 1.4;
-
-fn eligible(hosts: &[Host], pick: impl Fn(&Host) -> bool) -> Eligible {
-    let idx: Vec<usize> = (0..hosts.len()).filter(|i| pick(&hosts[*i])).collect();
-    let weights = idx.iter().map(|i| hosts[*i].weight).collect();
-    Eligible {
-        hosts: idx,
-        weights,
-    }
-}
-
-/// Envoy's priority load: each level's health (healthy share x 1.4, capped at 100) takes load in
-/// priority order, normalized by the total availability; degraded hosts take what healthy ones
-/// cannot. A level whose healthy plus degraded share is under the panic threshold balances across
-/// all its hosts. With no availability at all, priority 0 takes everything, in panic.
-fn load_buckets(hosts: &[Host], panic_threshold: f64) -> Vec<(u32, Eligible)> {
-    let mut levels: Vec<u32> = hosts.iter().map(|h| h.priority).collect();
-    levels.sort_unstable();
-    levels.dedup();
-    let Some(&first) = levels.first() else {
-        return Vec::new();
-    };
-    struct Level {
-        priority: u32,
-        health: f64,
-        degraded: f64,
-        panic: bool,
-    }
-    let stats: Vec<Level> = levels
-        .iter()
-        .map(|&p| {
-            let total = hosts.iter().filter(|h| h.priority == p).count() as f64;
-            let count = |want: Health| {
-                hosts
-                    .iter()
-                    .filter(|h| h.priority == p && h.health == want)
-                    .count() as f64
-            };
-            let (healthy, degraded) = (count(Health::Healthy), count(Health::Degraded));
-            Level {
-                priority: p,
-                health: (OVERPROVISIONING * 100.0 * healthy / total).min(100.0),
-                degraded: (OVERPROVISIONING * 100.0 * degraded / total).min(100.0),
-                panic: 100.0 * (healthy + degraded) / total < panic_threshold,
-            }
-        })
-        .collect();
-    let availability: f64 = stats
-        .iter()
-        .map(|l| l.health + l.degraded)
-        .sum::<f64>()
-        .min(100.0);
-    if availability <= 0.0 {
-        return vec![(10_000, eligible(hosts, |h| h.priority == first))];
-    }
-    let mut remaining = 100.0;
-    let mut shares: Vec<(u32, f64, bool)> = Vec::new();
-    for degraded in [false, true] {
-        for l in &stats {
-            let want = if degraded { l.degraded } else { l.health } * 100.0 / availability;
-            let share = want.min(remaining);
-            remaining -= share;
-            if share > 0.0 {
-                shares.push((l.priority, share, degraded));
-            }
-        }
-    }
-    shares
-        .into_iter()
-        .map(|(p, share, degraded)| {
-            let panic = stats.iter().any(|l| l.priority == p && l.panic);
-            let set = if panic {
-                eligible(hosts, |h| h.priority == p)
-            } else {
-                let want = if degraded {
-                    Health::Degraded
-                } else {
-                    Health::Healthy
-                };
-                eligible(hosts, |h| h.priority == p && h.health == want)
-            };
-            // Shares are percentages; keep two decimals of precision for the split.
-            ((share * 100.0).round() as u32, set)
-        })
-        .filter(|(share, set)| *share > 0 && !set.hosts.is_empty())
-        .collect()
 }
 
 impl ClusterDef {
@@ -370,13 +331,14 @@ impl ClusterDef {
                 return Err(err(format!("cluster_type '{}' is not supported", ct.name)))
             }
         };
+        let mut lb = LbOptions::default();
         let policy = match &c.load_balancing_policy {
             // Envoy uses the first policy in the list that it knows; so does Portico.
             Some(lbp) => lbp
                 .policies
                 .iter()
                 .filter_map(|p| p.typed_extension_config.as_ref()?.typed_config.as_ref())
-                .find_map(typed_policy)
+                .find_map(|any| typed_policy(any, &mut lb))
                 .ok_or_else(|| {
                     let names: Vec<&str> = lbp
                         .policies
@@ -390,8 +352,14 @@ impl ClusterDef {
                 })?
                 .map_err(|e| err(format!("load_balancing_policy: {e}")))?,
             None => match LbPolicy::try_from(c.lb_policy) {
-                Ok(LbPolicy::RoundRobin) => Policy::RoundRobin,
-                Ok(LbPolicy::LeastRequest) => Policy::LeastRequest,
+                Ok(LbPolicy::RoundRobin) => {
+                    lb = legacy_lb_options(c).map_err(err)?;
+                    Policy::RoundRobin
+                }
+                Ok(LbPolicy::LeastRequest) => {
+                    lb = legacy_lb_options(c).map_err(err)?;
+                    Policy::LeastRequest
+                }
                 Ok(LbPolicy::Random) => Policy::Random,
                 Ok(LbPolicy::RingHash) => legacy_ring_hash(c).map_err(err)?,
                 Ok(LbPolicy::Maglev) => legacy_maglev(c).map_err(err)?,
@@ -440,6 +408,8 @@ impl ClusterDef {
                 "common_lb_config.healthy_panic_threshold {panic_threshold} must be in [0, 100]"
             )));
         }
+        // Envoy rounds the percentage to a whole number.
+        let panic_threshold = panic_threshold.round() as u32;
         if kind == DiscoveryKind::Eds && c.eds_cluster_config.is_none() {
             return Err(err(
                 "cannot create an EDS cluster without an EDS config (eds_cluster_config)".into(),
@@ -458,9 +428,7 @@ impl ClusterDef {
                 load_assignment_spec(la, kind != DiscoveryKind::Static)
                     .map_err(|e| err(format!("load_assignment: {e}")))?,
             ),
-            (_, None) => Some(LoadAssignmentSpec {
-                endpoints: Vec::new(),
-            }),
+            (_, None) => Some(LoadAssignmentSpec::default()),
         };
         if kind == DiscoveryKind::LogicalDns {
             let one = c.load_assignment.as_ref().is_some_and(|la| {
@@ -555,6 +523,7 @@ impl ClusterDef {
             eds_name,
             connect_timeout,
             policy,
+            lb,
             panic_threshold,
             inline,
             http2,
@@ -565,17 +534,47 @@ impl ClusterDef {
 
 /// A typed load-balancing policy Portico implements, by its config type; `Some(Err)` when the
 /// policy is known but its config is invalid (Envoy rejects the cluster then).
-fn typed_policy(any: &envoy_types::pb::google::protobuf::Any) -> Option<Result<Policy, String>> {
-    use envoy_types::pb::envoy::extensions::load_balancing_policies::{maglev, ring_hash};
+fn typed_policy(
+    any: &envoy_types::pb::google::protobuf::Any,
+    lb: &mut LbOptions,
+) -> Option<Result<Policy, String>> {
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::{
+        least_request, maglev, ring_hash, round_robin,
+    };
     use prost::Message;
     let ok = |p| Some(Ok(p));
     match any.type_url.strip_prefix("type.googleapis.com/")? {
-        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin" => {
-            ok(Policy::RoundRobin)
-        }
-        "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest" => {
-            ok(Policy::LeastRequest)
-        }
+        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin" => Some(
+            round_robin::v3::RoundRobin::decode(any.value.as_slice())
+                .map_err(|e| format!("RoundRobin: {e}"))
+                .and_then(|r| {
+                    *lb = LbOptions {
+                        locality_weighted: typed_locality_weighted(r.locality_lb_config.as_ref()),
+                        slow_start: typed_slow_start(r.slow_start_config.as_ref())
+                            .map_err(|e| format!("RoundRobin.{e}"))?,
+                        ..LbOptions::default()
+                    };
+                    Ok(Policy::RoundRobin)
+                }),
+        ),
+        "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest" => Some(
+            least_request::v3::LeastRequest::decode(any.value.as_slice())
+                .map_err(|e| format!("LeastRequest: {e}"))
+                .and_then(|r| {
+                    *lb = LbOptions {
+                        locality_weighted: typed_locality_weighted(r.locality_lb_config.as_ref()),
+                        slow_start: typed_slow_start(r.slow_start_config.as_ref())
+                            .map_err(|e| format!("LeastRequest.{e}"))?,
+                        choice_count: choice_count(r.choice_count.as_ref())
+                            .map_err(|e| format!("LeastRequest.{e}"))?,
+                        active_request_bias: r
+                            .active_request_bias
+                            .as_ref()
+                            .map_or(1.0, |b| b.default_value),
+                    };
+                    Ok(Policy::LeastRequest)
+                }),
+        ),
         "envoy.extensions.load_balancing_policies.random.v3.Random" => ok(Policy::Random),
         "envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash" => Some(
             ring_hash::v3::RingHash::decode(any.value.as_slice())
@@ -589,6 +588,116 @@ fn typed_policy(any: &envoy_types::pb::google::protobuf::Any) -> Option<Result<P
         ),
         _ => None,
     }
+}
+
+fn typed_locality_weighted(
+    c: Option<
+        &envoy_types::pb::envoy::extensions::load_balancing_policies::common::v3::LocalityLbConfig,
+    >,
+) -> bool {
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::common::v3::locality_lb_config::LocalityConfigSpecifier as L;
+    matches!(
+        c.and_then(|c| c.locality_config_specifier.as_ref()),
+        Some(L::LocalityWeightedLbConfig(_))
+    )
+}
+
+fn typed_slow_start(
+    c: Option<
+        &envoy_types::pb::envoy::extensions::load_balancing_policies::common::v3::SlowStartConfig,
+    >,
+) -> Result<Option<crate::lb::SlowStart>, String> {
+    match c {
+        None => Ok(None),
+        Some(c) => slow_start(
+            c.slow_start_window.as_ref(),
+            c.aggression.as_ref().map(|a| a.default_value),
+            c.min_weight_percent.as_ref().map(|p| p.value),
+        ),
+    }
+}
+
+/// `slow_start_config`; a zero window turns it off, as in Envoy.
+fn slow_start(
+    window: Option<&envoy_types::pb::google::protobuf::Duration>,
+    aggression: Option<f64>,
+    min_weight_percent: Option<f64>,
+) -> Result<Option<crate::lb::SlowStart>, String> {
+    let window = match window {
+        Some(d) => duration(d).map_err(|e| format!("slow_start_config.slow_start_window: {e}"))?,
+        None => Duration::ZERO,
+    };
+    if window.is_zero() {
+        return Ok(None);
+    }
+    let min = min_weight_percent.unwrap_or(10.0);
+    if !(0.0..=100.0).contains(&min) {
+        return Err(format!(
+            "slow_start_config.min_weight_percent {min} must be in [0, 100]"
+        ));
+    }
+    // Envoy logs an invalid aggression and uses 1.0.
+    let aggression = aggression
+        .filter(|a| *a > 0.0 && a.is_finite())
+        .unwrap_or(1.0);
+    Ok(Some(crate::lb::SlowStart {
+        window,
+        aggression,
+        min_weight: min / 100.0,
+    }))
+}
+
+fn choice_count(v: Option<&envoy_types::pb::google::protobuf::UInt32Value>) -> Result<u32, String> {
+    match v.map(|v| v.value) {
+        None => Ok(2),
+        Some(n) if n < 2 => Err(format!(
+            "choice_count: value must be greater than or equal to 2, got {n}"
+        )),
+        Some(n) => Ok(n),
+    }
+}
+
+/// The legacy `lb_config` of round robin and least request, with `common_lb_config`'s
+/// locality setting.
+fn legacy_lb_options(c: &cpb::Cluster) -> Result<LbOptions, String> {
+    use cpb::cluster::common_lb_config::LocalityConfigSpecifier as L;
+    use cpb::cluster::LbConfig;
+    let mut lb = LbOptions {
+        locality_weighted: matches!(
+            c.common_lb_config
+                .as_ref()
+                .and_then(|l| l.locality_config_specifier.as_ref()),
+            Some(L::LocalityWeightedLbConfig(_))
+        ),
+        ..LbOptions::default()
+    };
+    let legacy = |s: &cpb::cluster::SlowStartConfig| {
+        slow_start(
+            s.slow_start_window.as_ref(),
+            s.aggression.as_ref().map(|a| a.default_value),
+            s.min_weight_percent.as_ref().map(|p| p.value),
+        )
+    };
+    match &c.lb_config {
+        Some(LbConfig::RoundRobinLbConfig(r)) => {
+            if let Some(s) = &r.slow_start_config {
+                lb.slow_start = legacy(s).map_err(|e| format!("round_robin_lb_config.{e}"))?;
+            }
+        }
+        Some(LbConfig::LeastRequestLbConfig(r)) => {
+            if let Some(s) = &r.slow_start_config {
+                lb.slow_start = legacy(s).map_err(|e| format!("least_request_lb_config.{e}"))?;
+            }
+            lb.choice_count = choice_count(r.choice_count.as_ref())
+                .map_err(|e| format!("least_request_lb_config.{e}"))?;
+            lb.active_request_bias = r
+                .active_request_bias
+                .as_ref()
+                .map_or(1.0, |b| b.default_value);
+        }
+        _ => {}
+    }
+    Ok(lb)
 }
 
 /// Envoy's proto limit for both ring sizes (2^23 entries).
@@ -813,7 +922,22 @@ fn load_assignment_spec(
     la: &epb::ClusterLoadAssignment,
     allow_hostnames: bool,
 ) -> Result<LoadAssignmentSpec, String> {
-    let mut endpoints = Vec::new();
+    let mut spec = LoadAssignmentSpec::default();
+    if let Some(p) = &la.policy {
+        if let Some(f) = &p.overprovisioning_factor {
+            if f.value == 0 {
+                return Err("policy.overprovisioning_factor must be greater than 0".into());
+            }
+            spec.policy.overprovisioning = f.value;
+        }
+        spec.policy.weighted_priority_health = p.weighted_priority_health;
+        if !p.drop_overloads.is_empty() {
+            return Err("policy.drop_overloads is not supported yet".into());
+        }
+    }
+    // Localities by (priority, region, zone, sub_zone): endpoints listed under the same one
+    // share its weight.
+    let mut localities: Vec<(u32, &str, &str, &str)> = Vec::new();
     for (li, loc) in la.endpoints.iter().enumerate() {
         if loc.priority > 128 {
             return Err(format!(
@@ -830,6 +954,24 @@ fn load_assignment_spec(
                 "endpoints[{li}].load_balancing_weight must be at least 1"
             ));
         }
+        let key = loc.locality.as_ref().map_or(("", "", ""), |l| {
+            (l.region.as_str(), l.zone.as_str(), l.sub_zone.as_str())
+        });
+        let key = (loc.priority, key.0, key.1, key.2);
+        let weight = loc.load_balancing_weight.as_ref().map(|w| w.value);
+        let locality = match localities.iter().position(|k| *k == key) {
+            Some(i) => {
+                if weight.is_some() {
+                    spec.locality_weights[i] = weight;
+                }
+                i
+            }
+            None => {
+                localities.push(key);
+                spec.locality_weights.push(weight);
+                localities.len() - 1
+            }
+        } as u32;
         for (ei, lb) in loc.lb_endpoints.iter().enumerate() {
             let at = format!("endpoints[{li}].lb_endpoints[{ei}]");
             let ep = match &lb.host_identifier {
@@ -849,10 +991,19 @@ fn load_assignment_spec(
             if weight == 0 {
                 return Err(format!("{at}.load_balancing_weight must be at least 1"));
             }
-            endpoints.push((host, port, weight, health(lb.health_status), loc.priority));
+            let hostname = (!ep.hostname.is_empty()).then(|| Arc::from(ep.hostname.as_str()));
+            spec.endpoints.push(SpecEndpoint {
+                host,
+                port,
+                weight,
+                health: health(lb.health_status),
+                priority: loc.priority,
+                locality,
+                hostname,
+            });
         }
     }
-    Ok(LoadAssignmentSpec { endpoints })
+    Ok(spec)
 }
 
 impl LoadAssignment {
@@ -869,6 +1020,17 @@ impl LoadAssignment {
         Ok(LoadAssignment::from_resolved(&spec, |h| h.parse().ok()))
     }
 
+    fn host(e: &SpecEndpoint, ip: std::net::IpAddr, hostname: Option<Arc<str>>) -> Host {
+        Host {
+            addr: SocketAddr::new(ip, e.port),
+            weight: e.weight,
+            health: e.health,
+            priority: e.priority,
+            locality: e.locality,
+            hostname,
+        }
+    }
+
     /// Builds the host list, resolving each endpoint's host with `resolve` (skipping failures).
     pub fn from_resolved(
         spec: &LoadAssignmentSpec,
@@ -877,58 +1039,47 @@ impl LoadAssignment {
         let hosts = spec
             .endpoints
             .iter()
-            .filter_map(|(h, port, weight, health, priority)| {
-                Some(Host {
-                    addr: SocketAddr::new(resolve(h)?, *port),
-                    weight: *weight,
-                    health: *health,
-                    priority: *priority,
-                })
-            })
+            .filter_map(|e| Some(Self::host(e, resolve(&e.host)?, e.hostname.clone())))
             .collect();
-        LoadAssignment { hosts }
+        LoadAssignment {
+            hosts,
+            locality_weights: spec.locality_weights.clone(),
+            policy: spec.policy,
+        }
     }
 
-    /// Builds the host list of a DNS cluster: every address a name resolved to is a host.
+    /// Builds the host list of a DNS cluster: every address a name resolved to is a host,
+    /// named (for `auto_host_rewrite`) by the endpoint's hostname or else the name resolved.
     pub fn from_dns(
         spec: &LoadAssignmentSpec,
         resolved: &std::collections::BTreeMap<String, Vec<std::net::IpAddr>>,
     ) -> LoadAssignment {
         let mut hosts = Vec::new();
-        for (h, port, weight, health, priority) in &spec.endpoints {
-            let ips: Vec<std::net::IpAddr> = match h.parse() {
-                Ok(ip) => vec![ip],
-                Err(_) => resolved.get(h).cloned().unwrap_or_default(),
+        for e in &spec.endpoints {
+            let (ips, name): (Vec<std::net::IpAddr>, _) = match e.host.parse() {
+                Ok(ip) => (vec![ip], e.hostname.clone()),
+                Err(_) => (
+                    resolved.get(&e.host).cloned().unwrap_or_default(),
+                    e.hostname
+                        .clone()
+                        .or_else(|| Some(Arc::from(e.host.as_str()))),
+                ),
             };
             for ip in ips {
-                hosts.push(Host {
-                    addr: SocketAddr::new(ip, *port),
-                    weight: *weight,
-                    health: *health,
-                    priority: *priority,
-                });
+                hosts.push(Self::host(e, ip, name.clone()));
             }
         }
-        LoadAssignment { hosts }
+        LoadAssignment {
+            hosts,
+            locality_weights: spec.locality_weights.clone(),
+            policy: spec.policy,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn host(port: u16, health: Health, priority: u32) -> Host {
-        Host {
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            weight: 1,
-            health,
-            priority,
-        }
-    }
-
-    fn hosts_of(buckets: &[(u32, Eligible)]) -> Vec<(u32, Vec<usize>)> {
-        buckets.iter().map(|(s, e)| (*s, e.hosts.clone())).collect()
-    }
 
     #[test]
     fn dns_family_keeps_the_wanted_addresses() {
@@ -951,9 +1102,26 @@ mod tests {
     fn strict_dns_makes_every_address_a_host() {
         let spec = LoadAssignmentSpec {
             endpoints: vec![
-                ("svc.local".into(), 80, 2, Health::Healthy, 0),
-                ("10.0.0.9".into(), 81, 1, Health::Healthy, 0),
+                SpecEndpoint {
+                    host: "svc.local".into(),
+                    port: 80,
+                    weight: 2,
+                    health: Health::Healthy,
+                    priority: 0,
+                    locality: 0,
+                    hostname: None,
+                },
+                SpecEndpoint {
+                    host: "10.0.0.9".into(),
+                    port: 81,
+                    weight: 1,
+                    health: Health::Healthy,
+                    priority: 0,
+                    locality: 0,
+                    hostname: None,
+                },
             ],
+            ..Default::default()
         };
         let mut resolved = std::collections::BTreeMap::new();
         resolved.insert(
@@ -964,73 +1132,9 @@ mod tests {
         let addrs: Vec<String> = la.hosts.iter().map(|h| h.addr.to_string()).collect();
         assert_eq!(addrs, vec!["10.0.0.1:80", "10.0.0.2:80", "10.0.0.9:81"]);
         assert!(la.hosts[..2].iter().all(|h| h.weight == 2));
-    }
-
-    #[test]
-    fn unhealthy_hosts_are_skipped_above_panic_threshold() {
-        let hosts = [
-            host(1, Health::Healthy, 0),
-            host(2, Health::Healthy, 0),
-            host(3, Health::Unhealthy, 0),
-        ];
-        assert_eq!(
-            hosts_of(&load_buckets(&hosts, 50.0)),
-            vec![(10000, vec![0, 1])]
-        );
-    }
-
-    #[test]
-    fn panic_mode_uses_every_host() {
-        let hosts = [
-            host(1, Health::Healthy, 0),
-            host(2, Health::Unhealthy, 0),
-            host(3, Health::Unhealthy, 0),
-        ];
-        assert_eq!(
-            hosts_of(&load_buckets(&hosts, 50.0)),
-            vec![(10000, vec![0, 1, 2])]
-        );
-        assert_eq!(hosts_of(&load_buckets(&hosts, 0.0)), vec![(10000, vec![0])]);
-        let none = [host(1, Health::Unhealthy, 0), host(2, Health::Unhealthy, 1)];
-        assert_eq!(hosts_of(&load_buckets(&none, 50.0)), vec![(10000, vec![0])]);
-    }
-
-    #[test]
-    fn lower_priority_takes_the_load_p0_cannot() {
-        let hosts = [host(1, Health::Unhealthy, 0), host(2, Health::Healthy, 1)];
-        assert_eq!(
-            hosts_of(&load_buckets(&hosts, 50.0)),
-            vec![(10000, vec![1])]
-        );
-        // P0 at 50% health: 1.4 x 50 = 70% stays on P0, 30% spills to P1.
-        let half = [
-            host(1, Health::Healthy, 0),
-            host(2, Health::Unhealthy, 0),
-            host(3, Health::Healthy, 1),
-        ];
-        assert_eq!(
-            hosts_of(&load_buckets(&half, 0.0)),
-            vec![(7000, vec![0]), (3000, vec![2])]
-        );
-    }
-
-    #[test]
-    fn degraded_hosts_take_what_healthy_ones_cannot() {
-        let hosts = [host(1, Health::Healthy, 0), host(2, Health::Degraded, 0)];
-        assert_eq!(
-            hosts_of(&load_buckets(&hosts, 50.0)),
-            vec![(7000, vec![0]), (3000, vec![1])]
-        );
-        let mostly = [
-            host(1, Health::Healthy, 0),
-            host(2, Health::Healthy, 0),
-            host(3, Health::Healthy, 0),
-            host(4, Health::Degraded, 0),
-        ];
-        assert_eq!(
-            hosts_of(&load_buckets(&mostly, 50.0)),
-            vec![(10000, vec![0, 1, 2])]
-        );
+        // auto_host_rewrite names a DNS host by the name it was resolved from.
+        assert_eq!(la.hosts[0].hostname.as_deref(), Some("svc.local"));
+        assert_eq!(la.hosts[2].hostname, None);
     }
 }
 #[cfg(test)]

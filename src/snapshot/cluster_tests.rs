@@ -130,8 +130,9 @@ fn defaults() {
             eds_name: "c".into(),
             connect_timeout: Duration::from_secs(5),
             policy: Policy::RoundRobin,
-            panic_threshold: 50.0,
-            inline: Some(LoadAssignmentSpec { endpoints: vec![] }),
+            panic_threshold: 50,
+            lb: Default::default(),
+            inline: Some(LoadAssignmentSpec::default()),
             http2: false,
             h2_max_streams: i32::MAX as u32,
             max_retries: 3,
@@ -565,8 +566,11 @@ mod consistent_hashing {
                     weight: 1,
                     health: Health::Healthy,
                     priority: 0,
+                    locality: 0,
+                    hostname: None,
                 })
                 .collect(),
+            ..Default::default()
         })
     }
 
@@ -635,8 +639,11 @@ mod consistent_hashing {
                 weight: 1,
                 health: *health,
                 priority: *priority,
+                locality: 0,
+                hostname: None,
             })
             .collect(),
+            ..Default::default()
         });
         let def = Arc::new(ok(&with(LbPolicy::Maglev, None)));
         let c = Cluster::new(def, la, Default::default());
@@ -668,8 +675,11 @@ mod consistent_hashing {
                     weight: 1 + 3 * u32::from(i),
                     health: Health::Healthy,
                     priority: 0,
+                    locality: 0,
+                    hostname: None,
                 })
                 .collect(),
+            ..Default::default()
         });
         for p in [LbPolicy::RingHash, LbPolicy::Maglev] {
             let c = built(p, la.clone());
@@ -780,15 +790,16 @@ fn panic_threshold() {
     c.common_lb_config = Some(CommonLbConfig::default());
     assert_eq!(
         ok(&c).panic_threshold,
-        50.0,
+        50,
         "unset healthy_panic_threshold means 50%"
     );
-    for v in [0.0, 12.5, 100.0] {
+    // Envoy rounds it to a whole percent.
+    for (v, want) in [(0.0, 0), (12.5, 13), (12.4, 12), (100.0, 100)] {
         c.common_lb_config = Some(CommonLbConfig {
             healthy_panic_threshold: Some(Percent { value: v }),
             ..Default::default()
         });
-        assert_eq!(ok(&c).panic_threshold, v);
+        assert_eq!(ok(&c).panic_threshold, want);
     }
     for v in [-0.1, 100.5, f64::NAN] {
         c.common_lb_config = Some(CommonLbConfig {
@@ -976,12 +987,19 @@ fn static_load_assignment() {
             ],
         ),
     );
+    let got: Vec<(String, u16, u32, Health, u32, u32)> = ok(&c)
+        .inline
+        .unwrap()
+        .endpoints
+        .into_iter()
+        .map(|e| (e.host, e.port, e.weight, e.health, e.priority, e.locality))
+        .collect();
     assert_eq!(
-        ok(&c).inline.unwrap().endpoints,
+        got,
         vec![
-            ("10.0.0.1".to_string(), 80, 1, Health::Healthy, 0),
-            ("10.0.0.2".to_string(), 8080, 7, Health::Degraded, 0),
-            ("::1".to_string(), 9000, 1, Health::Healthy, 1),
+            ("10.0.0.1".to_string(), 80, 1, Health::Healthy, 0, 0),
+            ("10.0.0.2".to_string(), 8080, 7, Health::Degraded, 0, 0),
+            ("::1".to_string(), 9000, 1, Health::Healthy, 1, 1),
         ]
     );
 }
@@ -1012,7 +1030,7 @@ fn dns_clusters_accept_hostnames() {
                 vec![locality(0, vec![lb_endpoint("backend.local", 80)])],
             ),
         );
-        assert_eq!(ok(&c).inline.unwrap().endpoints[0].0, "backend.local");
+        assert_eq!(ok(&c).inline.unwrap().endpoints[0].host, "backend.local");
     }
 }
 
@@ -1165,11 +1183,21 @@ fn empty_eds_load_assignment_has_no_hosts() {
 
 #[test]
 fn from_resolved_skips_unresolvable_hosts() {
+    let ep = |host: &str, port, weight, health, priority| SpecEndpoint {
+        host: host.into(),
+        port,
+        weight,
+        health,
+        priority,
+        locality: 0,
+        hostname: None,
+    };
     let spec = LoadAssignmentSpec {
         endpoints: vec![
-            ("a.local".into(), 80, 2, Health::Healthy, 0),
-            ("b.local".into(), 81, 1, Health::Unhealthy, 1),
+            ep("a.local", 80, 2, Health::Healthy, 0),
+            ep("b.local", 81, 1, Health::Unhealthy, 1),
         ],
+        ..Default::default()
     };
     let la = LoadAssignment::from_resolved(&spec, |h| {
         (h == "b.local").then(|| "10.9.9.9".parse().unwrap())
@@ -1197,4 +1225,290 @@ fn cluster_counts_healthy_hosts() {
     assert_eq!(c.healthy_count(), 1);
     assert_eq!(c.active.len(), 2);
     assert_eq!(c.pick().map(|(i, a)| (i, a.port())), Some((0, 80)));
+}
+
+mod lb_options_tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::RuntimeDouble;
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::common::v3 as common;
+    use envoy_types::pb::envoy::extensions::load_balancing_policies::{
+        least_request::v3::LeastRequest, round_robin::v3::RoundRobin,
+    };
+
+    fn typed(any: Any) -> cpb::Cluster {
+        let mut c = cluster("c");
+        c.load_balancing_policy = Some(cpb::LoadBalancingPolicy {
+            policies: vec![cpb::load_balancing_policy::Policy {
+                typed_extension_config: Some(corepb::TypedExtensionConfig {
+                    name: "p".into(),
+                    typed_config: Some(any),
+                }),
+            }],
+        });
+        c
+    }
+
+    fn pack<M: Message + prost::Name>(m: &M) -> Any {
+        Any {
+            type_url: M::type_url(),
+            value: m.encode_to_vec(),
+        }
+    }
+
+    fn weighted_locality() -> Option<common::LocalityLbConfig> {
+        Some(common::LocalityLbConfig {
+            locality_config_specifier: Some(
+                common::locality_lb_config::LocalityConfigSpecifier::LocalityWeightedLbConfig(
+                    Default::default(),
+                ),
+            ),
+        })
+    }
+
+    fn window(secs: i64) -> Option<PbDuration> {
+        Some(PbDuration {
+            seconds: secs,
+            nanos: 0,
+        })
+    }
+
+    #[test]
+    fn typed_round_robin_reads_locality_and_slow_start() {
+        // As Envoy Gateway renders it.
+        let c = typed(pack(&RoundRobin {
+            locality_lb_config: weighted_locality(),
+            slow_start_config: Some(common::SlowStartConfig {
+                slow_start_window: window(300),
+                ..Default::default()
+            }),
+        }));
+        let def = ok(&c);
+        assert_eq!(def.policy, Policy::RoundRobin);
+        assert!(def.lb.locality_weighted);
+        assert_eq!(
+            def.lb.slow_start,
+            Some(crate::lb::SlowStart {
+                window: std::time::Duration::from_secs(300),
+                aggression: 1.0,
+                min_weight: 0.1,
+            })
+        );
+    }
+
+    #[test]
+    fn typed_least_request_reads_choice_count_bias_and_slow_start() {
+        let c = typed(pack(&LeastRequest {
+            choice_count: Some(UInt32Value { value: 5 }),
+            active_request_bias: Some(RuntimeDouble {
+                default_value: 0.5,
+                runtime_key: "k".into(),
+            }),
+            slow_start_config: Some(common::SlowStartConfig {
+                slow_start_window: window(60),
+                aggression: Some(RuntimeDouble {
+                    default_value: 2.0,
+                    runtime_key: "a".into(),
+                }),
+                min_weight_percent: Some(Percent { value: 25.0 }),
+            }),
+            ..Default::default()
+        }));
+        let lb = ok(&c).lb;
+        assert_eq!(lb.choice_count, 5);
+        assert_eq!(lb.active_request_bias, 0.5);
+        assert!(!lb.locality_weighted);
+        let s = lb.slow_start.expect("slow start");
+        assert_eq!((s.aggression, s.min_weight), (2.0, 0.25));
+
+        let c = typed(pack(&LeastRequest {
+            choice_count: Some(UInt32Value { value: 1 }),
+            ..Default::default()
+        }));
+        rejected(
+            &c,
+            "LeastRequest.choice_count: value must be greater than or equal to 2, got 1",
+        );
+        // A zero window is no slow start; a bad aggression falls back to 1.0, as in Envoy.
+        let c = typed(pack(&RoundRobin {
+            slow_start_config: Some(common::SlowStartConfig {
+                slow_start_window: window(0),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }));
+        assert_eq!(ok(&c).lb.slow_start, None);
+        let c = typed(pack(&RoundRobin {
+            slow_start_config: Some(common::SlowStartConfig {
+                slow_start_window: window(10),
+                aggression: Some(RuntimeDouble {
+                    default_value: -1.0,
+                    runtime_key: "a".into(),
+                }),
+                min_weight_percent: None,
+            }),
+            ..Default::default()
+        }));
+        assert_eq!(ok(&c).lb.slow_start.map(|s| s.aggression), Some(1.0));
+    }
+
+    #[test]
+    fn legacy_lb_config_and_common_locality_setting() {
+        use cpb::cluster::common_lb_config::LocalityConfigSpecifier as L;
+        let mut c = cluster("c");
+        c.lb_policy = cpb::cluster::LbPolicy::LeastRequest as i32;
+        c.common_lb_config = Some(CommonLbConfig {
+            locality_config_specifier: Some(L::LocalityWeightedLbConfig(Default::default())),
+            ..Default::default()
+        });
+        c.lb_config = Some(cpb::cluster::LbConfig::LeastRequestLbConfig(
+            cpb::cluster::LeastRequestLbConfig {
+                choice_count: Some(UInt32Value { value: 3 }),
+                slow_start_config: Some(cpb::cluster::SlowStartConfig {
+                    slow_start_window: window(30),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ));
+        let lb = ok(&c).lb;
+        assert!(lb.locality_weighted);
+        assert_eq!(lb.choice_count, 3);
+        assert_eq!(
+            lb.slow_start.map(|s| s.window),
+            Some(std::time::Duration::from_secs(30))
+        );
+        c.lb_config = Some(cpb::cluster::LbConfig::RoundRobinLbConfig(
+            cpb::cluster::RoundRobinLbConfig {
+                slow_start_config: Some(cpb::cluster::SlowStartConfig {
+                    slow_start_window: window(5),
+                    min_weight_percent: Some(Percent { value: 150.0 }),
+                    ..Default::default()
+                }),
+            },
+        ));
+        c.lb_policy = cpb::cluster::LbPolicy::RoundRobin as i32;
+        rejected(
+            &c,
+            "round_robin_lb_config.slow_start_config.min_weight_percent 150 must be in [0, 100]",
+        );
+    }
+
+    #[test]
+    fn endpoints_keep_localities_hostnames_and_the_policy() {
+        let mut a = locality(0, vec![lb_endpoint("10.0.0.1", 80)]);
+        a.locality = Some(corepb::Locality {
+            region: "r".into(),
+            zone: "a".into(),
+            ..Default::default()
+        });
+        a.load_balancing_weight = Some(UInt32Value { value: 3 });
+        let mut named = lb_endpoint("10.0.0.2", 80);
+        if let Some(epb::lb_endpoint::HostIdentifier::Endpoint(e)) = &mut named.host_identifier {
+            e.hostname = "pod-b.example".into();
+        }
+        let mut b = locality(0, vec![named]);
+        b.locality = Some(corepb::Locality {
+            region: "r".into(),
+            zone: "b".into(),
+            ..Default::default()
+        });
+        // The same locality again at the same priority joins the first.
+        let mut a2 = locality(0, vec![lb_endpoint("10.0.0.3", 80)]);
+        a2.locality = a.locality.clone();
+        let mut assignment = cla("c", vec![a, b, a2]);
+        assignment.policy = Some(epb::cluster_load_assignment::Policy {
+            overprovisioning_factor: Some(UInt32Value { value: 100 }),
+            weighted_priority_health: true,
+            ..Default::default()
+        });
+        let la = LoadAssignment::translate(&assignment).expect("valid");
+        let locs: Vec<u32> = la.hosts.iter().map(|h| h.locality).collect();
+        assert_eq!(locs, vec![0, 1, 0]);
+        assert_eq!(la.locality_weights, vec![Some(3), None]);
+        assert_eq!(la.hosts[1].hostname.as_deref(), Some("pod-b.example"));
+        assert_eq!(la.hosts[0].hostname, None);
+        assert_eq!(
+            la.policy,
+            crate::snapshot::load::LoadPolicy {
+                overprovisioning: 100,
+                weighted_priority_health: true
+            }
+        );
+        assignment.policy = Some(epb::cluster_load_assignment::Policy {
+            overprovisioning_factor: Some(UInt32Value { value: 0 }),
+            ..Default::default()
+        });
+        let e = LoadAssignment::translate(&assignment).expect_err("zero factor");
+        assert!(
+            e.to_string()
+                .contains("policy.overprovisioning_factor must be greater than 0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn locality_weighted_clusters_pick_localities_by_weight() {
+        let mut a = locality(0, vec![lb_endpoint("10.0.0.1", 80)]);
+        a.locality = Some(corepb::Locality {
+            zone: "a".into(),
+            ..Default::default()
+        });
+        a.load_balancing_weight = Some(UInt32Value { value: 1 });
+        let mut b = locality(0, vec![lb_endpoint("10.0.0.2", 80)]);
+        b.locality = Some(corepb::Locality {
+            zone: "b".into(),
+            ..Default::default()
+        });
+        b.load_balancing_weight = Some(UInt32Value { value: 4 });
+        let la = LoadAssignment::translate(&cla("c", vec![a, b])).expect("valid");
+        let mut c = cluster("c");
+        c.common_lb_config = Some(CommonLbConfig {
+            locality_config_specifier: Some(
+                cpb::cluster::common_lb_config::LocalityConfigSpecifier::LocalityWeightedLbConfig(
+                    Default::default(),
+                ),
+            ),
+            ..Default::default()
+        });
+        let built = Cluster::new(Arc::new(ok(&c)), Arc::new(la), Default::default());
+        let b_count = (0..500)
+            .filter(|_| built.pick().map(|(i, _)| i) == Some(1))
+            .count();
+        assert_eq!(b_count, 400, "weights 1:4 as a round robin over localities");
+        // Without the locality setting the two hosts alternate.
+        let la = built.endpoints.clone();
+        let plain = Cluster::new(Arc::new(ok(&cluster("c"))), la, Default::default());
+        let b_count = (0..500)
+            .filter(|_| plain.pick().map(|(i, _)| i) == Some(1))
+            .count();
+        assert_eq!(b_count, 250);
+    }
+
+    #[test]
+    fn picks_in_a_panicking_level_are_counted() {
+        let mut unhealthy = lb_endpoint("10.0.0.2", 80);
+        unhealthy.health_status = corepb::HealthStatus::Unhealthy as i32;
+        let la = LoadAssignment::translate(&cla(
+            "c",
+            vec![locality(
+                0,
+                vec![lb_endpoint("10.0.0.1", 80), unhealthy.clone(), unhealthy],
+            )],
+        ))
+        .expect("valid");
+        let c = Cluster::new(
+            Arc::new(ok(&cluster("c"))),
+            Arc::new(la),
+            Default::default(),
+        );
+        for _ in 0..10 {
+            c.pick();
+        }
+        assert_eq!(
+            c.stats
+                .lb_healthy_panic
+                .load(std::sync::atomic::Ordering::Relaxed),
+            10
+        );
+    }
 }

@@ -8,6 +8,7 @@ pub mod cors;
 pub mod fault;
 pub mod headers;
 pub mod listener;
+pub mod load;
 pub mod outlier;
 pub mod ratelimit;
 pub mod retry;

@@ -173,7 +173,13 @@ pub struct Forward {
     pub timeouts: StreamTimeouts,
     pub prefix_rewrite: Option<String>,
     pub regex_rewrite: Option<RegexRewrite>,
+    /// `host_rewrite_literal`.
     pub host_rewrite: Option<String>,
+    /// The other host rewrites, which depend on the request or the chosen host.
+    pub host_rewrite_from: Option<Box<HostRewrite>>,
+    /// `append_x_forwarded_host`: a host rewrite appends the original host to
+    /// `x-forwarded-host`.
+    pub append_x_forwarded_host: bool,
     /// What ring hash and Maglev clusters hash; other balancers ignore it.
     pub hash_policy: Vec<crate::lb::hash_policy::HashPolicy>,
     pub retry: Option<Arc<RetryPolicy>>,
@@ -184,6 +190,17 @@ pub struct Forward {
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
+}
+
+/// Where a host rewrite takes the new Host from, besides a literal.
+#[derive(Debug)]
+pub enum HostRewrite {
+    /// `auto_host_rewrite`: the chosen endpoint's hostname (DNS name or EDS `hostname`).
+    Auto,
+    /// `host_rewrite_header`: that request header's value, when it is not empty.
+    Header(http::HeaderName),
+    /// `host_rewrite_path_regex`: a substitution on the path without its query.
+    PathRegex(RegexRewrite),
 }
 
 /// A route's timeouts besides `timeout`, as Envoy reads them.
@@ -1038,6 +1055,18 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         Some(HR::HostRewriteLiteral(h)) => Some(h.clone()),
         _ => None,
     };
+    let host_rewrite_from = match &ra.host_rewrite_specifier {
+        Some(HR::AutoHostRewrite(b)) if b.value => Some(HostRewrite::Auto),
+        Some(HR::HostRewriteHeader(h)) => Some(HostRewrite::Header(
+            http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|_| format!("host_rewrite_header: invalid header name '{h}'"))?,
+        )),
+        Some(HR::HostRewritePathRegex(m)) => Some(HostRewrite::PathRegex(
+            RegexRewrite::translate(m).map_err(|e| format!("host_rewrite_path_regex: {e}"))?,
+        )),
+        _ => None,
+    }
+    .map(Box::new);
     let timeout = match &ra.timeout {
         None => Some(std::time::Duration::from_secs(15)),
         Some(d) => {
@@ -1077,6 +1106,8 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         regex_rewrite,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,
+        host_rewrite_from,
+        append_x_forwarded_host: ra.append_x_forwarded_host,
         retry,
         attempt_count_to_upstream: vh.attempt_count_to_upstream,
         attempt_count_to_client: vh.attempt_count_to_client,

@@ -1034,6 +1034,58 @@ fn forward_action_translates() {
     };
     assert_eq!(f.prefix_rewrite, None);
     assert_eq!(f.host_rewrite, None);
+    assert!(f.host_rewrite_from.is_none());
+}
+
+#[test]
+fn host_rewrites_from_the_endpoint_a_header_or_the_path() {
+    use rpb::route_action::HostRewriteSpecifier as HR;
+    let with = |spec: HR| {
+        rpb::route::Action::Route(rpb::RouteAction {
+            cluster_specifier: Some(CS::Cluster("backend".into())),
+            host_rewrite_specifier: Some(spec),
+            append_x_forwarded_host: true,
+            ..Default::default()
+        })
+    };
+    let forward = |spec: HR| match translate_one(route(prefix("/"), with(spec))).action {
+        Action::Forward(f) => f,
+        _ => panic!("not a forward"),
+    };
+    let f = forward(HR::AutoHostRewrite(
+        envoy_types::pb::google::protobuf::BoolValue { value: true },
+    ));
+    assert!(matches!(
+        f.host_rewrite_from.as_deref(),
+        Some(HostRewrite::Auto)
+    ));
+    assert!(f.append_x_forwarded_host);
+    let f = forward(HR::AutoHostRewrite(
+        envoy_types::pb::google::protobuf::BoolValue { value: false },
+    ));
+    assert!(f.host_rewrite_from.is_none());
+    let f = forward(HR::HostRewriteHeader("x-target".into()));
+    assert!(
+        matches!(f.host_rewrite_from.as_deref(), Some(HostRewrite::Header(h)) if h == "x-target")
+    );
+    let f = forward(HR::HostRewritePathRegex(mpb::RegexMatchAndSubstitute {
+        pattern: Some(mpb::RegexMatcher {
+            regex: "^/([^/]+)/.*$".into(),
+            ..Default::default()
+        }),
+        substitution: "\\1.svc".into(),
+    }));
+    let Some(HostRewrite::PathRegex(rr)) = f.host_rewrite_from.as_deref() else {
+        panic!("no path regex");
+    };
+    assert_eq!(rr.apply("/api/v1"), "api.svc");
+    assert_route_rejected(
+        route(
+            prefix("/"),
+            with(HR::HostRewriteHeader("bad header".into())),
+        ),
+        "host_rewrite_header: invalid header name 'bad header'",
+    );
 }
 
 #[test]

@@ -103,11 +103,12 @@ async fn resolve(def: &ClusterDef) -> LoadAssignment {
         return LoadAssignment::default();
     };
     let mut resolved = BTreeMap::new();
-    for (host, port, ..) in &spec.endpoints {
+    for e in &spec.endpoints {
+        let host = &e.host;
         if host.parse::<std::net::IpAddr>().is_ok() || resolved.contains_key(host) {
             continue;
         }
-        match tokio::net::lookup_host((host.as_str(), *port)).await {
+        match tokio::net::lookup_host((host.as_str(), e.port)).await {
             Ok(it) => {
                 let all: Vec<std::net::IpAddr> = it.map(|a| a.ip()).collect();
                 let mut ips = def.dns_family.filter(&all);

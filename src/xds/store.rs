@@ -418,7 +418,7 @@ impl Store {
             let literal = spec
                 .endpoints
                 .iter()
-                .all(|e| e.0.parse::<std::net::IpAddr>().is_ok());
+                .all(|e| e.host.parse::<std::net::IpAddr>().is_ok());
             if literal {
                 // Keep the previous Arc when the endpoints are the same, so the cluster is reused.
                 let la = match self.resolved.get(name) {
@@ -547,18 +547,18 @@ impl Store {
 }
 
 fn same_hosts(la: &LoadAssignment, spec: &crate::snapshot::cluster::LoadAssignmentSpec) -> bool {
-    la.hosts.len() == spec.endpoints.len()
-        && la
-            .hosts
-            .iter()
-            .zip(&spec.endpoints)
-            .all(|(h, (host, port, w, health, prio))| {
-                h.addr.ip().to_string() == *host
-                    && h.addr.port() == *port
-                    && h.weight == *w
-                    && h.health == *health
-                    && h.priority == *prio
-            })
+    la.locality_weights == spec.locality_weights
+        && la.policy == spec.policy
+        && la.hosts.len() == spec.endpoints.len()
+        && la.hosts.iter().zip(&spec.endpoints).all(|(h, e)| {
+            h.addr.ip().to_string() == e.host
+                && h.addr.port() == e.port
+                && h.weight == e.weight
+                && h.health == e.health
+                && h.priority == e.priority
+                && h.locality == e.locality
+                && h.hostname == e.hostname
+        })
 }
 
 fn static_item<P: prost::Message + prost::Name + Default, T>(

@@ -1708,6 +1708,7 @@ async fn echo_accept_loop(listener: tokio::net::TcpListener, name: String) {
                             ("host", "x-echo-host"),
                             ("content-length", "x-echo-content-length"),
                             ("transfer-encoding", "x-echo-transfer-encoding"),
+                            ("x-forwarded-host", "x-echo-forwarded-host"),
                         ] {
                             if let Some(v) = parts.headers.get(from) {
                                 resp = resp.header(to, v.clone());
