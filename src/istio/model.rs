@@ -485,6 +485,9 @@ pub struct LoadBalancer {
     pub simple: Option<String>,
     #[serde(default)]
     pub consistent_hash: Option<ConsistentHash>,
+    /// Slow start for round robin and least request (a duration such as `60s`).
+    #[serde(default)]
+    pub warmup_duration_secs: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]

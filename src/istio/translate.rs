@@ -799,6 +799,25 @@ impl Ctx<'_> {
             }
         }
         c.insert("connect_timeout".into(), json!(connect_timeout));
+        // istiod renders warmup as slow start for the two policies that have it.
+        if let Some(w) = policy
+            .load_balancer
+            .as_ref()
+            .and_then(|lb| lb.warmup_duration_secs.as_ref())
+        {
+            let window = duration(w)
+                .map_err(|e| format!("trafficPolicy.loadBalancer.warmupDurationSecs: {e}"))?;
+            let slow = json!({"slow_start_config": {"slow_start_window": window}});
+            match lb_policy {
+                None => {
+                    c.insert("round_robin_lb_config".into(), slow);
+                }
+                Some("LEAST_REQUEST") => {
+                    c.insert("least_request_lb_config".into(), slow);
+                }
+                Some(_) => {}
+            }
+        }
         if let Some(p) = lb_policy {
             c.insert("lb_policy".into(), json!(p));
         }
