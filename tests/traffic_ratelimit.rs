@@ -150,4 +150,26 @@ async fn buckets_limit_the_listener_and_routes_override_them() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     assert!((1..=12).contains(&reset), "{reset}");
+    // Envoy's counters, shared by the three configs' stat prefix: the listener bucket let
+    // 5 through and limited 3; /tight let 2 through and limited 1; /shadow let 1 through and
+    // limited 2 without enforcing.
+    let stats = mesh.gw.prometheus().await;
+    let counter = |stat: &str| {
+        prom_value(
+            &stats,
+            &format!("envoy_http_local_rate_limit_{stat}"),
+            "envoy_local_http_ratelimit_prefix",
+            "rl",
+        )
+    };
+    assert_eq!(
+        (
+            counter("enabled"),
+            counter("ok"),
+            counter("rate_limited"),
+            counter("enforced")
+        ),
+        (14.0, 8.0, 6.0, 4.0),
+        "{stats}"
+    );
 }

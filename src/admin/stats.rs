@@ -424,6 +424,23 @@ impl Stats {
                 );
             }
         }
+        for (prefix, s) in crate::snapshot::ratelimit::all_stats() {
+            for (stat, v) in [
+                ("enabled", &s.enabled),
+                ("enforced", &s.enforced),
+                ("ok", &s.ok),
+                ("rate_limited", &s.rate_limited),
+                ("shadow_mode", &AtomicU64::new(0)),
+            ] {
+                let (metric, tag) = tagged("http_local_rate_limit", &prefix, stat);
+                f.add(
+                    "counter",
+                    metric,
+                    format!("envoy_local_http_ratelimit_prefix=\"{}\"", esc(tag)),
+                    v.load(Relaxed),
+                );
+            }
+        }
         let mut out = f.finish();
         let mut buf = Vec::new();
         if TextEncoder::new()

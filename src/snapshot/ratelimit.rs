@@ -16,9 +16,39 @@ use prost::Message;
 pub const TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit";
 
+/// Envoy's `<stat_prefix>.http_local_rate_limit.*` counters. Configs with the same prefix
+/// share them, as Envoy's stats share a name.
+#[derive(Debug, Default)]
+pub struct RateLimitStats {
+    pub enabled: AtomicU64,
+    pub enforced: AtomicU64,
+    pub rate_limited: AtomicU64,
+    pub ok: AtomicU64,
+}
+
+type StatsByPrefix = std::sync::Mutex<std::collections::BTreeMap<String, Arc<RateLimitStats>>>;
+
+fn registry() -> &'static StatsByPrefix {
+    static STATS: OnceLock<StatsByPrefix> = OnceLock::new();
+    STATS.get_or_init(Default::default)
+}
+
+/// The counters of a stat prefix (they live as long as the process, as Envoy's do).
+pub fn stats_for(prefix: &str) -> Arc<RateLimitStats> {
+    let mut m = registry().lock().unwrap_or_else(|p| p.into_inner());
+    m.entry(prefix.to_string()).or_default().clone()
+}
+
+/// Every prefix's counters, by prefix.
+pub fn all_stats() -> Vec<(String, Arc<RateLimitStats>)> {
+    let m = registry().lock().unwrap_or_else(|p| p.into_inner());
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
 #[derive(Debug)]
 pub struct LocalRateLimit {
     pub stat_prefix: String,
+    pub stats: Arc<RateLimitStats>,
     pub status: u16,
     pub bucket: Option<TokenBucket>,
     pub enabled_per_million: u32,
@@ -184,6 +214,7 @@ impl LocalRateLimit {
             _ => 429,
         };
         Ok(LocalRateLimit {
+            stats: stats_for(&c.stat_prefix),
             stat_prefix: c.stat_prefix.clone(),
             status,
             bucket,
@@ -209,12 +240,20 @@ impl LocalRateLimit {
         if !draw(self.enabled_per_million) {
             return None;
         }
+        let s = &self.stats;
+        s.enabled.fetch_add(1, Relaxed);
         // No bucket: nothing limits (Envoy allows every request).
         let allowed = self.bucket.as_ref().is_none_or(TokenBucket::consume);
         if allowed {
+            s.ok.fetch_add(1, Relaxed);
             return Some((false, false));
         }
-        Some((true, draw(self.enforced_per_million)))
+        s.rate_limited.fetch_add(1, Relaxed);
+        let enforced = draw(self.enforced_per_million);
+        if enforced {
+            s.enforced.fetch_add(1, Relaxed);
+        }
+        Some((true, enforced))
     }
 }
 
