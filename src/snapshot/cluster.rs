@@ -53,6 +53,8 @@ pub struct ClusterDef {
     pub max_requests_per_connection: Option<u32>,
     /// `upstream_connection_options.tcp_keepalive`.
     pub tcp_keepalive: Option<TcpKeepalive>,
+    /// `health_checks`: the active health check, when there is one.
+    pub health_check: Option<Arc<super::health_check::HealthCheckConfig>>,
 }
 
 /// TCP keepalive for upstream connections; an unset field keeps the kernel's setting.
@@ -103,7 +105,7 @@ pub enum Health {
     Degraded,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Host {
     pub addr: SocketAddr,
     pub weight: u32,
@@ -115,6 +117,8 @@ pub struct Host {
 #[derive(Debug, Default)]
 pub struct LoadAssignment {
     pub hosts: Vec<Host>,
+    /// Endpoints' `health_check_config`, for the few that have one.
+    pub checks: std::collections::HashMap<SocketAddr, super::health_check::EndpointCheck>,
 }
 
 /// A routable cluster: definition, endpoints and balancer state.
@@ -130,6 +134,10 @@ pub struct Cluster {
     pub stats: Arc<ClusterStats>,
     /// Outlier-detection state per host (empty without `outlier_detection`).
     pub outlier: Vec<Arc<super::outlier::HostOutlier>>,
+    /// Active health check flags per host as built (empty without `health_checks`; None for a
+    /// host whose checks are disabled), and the checker generation they were read at.
+    pub hc: Vec<Option<super::health_check::HcFlags>>,
+    pub hc_generation: u64,
 }
 
 impl Cluster {
@@ -138,7 +146,21 @@ impl Cluster {
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
     ) -> Cluster {
-        let hosts = &endpoints.hosts;
+        let (hc_generation, hc) = match &def.health_check {
+            Some(_) => (
+                stats.health.generation(),
+                stats.health.flags_for(&endpoints),
+            ),
+            None => (0, Vec::new()),
+        };
+        // Active checks change what the balancers see of a host's health, not the endpoints.
+        let checked: Vec<Host>;
+        let hosts = if hc.is_empty() {
+            &endpoints.hosts
+        } else {
+            checked = super::health_check::apply(&endpoints.hosts, &hc);
+            &checked
+        };
         // Hashing balancers place hosts by address, as Envoy does (`ip:port`).
         let buckets = load_buckets(hosts, def.panic_threshold)
             .into_iter()
@@ -155,6 +177,8 @@ impl Cluster {
             Vec::new()
         };
         Cluster {
+            hc,
+            hc_generation,
             outlier,
             buckets,
             def,
@@ -253,7 +277,11 @@ impl Cluster {
         self.endpoints
             .hosts
             .iter()
-            .filter(|h| h.health == Health::Healthy)
+            .enumerate()
+            .filter(|(i, h)| {
+                super::health_check::effective(h.health, self.hc.get(*i).and_then(Option::as_ref))
+                    == Health::Healthy
+            })
             .count()
     }
 }
@@ -540,7 +568,14 @@ impl ClusterDef {
             Some(o) => Some(super::outlier::OutlierConfig::translate(o).map_err(err)?),
             None => None,
         };
+        let health_check = super::health_check::HealthCheckConfig::translate(&c.health_checks)
+            .map_err(err)?
+            .map(Arc::new);
+        if let (Some(la), true) = (&c.load_assignment, kind != DiscoveryKind::Eds) {
+            super::health_check::inline_checks_unsupported(la).map_err(err)?;
+        }
         Ok(ClusterDef {
+            health_check,
             idle_timeout,
             max_requests_per_connection,
             tcp_keepalive,
@@ -864,9 +899,11 @@ impl LoadAssignment {
                 "cluster_name must not be empty",
             ));
         }
-        let spec = load_assignment_spec(la, false)
-            .map_err(|e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e))?;
-        Ok(LoadAssignment::from_resolved(&spec, |h| h.parse().ok()))
+        let at = |e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e);
+        let spec = load_assignment_spec(la, false).map_err(at)?;
+        let mut out = LoadAssignment::from_resolved(&spec, |h| h.parse().ok());
+        out.checks = super::health_check::endpoint_checks(la).map_err(at)?;
+        Ok(out)
     }
 
     /// Builds the host list, resolving each endpoint's host with `resolve` (skipping failures).
@@ -886,7 +923,10 @@ impl LoadAssignment {
                 })
             })
             .collect();
-        LoadAssignment { hosts }
+        LoadAssignment {
+            hosts,
+            ..Default::default()
+        }
     }
 
     /// Builds the host list of a DNS cluster: every address a name resolved to is a host.
@@ -909,7 +949,10 @@ impl LoadAssignment {
                 });
             }
         }
-        LoadAssignment { hosts }
+        LoadAssignment {
+            hosts,
+            ..Default::default()
+        }
     }
 }
 

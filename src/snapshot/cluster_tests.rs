@@ -143,6 +143,7 @@ fn defaults() {
             idle_timeout: Some(Duration::from_secs(3600)),
             max_requests_per_connection: None,
             tcp_keepalive: None,
+            health_check: None,
         }
     );
 }
@@ -567,6 +568,7 @@ mod consistent_hashing {
                     priority: 0,
                 })
                 .collect(),
+            ..Default::default()
         })
     }
 
@@ -637,6 +639,7 @@ mod consistent_hashing {
                 priority: *priority,
             })
             .collect(),
+            ..Default::default()
         });
         let def = Arc::new(ok(&with(LbPolicy::Maglev, None)));
         let c = Cluster::new(def, la, Default::default());
@@ -670,6 +673,7 @@ mod consistent_hashing {
                     priority: 0,
                 })
                 .collect(),
+            ..Default::default()
         });
         for p in [LbPolicy::RingHash, LbPolicy::Maglev] {
             let c = built(p, la.clone());
