@@ -29,8 +29,8 @@ fn ms(n: u64) -> Option<PDuration> {
 }
 
 /// A backend whose `/healthz` answers what the test says: a status, or a hang of `hang_ms`.
-/// Every other path answers 200 with its name (and `/passive` also with
-/// `x-envoy-immediate-health-check-fail`).
+/// Every other path answers 200 with its name (and `/passive` on the backend named `b` also
+/// with `x-envoy-immediate-health-check-fail`).
 struct HcBackend {
     addr: SocketAddr,
     health: Arc<AtomicU16>,
@@ -106,7 +106,7 @@ impl HcBackend {
                                     resp = resp.status(health.load(SeqCst));
                                 } else {
                                     served.fetch_add(1, SeqCst);
-                                    if req.uri().path() == "/passive" {
+                                    if req.uri().path() == "/passive" && name == "b" {
                                         resp = resp
                                             .header("x-envoy-immediate-health-check-fail", "true");
                                     }
@@ -442,30 +442,43 @@ async fn an_upstream_asking_to_be_taken_out_is_a_passive_failure() {
     hc.no_traffic_interval = ms(500);
     let mesh = mesh(checked_cluster(hc), vec![cla(CLUSTER, &[a.addr, b.addr])]).await;
     wait_spread(&mesh, &["a", "b"], 10).await;
-    // Round robin: within two requests one reaches b, which asks to be taken out.
+    // Round robin: within two requests one reaches b, which asks to be taken out (a never
+    // does, so one host stays in).
     eventually("a passive failure", PROPAGATION, || async {
         mesh.get("/passive", HOST, &[]).await;
-        let v = stat(&mesh, "health_check_passive_failure").await;
-        if v >= 1.0 {
-            Ok(())
+        let flags = host_flags(&mesh, b.addr).await;
+        if flags.contains("/failed_active_hc") {
+            Ok(flags)
         } else {
-            Err(format!("passive_failure {v}"))
+            Err(flags)
         }
     })
     .await;
-    let (fa, fb) = (
-        host_flags(&mesh, a.addr).await,
-        host_flags(&mesh, b.addr).await,
-    );
-    let (failed, serving) = if fb != "healthy" {
-        (fb, "a")
-    } else {
-        (fa, "b")
-    };
-    assert!(failed.contains("/failed_active_hc"), "{failed}");
-    assert!(
-        failed.contains("/excluded_via_immediate_hc_fail"),
-        "{failed}"
-    );
+    let flags = host_flags(&mesh, b.addr).await;
+    assert!(flags.contains("/excluded_via_immediate_hc_fail"), "{flags}");
+    assert!(stat(&mesh, "health_check_passive_failure").await >= 1.0);
+    let serving = "a";
     wait_spread(&mesh, &[serving], 6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_check_missing_a_required_field_is_nacked_naming_it() {
+    let a = HcBackend::start("a").await;
+    let mesh = mesh(
+        checked_cluster(http_check(1, 1)),
+        vec![cla(CLUSTER, &[a.addr])],
+    )
+    .await;
+    wait_spread(&mesh, &["a"], 4).await;
+    let mut bad = http_check(1, 1);
+    bad.timeout = None;
+    mesh.ads.set_clusters("2", &[checked_cluster(bad)]);
+    let nack = mesh.ads.wait_for_nack(CDS, PROPAGATION).await;
+    let msg = nack.error.unwrap_or_default().to_lowercase();
+    assert!(
+        msg.contains("timeout") && msg.contains("value is required"),
+        "{msg}"
+    );
+    // The last good cluster keeps serving.
+    wait_spread(&mesh, &["a"], 4).await;
 }
