@@ -311,11 +311,20 @@ async fn a_failing_health_endpoint_moves_traffic_away_until_it_passes_healthy_th
         b.checks.load(SeqCst) - before
     );
     assert!(b.served.load(SeqCst) > served);
-    let attempts = stat(&mesh, "health_check_attempt").await;
-    let success = stat(&mesh, "health_check_success").await;
+    // One scrape, so the counters are of the same moment.
+    let text = mesh.gw.prometheus().await;
+    let v = |stat: &str| {
+        let (metric, label) = envoy_cluster_metric(CLUSTER, stat);
+        prom_value(&text, &metric, "envoy_cluster_name", &label)
+    };
+    let (attempts, success, failure) = (
+        v("health_check_attempt"),
+        v("health_check_success"),
+        v("health_check_failure"),
+    );
     assert!(
-        attempts >= success + 1.0 && success >= 3.0,
-        "attempt {attempts} success {success}"
+        attempts >= success + failure && failure >= 1.0 && success >= 3.0,
+        "attempt {attempts} success {success} failure {failure}"
     );
 }
 
