@@ -341,6 +341,8 @@ const CLUSTER_RULE: Rule = Fields(&[
     ("upstream_connection_options", Accept),
     ("circuit_breakers", Accept),
     ("max_requests_per_connection", Accept),
+    // Translated (or refused field by field) with the cluster.
+    ("health_checks", Accept),
 ]);
 
 /// Warnings for every set field outside the implemented subset, one per path with list and
@@ -1188,7 +1190,6 @@ static_resources:
             b.warnings,
             vec![
                 msg("node.client_features"),
-                msg("static_resources.clusters[*].health_checks"),
                 msg("static_resources.clusters[*].load_assignment.endpoints[*].lb_endpoints[*].endpoint.hostname"),
                 msg("static_resources.clusters[*].load_assignment.endpoints[*].priority"),
                 msg("static_resources.secrets"),

@@ -100,7 +100,7 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
                 tokio::spawn(async move {
                     loop {
                         worker.refresh_dns().await;
-                        tokio::time::sleep(Duration::from_secs(5)).await;
+                        worker.sleep_applying_health(Duration::from_secs(5)).await;
                     }
                 });
             }

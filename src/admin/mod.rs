@@ -19,7 +19,6 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use prost::Name;
 
-use crate::snapshot::cluster::Health;
 use crate::State;
 
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
@@ -121,11 +120,16 @@ fn clusters(state: &State) -> String {
             let _ = writeln!(out, "{name}::{a}::rq_active::{active}");
             let _ = writeln!(out, "{name}::{a}::weight::{}", h.weight);
             let _ = writeln!(out, "{name}::{a}::priority::{}", h.priority);
-            let flags = match h.health {
-                Health::Healthy => "healthy",
-                Health::Unhealthy => "/failed_eds_health",
-                Health::Degraded => "/degraded_eds_health",
+            // The checker's live flags, as Envoy shows them (they change between rebuilds).
+            let hc = match c.hc.get(i) {
+                Some(Some(_)) => c
+                    .stats
+                    .health
+                    .flags_of(&a)
+                    .or(Some(crate::snapshot::health_check::HcFlags::NEW)),
+                _ => None,
             };
+            let flags = crate::snapshot::health_check::flags_text(h.health, hc.as_ref());
             let _ = writeln!(out, "{name}::{a}::health_flags::{flags}");
         }
     }

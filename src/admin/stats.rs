@@ -82,6 +82,7 @@ pub struct ClusterStats {
     pub healthy_since: crate::snapshot::load::HealthySince,
     /// Picks that found their priority level in panic.
     pub lb_healthy_panic: AtomicU64,
+    pub health: crate::snapshot::health_check::HealthHosts,
 }
 
 impl ClusterStats {
@@ -357,6 +358,22 @@ impl Stats {
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
                 c(&mut f, "counter", "upstream_rq_xx", &class, x.load(Relaxed));
+            }
+            if s.health.active() {
+                let h = &s.health;
+                for (stat, v) in [
+                    ("health_check_attempt", &h.attempt),
+                    ("health_check_success", &h.success),
+                    ("health_check_failure", &h.failure),
+                    ("health_check_network_failure", &h.network_failure),
+                    ("health_check_passive_failure", &h.passive_failure),
+                    ("health_check_verify_cluster", &h.verify_cluster),
+                ] {
+                    c(&mut f, "counter", stat, "", v.load(Relaxed));
+                }
+                let (healthy, degraded) = h.gauges();
+                c(&mut f, "gauge", "health_check_healthy", "", healthy);
+                c(&mut f, "gauge", "health_check_degraded", "", degraded);
             }
             if let Some((healthy, total)) = membership(n) {
                 c(&mut f, "gauge", "membership_healthy", "", healthy as u64);

@@ -1897,6 +1897,16 @@ impl ProxyHttp for Gateway {
         let status = resp.status.as_u16();
         if let Some(c) = &ctx.cluster {
             c.record_outcome(ctx.host_index, status);
+            // Envoy's passive health check: the upstream asks to be taken out now.
+            if !c.hc.is_empty()
+                && resp
+                    .headers
+                    .contains_key("x-envoy-immediate-health-check-fail")
+            {
+                if let Some(h) = c.endpoints.hosts.get(ctx.host_index) {
+                    c.stats.health.passive_failure(&h.addr);
+                }
+            }
         }
         let Some(policy) = ctx.retry.clone() else {
             return Ok(());

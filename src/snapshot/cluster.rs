@@ -57,6 +57,8 @@ pub struct ClusterDef {
     pub max_requests_per_connection: Option<u32>,
     /// `upstream_connection_options.tcp_keepalive`.
     pub tcp_keepalive: Option<TcpKeepalive>,
+    /// `health_checks`: the active health check, when there is one.
+    pub health_check: Option<Arc<super::health_check::HealthCheckConfig>>,
 }
 
 /// What a cluster's load-balancer config says beyond the policy itself.
@@ -147,7 +149,7 @@ pub enum Health {
     Degraded,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Host {
     pub addr: SocketAddr,
     pub weight: u32,
@@ -165,6 +167,8 @@ pub struct LoadAssignment {
     pub hosts: Vec<Host>,
     pub locality_weights: Vec<Option<u32>>,
     pub policy: LoadPolicy,
+    /// Endpoints' `health_check_config`, for the few that have one.
+    pub checks: std::collections::HashMap<SocketAddr, super::health_check::EndpointCheck>,
 }
 
 /// A routable cluster: definition, endpoints and balancer state.
@@ -179,6 +183,10 @@ pub struct Cluster {
     pub stats: Arc<ClusterStats>,
     /// Outlier-detection state per host (empty without `outlier_detection`).
     pub outlier: Vec<Arc<super::outlier::HostOutlier>>,
+    /// Active health check flags per host as built (empty without `health_checks`; None for a
+    /// host whose checks are disabled), and the checker generation they were read at.
+    pub hc: Vec<Option<super::health_check::HcFlags>>,
+    pub hc_generation: u64,
 }
 
 impl Cluster {
@@ -187,9 +195,27 @@ impl Cluster {
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
     ) -> Cluster {
-        let hosts = &endpoints.hosts;
+        let (hc_generation, hc) = match &def.health_check {
+            Some(_) => (
+                stats.health.generation(),
+                stats.health.flags_for(&endpoints),
+            ),
+            None => (0, Vec::new()),
+        };
+        // Active checks change what the balancers see of a host's health, not the endpoints.
+        let checked: Vec<Host>;
+        let hosts = if hc.is_empty() {
+            &endpoints.hosts
+        } else {
+            checked = super::health_check::apply(&endpoints.hosts, &hc);
+            &checked
+        };
         let since = match def.lb.slow_start {
-            Some(_) => stats.healthy_since.resolve(hosts),
+            // A host failed by its active checks starts a new ramp when it passes again, as
+            // Envoy restarts slow start from the last passing check.
+            Some(_) => stats.healthy_since.resolve(hosts, |i| {
+                hc.get(i).is_some_and(|f| f.is_some_and(|f| f.failed))
+            }),
             None => Vec::new(),
         };
         let make = |eligible: Eligible| {
@@ -217,6 +243,8 @@ impl Cluster {
             Vec::new()
         };
         Cluster {
+            hc,
+            hc_generation,
             outlier,
             plan,
             def,
@@ -263,14 +291,14 @@ impl Cluster {
             return i;
         }
         let hosts = &self.endpoints.hosts;
+        // The health the balancers saw: EDS combined with the active checks.
+        let health = |j: usize| {
+            super::health_check::effective(hosts[j].health, self.hc.get(j).and_then(Option::as_ref))
+        };
         let n = hosts.len();
         (1..n)
             .map(|k| (i + k) % n)
-            .find(|&j| {
-                hosts[j].priority == hosts[i].priority
-                    && hosts[j].health == hosts[i].health
-                    && !out(j)
-            })
+            .find(|&j| hosts[j].priority == hosts[i].priority && health(j) == health(i) && !out(j))
             .unwrap_or(i)
     }
 
@@ -303,7 +331,11 @@ impl Cluster {
         self.endpoints
             .hosts
             .iter()
-            .filter(|h| h.health == Health::Healthy)
+            .enumerate()
+            .filter(|(i, h)| {
+                super::health_check::effective(h.health, self.hc.get(*i).and_then(Option::as_ref))
+                    == Health::Healthy
+            })
             .count()
     }
 }
@@ -508,7 +540,14 @@ impl ClusterDef {
             Some(o) => Some(super::outlier::OutlierConfig::translate(o).map_err(err)?),
             None => None,
         };
+        let health_check = super::health_check::HealthCheckConfig::translate(&c.health_checks)
+            .map_err(err)?
+            .map(Arc::new);
+        if let (Some(la), true) = (&c.load_assignment, kind != DiscoveryKind::Eds) {
+            super::health_check::inline_checks_unsupported(la).map_err(err)?;
+        }
         Ok(ClusterDef {
+            health_check,
             idle_timeout,
             max_requests_per_connection,
             tcp_keepalive,
@@ -1015,9 +1054,11 @@ impl LoadAssignment {
                 "cluster_name must not be empty",
             ));
         }
-        let spec = load_assignment_spec(la, false)
-            .map_err(|e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e))?;
-        Ok(LoadAssignment::from_resolved(&spec, |h| h.parse().ok()))
+        let at = |e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e);
+        let spec = load_assignment_spec(la, false).map_err(at)?;
+        let mut out = LoadAssignment::from_resolved(&spec, |h| h.parse().ok());
+        out.checks = super::health_check::endpoint_checks(la).map_err(at)?;
+        Ok(out)
     }
 
     fn host(e: &SpecEndpoint, ip: std::net::IpAddr, hostname: Option<Arc<str>>) -> Host {
@@ -1045,6 +1086,7 @@ impl LoadAssignment {
             hosts,
             locality_weights: spec.locality_weights.clone(),
             policy: spec.policy,
+            ..Default::default()
         }
     }
 
@@ -1073,6 +1115,7 @@ impl LoadAssignment {
             hosts,
             locality_weights: spec.locality_weights.clone(),
             policy: spec.policy,
+            ..Default::default()
         }
     }
 }

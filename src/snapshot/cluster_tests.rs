@@ -144,6 +144,7 @@ fn defaults() {
             idle_timeout: Some(Duration::from_secs(3600)),
             max_requests_per_connection: None,
             tcp_keepalive: None,
+            health_check: None,
         }
     );
 }

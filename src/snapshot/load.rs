@@ -45,15 +45,22 @@ pub struct HealthySince {
 }
 
 impl HealthySince {
-    /// Each host's time (`None` for hosts not healthy); forgets hosts that left.
-    pub fn resolve(&self, hosts: &[Host]) -> Vec<Option<Instant>> {
+    /// Each host's time (`None` for hosts not healthy); forgets hosts that left, and those
+    /// `reset` names (failed by active health checks), so that they ramp again.
+    pub fn resolve(&self, hosts: &[Host], reset: impl Fn(usize) -> bool) -> Vec<Option<Instant>> {
         let mut map = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let out = hosts
             .iter()
-            .map(|h| match h.health {
-                Health::Healthy => Some(*map.entry(h.addr).or_insert(now)),
-                _ => None,
+            .enumerate()
+            .map(|(i, h)| {
+                if reset(i) {
+                    map.remove(&h.addr);
+                }
+                match h.health {
+                    Health::Healthy => Some(*map.entry(h.addr).or_insert(now)),
+                    _ => None,
+                }
             })
             .collect();
         let present: HashSet<SocketAddr> = hosts.iter().map(|h| h.addr).collect();

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod cors;
 pub mod fault;
 pub mod headers;
+pub mod health_check;
 pub mod listener;
 pub mod load;
 pub mod outlier;

@@ -31,6 +31,8 @@ pub struct ConfigWorker {
     pub store: Arc<Store>,
     listeners: ListenerManager,
     version: u64,
+    /// The active health checkers; their results come back through `apply_health_changes`.
+    pub health: crate::health::HealthManager,
 }
 
 impl ConfigWorker {
@@ -40,6 +42,7 @@ impl ConfigWorker {
             store: Arc::new(store),
             listeners,
             version: 0,
+            health: Default::default(),
         }
     }
 
@@ -61,7 +64,33 @@ impl ConfigWorker {
         next.touched = Default::default();
         self.store = Arc::new(next);
         self.state.store.store(self.store.clone());
+        self.health.reconcile(&self.store, stats);
         Ok(())
+    }
+
+    /// Rebuilds the clusters whose active health checks changed a host's health.
+    pub fn apply_health_changes(&mut self) {
+        let names = self.health.changes.take();
+        if names.is_empty() {
+            return;
+        }
+        let mut next = Store::clone(&self.store);
+        next.touched.health = names;
+        if let Err(e) = self.commit(next) {
+            tracing::warn!("health check result not applied: {}", e.join("; "));
+        }
+    }
+
+    /// Waits `d`, applying health check results as they come.
+    pub async fn sleep_applying_health(&mut self, d: Duration) {
+        let changes = self.health.changes.clone();
+        let until = tokio::time::Instant::now() + d;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => return,
+                _ = changes.notify.notified() => self.apply_health_changes(),
+            }
+        }
     }
 
     /// Resolves DNS clusters' hostnames and commits the result if it changed.
@@ -193,7 +222,7 @@ impl AdsClient {
                 .min(BACKOFF_CAP);
             let delay = window.mul_f64(0.5 + fastrand::f64() * 0.5);
             attempt = attempt.saturating_add(1);
-            tokio::time::sleep(delay).await;
+            self.worker.sleep_applying_health(delay).await;
             self.worker.refresh_dns().await;
         }
     }
@@ -271,8 +300,10 @@ impl AdsClient {
         let mut got_data = false;
         let mut dns = tokio::time::interval(DNS_REFRESH);
         dns.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let health = self.worker.health.changes.clone();
         loop {
             tokio::select! {
+                _ = health.notify.notified() => self.worker.apply_health_changes(),
                 msg = responses.message() => match msg {
                     Ok(Some(resp)) => {
                         got_data = true;

@@ -58,6 +58,8 @@ pub struct Touched {
     pub all_clusters: bool,
     /// ClusterLoadAssignment names an EDS push carried.
     pub endpoints: BTreeSet<String>,
+    /// Clusters whose active health checks changed a host's health.
+    pub health: BTreeSet<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -468,14 +470,25 @@ impl Store {
         stats: &dyn Fn(&str) -> Arc<ClusterStats>,
     ) -> Snapshot {
         let build = |name: &str, def: &Arc<ClusterDef>| {
-            let endpoints = match def.kind {
-                DiscoveryKind::Eds => self.endpoints.get(&def.eds_name).map(|e| e.value.clone()),
-                _ => self.resolved.get(name).cloned(),
+            let mut endpoints = self.cluster_endpoints(name, def);
+            // With health checks: warming until the first round is done, and rebuilt when a
+            // check changes a host's health.
+            let hc_generation = match &def.health_check {
+                Some(_) => {
+                    let s = stats(name);
+                    if !s.health.ready_for(def) {
+                        endpoints = None;
+                    }
+                    s.health.generation()
+                }
+                None => 0,
             };
             let old = prev.clusters.get(name);
             match (endpoints, old) {
                 (Some(eps), Some(old))
-                    if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.endpoints, &eps) =>
+                    if Arc::ptr_eq(&old.def, def)
+                        && Arc::ptr_eq(&old.endpoints, &eps)
+                        && old.hc_generation == hc_generation =>
                 {
                     Some(old.clone())
                 }
@@ -500,6 +513,13 @@ impl Store {
                     let Some(item) = self.clusters.get(name) else {
                         continue;
                     };
+                    if let Some(c) = build(name, &item.value) {
+                        clusters.insert(item.value.name.clone(), c);
+                    }
+                }
+            }
+            for name in &self.touched.health {
+                if let Some(item) = self.clusters.get(name) {
                     if let Some(c) = build(name, &item.value) {
                         clusters.insert(item.value.name.clone(), c);
                     }
@@ -535,6 +555,14 @@ impl Store {
             version,
             listeners,
             clusters,
+        }
+    }
+
+    /// The endpoints a cluster is built from, once they are known.
+    pub fn cluster_endpoints(&self, name: &str, def: &ClusterDef) -> Option<Arc<LoadAssignment>> {
+        match def.kind {
+            DiscoveryKind::Eds => self.endpoints.get(&def.eds_name).map(|e| e.value.clone()),
+            _ => self.resolved.get(name).cloned(),
         }
     }
 
