@@ -129,6 +129,18 @@ fn near(seen: &BTreeMap<String, usize>, name: &str, want: usize, slack: usize) {
     );
 }
 
+/// Pushes one endpoint assignment and waits for the gateway to accept it.
+async fn push_endpoints(m: &Mesh, version: &str, cla: ClusterLoadAssignment) {
+    m.ads.set_endpoints(version, &[cla]);
+    m.ads
+        .wait_for_ack(
+            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            version,
+            PROPAGATION,
+        )
+        .await;
+}
+
 async fn settle(mesh: &Mesh, backend: &str) {
     mesh.wait_backend("/", HOST, &[], backend).await;
 }
@@ -160,23 +172,18 @@ async fn a_lower_priority_takes_what_p0_cannot() {
     assert_eq!(count(&seen, "p0-b"), 0, "{seen:?}");
 
     // All of P0 down: P1 takes everything.
-    m.ads.set_endpoints(
+    push_endpoints(
+        &m,
         "2",
-        &[assignment(
+        assignment(
             "pool",
             vec![
                 group(0, "a", None, &[ep(&a, U), ep(&b, U)]),
                 group(1, "b", None, &[ep(&c, H)]),
             ],
-        )],
-    );
-    m.ads
-        .wait_for_ack(
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "2",
-            PROPAGATION,
-        )
-        .await;
+        ),
+    )
+    .await;
     let seen = spread(&m, 50).await;
     assert_eq!(count(&seen, "p1"), 50, "{seen:?}");
 
@@ -193,14 +200,7 @@ async fn a_lower_priority_takes_what_p0_cannot() {
         overprovisioning_factor: Some(UInt32Value { value: 100 }),
         ..Default::default()
     });
-    m.ads.set_endpoints("3", &[half]);
-    m.ads
-        .wait_for_ack(
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "3",
-            PROPAGATION,
-        )
-        .await;
+    push_endpoints(&m, "3", half).await;
     let seen = spread(&m, 400).await;
     near(&seen, "p0-a", 200, 45);
     near(&seen, "p1", 200, 45);
@@ -236,23 +236,18 @@ async fn panic_mode_as_envoy_decides_it() {
 
     // Every level under the threshold: load by host count over all hosts, whatever their
     // health (3 of 4 hosts on P0), and counted as lb_healthy_panic.
-    m.ads.set_endpoints(
+    push_endpoints(
+        &m,
         "2",
-        &[assignment(
+        assignment(
             "pool",
             vec![
                 group(0, "a", None, &[ep(&a, U), ep(&b, U), ep(&c, U)]),
                 group(1, "b", None, &[ep(&d, U)]),
             ],
-        )],
-    );
-    m.ads
-        .wait_for_ack(
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "2",
-            PROPAGATION,
-        )
-        .await;
+        ),
+    )
+    .await;
     let seen = spread(&m, 400).await;
     for name in ["p0-a", "p0-b", "p0-c"] {
         near(&seen, name, 100, 35);
@@ -333,14 +328,7 @@ async fn localities_take_traffic_by_weight_and_availability() {
     assert_eq!(count(&seen, "zone-c"), 0, "{seen:?}");
 
     // Half of zone b down: its availability is min(1, 1.4 x 0.5) = 0.7, so a : b = 1 : 2.1.
-    m.ads.set_endpoints("2", &[assignment("pool", groups(U))]);
-    m.ads
-        .wait_for_ack(
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "2",
-            PROPAGATION,
-        )
-        .await;
+    push_endpoints(&m, "2", assignment("pool", groups(U))).await;
     let seen = spread(&m, 310).await;
     near(&seen, "zone-a", 100, 12);
     near(&seen, "zone-b1", 210, 12);
@@ -352,14 +340,7 @@ async fn localities_take_traffic_by_weight_and_availability() {
 
     // Without locality weighting every host counts alike.
     m.ads.set_clusters("3", &[eds_cluster("pool")]);
-    m.ads.set_endpoints("3", &[assignment("pool", groups(H))]);
-    m.ads
-        .wait_for_ack(
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "3",
-            PROPAGATION,
-        )
-        .await;
+    push_endpoints(&m, "3", assignment("pool", groups(H))).await;
     eventually("zone-c serves", PROPAGATION, || async {
         let r = m.get("/", HOST, &[]).await;
         if r.backend() == Some("zone-c") {
@@ -452,20 +433,15 @@ async fn a_new_host_ramps_up_over_the_slow_start_window() {
     settle(&m, "old").await;
     // The first host's own window passes before the second arrives.
     tokio::time::sleep(window + Duration::from_millis(500)).await;
-    m.ads.set_endpoints(
+    push_endpoints(
+        &m,
         "2",
-        &[assignment(
+        assignment(
             "pool",
             vec![group(0, "a", None, &[ep(&old, H), ep(&new, H)])],
-        )],
-    );
-    m.ads
-        .wait_for_ack(
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "2",
-            PROPAGATION,
-        )
-        .await;
+        ),
+    )
+    .await;
     // Early in its window the new host weighs 10% to 25% of the old one's.
     let started = std::time::Instant::now();
     let seen = spread(&m, 100).await;
