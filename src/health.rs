@@ -49,6 +49,7 @@ impl Changes {
 pub struct HealthManager {
     checkers: HashMap<String, Checker>,
     pub changes: Arc<Changes>,
+    any_checked: bool,
 }
 
 #[derive(Debug)]
@@ -76,6 +77,11 @@ impl Drop for Session {
 }
 
 impl HealthManager {
+    /// Whether the last reconciled config had a checked cluster (with or without endpoints).
+    pub fn is_checking(&self) -> bool {
+        self.any_checked
+    }
+
     /// Starts checkers for new clusters and hosts, stops them for removed ones. A cluster whose
     /// definition changed gets a new checker with every host failed again, as Envoy builds a
     /// new cluster; the old build keeps serving until the new one has finished its first round.
@@ -85,11 +91,13 @@ impl HealthManager {
             return;
         }
         let mut live = BTreeSet::new();
+        self.any_checked = false;
         for (name, item) in store.clusters.iter() {
             let def = &item.value;
             let Some(cfg) = &def.health_check else {
                 continue;
             };
+            self.any_checked = true;
             // EDS clusters are checked once their endpoints are known.
             let Some(la) = store.cluster_endpoints(name, def) else {
                 continue;

@@ -57,14 +57,19 @@ impl ConfigWorker {
         self.state.snapshot.store(snap.clone());
         self.listeners.reconcile(&snap);
         let mut next = next;
-        if next.touched.all_clusters {
+        let all_clusters = next.touched.all_clusters;
+        if all_clusters {
             stats.retain_clusters(|n| next.clusters.contains_key(n));
         }
         // The snapshot now reflects every change; the next commit starts from it.
         next.touched = Default::default();
         self.store = Arc::new(next);
         self.state.store.store(self.store.clone());
-        self.health.reconcile(&self.store, stats);
+        // Checked clusters only come with a cluster push; an endpoint push matters only when
+        // some cluster is checked (this keeps a one-endpoint change off a walk of every cluster).
+        if all_clusters || self.health.is_checking() {
+            self.health.reconcile(&self.store, stats);
+        }
         Ok(())
     }
 
