@@ -15,6 +15,7 @@ fn eligible(weights: &[u32]) -> Eligible {
     Eligible {
         hosts: (0..weights.len()).collect(),
         weights: weights.to_vec(),
+        shares: None,
     }
 }
 

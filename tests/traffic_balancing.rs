@@ -644,3 +644,58 @@ async fn weighted_least_request_follows_the_weights() {
     near(&seen, "light", 100, 30);
     near(&seen, "heavy", 300, 30);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_maglev_table_weighs_localities_when_locality_weighting_is_on() {
+    use envoy_types::pb::envoy::config::route::v3::route_action::hash_policy::{
+        Header, PolicySpecifier,
+    };
+    use HealthStatus::Healthy as H;
+    let (a, b) = (
+        Backend::start("zone-a").await,
+        Backend::start("zone-b").await,
+    );
+    let mut c = locality_weighted(eds_cluster("pool"));
+    c.lb_policy = cluster::LbPolicy::Maglev as i32;
+    let cla = assignment(
+        "pool",
+        vec![
+            group(0, "a", Some(1), &[ep(&a, H)]),
+            group(0, "b", Some(3), &[ep(&b, H)]),
+        ],
+    );
+    let m = Mesh::start(move |port| {
+        let mut action = to_cluster("pool");
+        if let route::Action::Route(ra) = &mut action {
+            ra.hash_policy = vec![route_action::HashPolicy {
+                policy_specifier: Some(PolicySpecifier::Header(Header {
+                    header_name: "x-user".into(),
+                    regex_rewrite: None,
+                })),
+                terminal: false,
+            }];
+        }
+        Snapshot {
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost("lb", &[HOST], vec![rt(prefix("/"), action)])],
+            )],
+            clusters: vec![c],
+            endpoints: vec![cla],
+            ..Default::default()
+        }
+    })
+    .await;
+    m.wait_status("/", HOST, 200).await;
+    // Equal host weights, but zone b's locality weighs 3: it owns about three quarters of the
+    // table, so of many distinct keys about 75% land there.
+    let mut on_b = 0;
+    for k in 0..400 {
+        let user = format!("user-{k}");
+        let r = m.get("/", HOST, &[("x-user", user.as_str())]).await;
+        if r.backend() == Some("zone-b") {
+            on_b += 1;
+        }
+    }
+    assert!((260..340).contains(&on_b), "{on_b} of 400 keys on zone b");
+}

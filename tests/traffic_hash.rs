@@ -100,6 +100,7 @@ impl Model {
                 key: a.to_string(),
                 index,
                 weight: 1,
+                share: None,
             })
             .collect();
         Model {
@@ -432,6 +433,7 @@ async fn endpoint_weights_scale_ring_entries_and_table_slots() {
                 key: a.to_string(),
                 index,
                 weight,
+                share: None,
             })
             .collect();
         let ring = Ring::build(&hosts, 1024, 8 << 20, HashFunction::XxHash);

@@ -61,6 +61,9 @@ pub struct HashHost {
     pub key: String,
     pub index: usize,
     pub weight: u32,
+    /// A share of the whole given by the caller (locality-weighted clusters); it replaces
+    /// `weight / sum of weights`.
+    pub share: Option<f64>,
 }
 
 /// Envoy normalizes weights to fractions of their sum before building either structure; the
@@ -69,7 +72,10 @@ fn normalized(hosts: &[HashHost]) -> (Vec<f64>, f64, f64) {
     let sum: u64 = hosts.iter().map(|h| u64::from(h.weight)).sum();
     let weights: Vec<f64> = hosts
         .iter()
-        .map(|h| f64::from(h.weight) * 1.0 / sum.max(1) as f64)
+        .map(|h| {
+            h.share
+                .unwrap_or_else(|| f64::from(h.weight) * 1.0 / sum.max(1) as f64)
+        })
         .collect();
     let min = weights.iter().copied().fold(1.0, f64::min);
     let max = weights.iter().copied().fold(0.0, f64::max);

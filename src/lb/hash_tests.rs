@@ -12,6 +12,7 @@ fn hosts(ports: &[u16], weights: &[u32]) -> Vec<HashHost> {
             key: format!("127.0.0.1:{p}"),
             index,
             weight: *w,
+            share: None,
         })
         .collect()
 }
@@ -228,6 +229,7 @@ fn maglev_slot_width_follows_the_host_count() {
                 key: format!("10.{}.{}.{}:80", i >> 16, (i >> 8) & 255, i & 255),
                 index: i,
                 weight: 1,
+                share: None,
             })
             .collect();
         // 70,000 hosts need a table larger than the host count.

@@ -13,10 +13,13 @@ pub use hash::HashFunction;
 use hash::{HashHost, MaglevTable, Ring};
 
 /// The host set a balancer chooses from: indices into the cluster's hosts with their weights.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Eligible {
     pub hosts: Vec<usize>,
     pub weights: Vec<u32>,
+    /// For ring hash and Maglev: each host's share of the whole, already normalized (Envoy
+    /// folds locality weights in this way); `None` normalizes `weights`.
+    pub shares: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -341,10 +344,12 @@ fn hash_hosts(eligible: &Eligible, key: &impl Fn(usize) -> String) -> Vec<HashHo
         .hosts
         .iter()
         .zip(&eligible.weights)
-        .map(|(&index, &weight)| HashHost {
+        .enumerate()
+        .map(|(slot, (&index, &weight))| HashHost {
             key: key(index),
             index,
             weight,
+            share: eligible.shares.as_ref().and_then(|s| s.get(slot).copied()),
         })
         .collect()
 }
@@ -393,6 +398,7 @@ mod tests {
         Eligible {
             hosts: (0..weights.len()).collect(),
             weights: weights.to_vec(),
+            shares: None,
         }
     }
 

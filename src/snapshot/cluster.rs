@@ -393,8 +393,14 @@ impl ClusterDef {
                     Policy::LeastRequest
                 }
                 Ok(LbPolicy::Random) => Policy::Random,
-                Ok(LbPolicy::RingHash) => legacy_ring_hash(c).map_err(err)?,
-                Ok(LbPolicy::Maglev) => legacy_maglev(c).map_err(err)?,
+                Ok(LbPolicy::RingHash) => {
+                    lb = legacy_lb_options(c).map_err(err)?;
+                    legacy_ring_hash(c).map_err(err)?
+                }
+                Ok(LbPolicy::Maglev) => {
+                    lb = legacy_lb_options(c).map_err(err)?;
+                    legacy_maglev(c).map_err(err)?
+                }
                 Ok(other) => {
                     return Err(err(format!(
                         "lb_policy {} is not supported yet",
@@ -618,12 +624,18 @@ fn typed_policy(
         "envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash" => Some(
             ring_hash::v3::RingHash::decode(any.value.as_slice())
                 .map_err(|e| format!("RingHash: {e}"))
-                .and_then(|r| typed_ring_hash(&r).map_err(|e| format!("RingHash: {e}"))),
+                .and_then(|r| {
+                    lb.locality_weighted = r.locality_weighted_lb_config.is_some();
+                    typed_ring_hash(&r).map_err(|e| format!("RingHash: {e}"))
+                }),
         ),
         "envoy.extensions.load_balancing_policies.maglev.v3.Maglev" => Some(
             maglev::v3::Maglev::decode(any.value.as_slice())
                 .map_err(|e| format!("Maglev: {e}"))
-                .and_then(|m| typed_maglev(&m).map_err(|e| format!("Maglev: {e}"))),
+                .and_then(|m| {
+                    lb.locality_weighted = m.locality_weighted_lb_config.is_some();
+                    typed_maglev(&m).map_err(|e| format!("Maglev: {e}"))
+                }),
         ),
         _ => None,
     }

@@ -1353,6 +1353,29 @@ mod lb_options_tests {
     }
 
     #[test]
+    fn hashing_policies_read_the_locality_setting() {
+        use envoy_types::pb::envoy::extensions::load_balancing_policies::maglev::v3::Maglev;
+        let c = typed(pack(&Maglev {
+            locality_weighted_lb_config: Some(Default::default()),
+            ..Default::default()
+        }));
+        assert!(ok(&c).lb.locality_weighted);
+        let c = typed(pack(&Maglev::default()));
+        assert!(!ok(&c).lb.locality_weighted);
+        let mut c = cluster("c");
+        c.lb_policy = cpb::cluster::LbPolicy::RingHash as i32;
+        c.common_lb_config = Some(CommonLbConfig {
+            locality_config_specifier: Some(
+                cpb::cluster::common_lb_config::LocalityConfigSpecifier::LocalityWeightedLbConfig(
+                    Default::default(),
+                ),
+            ),
+            ..Default::default()
+        });
+        assert!(ok(&c).lb.locality_weighted);
+    }
+
+    #[test]
     fn legacy_lb_config_and_common_locality_setting() {
         use cpb::cluster::common_lb_config::LocalityConfigSpecifier as L;
         let mut c = cluster("c");

@@ -298,9 +298,13 @@ pub fn plan(inp: &Inputs, make: &dyn Fn(Eligible) -> Balancer) -> Plan {
             let pool = match built.iter().find(|(l, s, _)| *l == i && *s == source) {
                 Some((_, _, p)) => *p,
                 None => {
-                    let locality = inp.locality_weighted && source != Source::All && !hashing;
-                    plan.pools
-                        .push(pool(inp, &levels[i], source, locality, make));
+                    let p = if hashing && inp.locality_weighted {
+                        Pool::Hosts(make(locality_shares(inp, &levels[i], source)))
+                    } else {
+                        let locality = inp.locality_weighted && source != Source::All;
+                        pool(inp, &levels[i], source, locality, make)
+                    };
+                    plan.pools.push(p);
                     built.push((i, source, plan.pools.len() - 1));
                     plan.pools.len() - 1
                 }
@@ -319,7 +323,50 @@ fn eligible(hosts: &[Host], idx: &[usize]) -> Eligible {
     Eligible {
         hosts: idx.to_vec(),
         weights: idx.iter().map(|&i| hosts[i].weight).collect(),
+        shares: None,
     }
+}
+
+/// A hashing balancer's hosts when localities are weighted, as Envoy normalizes them: each
+/// host's share is its weight over its locality's, times its locality's weight over the sum of
+/// every locality's weight at this level (localities with no eligible host still count, so the
+/// shares can add up to less than one). Hosts of a locality without weight are left out.
+fn locality_shares(inp: &Inputs, level: &Level, source: Source) -> Eligible {
+    let hosts = inp.hosts;
+    let weight_of = |loc: u32| {
+        inp.locality_weights
+            .get(loc as usize)
+            .copied()
+            .flatten()
+            .unwrap_or(0)
+    };
+    let mut localities: Vec<u32> = level.all.iter().map(|&i| hosts[i].locality).collect();
+    localities.sort_unstable();
+    localities.dedup();
+    let total: u64 = localities.iter().map(|&l| u64::from(weight_of(l))).sum();
+    let mut out = Eligible::default();
+    let mut shares = Vec::new();
+    for loc in localities {
+        let w = weight_of(loc);
+        if w == 0 || total == 0 {
+            continue;
+        }
+        let members: Vec<usize> = level
+            .hosts(source)
+            .iter()
+            .copied()
+            .filter(|&i| hosts[i].locality == loc)
+            .collect();
+        let sum: u64 = members.iter().map(|&i| u64::from(hosts[i].weight)).sum();
+        let locality_share = f64::from(w) / total as f64;
+        for i in members {
+            out.hosts.push(i);
+            out.weights.push(hosts[i].weight);
+            shares.push(f64::from(hosts[i].weight) / sum.max(1) as f64 * locality_share);
+        }
+    }
+    out.shares = Some(shares);
+    out
 }
 
 fn pool(
@@ -378,6 +425,7 @@ fn pool(
         Eligible {
             hosts: (0..each.len()).collect(),
             weights,
+            shares: None,
         },
     );
     Pool::Localities { chooser, each }
@@ -588,6 +636,37 @@ mod tests {
             &|e| Balancer::new(Policy::RoundRobin, e),
         );
         assert_eq!(shape(&p, 2), vec![(100, vec![0], false)]);
+    }
+
+    #[test]
+    fn hashing_with_locality_weights_scales_each_locality() {
+        // Locality 0 (weight 1) has one host, locality 1 (weight 3) two: shares 1/4 and 3/8
+        // each, so the ring gives locality 1 three quarters of the keys.
+        let mut hosts = vec![host(1, H, 0), host(2, H, 0), host(3, H, 0)];
+        hosts[1].locality = 1;
+        hosts[2].locality = 1;
+        let p = plan(
+            &Inputs {
+                hosts: &hosts,
+                locality_weights: &[Some(1), Some(3)],
+                policy: LoadPolicy::default(),
+                panic_threshold: 50,
+                locality_weighted: true,
+                lb: Policy::MAGLEV_DEFAULT,
+            },
+            &|e| {
+                assert_eq!(e.shares, Some(vec![0.25, 0.375, 0.375]));
+                Balancer::new(Policy::MAGLEV_DEFAULT, e)
+            },
+        );
+        let active: Vec<AtomicU32> = (0..3).map(|_| AtomicU32::new(0)).collect();
+        let first = (0..20_000u64)
+            .filter(|k| {
+                let h = crate::lb::hash::xx64(&k.to_le_bytes(), 0);
+                p.pools[0].pick_hash(h, &active) == Some(0)
+            })
+            .count();
+        assert!((4600..5400).contains(&first), "{first} of 20000");
     }
 
     #[test]
