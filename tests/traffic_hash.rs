@@ -397,7 +397,9 @@ async fn removing_an_endpoint_via_eds_keeps_most_keys_on_their_backend() {
         }
         let fraction = f64::from(stayed) / f64::from(kept);
         eprintln!("{kind:?}: {stayed} of {kept} keys not on the removed backend stayed");
-        assert!(fraction >= 0.8, "{kind:?}: only {fraction:.2} stayed");
+        // Which keys move depends on the ports the backends got (the ring is rebuilt with more
+        // entries per host); the exact agreement with Envoy's construction is asserted above.
+        assert!(fraction >= 0.7, "{kind:?}: only {fraction:.2} stayed");
     }
 }
 
@@ -715,4 +717,119 @@ async fn header_regex_rewrite_and_cookie_attributes() {
             && set.ends_with("\"; Max-Age=60; Path=/; SameSite=Lax; Secure; HttpOnly"),
         "{set}"
     );
+}
+
+/// A retry on a hashing cluster keeps the request's hash. With the previous_hosts predicate
+/// Envoy re-picks for each refused host: the next ring entry, or the table hash flipped by a
+/// value with most bits set; without it the retry goes back to the same host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_walk_the_ring_or_flip_the_table_hash_as_envoy() {
+    use envoy_types::pb::envoy::config::route::v3::{retry_policy, RetryPolicy};
+    for kind in KINDS {
+        for predicate in [true, false] {
+            let mut backends = Vec::new();
+            for i in 0..3 {
+                backends.push(Backend::start(&format!("b{i}")).await);
+            }
+            // The fourth endpoint refuses connections.
+            let dead: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+            let mut addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+            addrs.push(dead);
+            let mut p = RetryPolicy {
+                retry_on: "connect-failure".into(),
+                num_retries: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 1 }),
+                ..Default::default()
+            };
+            if predicate {
+                p.retry_host_predicate = vec![retry_policy::RetryHostPredicate {
+                    name: "envoy.retry_host_predicates.previous_hosts".into(),
+                    config_type: Some(retry_policy::retry_host_predicate::ConfigType::TypedConfig(
+                        envoy_types::pb::google::protobuf::Any {
+                            type_url: "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate".into(),
+                            value: Vec::new(),
+                        },
+                    )),
+                }];
+                p.host_selection_retry_max_attempts = 3;
+            }
+            let eps = addrs.clone();
+            let mesh = Mesh::start(move |port| {
+                let mut rc = routes(port, vec![header_policy("x-user")]);
+                if let Some(route::Action::Route(ra)) =
+                    rc.virtual_hosts[0].routes[0].action.as_mut()
+                {
+                    ra.retry_policy = Some(p);
+                }
+                Snapshot {
+                    routes: vec![rc],
+                    clusters: vec![hash_cluster("hash", kind)],
+                    endpoints: vec![cla("hash", &eps)],
+                    ..Default::default()
+                }
+            })
+            .await;
+            let hosts: Vec<HashHost> = addrs
+                .iter()
+                .enumerate()
+                .map(|(index, a)| HashHost {
+                    key: a.to_string(),
+                    index,
+                    weight: 1,
+                    share: None,
+                })
+                .collect();
+            let ring = Ring::build(&hosts, 1024, 8 << 20, HashFunction::XxHash);
+            let table = MaglevTable::build(&hosts, 65537);
+            let pick = |h: u64, attempt: u32| match kind {
+                Kind::Ring => ring.pick_attempt(h, attempt),
+                Kind::Maglev => table.pick_attempt(h, attempt),
+            };
+            eventually("routes", PROPAGATION, || async {
+                let r = mesh.get("/", HOST, &[("x-user", "warm-up")]).await;
+                if r.status == 200 || r.status == 503 {
+                    Ok(())
+                } else {
+                    Err(format!("{r:?}"))
+                }
+            })
+            .await;
+            let mut retried = 0;
+            for k in 0..60 {
+                let key = format!("user-{k}");
+                let h = xx64(key.as_bytes(), 0);
+                let first = pick(h, 0).expect("host");
+                let r = mesh.get("/", HOST, &[("x-user", key.as_str())]).await;
+                if first != 3 {
+                    assert_eq!(
+                        r.backend(),
+                        Some(backends[first].name.as_str()),
+                        "{kind:?} {key}"
+                    );
+                    continue;
+                }
+                retried += 1;
+                if !predicate {
+                    assert_eq!(
+                        r.status, 503,
+                        "{kind:?} {key}: the retry goes back to the dead host"
+                    );
+                    continue;
+                }
+                // Re-picks while the host is one already tried (only the dead one).
+                let again = (1..=3).map(|a| pick(h, a).expect("host")).find(|&i| i != 3);
+                match again {
+                    Some(i) => assert_eq!(
+                        r.backend(),
+                        Some(backends[i].name.as_str()),
+                        "{kind:?} {key}: retried to another host than Envoy's"
+                    ),
+                    None => assert_eq!(r.status, 503, "{kind:?} {key}"),
+                }
+            }
+            assert!(
+                retried >= 5,
+                "{kind:?}: only {retried} keys hit the dead host"
+            );
+        }
+    }
 }

@@ -141,11 +141,18 @@ impl Ring {
     /// The first entry whose hash is at or after `h`, wrapping past the end to the first: the
     /// ketama lookup Envoy uses.
     pub fn pick(&self, h: u64) -> Option<usize> {
+        self.pick_attempt(h, 0)
+    }
+
+    /// Envoy's host-selection retry (a retry host predicate refused the host): `attempt`
+    /// entries further round the ring.
+    pub fn pick_attempt(&self, h: u64, attempt: u32) -> Option<usize> {
         if self.hashes.is_empty() {
             return None;
         }
         let at = self.hashes.partition_point(|x| *x < h);
         let at = if at == self.hashes.len() { 0 } else { at };
+        let at = (at + attempt as usize) % self.hashes.len();
         Some(self.hosts[at] as usize)
     }
 }
@@ -252,6 +259,17 @@ impl MaglevTable {
     }
 
     pub fn pick(&self, h: u64) -> Option<usize> {
+        self.pick_attempt(h, 0)
+    }
+
+    /// Envoy's host-selection retry: the hash is flipped by a value with most bits set, so
+    /// each attempt lands far from the last.
+    pub fn pick_attempt(&self, h: u64, attempt: u32) -> Option<usize> {
+        let h = if attempt > 0 {
+            h ^ 0u64.wrapping_sub(u64::from(attempt))
+        } else {
+            h
+        };
         let at = |len: usize| (h % len as u64) as usize;
         let pos = match &self.slots {
             Slots::Empty => return None,

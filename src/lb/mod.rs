@@ -221,9 +221,20 @@ impl Balancer {
 
     /// The host a consistent-hash balancer maps `hash` to; other policies ignore the hash.
     pub fn pick_hash(&self, hash: u64, active: &[AtomicU32]) -> Option<usize> {
+        self.pick_hash_attempt(hash, 0, active)
+    }
+
+    /// `pick_hash` for Envoy's host-selection retries: `attempt` > 0 after a retry host
+    /// predicate refused the host the earlier attempts gave.
+    pub fn pick_hash_attempt(
+        &self,
+        hash: u64,
+        attempt: u32,
+        active: &[AtomicU32],
+    ) -> Option<usize> {
         match &self.hashed {
-            Hashed::Ring(r) => r.pick(hash),
-            Hashed::Maglev(m) => m.pick(hash),
+            Hashed::Ring(r) => r.pick_attempt(hash, attempt),
+            Hashed::Maglev(m) => m.pick_attempt(hash, attempt),
             Hashed::None => self.pick(active),
         }
     }

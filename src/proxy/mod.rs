@@ -62,6 +62,8 @@ pub struct Ctx {
     /// The whole new path and query, from `regex_rewrite`.
     path_rewrite: Option<String>,
     host_rewrite: Option<String>,
+    /// The request's hash for ring hash and Maglev, kept for retries.
+    request_hash: Option<u64>,
     /// `auto_host_rewrite`: the chosen endpoint's hostname becomes the Host.
     auto_host: bool,
     /// `append_x_forwarded_host` on a route that rewrites the host: the original Host.
@@ -865,11 +867,20 @@ impl Gateway {
             tokio::time::sleep(wait).await;
         }
         ctx.tried.push(ctx.host_index);
-        let mut pick = cluster.pick();
+        // A hashing cluster keeps the request's hash (a new random one without it) and, as
+        // Envoy, walks the ring or flips the table hash for each host the predicate refuses.
+        let hash = cluster
+            .hashes()
+            .then(|| ctx.request_hash.unwrap_or_else(|| fastrand::u64(..)));
+        let choose = |attempt: u32| match hash {
+            Some(h) => cluster.pick_hashed_attempt(Some(h), attempt),
+            None => cluster.pick(),
+        };
+        let mut pick = choose(0);
         if policy.previous_hosts {
-            for _ in 1..policy.host_selection_attempts {
+            for attempt in 1..=policy.host_selection_attempts {
                 match pick {
-                    Some((i, _)) if ctx.tried.contains(&i) => pick = cluster.pick(),
+                    Some((i, _)) if ctx.tried.contains(&i) => pick = choose(attempt),
                     _ => break,
                 }
             }
@@ -1496,6 +1507,7 @@ impl ProxyHttp for Gateway {
         };
         let picked = if cluster.hashes() {
             let hash = request_hash(session, &listener, fwd, &mut ctx.set_cookies);
+            ctx.request_hash = hash;
             cluster.pick_hashed(hash)
         } else {
             cluster.pick()
@@ -2091,6 +2103,9 @@ impl ProxyHttp for Gateway {
             },
         };
         if code > 0 {
+            // pingora closes the downstream connection after a failed proxy attempt; saying so
+            // keeps clients from reusing it (Envoy keeps it open).
+            session.set_keepalive(None);
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             let overloaded = [(X_OVERLOADED.clone(), "true".to_string())];
             let extra: &[(HeaderName, String)] = if *e.etype() == OVERFLOW {

@@ -317,13 +317,24 @@ impl Cluster {
     /// A pick for a hashing cluster: `hash` (a random one when the route's hash policies
     /// produced none, as Envoy does) chooses the priority level and the host.
     pub fn pick_hashed(&self, hash: Option<u64>) -> Option<(usize, SocketAddr)> {
+        self.pick_hashed_attempt(hash, 0)
+    }
+
+    /// `pick_hashed` for Envoy's host-selection retries (`attempt` > 0 once a retry host
+    /// predicate refused what the earlier attempts gave): the same level, the next host the
+    /// ring or table gives for that attempt.
+    pub fn pick_hashed_attempt(
+        &self,
+        hash: Option<u64>,
+        attempt: u32,
+    ) -> Option<(usize, SocketAddr)> {
         if !self.hashes() {
             return self.pick();
         }
         let h = hash.unwrap_or_else(|| fastrand::u64(..));
         // Envoy chooses the priority with `hash % 100` against whole-percent loads.
         let pool = self.pool((h % 100) as u32)?;
-        let i = self.not_ejected(pool.pick_hash(h, &self.active)?);
+        let i = self.not_ejected(pool.pick_hash(h, attempt, &self.active)?);
         Some((i, self.endpoints.hosts[i].addr))
     }
 

@@ -88,9 +88,9 @@ impl Pool {
         }
     }
 
-    pub fn pick_hash(&self, hash: u64, active: &[AtomicU32]) -> Option<usize> {
+    pub fn pick_hash(&self, hash: u64, attempt: u32, active: &[AtomicU32]) -> Option<usize> {
         match self {
-            Pool::Hosts(b) => b.pick_hash(hash, active),
+            Pool::Hosts(b) => b.pick_hash_attempt(hash, attempt, active),
             Pool::Localities { .. } => self.pick(active),
         }
     }
@@ -663,7 +663,7 @@ mod tests {
         let first = (0..20_000u64)
             .filter(|k| {
                 let h = crate::lb::hash::xx64(&k.to_le_bytes(), 0);
-                p.pools[0].pick_hash(h, &active) == Some(0)
+                p.pools[0].pick_hash(h, 0, &active) == Some(0)
             })
             .count();
         assert!((4600..5400).contains(&first), "{first} of 20000");

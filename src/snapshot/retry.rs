@@ -54,7 +54,8 @@ pub struct RetryPolicy {
     pub statuses: Vec<u16>,
     /// `previous_hosts`: a retry avoids hosts already tried.
     pub previous_hosts: bool,
-    /// How many picks a retry may make to find a host the predicate accepts.
+    /// `host_selection_retry_max_attempts`: how many more picks a retry may make after the
+    /// first when the predicate refuses the host (Envoy tries this many plus one).
     pub host_selection_attempts: u32,
     pub backoff_base: Duration,
     pub backoff_max: Duration,
@@ -229,8 +230,7 @@ impl RetryPolicy {
             statuses,
             previous_hosts,
             host_selection_attempts: u32::try_from(p.host_selection_retry_max_attempts)
-                .unwrap_or(1)
-                .max(1),
+                .unwrap_or(0),
             backoff_base: base,
             // Envoy: ten times the base unless given.
             backoff_max: max.unwrap_or(base * 10),
@@ -316,7 +316,8 @@ mod tests {
         })
         .unwrap();
         assert_eq!(p.num_retries, 1);
-        assert_eq!(p.host_selection_attempts, 1);
+        // Unset: no re-pick (Envoy makes host_selection_retry_max_attempts + 1 picks).
+        assert_eq!(p.host_selection_attempts, 0);
         assert_eq!(
             (p.backoff_base, p.backoff_max),
             (Duration::from_millis(25), Duration::from_millis(250))
