@@ -2,6 +2,7 @@
 
 pub mod io;
 pub mod listeners;
+mod upgrade;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -119,6 +120,11 @@ pub struct Ctx {
     /// A gRPC request (by content-type): Envoy turns every local reply after routing into a
     /// trailers-only gRPC response for it.
     grpc_request: bool,
+    /// An allowed HTTP/1.1 upgrade (WebSocket): its `Connection`/`Upgrade` travel upstream and
+    /// the router's timers never start, as Envoy's request never ends before the switch.
+    upgrade: bool,
+    /// The upstream answered an upgrade without switching: Envoy relays the head only.
+    discard_body: bool,
 }
 
 /// The timeouts that can end a wait for the upstream, each answered as Envoy answers it.
@@ -501,24 +507,7 @@ fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
             return Some((400, "Bad Request", true));
         }
     }
-    let connection_upgrade = req
-        .headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"));
-    if let (true, true, Some(up)) = (
-        h1,
-        connection_upgrade,
-        req.headers.get(http::header::UPGRADE),
-    ) {
-        // Upgrades (WebSocket) are refused until upgrade_configs are supported, as Envoy refuses
-        // an upgrade no upgrade_config allows; an h2c upgrade offer is simply not taken. Without
-        // `Connection: upgrade` the Upgrade header is only hop-by-hop and is dropped.
-        if !up.as_bytes().eq_ignore_ascii_case(b"h2c") {
-            return Some((403, "", true));
-        }
-    }
+    // Upgrades are decided after routing (`upgrade::permitted`): the route has a say.
     None
 }
 
@@ -1402,6 +1391,17 @@ impl ProxyHttp for Gateway {
             headers: &req.headers,
         };
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
+        let hcm = &listener.def.hcm;
+        // Envoy decides an upgrade when it builds the filter chain, once the route is known and
+        // before any filter runs: a refused one is a bare 403, and the connection closes since
+        // the bytes after the request belong to the other protocol.
+        if let Some(up) = upgrade::requested(session) {
+            if !upgrade::permitted(&hcm.upgrades, matched, up) {
+                session.set_keepalive(None);
+                return self.local_reply(session, ctx, 403, None, &[]).await;
+            }
+            ctx.upgrade = true;
+        }
         // Envoy resolves the weighted cluster with the route, before any filter runs: the
         // fault filter's upstream_cluster and the entry's overrides see the pick.
         let picked = match matched.map(|r| &r.action) {
@@ -1414,7 +1414,6 @@ impl ProxyHttp for Gateway {
             }),
             _ => None,
         };
-        let hcm = &listener.def.hcm;
         // Local rate limits and faults run in their chain order, before routing acts.
         let limited = if hcm.rate_limits.is_empty() {
             None
@@ -1674,6 +1673,15 @@ impl ProxyHttp for Gateway {
         }
         // Envoy announces the per-try timeout when there is one, else the route's.
         set_timeouts(ctx, req, fwd, hcm)?;
+        if ctx.upgrade {
+            // Envoy arms the route and per-try timeouts when the request ends, which an upgrade
+            // request never does; nor does it retry a request still streaming. The stream idle
+            // timeout (and max_stream_duration) still bound it, both ways.
+            ctx.timeout = None;
+            ctx.deadline = None;
+            ctx.per_try = None;
+            ctx.retry = None;
+        }
         // The route's custom headers (weighted-cluster entry first), after the connection
         // manager's own, before the path rewrite records x-envoy-original-path: Envoy's order.
         for ops in entry
@@ -1685,6 +1693,15 @@ impl ProxyHttp for Gateway {
         }
         if let Some(p) = original_path {
             req.insert_header(X_ORIGINAL_PATH.clone(), p)?;
+        }
+        if ctx.upgrade {
+            // pingora's 60 s body-read default would cut a quiet client of the tunnel; Envoy
+            // leaves it to the stream idle timeout.
+            if let pingora_core::protocols::http::ServerSession::H1(h1) =
+                session.as_downstream_mut()
+            {
+                h1.set_read_timeout(ctx.idle);
+            }
         }
         Ok(false)
     }
@@ -1759,7 +1776,13 @@ impl ProxyHttp for Gateway {
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        let carried = ctx
+            .upgrade
+            .then(|| upgrade::Carried::take(session.req_header()));
         strip_request(upstream)?;
+        if let Some(c) = carried {
+            c.restore(upstream)?;
+        }
         if ctx.close_upstream {
             // pingora keeps no connection whose request asked to close it.
             upstream.insert_header(http::header::CONNECTION, "close")?;
@@ -1979,19 +2002,43 @@ impl ProxyHttp for Gateway {
         e.set_retry(retry);
         e
     }
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<std::time::Duration>> {
+        if ctx.discard_body {
+            *body = None;
+        }
+        Ok(None)
+    }
+
     async fn response_filter(
         &self,
         session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        strip_response(resp);
+        let switching = ctx.upgrade && upgrade::is_switch(resp);
+        if !switching {
+            strip_response(resp);
+        }
+        if ctx.upgrade && !switching {
+            // Envoy 1.40 relays a refused upgrade's head with an empty body and closes the
+            // connection, whose remaining bytes were meant for the other protocol.
+            upgrade::refused_head(resp)?;
+            session.set_keepalive(None);
+            ctx.discard_body = true;
+        }
         if let Some(c) = &ctx.cluster {
             // Counted on headers, as Envoy does, so a scrape right after a response sees it.
             c.stats.record_code(resp.status.as_u16());
             ctx.code_recorded = true;
         }
-        if let Some(start) = ctx.upstream_start {
+        // Envoy measures from the end of the request, which an upgrade has not reached.
+        if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
             resp.insert_header(
                 X_UPSTREAM_TIME.clone(),
                 start.elapsed().as_millis().to_string(),
@@ -2218,6 +2265,7 @@ mod tests {
             stream_idle_timeout: None,
             max_stream_duration: None,
             internal_ranges: Vec::new(),
+            upgrades: Default::default(),
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();
