@@ -599,6 +599,14 @@ fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
     (names, te_trailers)
 }
 
+/// `uri` with a new path and query. The scheme and authority stay: an HTTP/2 request carries
+/// its authority only there, and an HTTP/2 upstream needs it.
+fn with_path(uri: &http::Uri, path_and_query: &str) -> std::result::Result<http::Uri, http::Error> {
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(path_and_query.parse()?);
+    Ok(http::Uri::from_parts(parts)?)
+}
+
 fn strip_request(req: &mut RequestHeader) -> Result<()> {
     let (names, te) = hop_by_hop(&req.headers);
     for n in &names {
@@ -990,7 +998,13 @@ impl Gateway {
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
         }
-        session.write_response_header(Box::new(resp), true).await?;
+        // Trailers-only means END_STREAM on the HEADERS frame, as Envoy sends it; pingora's
+        // session wrapper would drop the flag and end the stream with an empty DATA frame.
+        if let pingora_core::protocols::http::ServerSession::H2(h2) = session.as_downstream_mut() {
+            h2.write_response_header(Box::new(resp), true)?;
+        } else {
+            session.write_response_header(Box::new(resp), true).await?;
+        }
         Ok(true)
     }
 
@@ -1818,16 +1832,12 @@ impl ProxyHttp for Gateway {
                 .unwrap_or("/");
             let rest = pq.get(*len..).unwrap_or("");
             let new = format!("{rewrite}{rest}");
-            let uri = http::Uri::builder()
-                .path_and_query(new)
-                .build()
+            let uri = with_path(&upstream.uri, &new)
                 .map_err(|e| Error::because(ErrorType::InternalError, "prefix rewrite", e))?;
             upstream.set_uri(uri);
         }
         if let Some(new) = &ctx.path_rewrite {
-            let uri = http::Uri::builder()
-                .path_and_query(new.as_str())
-                .build()
+            let uri = with_path(&upstream.uri, new)
                 .map_err(|e| Error::because(ErrorType::InternalError, "regex rewrite", e))?;
             upstream.set_uri(uri);
         }
@@ -2145,7 +2155,14 @@ impl ProxyHttp for Gateway {
             } else {
                 &[]
             };
-            if let Err(err) = self.local_reply(session, ctx, code, body, extra).await {
+            // Envoy's stream duration timer names its own gRPC status.
+            let grpc = (matches!(e.etype(), ReadTimedout | WriteTimedout)
+                && ctx.timeout_kind == TimeoutKind::Stream)
+                .then_some(4);
+            if let Err(err) = self
+                .local_reply_grpc(session, ctx, code, body, extra, grpc)
+                .await
+            {
                 tracing::debug!("failed to send error response downstream: {err}");
             }
         }
