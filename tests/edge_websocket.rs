@@ -149,6 +149,8 @@ async fn mesh(
     let addr = backend.addr;
     let mesh = Mesh::start_raw(move |port| {
         let mut h = hcm(port);
+        // Without dots, so the stats keep the whole prefix as their tag.
+        h.stat_prefix = "ws_edge".into();
         h.upgrade_configs = hcm_upgrades;
         let t = timeout.map(|d| envoy_types::pb::google::protobuf::Duration {
             seconds: d.as_secs() as i64,
@@ -367,7 +369,18 @@ async fn a_route_can_disable_or_enable_websocket() {
     let backend = ws_backend().await;
     let mesh = mesh(&backend, vec![websocket(None)], None).await;
     let mut c = Checks::with_gaps(GAPS);
-    let (_ws, _) = connect_eventually(mesh.port, "/").await;
+    let (ws, _) = connect_eventually(mesh.port, "/").await;
+    let stat = |text: &str, name: &str| {
+        prom_value(text, name, "envoy_http_conn_manager_prefix", "ws_edge")
+    };
+    let text = mesh.gw.prometheus().await;
+    let total_before = stat(&text, "envoy_http_downstream_cx_upgrades_total");
+    c.eq(
+        "upgrades_active with one open",
+        stat(&text, "envoy_http_downstream_cx_upgrades_active"),
+        1.0,
+    );
+    drop(ws);
     let r = raw_http1(mesh.port, &upgrade_request("/nows"), false).await;
     check_refused(&mut c, "route disables", &r);
     let r = connect(mesh.port, "/route-ws")
@@ -386,6 +399,26 @@ async fn a_route_can_disable_or_enable_websocket() {
         .into_bytes();
     let r = raw_http1(mesh.port, &req, false).await;
     c.eq("no route status", r.status, 404);
+    // Counted as Envoy counts them: a refusal is `ws_on_non_ws_route`; every upgrade let
+    // through the filter chain (route-ws, direct, no route) is an upgrade, active until it ends.
+    let text = eventually("upgrades to end", PROPAGATION, || async {
+        let text = mesh.gw.prometheus().await;
+        match stat(&text, "envoy_http_downstream_cx_upgrades_active") {
+            0.0 => Ok(text),
+            n => Err(format!("{n} active")),
+        }
+    })
+    .await;
+    c.eq(
+        "ws_on_non_ws_route",
+        stat(&text, "envoy_http_downstream_rq_ws_on_non_ws_route"),
+        1.0,
+    );
+    c.eq(
+        "upgrades_total after route-ws, direct, no route",
+        stat(&text, "envoy_http_downstream_cx_upgrades_total") - total_before,
+        3.0,
+    );
     c.finish();
 }
 
@@ -535,4 +568,99 @@ async fn an_upgraded_connection_survives_an_rds_push_that_keeps_its_route() {
         .expect("send after push");
     assert_eq!(next(&mut ws).await, Some(Message::text("after")));
     ws.close(None).await.expect("close");
+}
+
+/// Whether the gateway accepted `version` of `type_url` (ACK) or refused it (NACK, with the
+/// reason), judged from the requests logged after `since`.
+async fn verdict(
+    ads: &AdsServer,
+    type_url: &str,
+    version: &str,
+    since: usize,
+) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + PROPAGATION;
+    loop {
+        for r in ads.log().into_iter().skip(since) {
+            if r.type_url != type_url || r.response_nonce.is_empty() {
+                continue;
+            }
+            if let Some(e) = r.error {
+                return Err(e);
+            }
+            if r.version_info == version {
+                return Ok(());
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no answer to {type_url} {version}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_upgrade_configs_are_rejected() {
+    let backend = ws_backend().await;
+    let mesh = mesh(&backend, vec![websocket(None)], None).await;
+    let port = mesh.port;
+    let mut c = Checks::with_gaps(GAPS);
+    let routes = |ups: Vec<route_action::UpgradeConfig>| {
+        vec![route_config(
+            &route_name(port),
+            vec![vhost(
+                "ws",
+                &[HOST],
+                vec![route_with(prefix("/"), "ws", |ra| ra.upgrade_configs = ups)],
+            )],
+        )]
+    };
+    let named = |t: &str| route_action::UpgradeConfig {
+        upgrade_type: t.into(),
+        ..Default::default()
+    };
+    for (i, (what, ups, accepted)) in [
+        (
+            "route: the same upgrade twice",
+            vec![named("websocket"), named("websocket")],
+            false,
+        ),
+        (
+            "route: names differing in case",
+            vec![named("websocket"), named("WebSocket")],
+            false,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let since = mesh.ads.log_len();
+        let version = format!("r{i}");
+        mesh.ads.set_routes(&version, &routes(ups));
+        let v = verdict(&mesh.ads, RDS, &version, since).await;
+        c.eq(what, v.is_ok(), accepted);
+    }
+    let listener = |ups: Vec<UpgradeConfig>| {
+        let mut h = hcm(port);
+        h.upgrade_configs = ups;
+        listener_with(port, h)
+    };
+    let since = mesh.ads.log_len();
+    mesh.ads.set_listeners(
+        "l1",
+        &[listener(vec![
+            websocket(None),
+            UpgradeConfig {
+                upgrade_type: "WEBSOCKET".into(),
+                ..Default::default()
+            },
+        ])],
+    );
+    let v = verdict(&mesh.ads, LDS, "l1", since).await;
+    c.ok(
+        "hcm: the same upgrade twice, differing in case",
+        v.is_err(),
+        &v,
+    );
+    c.finish();
 }

@@ -1411,10 +1411,13 @@ impl ProxyHttp for Gateway {
         // the bytes after the request belong to the other protocol.
         if let Some(up) = upgrade::requested(session) {
             if !upgrade::permitted(&hcm.upgrades, matched, up) {
+                self.hcm_stats.ws_on_non_ws_route.fetch_add(1, Relaxed);
                 session.set_keepalive(None);
                 return self.local_reply(session, ctx, 403, None, &[]).await;
             }
             ctx.upgrade = true;
+            self.hcm_stats.upgrades_total.fetch_add(1, Relaxed);
+            self.hcm_stats.upgrades_active.fetch_add(1, Relaxed);
         }
         // Envoy resolves the weighted cluster with the route, before any filter runs: the
         // fault filter's upstream_cluster and the entry's overrides see the pick.
@@ -2176,6 +2179,9 @@ impl ProxyHttp for Gateway {
         let code = session.response_written().map_or(0, |r| r.status.as_u16());
         if ctx.counted_active {
             self.hcm_stats.finish(code);
+        }
+        if ctx.upgrade {
+            self.hcm_stats.upgrades_active.fetch_sub(1, Relaxed);
         }
         if ctx.active_faults > 0 {
             self.hcm_stats

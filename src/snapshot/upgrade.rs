@@ -28,11 +28,12 @@ impl Upgrades {
     pub fn from_hcm(list: &[hcm::http_connection_manager::UpgradeConfig]) -> Result<Self, String> {
         let mut out: Vec<(Box<str>, bool)> = Vec::with_capacity(list.len());
         for (i, u) in list.iter().enumerate() {
-            if !u.filters.is_empty() {
-                // A separate filter chain per upgrade is not built; refusing it beats running
-                // the upgrade through filters the config did not ask for.
+            if !u.filters.iter().all(is_router) {
+                // A separate filter chain per upgrade is not built (a router-only one is the
+                // plain chain minus its filters); refusing it beats running the upgrade through
+                // filters the config did not ask for.
                 return Err(format!(
-                    "upgrade_configs[{i}] '{}': filters are not supported",
+                    "upgrade_configs[{i}] '{}': filters other than the router are not supported",
                     u.upgrade_type
                 ));
             }
@@ -74,8 +75,11 @@ impl Upgrades {
                     u.upgrade_type
                 ));
             }
-            // Envoy's per-route map is keyed by the name as written.
-            if out.iter().any(|(t, _)| **t == *u.upgrade_type) {
+            // Envoy's per-route map ignores case too.
+            if out
+                .iter()
+                .any(|(t, _)| t.eq_ignore_ascii_case(&u.upgrade_type))
+            {
                 return Err(format!("Duplicate upgrade {}", u.upgrade_type));
             }
             out.push((
@@ -85,6 +89,11 @@ impl Upgrades {
         }
         Ok(Upgrades(out.into()))
     }
+}
+
+fn is_router(f: &hcm::HttpFilter) -> bool {
+    matches!(&f.config_type,
+        Some(hcm::http_filter::ConfigType::TypedConfig(a)) if a.type_url == super::listener::ROUTER_TYPE)
 }
 
 /// Whether an `Upgrade: upgrade` request may be proxied: a route that names the type decides
@@ -150,9 +159,23 @@ mod tests {
         let mut f = h("websocket", None);
         f.filters.push(Default::default());
         assert!(Upgrades::from_hcm(&[f]).unwrap_err().contains("filters"));
+        let mut f = h("websocket", None);
+        f.filters.push(hcm::HttpFilter {
+            name: "envoy.filters.http.router".into(),
+            config_type: Some(hcm::http_filter::ConfigType::TypedConfig(
+                envoy_types::pb::google::protobuf::Any {
+                    type_url: super::super::listener::ROUTER_TYPE.into(),
+                    value: Vec::new(),
+                },
+            )),
+            ..Default::default()
+        });
+        assert!(Upgrades::from_hcm(&[f]).is_ok());
         let e =
             Upgrades::from_route(&[r("websocket", None), r("websocket", Some(false))]).unwrap_err();
         assert_eq!(e, "Duplicate upgrade websocket");
+        let e = Upgrades::from_route(&[r("websocket", None), r("WebSocket", None)]).unwrap_err();
+        assert_eq!(e, "Duplicate upgrade WebSocket");
         let mut c = r("websocket", None);
         c.connect_config = Some(Default::default());
         assert!(Upgrades::from_route(&[c])
