@@ -44,6 +44,8 @@ async fn ws_backend() -> WsBackend {
             };
             let seen = seen.clone();
             tokio::spawn(async move {
+                // The callback's error type is tungstenite's, large as it is.
+                #[allow(clippy::result_large_err)]
                 let cb = |req: &tokio_tungstenite::tungstenite::handshake::server::Request,
                           resp| {
                     seen.lock().expect("lock").push(req.headers().clone());
@@ -67,9 +69,8 @@ async fn ws_backend() -> WsBackend {
                             let _ = ws.send(Message::Text(t)).await;
                         }
                         Message::Text(_) | Message::Binary(_) => {
-                            if ws.send(msg).await.is_err() {
-                                return;
-                            }
+                            // A failed send shows as the end of the read loop.
+                            let _ = ws.send(msg).await;
                         }
                         _ => {}
                     }
@@ -171,13 +172,12 @@ async fn mesh(
                             ra.upgrade_configs.push(route_upgrade(true))
                         }),
                         rt(prefix("/direct"), direct(200, "direct")),
-                        route_with(prefix("/"), "ws", |ra| ra.timeout = t.clone()),
+                        route_with(prefix("/"), "ws", |ra| ra.timeout = t),
                     ],
                 )],
             )],
             clusters: vec![eds_cluster("ws")],
             endpoints: vec![cla("ws", &[addr])],
-            ..Default::default()
         }
     })
     .await;
@@ -480,7 +480,6 @@ async fn raw_mesh(addr: SocketAddr) -> Mesh {
             )],
             clusters: vec![eds_cluster("raw")],
             endpoints: vec![cla("raw", &[addr])],
-            ..Default::default()
         }
     })
     .await;
