@@ -483,8 +483,45 @@ async fn raw_mesh(addr: SocketAddr) -> Mesh {
         }
     })
     .await;
-    mesh.wait_status("/", HOST, 200).await;
+    mesh.wait_routes_untouched().await;
     mesh
+}
+
+/// Sends `request` and reads the response head only (an upgraded connection stays open):
+/// status and lowercased header lines.
+async fn head_only(port: u16, request: &[u8]) -> (u16, Vec<(String, String)>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(request).await?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        Ok::<_, std::io::Error>(buf)
+    };
+    let buf = tokio::time::timeout(Duration::from_secs(5), io)
+        .await
+        .expect("response head in time")
+        .expect("io");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let mut lines = text.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .take_while(|l| !l.is_empty())
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers)
 }
 
 /// A backend that answers an upgrade request with a plain 200: a normal response, though
@@ -660,6 +697,79 @@ async fn malformed_upgrade_configs_are_rejected() {
         "hcm: the same upgrade twice, differing in case",
         v.is_err(),
         &v,
+    );
+    c.finish();
+}
+
+/// Which of the downstream request's hop-by-hop headers reach the upstream on an upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_on_an_upgrade() {
+    let (addr, heads) = raw_backend(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\nkeep-alive: timeout=5\r\nx-resp-hop: 1\r\n\r\n",
+    )
+    .await;
+    let mesh = raw_mesh(addr).await;
+    let req = format!(
+        "GET /x HTTP/1.1\r\nhost: {HOST}\r\nconnection: keep-alive, Upgrade, x-hop\r\nupgrade: websocket\r\n\
+         x-hop: 1\r\nkeep-alive: timeout=5\r\nproxy-connection: keep-alive\r\nte: trailers, gzip\r\n\r\n"
+    );
+    let (status, resp) = head_only(mesh.port, req.as_bytes()).await;
+    let header = |n: &str| {
+        resp.iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.to_ascii_lowercase())
+    };
+    let head = heads
+        .lock()
+        .expect("lock")
+        .last()
+        .cloned()
+        .unwrap_or_default();
+    let mut lines: Vec<String> = head
+        .split("\r\n")
+        .skip(1)
+        .filter(|l| !l.is_empty())
+        .map(|l| l.to_ascii_lowercase())
+        .filter(|l| {
+            [
+                "connection:",
+                "upgrade:",
+                "x-hop:",
+                "keep-alive:",
+                "proxy-connection:",
+                "te:",
+            ]
+            .iter()
+            .any(|p| l.starts_with(p))
+        })
+        .collect();
+    let mut c = Checks::with_gaps(GAPS);
+    c.eq("switch status", status, 101);
+    c.eq("101 keep-alive", header("keep-alive"), None);
+    c.eq("101 x-resp-hop", header("x-resp-hop"), Some("1".into()));
+    c.eq(
+        "101 connection",
+        header("connection"),
+        Some("upgrade".into()),
+    );
+    // Header order is pingora's (a known codec difference); the set is what counts.
+    let mut names: Vec<&str> = resp.iter().map(|(k, _)| k.as_str()).collect();
+    names.sort_unstable();
+    c.eq(
+        "101 headers",
+        names,
+        vec!["connection", "date", "server", "upgrade", "x-resp-hop"],
+    );
+    lines.sort_unstable();
+    c.eq(
+        "upstream hop-by-hop headers",
+        lines,
+        vec![
+            "connection: keep-alive, upgrade, x-hop".to_string(),
+            "te: trailers, gzip".into(),
+            "upgrade: websocket".into(),
+            "x-hop: 1".into(),
+        ],
     );
     c.finish();
 }

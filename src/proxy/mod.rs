@@ -1793,37 +1793,36 @@ impl ProxyHttp for Gateway {
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        let carried = ctx
-            .upgrade
-            .then(|| upgrade::Carried::take(session.req_header()));
-        strip_request(upstream)?;
-        if let Some(c) = carried {
-            c.restore(upstream)?;
-        }
-        if ctx.close_upstream {
-            // pingora keeps no connection whose request asked to close it.
-            upstream.insert_header(http::header::CONNECTION, "close")?;
-        }
-        // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
-        // `trailer` and `proxy-authorization` (unless `Connection` names them).
-        let down = &session.req_header().headers;
-        let restorable = [
-            http::header::TE,
-            http::header::TRAILER,
-            http::header::PROXY_AUTHORIZATION,
-        ];
-        // Most requests carry none of these: skip the Connection parsing for them.
-        if restorable.iter().any(|h| down.contains_key(h)) {
-            let (nominated, te_trailers) = hop_by_hop(down);
-            if te_trailers {
-                upstream.insert_header(http::header::TE, "trailers")?;
+        if ctx.upgrade {
+            // Envoy forwards an upgrade's hop-by-hop headers as they came, bar two.
+            upgrade::forward_hop_by_hop(&session.req_header().headers, upstream)?;
+        } else {
+            strip_request(upstream)?;
+            if ctx.close_upstream {
+                // pingora keeps no connection whose request asked to close it.
+                upstream.insert_header(http::header::CONNECTION, "close")?;
             }
-            for name in &restorable[1..] {
-                if nominated.contains(name) {
-                    continue;
+            // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
+            // `trailer` and `proxy-authorization` (unless `Connection` names them).
+            let down = &session.req_header().headers;
+            let restorable = [
+                http::header::TE,
+                http::header::TRAILER,
+                http::header::PROXY_AUTHORIZATION,
+            ];
+            // Most requests carry none of these: skip the Connection parsing for them.
+            if restorable.iter().any(|h| down.contains_key(h)) {
+                let (nominated, te_trailers) = hop_by_hop(down);
+                if te_trailers {
+                    upstream.insert_header(http::header::TE, "trailers")?;
                 }
-                for v in down.get_all(name) {
-                    upstream.append_header(name.clone(), v.clone())?;
+                for name in &restorable[1..] {
+                    if nominated.contains(name) {
+                        continue;
+                    }
+                    for v in down.get_all(name) {
+                        upstream.append_header(name.clone(), v.clone())?;
+                    }
                 }
             }
         }
@@ -2035,7 +2034,9 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         let switching = ctx.upgrade && upgrade::is_switch(resp);
-        if !switching {
+        if switching {
+            upgrade::switch_response(resp)?;
+        } else {
             strip_response(resp);
         }
         if ctx.upgrade && !switching {

@@ -49,39 +49,56 @@ pub(super) fn permitted(hcm: &Upgrades, route: Option<&Route>, upgrade: &HeaderV
     allowed(hcm, route, upgrade.as_bytes())
 }
 
-/// The `Connection` and `Upgrade` values of the downstream request, which Envoy forwards
-/// unchanged on an upgrade (the generic hop-by-hop stripping removes them first).
-pub(super) struct Carried {
-    connection: Vec<HeaderValue>,
-    upgrade: Option<HeaderValue>,
+static KEEP_ALIVE: http::HeaderName = http::HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: http::HeaderName = http::HeaderName::from_static("proxy-connection");
+
+/// An upgrade request's hop-by-hop headers as Envoy forwards them: `Connection`, `Upgrade`,
+/// `TE` and whatever `Connection` names travel unchanged; only `keep-alive` and
+/// `proxy-connection` are dropped. They are copied from the downstream request because
+/// pingora and the generic stripping may have removed some.
+pub(super) fn forward_hop_by_hop(
+    down: &http::HeaderMap,
+    up: &mut RequestHeader,
+) -> pingora_core::Result<()> {
+    let nominated = down
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .filter_map(|t| http::HeaderName::from_bytes(t.trim_ascii()).ok());
+    let fixed = [
+        http::header::CONNECTION,
+        http::header::UPGRADE,
+        http::header::TE,
+        http::header::TRAILER,
+        http::header::PROXY_AUTHORIZATION,
+    ];
+    for name in fixed.into_iter().chain(nominated) {
+        if name == KEEP_ALIVE || name == PROXY_CONNECTION || !down.contains_key(&name) {
+            continue;
+        }
+        up.remove_header(&name);
+        for v in down.get_all(&name) {
+            up.append_header(name.clone(), v.clone())?;
+        }
+    }
+    up.remove_header(&KEEP_ALIVE);
+    up.remove_header(&PROXY_CONNECTION);
+    Ok(())
 }
 
-impl Carried {
-    pub(super) fn take(req: &RequestHeader) -> Carried {
-        Carried {
-            connection: req
-                .headers
-                .get_all(http::header::CONNECTION)
-                .iter()
-                .cloned()
-                .collect(),
-            upgrade: req.headers.get(http::header::UPGRADE).cloned(),
-        }
+/// The 101 as Envoy relays it: `Connection` and `Upgrade` stay, the other connection-level
+/// headers go, and it is dated like any response (pingora dates only final responses).
+pub(super) fn switch_response(resp: &mut ResponseHeader) -> pingora_core::Result<()> {
+    resp.remove_header(&KEEP_ALIVE);
+    resp.remove_header(&PROXY_CONNECTION);
+    resp.remove_header(&http::header::TRANSFER_ENCODING);
+    if !resp.headers.contains_key(http::header::DATE) {
+        resp.insert_header(
+            http::header::DATE,
+            pingora_core::protocols::http::date::get_cached_date(),
+        )?;
     }
-
-    pub(super) fn restore(self, req: &mut RequestHeader) -> pingora_core::Result<()> {
-        for (i, v) in self.connection.into_iter().enumerate() {
-            if i == 0 {
-                req.insert_header(http::header::CONNECTION, v)?;
-            } else {
-                req.append_header(http::header::CONNECTION, v)?;
-            }
-        }
-        if let Some(v) = self.upgrade {
-            req.insert_header(http::header::UPGRADE, v)?;
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// A response that completes the upgrade keeps its `Connection` and `Upgrade`, as Envoy's
