@@ -571,7 +571,7 @@ async fn a_non_101_answer_to_an_upgrade_is_a_normal_response() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upgraded_connection_survives_an_rds_push_that_keeps_its_route() {
+async fn an_upgraded_connection_survives_rds_and_cds_pushes() {
     let backend = ws_backend().await;
     let other = Backend::start("other").await;
     let mesh = mesh(&backend, vec![websocket(None)], None).await;
@@ -603,6 +603,24 @@ async fn an_upgraded_connection_survives_an_rds_push_that_keeps_its_route() {
         .await
         .expect("send after push");
     assert_eq!(next(&mut ws).await, Some(Message::text("after")));
+    // Even a push that removes its route leaves an upgraded stream alone: the route was
+    // resolved when it started.
+    mesh.ads.set_routes(
+        "3",
+        &[route_config(
+            &route_name(port),
+            vec![vhost(
+                "other",
+                &["other.example.com"],
+                vec![rt(prefix("/"), to_cluster("other"))],
+            )],
+        )],
+    );
+    mesh.wait_status("/", HOST, 404).await;
+    ws.send(Message::text("route gone"))
+        .await
+        .expect("send after the route went");
+    assert_eq!(next(&mut ws).await, Some(Message::text("route gone")));
     ws.close(None).await.expect("close");
 }
 
