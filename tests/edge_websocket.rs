@@ -791,3 +791,53 @@ async fn hop_by_hop_headers_on_an_upgrade() {
     );
     c.finish();
 }
+
+/// The stream idle timeout still ends a quiet upgraded stream; traffic keeps it alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_idle_timeout_ends_a_quiet_websocket() {
+    let backend = ws_backend().await;
+    let addr = backend.addr;
+    let mesh = Mesh::start_raw(|port| {
+        let mut h = hcm(port);
+        h.upgrade_configs = vec![websocket(None)];
+        h.stream_idle_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 1,
+            nanos: 0,
+        });
+        Snapshot {
+            listeners: vec![listener_with(port, h)],
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "ws",
+                    &[HOST],
+                    vec![rt(prefix("/"), to_cluster("ws"))],
+                )],
+            )],
+            clusters: vec![eds_cluster("ws")],
+            endpoints: vec![cla("ws", &[addr])],
+        }
+    })
+    .await;
+    mesh.wait_routes_untouched().await;
+    let (mut ws, _) = connect_eventually(mesh.port, "/").await;
+    // Talking every 400 ms for 2 s: never idle for a whole second.
+    for i in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let m = Message::text(format!("m{i}"));
+        ws.send(m.clone()).await.expect("send while active");
+        assert_eq!(next(&mut ws).await, Some(m));
+    }
+    // Quiet for longer than the idle timeout: the gateway ends the stream.
+    let started = std::time::Instant::now();
+    let end = next(&mut ws).await;
+    let took = started.elapsed();
+    assert!(
+        matches!(end, None | Some(Message::Close(_))),
+        "expected the stream to end, got {end:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_millis(3000),
+        "ended after {took:?}"
+    );
+}
