@@ -107,6 +107,11 @@ pub struct HcmStats {
     pub rq_active: AtomicU64,
     pub cx_total: AtomicU64,
     pub no_route: AtomicU64,
+    /// Upgrades refused by `upgrade_configs` (Envoy's name for any upgrade type).
+    pub ws_on_non_ws_route: AtomicU64,
+    /// Upgrade requests let through, and those still open.
+    pub upgrades_total: AtomicU64,
+    pub upgrades_active: AtomicU64,
     pub fault: FaultStats,
 }
 
@@ -405,6 +410,17 @@ impl Stats {
                 s.cx_total.load(Relaxed),
             );
             h(&mut f, "counter", "no_route", "", s.no_route.load(Relaxed));
+            for (kind, stat, v) in [
+                (
+                    "counter",
+                    "downstream_rq_ws_on_non_ws_route",
+                    &s.ws_on_non_ws_route,
+                ),
+                ("counter", "downstream_cx_upgrades_total", &s.upgrades_total),
+                ("gauge", "downstream_cx_upgrades_active", &s.upgrades_active),
+            ] {
+                h(&mut f, kind, stat, "", v.load(Relaxed));
+            }
             if s.fault.enabled.load(Relaxed) {
                 let fs = &s.fault;
                 for (stat, v) in [

@@ -2,6 +2,7 @@
 
 pub mod io;
 pub mod listeners;
+mod upgrade;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -121,6 +122,11 @@ pub struct Ctx {
     /// A gRPC request (by content-type): Envoy turns every local reply after routing into a
     /// trailers-only gRPC response for it.
     grpc_request: bool,
+    /// An allowed HTTP/1.1 upgrade (WebSocket): its `Connection`/`Upgrade` travel upstream and
+    /// the router's timers never start, as Envoy's request never ends before the switch.
+    upgrade: bool,
+    /// The upstream answered an upgrade without switching: Envoy relays the head only.
+    discard_body: bool,
 }
 
 /// The timeouts that can end a wait for the upstream, each answered as Envoy answers it.
@@ -503,24 +509,7 @@ fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
             return Some((400, "Bad Request", true));
         }
     }
-    let connection_upgrade = req
-        .headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"));
-    if let (true, true, Some(up)) = (
-        h1,
-        connection_upgrade,
-        req.headers.get(http::header::UPGRADE),
-    ) {
-        // Upgrades (WebSocket) are refused until upgrade_configs are supported, as Envoy refuses
-        // an upgrade no upgrade_config allows; an h2c upgrade offer is simply not taken. Without
-        // `Connection: upgrade` the Upgrade header is only hop-by-hop and is dropped.
-        if !up.as_bytes().eq_ignore_ascii_case(b"h2c") {
-            return Some((403, "", true));
-        }
-    }
+    // Upgrades are decided after routing (`upgrade::permitted`): the route has a say.
     None
 }
 
@@ -610,6 +599,14 @@ fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
         names.push(http::header::TE);
     }
     (names, te_trailers)
+}
+
+/// `uri` with a new path and query. The scheme and authority stay: an HTTP/2 request carries
+/// its authority only there, and an HTTP/2 upstream needs it.
+fn with_path(uri: &http::Uri, path_and_query: &str) -> std::result::Result<http::Uri, http::Error> {
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(path_and_query.parse()?);
+    Ok(http::Uri::from_parts(parts)?)
 }
 
 fn strip_request(req: &mut RequestHeader) -> Result<()> {
@@ -1012,7 +1009,13 @@ impl Gateway {
         if let Some(l) = &ctx.listener {
             resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
         }
-        session.write_response_header(Box::new(resp), true).await?;
+        // Trailers-only means END_STREAM on the HEADERS frame, as Envoy sends it; pingora's
+        // session wrapper would drop the flag and end the stream with an empty DATA frame.
+        if let pingora_core::protocols::http::ServerSession::H2(h2) = session.as_downstream_mut() {
+            h2.write_response_header(Box::new(resp), true)?;
+        } else {
+            session.write_response_header(Box::new(resp), true).await?;
+        }
         Ok(true)
     }
 
@@ -1413,6 +1416,20 @@ impl ProxyHttp for Gateway {
             headers: &req.headers,
         };
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
+        let hcm = &listener.def.hcm;
+        // Envoy decides an upgrade when it builds the filter chain, once the route is known and
+        // before any filter runs: a refused one is a bare 403, and the connection closes since
+        // the bytes after the request belong to the other protocol.
+        if let Some(up) = upgrade::requested(session) {
+            if !upgrade::permitted(&hcm.upgrades, matched, up) {
+                self.hcm_stats.ws_on_non_ws_route.fetch_add(1, Relaxed);
+                session.set_keepalive(None);
+                return self.local_reply(session, ctx, 403, None, &[]).await;
+            }
+            ctx.upgrade = true;
+            self.hcm_stats.upgrades_total.fetch_add(1, Relaxed);
+            self.hcm_stats.upgrades_active.fetch_add(1, Relaxed);
+        }
         // Envoy resolves the weighted cluster with the route, before any filter runs: the
         // fault filter's upstream_cluster and the entry's overrides see the pick.
         let picked = match matched.map(|r| &r.action) {
@@ -1425,7 +1442,6 @@ impl ProxyHttp for Gateway {
             }),
             _ => None,
         };
-        let hcm = &listener.def.hcm;
         // Local rate limits and faults run in their chain order, before routing acts.
         let limited = if hcm.rate_limits.is_empty() {
             None
@@ -1686,6 +1702,15 @@ impl ProxyHttp for Gateway {
         }
         // Envoy announces the per-try timeout when there is one, else the route's.
         set_timeouts(ctx, req, fwd, hcm)?;
+        if ctx.upgrade {
+            // Envoy arms the route and per-try timeouts when the request ends, which an upgrade
+            // request never does; nor does it retry a request still streaming. The stream idle
+            // timeout (and max_stream_duration) still bound it, both ways.
+            ctx.timeout = None;
+            ctx.deadline = None;
+            ctx.per_try = None;
+            ctx.retry = None;
+        }
         // The route's custom headers (weighted-cluster entry first), after the connection
         // manager's own, before the path rewrite records x-envoy-original-path: Envoy's order.
         for ops in entry
@@ -1697,6 +1722,15 @@ impl ProxyHttp for Gateway {
         }
         if let Some(p) = original_path {
             req.insert_header(X_ORIGINAL_PATH.clone(), p)?;
+        }
+        if ctx.upgrade {
+            // pingora's 60 s body-read default would cut a quiet client of the tunnel; Envoy
+            // leaves it to the stream idle timeout.
+            if let pingora_core::protocols::http::ServerSession::H1(h1) =
+                session.as_downstream_mut()
+            {
+                h1.set_read_timeout(ctx.idle);
+            }
         }
         Ok(false)
     }
@@ -1771,31 +1805,36 @@ impl ProxyHttp for Gateway {
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        strip_request(upstream)?;
-        if ctx.close_upstream {
-            // pingora keeps no connection whose request asked to close it.
-            upstream.insert_header(http::header::CONNECTION, "close")?;
-        }
-        // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
-        // `trailer` and `proxy-authorization` (unless `Connection` names them).
-        let down = &session.req_header().headers;
-        let restorable = [
-            http::header::TE,
-            http::header::TRAILER,
-            http::header::PROXY_AUTHORIZATION,
-        ];
-        // Most requests carry none of these: skip the Connection parsing for them.
-        if restorable.iter().any(|h| down.contains_key(h)) {
-            let (nominated, te_trailers) = hop_by_hop(down);
-            if te_trailers {
-                upstream.insert_header(http::header::TE, "trailers")?;
+        if ctx.upgrade {
+            // Envoy forwards an upgrade's hop-by-hop headers as they came, bar two.
+            upgrade::forward_hop_by_hop(&session.req_header().headers, upstream)?;
+        } else {
+            strip_request(upstream)?;
+            if ctx.close_upstream {
+                // pingora keeps no connection whose request asked to close it.
+                upstream.insert_header(http::header::CONNECTION, "close")?;
             }
-            for name in &restorable[1..] {
-                if nominated.contains(name) {
-                    continue;
+            // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
+            // `trailer` and `proxy-authorization` (unless `Connection` names them).
+            let down = &session.req_header().headers;
+            let restorable = [
+                http::header::TE,
+                http::header::TRAILER,
+                http::header::PROXY_AUTHORIZATION,
+            ];
+            // Most requests carry none of these: skip the Connection parsing for them.
+            if restorable.iter().any(|h| down.contains_key(h)) {
+                let (nominated, te_trailers) = hop_by_hop(down);
+                if te_trailers {
+                    upstream.insert_header(http::header::TE, "trailers")?;
                 }
-                for v in down.get_all(name) {
-                    upstream.append_header(name.clone(), v.clone())?;
+                for name in &restorable[1..] {
+                    if nominated.contains(name) {
+                        continue;
+                    }
+                    for v in down.get_all(name) {
+                        upstream.append_header(name.clone(), v.clone())?;
+                    }
                 }
             }
         }
@@ -1807,16 +1846,12 @@ impl ProxyHttp for Gateway {
                 .unwrap_or("/");
             let rest = pq.get(*len..).unwrap_or("");
             let new = format!("{rewrite}{rest}");
-            let uri = http::Uri::builder()
-                .path_and_query(new)
-                .build()
+            let uri = with_path(&upstream.uri, &new)
                 .map_err(|e| Error::because(ErrorType::InternalError, "prefix rewrite", e))?;
             upstream.set_uri(uri);
         }
         if let Some(new) = &ctx.path_rewrite {
-            let uri = http::Uri::builder()
-                .path_and_query(new.as_str())
-                .build()
+            let uri = with_path(&upstream.uri, new)
                 .map_err(|e| Error::because(ErrorType::InternalError, "regex rewrite", e))?;
             upstream.set_uri(uri);
         }
@@ -1991,19 +2026,45 @@ impl ProxyHttp for Gateway {
         e.set_retry(retry);
         e
     }
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<std::time::Duration>> {
+        if ctx.discard_body {
+            *body = None;
+        }
+        Ok(None)
+    }
+
     async fn response_filter(
         &self,
         session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        strip_response(resp);
+        let switching = ctx.upgrade && upgrade::is_switch(resp);
+        if switching {
+            upgrade::switch_response(resp)?;
+        } else {
+            strip_response(resp);
+        }
+        if ctx.upgrade && !switching {
+            // Envoy 1.40 relays a refused upgrade's head with an empty body and closes the
+            // connection, whose remaining bytes were meant for the other protocol.
+            upgrade::refused_head(resp)?;
+            session.set_keepalive(None);
+            ctx.discard_body = true;
+        }
         if let Some(c) = &ctx.cluster {
             // Counted on headers, as Envoy does, so a scrape right after a response sees it.
             c.stats.record_code(resp.status.as_u16());
             ctx.code_recorded = true;
         }
-        if let Some(start) = ctx.upstream_start {
+        // Envoy measures from the end of the request, which an upgrade has not reached.
+        if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
             resp.insert_header(
                 X_UPSTREAM_TIME.clone(),
                 start.elapsed().as_millis().to_string(),
@@ -2113,7 +2174,14 @@ impl ProxyHttp for Gateway {
             } else {
                 &[]
             };
-            if let Err(err) = self.local_reply(session, ctx, code, body, extra).await {
+            // Envoy's stream duration timer names its own gRPC status.
+            let grpc = (matches!(e.etype(), ReadTimedout | WriteTimedout)
+                && ctx.timeout_kind == TimeoutKind::Stream)
+                .then_some(4);
+            if let Err(err) = self
+                .local_reply_grpc(session, ctx, code, body, extra, grpc)
+                .await
+            {
                 tracing::debug!("failed to send error response downstream: {err}");
             }
         }
@@ -2127,6 +2195,9 @@ impl ProxyHttp for Gateway {
         let code = session.response_written().map_or(0, |r| r.status.as_u16());
         if ctx.counted_active {
             self.hcm_stats.finish(code);
+        }
+        if ctx.upgrade {
+            self.hcm_stats.upgrades_active.fetch_sub(1, Relaxed);
         }
         if ctx.active_faults > 0 {
             self.hcm_stats
@@ -2233,6 +2304,7 @@ mod tests {
             stream_idle_timeout: None,
             max_stream_duration: None,
             internal_ranges: Vec::new(),
+            upgrades: Default::default(),
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

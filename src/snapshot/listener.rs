@@ -67,6 +67,8 @@ pub struct Hcm {
     pub max_stream_duration: Option<std::time::Duration>,
     /// `internal_address_config.cidr_ranges`: downstream addresses Envoy treats as internal.
     pub internal_ranges: Vec<Cidr>,
+    /// `upgrade_configs`: which `Upgrade` types (WebSocket) are proxied.
+    pub upgrades: super::upgrade::Upgrades,
 }
 
 /// An address range (`CidrRange`).
@@ -283,7 +285,9 @@ impl Hcm {
                 .collect::<Result<Vec<_>, _>>()?,
             None => Vec::new(),
         };
+        let upgrades = super::upgrade::Upgrades::from_hcm(&h.upgrade_configs)?;
         Ok(Hcm {
+            upgrades,
             stream_idle_timeout,
             max_stream_duration,
             internal_ranges,

@@ -731,3 +731,39 @@ fn stream_timeouts_and_internal_addresses() {
     });
     hcm_rejected(h, "malformed IP address: ten");
 }
+
+#[test]
+fn hcm_upgrade_configs_are_kept_and_checked() {
+    let up = |t: &str, on: Option<bool>| hcm::http_connection_manager::UpgradeConfig {
+        upgrade_type: t.into(),
+        enabled: on.map(|value| envoy_types::pb::google::protobuf::BoolValue { value }),
+        ..Default::default()
+    };
+    let mut h = base_hcm();
+    h.upgrade_configs = vec![up("websocket", None), up("foo", Some(false))];
+    let d = ok(&listener_with(&h));
+    assert_eq!(d.hcm.upgrades.lookup(b"websocket"), Some(true));
+    assert_eq!(d.hcm.upgrades.lookup(b"foo"), Some(false));
+    assert!(ok(&listener()).hcm.upgrades.is_empty());
+    let mut h = base_hcm();
+    h.upgrade_configs = vec![up("websocket", None), up("WebSocket", None)];
+    hcm_rejected(
+        h,
+        "multiple upgrade configs with the same name: 'WebSocket'",
+    );
+    let mut h = base_hcm();
+    let mut f = up("websocket", None);
+    f.filters.push(router());
+    h.upgrade_configs = vec![f.clone()];
+    assert_eq!(
+        ok(&listener_with(&h)).hcm.upgrades.lookup(b"websocket"),
+        Some(true)
+    );
+    f.filters
+        .insert(0, typed_filter("envoy.filters.http.cors", super::CORS_TYPE));
+    h.upgrade_configs = vec![f];
+    hcm_rejected(
+        h,
+        "upgrade_configs[0] 'websocket': filters other than the router are not supported",
+    );
+}

@@ -14,6 +14,7 @@ pub mod outlier;
 pub mod ratelimit;
 pub mod retry;
 pub mod route;
+pub mod upgrade;
 
 use std::collections::HashMap;
 use std::sync::Arc;

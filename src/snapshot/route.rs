@@ -190,6 +190,8 @@ pub struct Forward {
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
+    /// `upgrade_configs`: this route's word on upgrade types, over the connection manager's.
+    pub upgrades: super::upgrade::Upgrades,
 }
 
 /// Where a host rewrite takes the new Host from, besides a literal.
@@ -1096,7 +1098,9 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
     let mirrors = mirrors(&ra.request_mirror_policies)?.unwrap_or_else(|| vh.mirrors.clone());
     let hash_policy = crate::lb::hash_policy::translate(&ra.hash_policy)?;
     let timeouts = StreamTimeouts::translate(ra)?;
+    let upgrades = super::upgrade::Upgrades::from_route(&ra.upgrade_configs)?;
     Ok(Forward {
+        upgrades,
         hash_policy,
         target,
         timeout,

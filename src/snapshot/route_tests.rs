@@ -1693,3 +1693,31 @@ fn negative_stream_timeouts_are_rejected() {
     let rc = second_route(route(prefix("/"), rpb::route::Action::Route(ra)));
     assert!(rejection(&rc).to_string().contains("idle_timeout"));
 }
+
+#[test]
+fn route_upgrade_configs_are_kept_and_checked() {
+    let up = |t: &str, on: Option<bool>| rpb::route_action::UpgradeConfig {
+        upgrade_type: t.into(),
+        enabled: on.map(|value| BoolValue { value }),
+        ..Default::default()
+    };
+    let with = |ups: Vec<rpb::route_action::UpgradeConfig>| {
+        let mut r = route(prefix("/ws"), to("c"));
+        if let Some(rpb::route::Action::Route(ra)) = r.action.as_mut() {
+            ra.upgrade_configs = ups;
+        }
+        r
+    };
+    let r = translate_one(with(vec![up("websocket", Some(false)), up("foo", None)]));
+    let Action::Forward(f) = &r.action else {
+        panic!("not a forward: {:?}", r.action);
+    };
+    assert_eq!(f.upgrades.lookup(b"WebSocket"), Some(false));
+    assert_eq!(f.upgrades.lookup(b"foo"), Some(true));
+    assert_eq!(f.upgrades.lookup(b"bar"), None);
+    let text = assert_route_rejected(
+        with(vec![up("websocket", None), up("WEBSOCKET", None)]),
+        "Duplicate upgrade WEBSOCKET",
+    );
+    assert!(text.contains("route 1"), "{text}");
+}
