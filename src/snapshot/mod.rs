@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod cors;
 pub mod fault;
+pub mod filter_chain;
 pub mod headers;
 pub mod health_check;
 pub mod listener;
@@ -14,6 +15,7 @@ pub mod outlier;
 pub mod ratelimit;
 pub mod retry;
 pub mod route;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,11 +44,20 @@ impl TranslateError {
     }
 }
 
-/// A listener that is serving: its definition and the route table it resolved to.
+/// A listener that is serving: its definition and, per filter chain, what it resolved to.
 #[derive(Debug)]
 pub struct ActiveListener {
     pub def: Arc<ListenerDef>,
+    pub chains: Vec<Arc<ActiveChain>>,
+}
+
+/// One filter chain that is serving: what a request on it reads.
+#[derive(Debug)]
+pub struct ActiveChain {
+    pub def: Arc<listener::ChainDef>,
     pub routes: Arc<RouteTable>,
+    /// The handshake configs, for TLS chains (inline certificates, or the SDS secret in force).
+    pub tls: Option<Arc<tls::TlsServer>>,
 }
 
 /// Everything a request needs, swapped as a whole.

@@ -23,7 +23,7 @@ use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
-use crate::snapshot::{ActiveListener, Snapshot, TranslateError};
+use crate::snapshot::{ActiveChain, ActiveListener, Snapshot, TranslateError};
 
 /// One accepted resource: the proto as received (encoded, for `/config_dump`) and its
 /// translation.
@@ -360,13 +360,15 @@ impl Store {
     fn check_route_clusters(&self, check: impl Fn(&str) -> bool) -> Vec<String> {
         let mut errors = Vec::new();
         for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
-            if let RouteSource::Inline(t) = &l.value.hcm.routes {
-                if t.validate_clusters != Some(false) {
-                    errors.extend(
-                        t.unknown_clusters(|c| self.clusters.contains_key(c))
-                            .into_iter()
-                            .map(|e| format!("listener '{name}': {e}")),
-                    );
+            for chain in &l.value.chains {
+                if let RouteSource::Inline(t) = &chain.hcm.routes {
+                    if t.validate_clusters != Some(false) {
+                        errors.extend(
+                            t.unknown_clusters(|c| self.clusters.contains_key(c))
+                                .into_iter()
+                                .map(|e| format!("listener '{name}': {e}")),
+                        );
+                    }
                 }
             }
         }
@@ -377,7 +379,8 @@ impl Store {
     pub fn wanted_routes(&self) -> BTreeSet<String> {
         self.listeners
             .values()
-            .filter_map(|l| match &l.value.hcm.routes {
+            .flat_map(|l| l.value.chains.iter())
+            .filter_map(|c| match &c.hcm.routes {
                 RouteSource::Rds(n) => Some(n.clone()),
                 RouteSource::Inline(_) => None,
             })
@@ -530,20 +533,22 @@ impl Store {
         let mut listeners = HashMap::with_capacity(self.listeners.len());
         for (name, item) in self.listeners.iter() {
             let def = &item.value;
-            let routes = match &def.hcm.routes {
-                RouteSource::Inline(t) => Some(t.clone()),
-                RouteSource::Rds(n) => self.routes.get(n).map(|r| r.value.clone()),
-            };
             let old = prev.listeners.get(name);
-            let active = match (routes, old) {
-                (Some(r), Some(old))
-                    if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.routes, &r) =>
+            let active = match (self.active_chains(def, old.map(|o| &**o)), old) {
+                (Some(chains), Some(old))
+                    if Arc::ptr_eq(&old.def, def)
+                        && old.chains.len() == chains.len()
+                        && old
+                            .chains
+                            .iter()
+                            .zip(&chains)
+                            .all(|(a, b)| Arc::ptr_eq(a, b)) =>
                 {
                     old.clone()
                 }
-                (Some(routes), _) => Arc::new(ActiveListener {
+                (Some(chains), _) => Arc::new(ActiveListener {
                     def: def.clone(),
-                    routes,
+                    chains,
                 }),
                 // Only a listener at the same address may keep serving its old routes.
                 (None, Some(old)) if old.def.addr == def.addr => old.clone(),
@@ -555,6 +560,58 @@ impl Store {
             version,
             listeners,
             clusters,
+        }
+    }
+
+    /// Every chain of `def` resolved (routes, and the certificate of TLS chains), reusing the
+    /// previous chain where nothing changed; None while any chain is still warming, as Envoy
+    /// keeps a whole listener warming until every dependency has arrived.
+    fn active_chains(
+        &self,
+        def: &Arc<ListenerDef>,
+        old: Option<&ActiveListener>,
+    ) -> Option<Vec<Arc<ActiveChain>>> {
+        let mut out = Vec::with_capacity(def.chains.len());
+        for (i, chain) in def.chains.iter().enumerate() {
+            let routes = match &chain.hcm.routes {
+                RouteSource::Inline(t) => t.clone(),
+                RouteSource::Rds(n) => self.routes.get(n)?.value.clone(),
+            };
+            let tls = match &chain.tls {
+                None => None,
+                Some(t) => Some(self.tls_server(t)?),
+            };
+            let prev = old
+                .filter(|o| Arc::ptr_eq(&o.def, def))
+                .and_then(|o| o.chains.get(i));
+            let same = |p: &&Arc<ActiveChain>| {
+                Arc::ptr_eq(&p.routes, &routes)
+                    && match (&p.tls, &tls) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    }
+            };
+            out.push(match prev.filter(same) {
+                Some(p) => p.clone(),
+                None => Arc::new(ActiveChain {
+                    def: chain.clone(),
+                    routes,
+                    tls,
+                }),
+            });
+        }
+        Some(out)
+    }
+
+    /// The handshake configs of a TLS chain, once its certificate is known.
+    fn tls_server(
+        &self,
+        t: &crate::snapshot::tls::DownstreamTls,
+    ) -> Option<Arc<crate::snapshot::tls::TlsServer>> {
+        match &t.cert {
+            crate::snapshot::tls::CertSource::Inline(_) => t.inline_config.clone(),
+            crate::snapshot::tls::CertSource::Sds(_) => None,
         }
     }
 

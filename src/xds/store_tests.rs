@@ -633,7 +633,7 @@ fn complete_store_assembles() {
     assert_eq!(snap_clusters(&snapshot), ["c"]);
     let l = &snapshot.listeners["l"];
     assert!(Arc::ptr_eq(&l.def, &s.listeners["l"].value));
-    assert!(Arc::ptr_eq(&l.routes, &s.routes["r"].value));
+    assert!(Arc::ptr_eq(&l.chains[0].routes, &s.routes["r"].value));
     let c = &snapshot.clusters["c"];
     assert!(Arc::ptr_eq(&c.def, &s.clusters["c"].value));
     assert!(Arc::ptr_eq(&c.endpoints, &s.endpoints["c"].value));
@@ -778,7 +778,7 @@ fn listener_keeps_serving_its_previous_version_while_warming() {
     let third = snap(&s, &second);
     assert!(!Arc::ptr_eq(&third.listeners["l"], &old));
     assert!(Arc::ptr_eq(
-        &third.listeners["l"].routes,
+        &third.listeners["l"].chains[0].routes,
         &s.routes["r2"].value
     ));
 }
@@ -800,7 +800,7 @@ fn inline_routes_need_no_rds() {
     );
     let snapshot = snap(&s, &Snapshot::default());
     assert_eq!(snap_listeners(&snapshot), ["l"]);
-    assert_eq!(snapshot.listeners["l"].routes.name, "inline");
+    assert_eq!(snapshot.listeners["l"].chains[0].routes.name, "inline");
     assert!(s.wanted_routes().is_empty());
 }
 
