@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::config::cluster::v3::Cluster as ClusterProto;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as ListenerProto;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret as SecretProto;
 use envoy_types::pb::google::protobuf::Any;
 
 use super::types::{self, Kind, Raw};
@@ -23,6 +24,7 @@ use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
+use crate::snapshot::tls::{CertSource, DownstreamTls, SecretDef, TlsServer};
 use crate::snapshot::{ActiveChain, ActiveListener, Snapshot, TranslateError};
 
 /// One accepted resource: the proto as received (encoded, for `/config_dump`) and its
@@ -68,6 +70,8 @@ pub struct Store {
     pub routes: Table<RouteConfiguration, RouteTable>,
     pub clusters: Table<ClusterProto, ClusterDef>,
     pub endpoints: Table<ClusterLoadAssignment, LoadAssignment>,
+    /// SDS secrets the listeners ask for.
+    pub secrets: Table<SecretProto, SecretDef>,
     /// Endpoints of STATIC and DNS clusters, by cluster name (DNS ones filled by a resolver).
     pub resolved: imbl::OrdMap<String, Arc<LoadAssignment>>,
     /// EDS clusters by the ClusterLoadAssignment name they read; rebuilt when clusters change.
@@ -115,6 +119,17 @@ impl Translate for ClusterProto {
     }
     fn translate(&self) -> Result<ClusterDef, TranslateError> {
         ClusterDef::translate(self)
+    }
+}
+
+impl Translate for SecretProto {
+    type Out = SecretDef;
+    const URL: &'static str = types::SECRET;
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn translate(&self) -> Result<SecretDef, TranslateError> {
+        SecretDef::translate(self)
     }
 }
 
@@ -168,6 +183,7 @@ fn apply_table<P: Translate>(
             Kind::Route => "route",
             Kind::Cluster => "cluster",
             Kind::Endpoint => "endpoints",
+            Kind::Secret => "secret",
         };
         if !seen.insert(name.clone()) {
             // Envoy rejects a repeated listener or cluster, but keeps the first of a repeated
@@ -318,6 +334,16 @@ impl Store {
                 next.index_eds_users();
                 next.touched.all_clusters = true;
             }
+            Kind::Secret => {
+                let (secrets, pushed) =
+                    apply_table(&self.secrets, kind, version, resources, now, &mut errors);
+                next.secrets = secrets;
+                // Secrets nothing asks for are dropped, as Envoy ignores them.
+                let wanted = next.wanted_secrets();
+                for name in pushed.iter().filter(|n| !wanted.contains(*n)) {
+                    next.secrets.remove(name);
+                }
+            }
             Kind::Endpoint => {
                 let (endpoints, pushed) =
                     apply_table(&self.endpoints, kind, version, resources, now, &mut errors);
@@ -387,6 +413,15 @@ impl Store {
             .collect()
     }
 
+    /// SDS secret names the listeners' TLS chains ask for.
+    pub fn wanted_secrets(&self) -> BTreeSet<String> {
+        self.listeners
+            .values()
+            .flat_map(|l| l.value.chains.iter())
+            .filter_map(|c| c.tls.as_ref()?.sds_name().map(str::to_string))
+            .collect()
+    }
+
     /// ClusterLoadAssignment names the EDS clusters ask for.
     pub fn wanted_endpoints(&self) -> BTreeSet<String> {
         self.eds_users.keys().cloned().collect()
@@ -451,6 +486,16 @@ impl Store {
             .collect();
         for k in &stale {
             self.routes.remove(k);
+        }
+        let secrets = self.wanted_secrets();
+        let stale: Vec<String> = self
+            .secrets
+            .keys()
+            .filter(|k| !secrets.contains(*k))
+            .cloned()
+            .collect();
+        for k in &stale {
+            self.secrets.remove(k);
         }
         let stale: Vec<String> = self
             .endpoints
@@ -577,13 +622,16 @@ impl Store {
                 RouteSource::Inline(t) => t.clone(),
                 RouteSource::Rds(n) => self.routes.get(n)?.value.clone(),
             };
-            let tls = match &chain.tls {
-                None => None,
-                Some(t) => Some(self.tls_server(t)?),
-            };
             let prev = old
                 .filter(|o| Arc::ptr_eq(&o.def, def))
                 .and_then(|o| o.chains.get(i));
+            let (tls, secret) = match &chain.tls {
+                None => (None, None),
+                Some(t) => {
+                    let (server, secret) = self.tls_server(t, prev.map(|p| &**p))?;
+                    (Some(server), secret)
+                }
+            };
             let same = |p: &&Arc<ActiveChain>| {
                 Arc::ptr_eq(&p.routes, &routes)
                     && match (&p.tls, &tls) {
@@ -598,20 +646,41 @@ impl Store {
                     def: chain.clone(),
                     routes,
                     tls,
+                    secret,
                 }),
             });
         }
         Some(out)
     }
 
-    /// The handshake configs of a TLS chain, once its certificate is known.
+    /// The handshake configs of a TLS chain once its certificate is known (None: warming),
+    /// and the secret they were built from. The previous chain's configs are reused while its
+    /// secret is unchanged, so a push of something else builds no rustls config.
     fn tls_server(
         &self,
-        t: &crate::snapshot::tls::DownstreamTls,
-    ) -> Option<Arc<crate::snapshot::tls::TlsServer>> {
+        t: &DownstreamTls,
+        prev: Option<&ActiveChain>,
+    ) -> Option<(Arc<TlsServer>, Option<Arc<SecretDef>>)> {
         match &t.cert {
-            crate::snapshot::tls::CertSource::Inline(_) => t.inline_config.clone(),
-            crate::snapshot::tls::CertSource::Sds(_) => None,
+            CertSource::Inline(_) => Some((t.inline_config.clone()?, None)),
+            CertSource::Sds(name) => {
+                let secret = self.secrets.get(name)?.value.clone();
+                let cert = secret.cert.clone()?;
+                if let Some(p) = prev {
+                    if let (Some(s), Some(tls)) = (&p.secret, &p.tls) {
+                        if Arc::ptr_eq(s, &secret) {
+                            return Some((tls.clone(), Some(secret)));
+                        }
+                    }
+                }
+                match t.server(cert) {
+                    Ok(server) => Some((server, Some(secret))),
+                    Err(e) => {
+                        tracing::warn!(secret = %name, "cannot build the TLS config: {e}");
+                        None
+                    }
+                }
+            }
         }
     }
 
