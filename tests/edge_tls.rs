@@ -739,3 +739,136 @@ async fn sds_delivery_rotation_warming_and_a_bad_key() {
     assert_eq!(r.peer_cert.as_deref(), Some(&third.der[..]));
     assert_eq!(r.body, "bookinfo");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_tls_inspector_server_names_never_match() {
+    let pki = Pki::new();
+    let a = pki.leaf(&["a.example.com"]);
+    let dflt = pki.leaf(&["a.example.com"]);
+    let mesh = Mesh::start_raw(|port| {
+        let mut l = tls_listener(
+            port,
+            vec![chain(
+                "a",
+                &["a.example.com"],
+                Some(inline_tls(&a, &[], None)),
+                "route-a",
+            )],
+            Some(chain(
+                "default",
+                &[],
+                Some(inline_tls(&dflt, &[], None)),
+                "route-default",
+            )),
+        );
+        l.listener_filters.clear();
+        Snapshot {
+            listeners: vec![l],
+            routes: vec![
+                answering("route-a", "chain-a"),
+                answering("route-default", "chain-default"),
+            ],
+            ..Default::default()
+        }
+    })
+    .await;
+    let client = Client::new(&pki);
+    // Nothing reads the SNI, so the connection has none to match on: the default chain.
+    let r = wait_tls(&client, mesh.port, "a.example.com").await;
+    assert_eq!(r.body, "chain-default");
+    assert_eq!(r.peer_cert.as_deref(), Some(&dflt.der[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_dump_shows_secrets_with_the_key_redacted() {
+    const NAME: &str = "kubernetes://dump-cert";
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["dump.example.com"]);
+    let mut inline_bytes = secret(NAME, &leaf);
+    if let Some(secret::Type::TlsCertificate(c)) = &mut inline_bytes.r#type {
+        c.private_key = Some(DataSource {
+            specifier: Some(data_source::Specifier::InlineBytes(
+                leaf.key.as_bytes().to_vec(),
+            )),
+            ..Default::default()
+        });
+    }
+    let https = |port| {
+        tls_listener(
+            port,
+            vec![chain("https", &[], Some(sds_tls(NAME)), "route-d")],
+            None,
+        )
+    };
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![https(port)],
+        routes: vec![answering("route-d", "d")],
+        secrets: vec![inline_bytes],
+        ..Default::default()
+    })
+    .await;
+    wait_tls(&Client::new(&pki), mesh.port, "dump.example.com").await;
+    // Added once running: Envoy's start-up would wait up to 15 s for a secret that never comes.
+    mesh.ads.set_listeners(
+        "2",
+        &[
+            https(mesh.port),
+            tls_listener(
+                free_port(),
+                vec![chain(
+                    "https",
+                    &[],
+                    Some(sds_tls("kubernetes://never")),
+                    "route-d",
+                )],
+                None,
+            ),
+        ],
+    );
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    eventually("the missing secret is asked for", PROPAGATION, || async {
+        mesh.ads
+            .log()
+            .iter()
+            .any(|q| {
+                q.type_url == SDS && q.resource_names.iter().any(|n| n == "kubernetes://never")
+            })
+            .then_some(())
+            .ok_or_else(|| "not subscribed".to_string())
+    })
+    .await;
+    let r = mesh.gw.admin_get("/config_dump").await;
+    let dump: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+    let secrets = dump["configs"]
+        .as_array()
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c["@type"] == "type.googleapis.com/envoy.admin.v3.SecretsConfigDump")
+        })
+        .cloned()
+        .unwrap_or_else(|| panic!("no SecretsConfigDump in {dump}"));
+    let active = &secrets["dynamic_active_secrets"][0];
+    assert_eq!(active["name"], NAME, "{secrets}");
+    assert_eq!(active["version_info"], "1", "{secrets}");
+    let tls = &active["secret"]["tls_certificate"];
+    assert_eq!(
+        tls["private_key"],
+        serde_json::json!({ "inline_bytes": "W3JlZGFjdGVkXQ==" }),
+        "{secrets}"
+    );
+    assert!(tls["certificate_chain"]["inline_string"]
+        .as_str()
+        .is_some_and(|c| c.contains("BEGIN CERTIFICATE")));
+    let warming = &secrets["dynamic_warming_secrets"][0];
+    assert_eq!(warming["name"], "kubernetes://never", "{secrets}");
+    assert_eq!(warming["version_info"], "uninitialized", "{secrets}");
+    assert_eq!(
+        warming["secret"],
+        serde_json::json!({
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+            "name": "kubernetes://never",
+        }),
+        "{secrets}"
+    );
+    assert!(warming["last_updated"].is_string(), "{secrets}");
+}

@@ -295,11 +295,32 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             })
         })
         .collect();
-    let warming: Vec<_> = store
-        .wanted_secrets()
+    // As Envoy: named, "uninitialized", stamped when the listener asking for it arrived.
+    let mut warming_since: std::collections::BTreeMap<&str, SystemTime> = Default::default();
+    for item in store.listeners.values() {
+        for name in item
+            .value
+            .chains
+            .iter()
+            .filter_map(|c| c.tls.as_ref()?.sds_name())
+            .filter(|n| !store.secrets.contains_key(*n))
+        {
+            warming_since.entry(name).or_insert(item.last_updated);
+        }
+    }
+    let warming: Vec<_> = warming_since
         .into_iter()
-        .filter(|n| !store.secrets.contains_key(n))
-        .map(|n| json!({ "name": n }))
+        .map(|(n, t)| {
+            json!({
+                "name": n,
+                "version_info": "uninitialized",
+                "last_updated": stamp(t),
+                "secret": {
+                    "@type": crate::xds::types::SECRET,
+                    "name": n,
+                },
+            })
+        })
         .collect();
     if !secrets.is_empty() || !warming.is_empty() {
         configs.push(json!({
