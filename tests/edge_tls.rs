@@ -872,3 +872,54 @@ async fn config_dump_shows_secrets_with_the_key_redacted() {
     );
     assert!(warming["last_updated"].is_string(), "{secrets}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_cert_header_is_sanitized_unless_always_forwarded() {
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::ForwardClientCertDetails;
+    let backend = Backend::start("xfcc").await;
+    let mesh = Mesh::start(|port| {
+        Snapshot {
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "all",
+                    &["*"],
+                    vec![rt(prefix("/"), to_cluster("xfcc"))],
+                )],
+            )],
+            ..Default::default()
+        }
+        .with_backends(&[("xfcc", &backend)])
+    })
+    .await;
+    const XFCC: (&str, &str) = ("x-forwarded-client-cert", "By=spiffe://a;Hash=00");
+    let r = mesh.wait_status("/", "h", 200).await;
+    assert_eq!(r.header("x-echo-xfcc"), None);
+    let r = mesh.get("/", "h", &[XFCC]).await;
+    assert_eq!(
+        (r.status, r.header("x-echo-xfcc")),
+        (200, None),
+        "SANITIZE by default"
+    );
+    for (mode, kept) in [
+        (ForwardClientCertDetails::SanitizeSet, false),
+        (ForwardClientCertDetails::ForwardOnly, false),
+        (ForwardClientCertDetails::AlwaysForwardOnly, true),
+    ] {
+        let mut h = hcm(mesh.port);
+        h.forward_client_cert_details = mode as i32;
+        let v = format!("{mode:?}");
+        mesh.ads.set_listeners(&v, &[listener_with(mesh.port, h)]);
+        mesh.ads.wait_for_ack(LDS, &v, PROPAGATION).await;
+        eventually(&format!("{mode:?}"), PROPAGATION, || async {
+            let r = mesh.get("/", "h", &[XFCC]).await;
+            let got = r.header("x-echo-xfcc").map(str::to_string);
+            if r.status == 200 && got.is_some() == kept {
+                Ok(())
+            } else {
+                Err(format!("{} {got:?}", r.status))
+            }
+        })
+        .await;
+    }
+}

@@ -1680,6 +1680,9 @@ impl ProxyHttp for Gateway {
             };
             req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
         }
+        if !hcm.always_forward_client_cert {
+            req.remove_header("x-forwarded-client-cert");
+        }
         let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
             let id = http::HeaderValue::from_bytes(&request_id_bytes())
@@ -2232,6 +2235,7 @@ mod tests {
             stream_idle_timeout: None,
             max_stream_duration: None,
             internal_ranges: Vec::new(),
+            always_forward_client_cert: false,
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

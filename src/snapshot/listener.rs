@@ -101,6 +101,10 @@ pub struct Hcm {
     pub max_stream_duration: Option<std::time::Duration>,
     /// `internal_address_config.cidr_ranges`: downstream addresses Envoy treats as internal.
     pub internal_ranges: Vec<Cidr>,
+    /// `forward_client_cert_details: ALWAYS_FORWARD_ONLY`. Every other mode removes an incoming
+    /// `x-forwarded-client-cert` on a connection without a client certificate, and Portico
+    /// does not ask for client certificates yet.
+    pub always_forward_client_cert: bool,
 }
 
 /// An address range (`CidrRange`).
@@ -390,7 +394,11 @@ impl Hcm {
                 .collect::<Result<Vec<_>, _>>()?,
             None => Vec::new(),
         };
+        use hcm::http_connection_manager::ForwardClientCertDetails as Fcc;
+        let always_forward_client_cert =
+            Fcc::try_from(h.forward_client_cert_details) == Ok(Fcc::AlwaysForwardOnly);
         Ok(Hcm {
+            always_forward_client_cert,
             stream_idle_timeout,
             max_stream_duration,
             internal_ranges,

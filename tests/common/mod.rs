@@ -219,6 +219,7 @@ async fn backend_accept_loop(
                             ("x-request-id", "x-echo-request-id"),
                             ("host", "x-echo-host"),
                             ("x-forwarded-proto", "x-echo-xfp"),
+                            ("x-forwarded-client-cert", "x-echo-xfcc"),
                         ] {
                             if let Some(v) = req.headers().get(from) {
                                 resp = resp.header(to, v.clone());
