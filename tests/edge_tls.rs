@@ -923,3 +923,46 @@ async fn client_cert_header_is_sanitized_unless_always_forwarded() {
         .await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istiods_default_cipher_list_is_accepted() {
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["c.example.com"]);
+    let suites = [
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+        "AES256-GCM-SHA384",
+        "AES128-GCM-SHA256",
+    ];
+    let params = Some(TlsParameters {
+        tls_minimum_protocol_version: TlsProtocol::TlSv12 as i32,
+        tls_maximum_protocol_version: TlsProtocol::TlSv13 as i32,
+        cipher_suites: suites.map(String::from).to_vec(),
+        ..Default::default()
+    });
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "c",
+                &[],
+                Some(inline_tls(&leaf, &["h2", "http/1.1"], params)),
+                "route-c",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-c", "c")],
+        ..Default::default()
+    })
+    .await;
+    let tls12 = Client::new(&pki).versions(&[&rustls::version::TLS12]);
+    let r = wait_tls(&tls12, mesh.port, "c.example.com").await;
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_2));
+    let r = Client::new(&pki)
+        .get(mesh.port, "c.example.com", "/")
+        .await
+        .expect("1.3");
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_3));
+}

@@ -126,6 +126,25 @@ pub fn tls_certificate(c: &tlspb::TlsCertificate) -> Result<Arc<CertifiedKey>, S
     certified_key(&chain, &key)
 }
 
+/// TLS 1.2 suites BoringSSL (so Envoy) knows but rustls does not implement: RSA key exchange,
+/// CBC modes, PSK and 3DES.
+const BORINGSSL_ONLY: [&str; 14] = [
+    "ECDHE-PSK-CHACHA20-POLY1305",
+    "ECDHE-ECDSA-AES128-SHA",
+    "ECDHE-RSA-AES128-SHA",
+    "ECDHE-PSK-AES128-CBC-SHA",
+    "ECDHE-ECDSA-AES256-SHA",
+    "ECDHE-RSA-AES256-SHA",
+    "ECDHE-PSK-AES256-CBC-SHA",
+    "AES128-GCM-SHA256",
+    "AES256-GCM-SHA384",
+    "AES128-SHA",
+    "PSK-AES128-CBC-SHA",
+    "AES256-SHA",
+    "PSK-AES256-CBC-SHA",
+    "DES-CBC3-SHA",
+];
+
 /// Envoy's TLS 1.2 cipher names (BoringSSL's) that rustls implements.
 fn tls12_suite(name: &str) -> Option<rustls::SupportedCipherSuite> {
     use rustls::crypto::ring::cipher_suite as cs;
@@ -267,15 +286,33 @@ impl DownstreamTls {
         let tls12_suites = match c.tls_params.as_ref() {
             Some(p) if !p.cipher_suites.is_empty() => {
                 let mut suites = Vec::new();
+                let mut skipped = Vec::new();
                 for (i, name) in p.cipher_suites.iter().enumerate() {
                     // BoringSSL's equal-preference groups, "[A|B]".
                     let group = name.trim_start_matches('[').trim_end_matches(']');
                     for n in group.split('|') {
-                        let s = tls12_suite(n).ok_or_else(|| {
-                            format!("tls_params.cipher_suites[{i}]: '{n}' is not supported")
-                        })?;
-                        suites.push(s);
+                        match tls12_suite(n) {
+                            Some(s) => suites.push(s),
+                            // istiod's default list names two of these; Envoy accepts it, so
+                            // they are left out rather than the whole listener refused.
+                            None if BORINGSSL_ONLY.contains(&n) => skipped.push(n.to_string()),
+                            None => return Err(format!(
+                                "tls_params.cipher_suites[{i}]: '{n}' is not a known cipher suite"
+                            )),
+                        }
                     }
+                }
+                if suites.is_empty() {
+                    return Err(format!(
+                        "tls_params.cipher_suites: none of {} is supported (rustls has no RSA key exchange, CBC, PSK or 3DES suites)",
+                        skipped.join(", ")
+                    ));
+                }
+                if !skipped.is_empty() {
+                    tracing::warn!(
+                        "tls_params.cipher_suites: {} not offered (rustls does not implement them)",
+                        skipped.join(", ")
+                    );
                 }
                 Some(suites)
             }

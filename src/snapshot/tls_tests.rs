@@ -147,7 +147,7 @@ fn protocol_versions() {
 }
 
 #[test]
-fn cipher_suites_rustls_lacks_are_rejected_by_name() {
+fn cipher_suites_rustls_lacks_are_left_out_and_unknown_ones_rejected() {
     let mut c = with_cert();
     c.tls_params = Some(tlspb::TlsParameters {
         cipher_suites: vec![
@@ -158,14 +158,40 @@ fn cipher_suites_rustls_lacks_are_rejected_by_name() {
     });
     let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
     assert_eq!(t.tls12_suites.as_ref().map(Vec::len), Some(3));
+    // istiod's default list: the two RSA key exchange suites are left out, the rest applies.
+    c.tls_params = Some(tlspb::TlsParameters {
+        cipher_suites: [
+            "ECDHE-ECDSA-AES256-GCM-SHA384",
+            "ECDHE-RSA-AES256-GCM-SHA384",
+            "ECDHE-ECDSA-AES128-GCM-SHA256",
+            "ECDHE-RSA-AES128-GCM-SHA256",
+            "AES256-GCM-SHA384",
+            "AES128-GCM-SHA256",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..Default::default()
+    });
+    let t = DownstreamTls::translate(&ctx(c.clone())).expect("istiod's list");
+    assert_eq!(t.tls12_suites.as_ref().map(Vec::len), Some(4));
+    // Only suites rustls lacks: nothing left to offer.
     c.tls_params = Some(tlspb::TlsParameters {
         cipher_suites: vec!["AES128-SHA".into()],
+        ..Default::default()
+    });
+    let e = DownstreamTls::translate(&ctx(c.clone())).unwrap_err();
+    assert!(
+        e.starts_with("tls_params.cipher_suites: none of AES128-SHA is supported"),
+        "{e}"
+    );
+    c.tls_params = Some(tlspb::TlsParameters {
+        cipher_suites: vec!["ECDHE-RSA-AES128-GCM-SHA256".into(), "NOT-A-SUITE".into()],
         ..Default::default()
     });
     let e = DownstreamTls::translate(&ctx(c)).unwrap_err();
     assert_eq!(
         e,
-        "tls_params.cipher_suites[0]: 'AES128-SHA' is not supported"
+        "tls_params.cipher_suites[1]: 'NOT-A-SUITE' is not a known cipher suite"
     );
 }
 
