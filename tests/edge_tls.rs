@@ -966,3 +966,67 @@ async fn istiods_default_cipher_list_is_accepted() {
         .expect("1.3");
     assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_and_tls_on_one_port_by_transport_protocol() {
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["t.example.com"]);
+    let by_transport = |mut c: FilterChain, transport: &str| {
+        c.filter_chain_match = Some(FilterChainMatch {
+            transport_protocol: transport.into(),
+            ..Default::default()
+        });
+        c
+    };
+    let listener = |port: u16, key: &str| {
+        let bad = Leaf {
+            cert: leaf.cert.clone(),
+            key: key.to_string(),
+            der: Vec::new(),
+        };
+        tls_listener(
+            port,
+            vec![
+                by_transport(
+                    chain("tls", &[], Some(inline_tls(&bad, &[], None)), "route-tls"),
+                    "tls",
+                ),
+                by_transport(chain("plain", &[], None, "route-plain"), "raw_buffer"),
+            ],
+            None,
+        )
+    };
+    let good_key = leaf.key.clone();
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![listener(port, &good_key)],
+        routes: vec![
+            answering("route-tls", "secure"),
+            answering("route-plain", "plain"),
+        ],
+        ..Default::default()
+    })
+    .await;
+    let client = Client::new(&pki);
+    let r = wait_tls(&client, mesh.port, "t.example.com").await;
+    assert_eq!(r.body, "secure");
+    let r = mesh.get("/", "t.example.com", &[]).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "plain"));
+
+    // An inline key that does not parse: the listener update is NACKed, the old one serves.
+    mesh.ads.set_listeners(
+        "2",
+        &[listener(
+            mesh.port,
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        )],
+    );
+    let nack = mesh.ads.wait_for_nack(LDS, PROPAGATION).await;
+    eprintln!("inline bad key NACK: {:?}", nack.error);
+    let r = client
+        .get(mesh.port, "t.example.com", "/")
+        .await
+        .expect("still serving");
+    assert_eq!(r.body, "secure");
+    let r = mesh.get("/", "t.example.com", &[]).await;
+    assert_eq!(r.body, "plain");
+}

@@ -752,3 +752,52 @@ fn stream_timeouts_and_internal_addresses() {
     });
     hcm_rejected(h, "malformed IP address: ten");
 }
+
+#[test]
+fn chain_errors_name_the_chain_and_default_chains_translate() {
+    let mut l = listener();
+    let mut second = l.filter_chains[0].clone();
+    second.filter_chain_match = Some(lpb::FilterChainMatch {
+        server_names: vec!["b.example.com".into()],
+        ..Default::default()
+    });
+    second.transport_socket = Some(tls_socket("envoy.transport_sockets.tls", TLS_TYPE));
+    l.filter_chains.push(second);
+    rejected(
+        &l,
+        "filter_chains[1].transport_socket 'envoy.transport_sockets.tls': No TLS certificates",
+    );
+    let mut l = listener();
+    let mut d = l.filter_chains[0].clone();
+    d.transport_socket = Some(tls_socket("envoy.transport_sockets.tls", TLS_TYPE));
+    l.default_filter_chain = Some(d);
+    rejected(&l, "default_filter_chain.transport_socket");
+    let mut l = listener();
+    l.filter_chains[0].transport_socket = Some(corepb::TransportSocket {
+        name: "envoy.transport_sockets.alts".into(),
+        config_type: None,
+    });
+    rejected(
+        &l,
+        "filter_chains[0].transport_socket 'envoy.transport_sockets.alts' is not supported",
+    );
+}
+
+#[test]
+fn a_default_chain_is_picked_when_nothing_matches() {
+    let mut l = listener();
+    l.filter_chains[0].filter_chain_match = Some(lpb::FilterChainMatch {
+        server_names: vec!["a.example.com".into()],
+        ..Default::default()
+    });
+    let conn = |sni| super::super::filter_chain::Conn {
+        destination_port: 8080,
+        server_name: sni,
+        transport_protocol: "tls",
+        application_protocols: &[],
+    };
+    assert_eq!(ok(&l).select_chain(&conn("a.example.com")), Some(0));
+    assert_eq!(ok(&l).select_chain(&conn("b.example.com")), None);
+    l.default_filter_chain = Some(l.filter_chains[0].clone());
+    assert_eq!(ok(&l).select_chain(&conn("b.example.com")), Some(1));
+}

@@ -296,9 +296,11 @@ impl DownstreamTls {
                             // istiod's default list names two of these; Envoy accepts it, so
                             // they are left out rather than the whole listener refused.
                             None if BORINGSSL_ONLY.contains(&n) => skipped.push(n.to_string()),
-                            None => return Err(format!(
+                            None => {
+                                return Err(format!(
                                 "tls_params.cipher_suites[{i}]: '{n}' is not a known cipher suite"
-                            )),
+                            ))
+                            }
                         }
                     }
                 }
