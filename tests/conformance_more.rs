@@ -1020,6 +1020,7 @@ async fn hcm_server_name_in_proxied_and_local_replies() {
             ))],
             clusters: vec![eds_cluster(&echo_c), eds_cluster(&empty_c)],
             endpoints: vec![cla(&echo_c, &[echo.addr]), cla(&empty_c, &[])],
+            ..Default::default()
         }
     })
     .await;
@@ -1095,6 +1096,7 @@ async fn hcm_strip_host_port_modes() {
             )],
             clusters: vec![eds_cluster(&echo_c)],
             endpoints: vec![cla(&echo_c, &[echo.addr])],
+            ..Default::default()
         }
     })
     .await;
@@ -1212,6 +1214,7 @@ async fn hcm_forwarding_and_request_id_options() {
             routes: vec![all_to(&rn, cl)],
             clusters: vec![eds_cluster(cl)],
             endpoints: vec![cla(cl, &[backend.addr])],
+            ..Default::default()
         }
     })
     .await;
@@ -1463,6 +1466,7 @@ async fn h2c_concurrent_streams_on_one_connection() {
             ))],
             clusters: vec![eds_cluster(&ca), eds_cluster(&cb)],
             endpoints: vec![cla(&ca, &[a.addr]), cla(&cb, &[b.addr])],
+            ..Default::default()
         }
     })
     .await;
@@ -1647,6 +1651,7 @@ async fn prometheus_downstream_classes_and_upstream_codes() {
             )],
             clusters: vec![eds_cluster("statuses"), eds_cluster("empty")],
             endpoints: vec![cla("statuses", &[sb.addr]), cla("empty", &[])],
+            ..Default::default()
         }
     })
     .await;

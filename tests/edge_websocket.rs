@@ -178,6 +178,7 @@ async fn mesh(
             )],
             clusters: vec![eds_cluster("ws")],
             endpoints: vec![cla("ws", &[addr])],
+            ..Default::default()
         }
     })
     .await;
@@ -493,6 +494,7 @@ async fn raw_mesh(addr: SocketAddr) -> Mesh {
             )],
             clusters: vec![eds_cluster("raw")],
             endpoints: vec![cla("raw", &[addr])],
+            ..Default::default()
         }
     })
     .await;
@@ -829,6 +831,7 @@ async fn the_stream_idle_timeout_ends_a_quiet_websocket() {
             )],
             clusters: vec![eds_cluster("ws")],
             endpoints: vec![cla("ws", &[addr])],
+            ..Default::default()
         }
     })
     .await;

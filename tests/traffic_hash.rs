@@ -642,6 +642,7 @@ async fn source_ip_follows_the_connection_managers_remote_address() {
                 routes: vec![routes(port, vec![policy(spec.clone())])],
                 clusters: vec![hash_cluster("hash", Kind::Maglev)],
                 endpoints: vec![cla("hash", &addrs)],
+                ..Default::default()
             }
         })
         .await;

@@ -56,6 +56,7 @@ async fn mesh_with(
             )],
             clusters: vec![c],
             endpoints: vec![cla("pool", &[backend.addr])],
+            ..Default::default()
         }
     })
     .await;

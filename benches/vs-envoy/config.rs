@@ -96,6 +96,7 @@ pub fn scale_snapshot(port: u16, n: usize, backends: &[u16]) -> Snapshot {
         )],
         clusters,
         endpoints,
+        ..Default::default()
     }
 }
 

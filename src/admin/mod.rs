@@ -165,6 +165,40 @@ fn stamp(t: SystemTime) -> serde_json::Value {
         .unwrap_or(serde_json::Value::Null)
 }
 
+/// A secret as Envoy dumps it: the private key (and its password) replaced by "[redacted]",
+/// in whatever form it came (inline bytes, inline string or file name).
+fn redacted_secret(
+    raw: &crate::xds::types::Raw<
+        envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret,
+    >,
+) -> Any {
+    use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::secret::Type;
+    let Ok(mut secret) = raw.decode() else {
+        return raw.to_any();
+    };
+    let redact = |d: &mut Option<envoy_types::pb::envoy::config::core::v3::DataSource>| {
+        if let Some(spec) = d.as_mut().and_then(|d| d.specifier.as_mut()) {
+            *spec = match spec {
+                Specifier::InlineBytes(_) => Specifier::InlineBytes(b"[redacted]".to_vec()),
+                Specifier::InlineString(_) => Specifier::InlineString("[redacted]".into()),
+                Specifier::Filename(_) => Specifier::Filename("[redacted]".into()),
+                Specifier::EnvironmentVariable(_) => {
+                    Specifier::EnvironmentVariable("[redacted]".into())
+                }
+            };
+        }
+    };
+    if let Some(Type::TlsCertificate(c)) = &mut secret.r#type {
+        redact(&mut c.private_key);
+        redact(&mut c.password);
+    }
+    if let Some(Type::GenericSecret(g)) = &mut secret.r#type {
+        redact(&mut g.secret);
+    }
+    envoy_types::util::pack_any(secret)
+}
+
 /// `/config_dump` in Envoy's shape: the bootstrap, then clusters, listeners, routes (and
 /// endpoints with `include_eds`), each split into static and dynamic.
 pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value, String> {
@@ -248,6 +282,53 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
         "@type": admin::RoutesConfigDump::type_url(),
         "dynamic_route_configs": routes,
     }));
+    // Envoy lists a subscribed secret that has not arrived as warming.
+    let secrets: Vec<_> = store
+        .secrets
+        .values()
+        .map(|item| {
+            json!({
+                "name": item.value.name,
+                "version_info": &*item.version,
+                "last_updated": stamp(item.last_updated),
+                "secret": render(&redacted_secret(&item.proto)),
+            })
+        })
+        .collect();
+    // As Envoy: named, "uninitialized", stamped when the listener asking for it arrived.
+    let mut warming_since: std::collections::BTreeMap<&str, SystemTime> = Default::default();
+    for item in store.listeners.values() {
+        for name in item
+            .value
+            .chains
+            .iter()
+            .filter_map(|c| c.tls.as_ref()?.sds_name())
+            .filter(|n| !store.secrets.contains_key(*n))
+        {
+            warming_since.entry(name).or_insert(item.last_updated);
+        }
+    }
+    let warming: Vec<_> = warming_since
+        .into_iter()
+        .map(|(n, t)| {
+            json!({
+                "name": n,
+                "version_info": "uninitialized",
+                "last_updated": stamp(t),
+                "secret": {
+                    "@type": crate::xds::types::SECRET,
+                    "name": n,
+                },
+            })
+        })
+        .collect();
+    if !secrets.is_empty() || !warming.is_empty() {
+        configs.push(json!({
+            "@type": admin::SecretsConfigDump::type_url(),
+            "dynamic_active_secrets": secrets,
+            "dynamic_warming_secrets": warming,
+        }));
+    }
     if include_eds {
         let eps: Vec<_> = store
             .endpoints

@@ -29,9 +29,33 @@ use tokio::net::TcpStream;
 /// A segment's worth, as pingora's listeners use: a response that fits goes out in one send.
 const CAPACITY: usize = 1460;
 
+/// The socket, or the TLS session over it when the listener's chain terminates TLS.
+#[derive(Debug)]
+enum Inner {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl Inner {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Inner::Plain(t) => t,
+            Inner::Tls(t) => t.get_ref().0,
+        }
+    }
+}
+
+/// What the TLS handshake settled, for pingora (h2 by ALPN) and the request path.
+#[derive(Debug)]
+pub struct TlsInfo {
+    pub digest: Arc<pingora_core::protocols::tls::SslDigest>,
+    pub alpn: Option<pingora_core::protocols::ALPN>,
+}
+
 #[derive(Debug)]
 pub struct Downstream {
-    tcp: TcpStream,
+    tcp: Inner,
+    tls: Option<TlsInfo>,
     buf: Vec<u8>,
     /// Bytes of `buf` already handed to the socket during a flush in progress.
     written: usize,
@@ -42,10 +66,46 @@ pub struct Downstream {
 
 impl Downstream {
     pub fn new(tcp: TcpStream, peer: std::net::SocketAddr) -> Downstream {
-        let digest = SocketDigest::from_raw_fd(tcp.as_raw_fd());
+        Downstream::new_inner(Inner::Plain(tcp), peer)
+    }
+
+    /// A TLS connection; `alpn` is the protocol pingora should speak (None: HTTP/1.1).
+    pub fn new_tls(
+        tls: tokio_rustls::server::TlsStream<TcpStream>,
+        peer: std::net::SocketAddr,
+        alpn: Option<pingora_core::protocols::ALPN>,
+    ) -> Downstream {
+        let conn = tls.get_ref().1;
+        let version = match conn.protocol_version() {
+            Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1.3",
+            Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1.2",
+            _ => "",
+        };
+        let cipher = conn
+            .negotiated_cipher_suite()
+            .and_then(|s| s.suite().as_str())
+            .unwrap_or("");
+        let digest = pingora_core::protocols::tls::SslDigest::new(
+            cipher.to_string(),
+            version.to_string(),
+            None,
+            None,
+            Vec::new(),
+        );
+        let mut d = Downstream::new_inner(Inner::Tls(Box::new(tls)), peer);
+        d.tls = Some(TlsInfo {
+            digest: Arc::new(digest),
+            alpn,
+        });
+        d
+    }
+
+    fn new_inner(inner: Inner, peer: std::net::SocketAddr) -> Downstream {
+        let digest = SocketDigest::from_raw_fd(inner.tcp().as_raw_fd());
         let _ = digest.peer_addr.set(Some(peer.into()));
         Downstream {
-            tcp,
+            tcp: inner,
+            tls: None,
             buf: Vec::new(),
             written: 0,
             socket_digest: Some(Arc::new(digest)),
@@ -57,7 +117,7 @@ impl Downstream {
     /// Sends what is buffered; the buffer is empty when this returns ready.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.written < self.buf.len() {
-            let n = ready!(Pin::new(&mut self.tcp).poll_write(cx, &self.buf[self.written..]))?;
+            let n = ready!(self.tcp.poll_write_inner(cx, &self.buf[self.written..]))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
@@ -72,12 +132,76 @@ impl Downstream {
 impl Drop for Downstream {
     fn drop(&mut self) {
         // Best effort and never blocking: the socket is about to close anyway.
-        let mut rest = &self.buf[self.written.min(self.buf.len())..];
-        while !rest.is_empty() {
-            match self.tcp.try_write(rest) {
-                Ok(n) if n > 0 => rest = &rest[n..],
-                _ => break,
+        let rest = &self.buf[self.written.min(self.buf.len())..];
+        match &mut self.tcp {
+            Inner::Plain(tcp) => try_write_all(tcp, rest),
+            Inner::Tls(tls) => {
+                // Seal what is left into records, then hand those to the socket.
+                let (tcp, conn) = tls.get_mut();
+                if !rest.is_empty() {
+                    let _ = std::io::Write::write_all(&mut conn.writer(), rest);
+                }
+                let mut out = Vec::new();
+                while conn.wants_write() {
+                    if conn.write_tls(&mut out).is_err() {
+                        break;
+                    }
+                }
+                try_write_all(tcp, &out);
             }
+        }
+    }
+}
+
+fn try_write_all(tcp: &TcpStream, mut rest: &[u8]) {
+    while !rest.is_empty() {
+        match tcp.try_write(rest) {
+            Ok(n) if n > 0 => rest = &rest[n..],
+            _ => break,
+        }
+    }
+}
+
+impl Inner {
+    fn poll_write_inner(&mut self, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        match self {
+            Inner::Plain(t) => Pin::new(t).poll_write(cx, data),
+            Inner::Tls(t) => Pin::new(&mut **t).poll_write(cx, data),
+        }
+    }
+}
+
+impl AsyncRead for Inner {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Inner::Plain(t) => Pin::new(t).poll_read(cx, buf),
+            Inner::Tls(t) => Pin::new(&mut **t).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Inner {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().poll_write_inner(cx, data)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Inner::Plain(t) => Pin::new(t).poll_flush(cx),
+            Inner::Tls(t) => Pin::new(&mut **t).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Inner::Plain(t) => Pin::new(t).poll_shutdown(cx),
+            Inner::Tls(t) => Pin::new(&mut **t).poll_shutdown(cx),
         }
     }
 }
@@ -135,11 +259,19 @@ impl Shutdown for Downstream {
 
 impl UniqueID for Downstream {
     fn id(&self) -> UniqueIDType {
-        self.tcp.as_raw_fd()
+        self.tcp.tcp().as_raw_fd()
     }
 }
 
-impl Ssl for Downstream {}
+impl Ssl for Downstream {
+    fn get_ssl_digest(&self) -> Option<Arc<pingora_core::protocols::tls::SslDigest>> {
+        self.tls.as_ref().map(|t| t.digest.clone())
+    }
+
+    fn selected_alpn_proto(&self) -> Option<pingora_core::protocols::ALPN> {
+        self.tls.as_ref().and_then(|t| t.alpn.clone())
+    }
+}
 
 // The listener reads the h2c preface itself (see `listeners`), so pingora need not peek: the
 // default answer, "cannot peek", leaves the protocol pingora was told to speak.

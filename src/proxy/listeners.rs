@@ -22,12 +22,17 @@ use crate::State;
 
 struct Running {
     addr: SocketAddr,
-    codec: Codec,
+    /// Per filter chain: a change of chains or codecs restarts the listener.
+    codecs: Vec<Codec>,
     /// Tells the accept loop to stop and open connections to close after their current request.
     shutdown: watch::Sender<bool>,
-    /// One set per worker: each has its own upstream connection pool, as Envoy's workers do, so
-    /// a pooled connection is never handed between threads.
-    apps: Vec<Apps>,
+    /// One set per worker (each has its own upstream connection pool, as Envoy's workers do, so
+    /// a pooled connection is never handed between threads), one entry per filter chain.
+    apps: Vec<Arc<Vec<Apps>>>,
+}
+
+fn codecs(l: &crate::snapshot::ActiveListener) -> Vec<Codec> {
+    l.def.chains.iter().map(|c| c.hcm.codec).collect()
 }
 
 /// One pingora app per protocol: HTTP/1 and h2c. Portico reads the first bytes itself to pick
@@ -94,16 +99,18 @@ impl ListenerManager {
             let keep = snap
                 .listeners
                 .get(name)
-                .is_some_and(|l| l.def.addr == r.addr && l.def.hcm.codec == r.codec);
+                .is_some_and(|l| l.def.addr == r.addr && codecs(l) == r.codecs);
             if !keep {
                 tracing::info!(listener = %name, addr = %r.addr, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
                 // Wakes keep-alive connections idling in read_request so they close now.
                 for (w, apps) in self.workers.iter().zip(r.apps.clone()) {
                     w.spawn(async move {
-                        apps.h1.http_cleanup().await;
-                        if let Some(h2c) = apps.h2c {
-                            h2c.http_cleanup().await;
+                        for a in apps.iter() {
+                            a.h1.http_cleanup().await;
+                            if let Some(h2c) = &a.h2c {
+                                h2c.http_cleanup().await;
+                            }
                         }
                     });
                 }
@@ -136,12 +143,14 @@ impl ListenerManager {
                 continue;
             };
             let (tx, rx) = watch::channel(false);
-            let app = |h2c: bool| {
+            let app = |chain: usize, h2c: bool| {
+                let hcm = &l.def.chains[chain].hcm;
                 let mut proxy = HttpProxy::new(
                     Gateway {
                         listener: name.clone(),
+                        chain,
                         state: self.state.clone(),
-                        hcm_stats: self.state.stats.hcm(&l.def.hcm.stat_prefix),
+                        hcm_stats: self.state.stats.hcm(&hcm.stat_prefix),
                     },
                     self.conf.clone(),
                 );
@@ -151,31 +160,55 @@ impl ListenerManager {
                 proxy.handle_init_modules();
                 Arc::new(proxy)
             };
-            let apps: Vec<Apps> = self
+            let apps: Vec<Arc<Vec<Apps>>> = self
                 .workers
                 .iter()
-                .map(|_| Apps {
-                    h1: app(false),
-                    h2c: (l.def.hcm.codec != Codec::Http1).then(|| app(true)),
+                .map(|_| {
+                    Arc::new(
+                        l.def
+                            .chains
+                            .iter()
+                            .enumerate()
+                            .map(|(i, c)| Apps {
+                                h1: app(i, false),
+                                h2c: (c.hcm.codec != Codec::Http1).then(|| app(i, true)),
+                            })
+                            .collect(),
+                    )
                 })
                 .collect();
-            let hcm_stats = self.state.stats.hcm(&l.def.hcm.stat_prefix);
-            if !l.def.hcm.faults.is_empty() {
-                // Envoy creates the fault stats with the filter, so they show before any fault.
-                hcm_stats
-                    .fault
-                    .enabled
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
-            }
+            let hcm_stats: Arc<Vec<_>> = Arc::new(
+                l.def
+                    .chains
+                    .iter()
+                    .map(|c| {
+                        let s = self.state.stats.hcm(&c.hcm.stat_prefix);
+                        if !c.hcm.faults.is_empty() {
+                            // Envoy creates the fault stats with the filter, so they show
+                            // before any fault.
+                            s.fault
+                                .enabled
+                                .store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        s
+                    })
+                    .collect(),
+            );
             tracing::info!(listener = %name, %addr, "listener serving");
             for ((w, sock), a) in self.workers.iter().zip(socks).zip(&apps) {
-                w.spawn(accept_loop(sock, a.clone(), rx.clone(), hcm_stats.clone()));
+                let conn = Conns {
+                    listener: name.clone(),
+                    state: self.state.clone(),
+                    apps: a.clone(),
+                    hcm_stats: hcm_stats.clone(),
+                };
+                w.spawn(accept_loop(sock, conn, rx.clone()));
             }
             self.running.insert(
                 name.clone(),
                 Running {
                     addr,
-                    codec: l.def.hcm.codec,
+                    codecs: codecs(l),
                     shutdown: tx,
                     apps,
                 },
@@ -219,19 +252,88 @@ async fn starts_with_h2_preface(stream: &tokio::net::TcpStream) -> bool {
     }
 }
 
+/// What an accept loop hands each connection: where to find the listener's config, and its
+/// chains' apps and stats on this worker.
+#[derive(Clone)]
+struct Conns {
+    listener: String,
+    state: Arc<State>,
+    apps: Arc<Vec<Apps>>,
+    hcm_stats: Arc<Vec<Arc<crate::admin::stats::HcmStats>>>,
+}
+
 async fn serve_connection(
     tcp: tokio::net::TcpStream,
     peer: SocketAddr,
-    apps: Apps,
+    conns: Conns,
     shutdown: watch::Receiver<bool>,
 ) {
     let _ = tcp.set_nodelay(true);
-    let app = match &apps.h2c {
-        Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),
-        _ => apps.h1.clone(),
+    // One snapshot for the chain choice and its certificate: a rotation applies to the next
+    // handshake, never to this one half-way.
+    let chain = {
+        let snap = conns.state.snapshot.load();
+        let Some(l) = snap.listeners.get(&conns.listener).cloned() else {
+            return;
+        };
+        drop(snap);
+        let hello = if l.def.tls_inspector {
+            let inspect = super::tls::inspect(&tcp);
+            match l.def.listener_filters_timeout {
+                Some(t) => match tokio::time::timeout(t, inspect).await {
+                    Ok(h) => h,
+                    // Envoy closes the connection, unless told to carry on without the filters.
+                    Err(_) if l.def.continue_on_listener_filters_timeout => Default::default(),
+                    Err(_) => return,
+                },
+                None => inspect.await,
+            }
+        } else {
+            Default::default()
+        };
+        let port = tcp.local_addr().map_or(l.def.addr.port(), |a| a.port());
+        let conn = crate::snapshot::filter_chain::Conn {
+            destination_port: port,
+            server_name: &hello.server_name,
+            transport_protocol: if hello.tls { "tls" } else { "raw_buffer" },
+            application_protocols: &hello.alpn,
+        };
+        let Some(i) = l.def.select_chain(&conn) else {
+            tracing::debug!(listener = %conns.listener, %peer, "no filter chain matches; closing");
+            return;
+        };
+        match l.chains.get(i) {
+            Some(c) => (i, c.clone()),
+            None => return,
+        }
     };
-    let mut stream: pingora_core::protocols::Stream =
-        Box::new(super::io::Downstream::new(tcp, peer));
+    let (index, active) = chain;
+    let (Some(apps), Some(stats)) = (conns.apps.get(index), conns.hcm_stats.get(index)) else {
+        return;
+    };
+    stats
+        .cx_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let (app, mut stream): (_, pingora_core::protocols::Stream) = match &active.tls {
+        Some(tls) => match super::tls::handshake(tcp, tls, active.def.hcm.codec).await {
+            Ok((tls, alpn)) => (
+                apps.h1.clone(),
+                Box::new(super::io::Downstream::new_tls(tls, peer, alpn)),
+            ),
+            Err(e) => {
+                tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
+                return;
+            }
+        },
+        None => {
+            let app = match &apps.h2c {
+                Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),
+                _ => apps.h1.clone(),
+            };
+            (app, Box::new(super::io::Downstream::new(tcp, peer)))
+        }
+    };
+    drop(active);
     while let Some(next) = app.process_new(stream, &shutdown).await {
         stream = next;
     }
@@ -239,9 +341,8 @@ async fn serve_connection(
 
 async fn accept_loop(
     sock: std::net::TcpListener,
-    apps: Apps,
+    conns: Conns,
     mut shutdown: watch::Receiver<bool>,
-    hcm_stats: Arc<crate::admin::stats::HcmStats>,
 ) {
     let listener = match tokio::net::TcpListener::from_std(sock) {
         Ok(l) => l,
@@ -254,8 +355,7 @@ async fn accept_loop(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, peer)) => {
-                    hcm_stats.cx_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tokio::spawn(serve_connection(tcp, peer, apps.clone(), shutdown.clone()));
+                    tokio::spawn(serve_connection(tcp, peer, conns.clone(), shutdown.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.

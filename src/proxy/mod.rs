@@ -2,6 +2,7 @@
 
 pub mod io;
 pub mod listeners;
+pub mod tls;
 mod upgrade;
 
 use std::net::SocketAddr;
@@ -26,12 +27,14 @@ use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
 use crate::snapshot::ratelimit::LocalRateLimit;
 use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
-use crate::snapshot::ActiveListener;
+use crate::snapshot::ActiveChain;
 use crate::State;
 
-/// One per listener: the listener's name is how a request finds its config in the snapshot.
+/// One per listener filter chain: the listener's name and the chain's index are how a request
+/// finds its config in the snapshot.
 pub struct Gateway {
     pub listener: String,
+    pub chain: usize,
     pub state: Arc<State>,
     pub hcm_stats: Arc<HcmStats>,
 }
@@ -55,7 +58,7 @@ const MIRROR_BODY_LIMIT: usize = 1 << 20;
 /// Per-request state: the snapshot loaded once, and what routing decided.
 #[derive(Default)]
 pub struct Ctx {
-    listener: Option<Arc<ActiveListener>>,
+    listener: Option<Arc<ActiveChain>>,
     cluster: Option<Arc<Cluster>>,
     host_index: usize,
     peer: Option<SocketAddr>,
@@ -542,7 +545,7 @@ fn request_id_bytes() -> [u8; 36] {
 }
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
-fn authority<'a>(req: &'a RequestHeader, listener: &ActiveListener) -> std::borrow::Cow<'a, str> {
+fn authority<'a>(req: &'a RequestHeader, listener: &ActiveChain) -> std::borrow::Cow<'a, str> {
     let raw = raw_authority(req);
     let host = match split_port(raw) {
         (host, Some(_)) if listener.routes.ignore_port || hcm_strips_port(raw, listener) => host,
@@ -558,7 +561,7 @@ fn authority<'a>(req: &'a RequestHeader, listener: &ActiveListener) -> std::borr
 
 /// Whether the HCM's `strip_any_host_port` / `strip_matching_host_port` removes the port of
 /// this authority: that changes the Host sent upstream too, unlike `ignore_port_in_host_matching`.
-fn hcm_strips_port(raw: &str, listener: &ActiveListener) -> bool {
+fn hcm_strips_port(raw: &str, listener: &ActiveChain) -> bool {
     let hcm = &listener.def.hcm;
     match split_port(raw).1 {
         Some(_) if hcm.strip_any_host_port => true,
@@ -1332,7 +1335,7 @@ fn split_port(authority: &str) -> (&str, Option<&str>) {
 /// leaves its `set-cookie` in `set_cookies` for the response.
 fn request_hash(
     session: &Session,
-    listener: &ActiveListener,
+    listener: &ActiveChain,
     fwd: &Forward,
     set_cookies: &mut Vec<String>,
 ) -> Option<u64> {
@@ -1377,7 +1380,12 @@ impl ProxyHttp for Gateway {
         self.hcm_stats.start();
         ctx.counted_active = true;
         let snap = self.state.snapshot.load_full();
-        let Some(listener) = snap.listeners.get(&self.listener).cloned() else {
+        let Some(listener) = snap
+            .listeners
+            .get(&self.listener)
+            .and_then(|l| l.chains.get(self.chain))
+            .cloned()
+        else {
             // The listener was removed while this connection was open.
             session.set_keepalive(None);
             return self.local_reply(session, ctx, 404, None, &[]).await;
@@ -1692,7 +1700,16 @@ impl ProxyHttp for Gateway {
             }
         }
         if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
-            req.insert_header(X_FORWARDED_PROTO.clone(), "http")?;
+            // The chain terminating TLS is what makes the connection https, as in Envoy.
+            let proto = if listener.def.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
+        }
+        if !hcm.always_forward_client_cert {
+            req.remove_header("x-forwarded-client-cert");
         }
         let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
@@ -2305,6 +2322,7 @@ mod tests {
             max_stream_duration: None,
             internal_ranges: Vec::new(),
             upgrades: Default::default(),
+            always_forward_client_cert: false,
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

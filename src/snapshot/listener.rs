@@ -1,4 +1,5 @@
-//! Listeners (LDS or bootstrap `static_resources.listeners`) with one HTTP connection manager.
+//! Listeners (LDS or bootstrap `static_resources.listeners`): filter chains, each with one HTTP
+//! connection manager and optionally TLS.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,8 +11,10 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
 use super::fault::{Fault, FAULT_TYPE};
+use super::filter_chain::{select, ChainMatch, Conn};
 use super::ratelimit::LocalRateLimit;
 use super::route::RouteTable;
+use super::tls::{DownstreamTls, DOWNSTREAM_TLS_TYPE, TLS_INSPECTOR_TYPE};
 use super::{socket_address, TranslateError};
 
 pub const HCM_TYPE: &str =
@@ -22,7 +25,38 @@ pub const ROUTER_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http
 pub struct ListenerDef {
     pub name: String,
     pub addr: SocketAddr,
+    /// `filter_chains` in order, then `default_filter_chain` if there is one.
+    pub chains: Vec<Arc<ChainDef>>,
+    /// The criteria of the `filter_chains` (the default chain has none).
+    pub matches: Vec<ChainMatch>,
+    pub has_default: bool,
+    /// `envoy.filters.listener.tls_inspector` is configured: SNI and ALPN are read from the
+    /// ClientHello before the chain is picked. Without it Envoy sees neither.
+    pub tls_inspector: bool,
+    /// `listener_filters_timeout` (default 15 s; zero: none).
+    pub listener_filters_timeout: Option<std::time::Duration>,
+    pub continue_on_listener_filters_timeout: bool,
+}
+
+/// One filter chain: how it terminates the transport, and its connection manager.
+#[derive(Debug)]
+pub struct ChainDef {
+    pub name: String,
+    /// The listener's address (the request path reads it for `strip_matching_host_port`).
+    pub addr: SocketAddr,
+    pub tls: Option<Arc<DownstreamTls>>,
     pub hcm: Hcm,
+}
+
+impl ListenerDef {
+    /// The chain for a connection: its index in `chains`, or None (close it).
+    pub fn select_chain(&self, conn: &Conn<'_>) -> Option<usize> {
+        match select(&self.matches, conn) {
+            Some(i) => Some(i),
+            None if self.has_default => Some(self.chains.len() - 1),
+            None => None,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -69,6 +103,10 @@ pub struct Hcm {
     pub internal_ranges: Vec<Cidr>,
     /// `upgrade_configs`: which `Upgrade` types (WebSocket) are proxied.
     pub upgrades: super::upgrade::Upgrades,
+    /// `forward_client_cert_details: ALWAYS_FORWARD_ONLY`. Every other mode removes an incoming
+    /// `x-forwarded-client-cert` on a connection without a client certificate, and Portico
+    /// does not ask for client certificates yet.
+    pub always_forward_client_cert: bool,
 }
 
 /// An address range (`CidrRange`).
@@ -137,6 +175,9 @@ fn unpack<M: Message + Default>(any: &Any, want: &str, what: &str) -> Result<M, 
     M::decode(any.value.as_slice()).map_err(|e| format!("{what}: cannot decode: {e}"))
 }
 
+const TLS_INSPECTOR: &str = "envoy.filters.listener.tls_inspector";
+const TLS_TRANSPORT: &str = "envoy.transport_sockets.tls";
+
 impl ListenerDef {
     pub fn translate(l: &lpb::Listener) -> Result<ListenerDef, TranslateError> {
         let err = |d: String| TranslateError::new(format!("listener '{}'", l.name), d);
@@ -149,69 +190,139 @@ impl ListenerDef {
             .parse()
             .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
         let addr = SocketAddr::new(ip, port);
-        if let Some(f) = l.listener_filters.first() {
-            return Err(err(format!(
-                "listener_filters: listener filter '{}' is not supported",
-                f.name
-            )));
-        }
-        let chains: Vec<&lpb::FilterChain> = l
-            .filter_chains
-            .iter()
-            .chain(l.default_filter_chain.as_ref())
-            .collect();
-        let chain = match chains.as_slice() {
-            [one] => *one,
-            [] => return Err(err("no filter chains specified".into())),
-            _ => {
-                return Err(err(
-                    "more than one filter chain is not supported yet (filter chain matching comes with TLS)".into(),
-                ))
-            }
-        };
-        if let Some(ts) = &chain.transport_socket {
-            if !super::cluster::is_raw_buffer(ts) {
+        let mut tls_inspector = false;
+        for (i, f) in l.listener_filters.iter().enumerate() {
+            use lpb::listener_filter::ConfigType;
+            let is_inspector = match &f.config_type {
+                Some(ConfigType::TypedConfig(a)) => a.type_url == TLS_INSPECTOR_TYPE,
+                Some(ConfigType::ConfigDiscovery(_)) => false,
+                None => f.name == TLS_INSPECTOR,
+            };
+            if !is_inspector {
                 return Err(err(format!(
-                    "filter_chains[0].transport_socket '{}' is not supported yet (TLS)",
-                    ts.name
+                    "listener_filters[{i}]: listener filter '{}' is not supported",
+                    f.name
                 )));
             }
-        }
-        let hcm = match chain.filters.as_slice() {
-            [f] if f.name.is_empty() => {
-                return Err(err("filter_chains[0].filters[0]: name must not be empty".into()))
-            }
-            [f] => {
-                let any = match &f.config_type {
-                    Some(lpb::filter::ConfigType::TypedConfig(a)) => a,
-                    _ => {
-                        return Err(err(format!(
-                            "filter_chains[0].filters[0] '{}': typed_config is required",
-                            f.name
-                        )))
-                    }
-                };
-                if any.type_url != HCM_TYPE {
-                    return Err(err(format!(
-                        "network filter '{}' ({}) is not supported",
-                        f.name, any.type_url
-                    )));
-                }
-                let proto: hcm::HttpConnectionManager =
-                    unpack(any, HCM_TYPE, "http_connection_manager").map_err(err)?;
-                Hcm::translate(&proto).map_err(|e| err(format!("http_connection_manager: {e}")))?
-            }
-            [] => return Err(err("filter_chains[0]: no network filters".into())),
-            [first, ..] => {
+            if f.filter_disabled.is_some() {
                 return Err(err(format!(
-                    "filter_chains[0]: only a single http_connection_manager is supported, found network filter '{}' first",
-                    first.name
-                )))
+                    "listener_filters[{i}]: filter_disabled is not supported"
+                )));
+            }
+            tls_inspector = true;
+        }
+        if l.filter_chain_matcher.is_some() {
+            return Err(err("filter_chain_matcher is not supported".into()));
+        }
+        if l.filter_chains.is_empty() && l.default_filter_chain.is_none() {
+            return Err(err("no filter chains specified".into()));
+        }
+        let mut chains = Vec::with_capacity(l.filter_chains.len() + 1);
+        let mut matches = Vec::with_capacity(l.filter_chains.len());
+        for (i, c) in l.filter_chains.iter().enumerate() {
+            let at = format!("filter_chains[{i}]");
+            matches.push(
+                ChainMatch::translate(c.filter_chain_match.as_ref())
+                    .map_err(|e| err(format!("{at}: {e}")))?,
+            );
+            chains.push(Arc::new(ChainDef::translate(c, addr, &at).map_err(err)?));
+        }
+        let named: Vec<(&str, &ChainMatch)> = l
+            .filter_chains
+            .iter()
+            .map(|c| c.name.as_str())
+            .zip(matches.iter())
+            .collect();
+        super::filter_chain::check_overlaps(&named).map_err(err)?;
+        if let Some(c) = &l.default_filter_chain {
+            chains.push(Arc::new(
+                ChainDef::translate(c, addr, "default_filter_chain").map_err(err)?,
+            ));
+        }
+        let listener_filters_timeout = match &l.listener_filters_timeout {
+            None => Some(std::time::Duration::from_secs(15)),
+            Some(d) => {
+                let d = super::duration(d)
+                    .map_err(|e| err(format!("listener_filters_timeout: {e}")))?;
+                (!d.is_zero()).then_some(d)
             }
         };
         Ok(ListenerDef {
             name: l.name.clone(),
             addr,
+            chains,
+            matches,
+            has_default: l.default_filter_chain.is_some(),
+            tls_inspector,
+            listener_filters_timeout,
+            continue_on_listener_filters_timeout: l.continue_on_listener_filters_timeout,
+        })
+    }
+}
+
+impl ChainDef {
+    fn translate(chain: &lpb::FilterChain, addr: SocketAddr, at: &str) -> Result<ChainDef, String> {
+        let tls = match &chain.transport_socket {
+            None => None,
+            Some(ts) if super::cluster::is_raw_buffer(ts) => None,
+            Some(ts) => match &ts.config_type {
+                Some(corepb::transport_socket::ConfigType::TypedConfig(a))
+                    if a.type_url == DOWNSTREAM_TLS_TYPE =>
+                {
+                    Some(Arc::new(DownstreamTls::from_any(a).map_err(|e| {
+                        format!("{at}.transport_socket '{}': {e}", ts.name)
+                    })?))
+                }
+                _ if ts.name == TLS_TRANSPORT => {
+                    return Err(format!(
+                        "{at}.transport_socket '{}': typed_config must be a DownstreamTlsContext",
+                        ts.name
+                    ))
+                }
+                _ => {
+                    return Err(format!(
+                        "{at}.transport_socket '{}' is not supported",
+                        ts.name
+                    ))
+                }
+            },
+        };
+        let hcm = match chain.filters.as_slice() {
+            [f] if f.name.is_empty() => {
+                return Err(format!("{at}.filters[0]: name must not be empty"))
+            }
+            [f] => {
+                let any = match &f.config_type {
+                    Some(lpb::filter::ConfigType::TypedConfig(a)) => a,
+                    _ => {
+                        return Err(format!(
+                            "{at}.filters[0] '{}': typed_config is required",
+                            f.name
+                        ))
+                    }
+                };
+                if any.type_url != HCM_TYPE {
+                    return Err(format!(
+                        "network filter '{}' ({}) is not supported",
+                        f.name, any.type_url
+                    ));
+                }
+                let proto: hcm::HttpConnectionManager =
+                    unpack(any, HCM_TYPE, "http_connection_manager")?;
+                Hcm::translate(&proto).map_err(|e| format!("http_connection_manager: {e}"))?
+            }
+            [] => return Err(format!("{at}: no network filters")),
+            [first, ..] => {
+                return Err(format!(
+                    "{at}: only a single http_connection_manager is supported, found network filter '{}' first",
+                    first.name
+                ))
+            }
+        };
+        Ok(ChainDef {
+            name: chain.name.clone(),
+            addr,
+            tls,
             hcm,
         })
     }
@@ -286,8 +397,12 @@ impl Hcm {
             None => Vec::new(),
         };
         let upgrades = super::upgrade::Upgrades::from_hcm(&h.upgrade_configs)?;
+        use hcm::http_connection_manager::ForwardClientCertDetails as Fcc;
+        let always_forward_client_cert =
+            Fcc::try_from(h.forward_client_cert_details) == Ok(Fcc::AlwaysForwardOnly);
         Ok(Hcm {
             upgrades,
+            always_forward_client_cert,
             stream_idle_timeout,
             max_stream_duration,
             internal_ranges,

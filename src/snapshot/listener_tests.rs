@@ -163,7 +163,7 @@ fn minimal_listener_translates_with_defaults() {
     let d = ok(&listener());
     assert_eq!(d.name, "l");
     assert_eq!(d.addr, "0.0.0.0:8080".parse().unwrap());
-    let h = &d.hcm;
+    let h = &d.chains[0].hcm;
     assert_eq!(h.stat_prefix, "ingress_http");
     assert!(matches!(&h.routes, RouteSource::Rds(n) if n == "routes"));
     assert_eq!(h.codec, Codec::Auto);
@@ -191,20 +191,20 @@ fn hcm_options_are_kept() {
     h.strip_matching_host_port = true;
     h.server_name = "portico".into();
     let d = ok(&listener_with(&h));
-    assert_eq!(d.hcm.codec, Codec::Http2);
-    assert!(d.hcm.use_remote_address);
-    assert!(d.hcm.skip_xff_append);
-    assert!(!d.hcm.generate_request_id);
-    assert!(d.hcm.preserve_external_request_id);
-    assert!(d.hcm.strip_any_host_port);
-    assert!(d.hcm.strip_matching_host_port);
-    assert_eq!(d.hcm.server_name, "portico");
+    assert_eq!(d.chains[0].hcm.codec, Codec::Http2);
+    assert!(d.chains[0].hcm.use_remote_address);
+    assert!(d.chains[0].hcm.skip_xff_append);
+    assert!(!d.chains[0].hcm.generate_request_id);
+    assert!(d.chains[0].hcm.preserve_external_request_id);
+    assert!(d.chains[0].hcm.strip_any_host_port);
+    assert!(d.chains[0].hcm.strip_matching_host_port);
+    assert_eq!(d.chains[0].hcm.server_name, "portico");
 
     h.codec_type = CodecType::Http1 as i32;
     h.strip_port_mode = Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(false));
     let d = ok(&listener_with(&h));
-    assert_eq!(d.hcm.codec, Codec::Http1);
-    assert!(!d.hcm.strip_any_host_port);
+    assert_eq!(d.chains[0].hcm.codec, Codec::Http1);
+    assert!(!d.chains[0].hcm.strip_any_host_port);
 }
 
 #[test]
@@ -218,7 +218,7 @@ fn ipv6_address_and_port_zero() {
 fn default_filter_chain_alone_is_used() {
     let mut l = listener();
     l.default_filter_chain = Some(l.filter_chains.remove(0));
-    assert!(matches!(ok(&l).hcm.routes, RouteSource::Rds(_)));
+    assert!(matches!(ok(&l).chains[0].hcm.routes, RouteSource::Rds(_)));
 }
 
 #[test]
@@ -234,7 +234,7 @@ fn inline_route_config_is_translated() {
         ..Default::default()
     }));
     let d = ok(&listener_with(&h));
-    let RouteSource::Inline(t) = &d.hcm.routes else {
+    let RouteSource::Inline(t) = &d.chains[0].hcm.routes else {
         panic!("not inline");
     };
     assert_eq!(t.name, "inline");
@@ -352,16 +352,22 @@ fn named_port_and_pipe_are_rejected() {
 }
 
 #[test]
-fn listener_filters_are_rejected() {
+fn only_the_tls_inspector_listener_filter_is_accepted() {
     let mut l = listener();
     l.listener_filters.push(lpb::ListenerFilter {
         name: "envoy.filters.listener.tls_inspector".into(),
         ..Default::default()
     });
+    assert!(ok(&l).tls_inspector);
+    l.listener_filters.push(lpb::ListenerFilter {
+        name: "envoy.filters.listener.http_inspector".into(),
+        ..Default::default()
+    });
     rejected(
         &l,
-        "listener_filters: listener filter 'envoy.filters.listener.tls_inspector' is not supported",
+        "listener_filters[1]: listener filter 'envoy.filters.listener.http_inspector' is not supported",
     );
+    assert!(!ok(&listener()).tls_inspector);
 }
 
 #[test]
@@ -372,22 +378,31 @@ fn no_filter_chains_is_rejected() {
 }
 
 #[test]
-fn several_filter_chains_are_rejected() {
+fn identical_filter_chain_matches_are_rejected() {
     let mut l = listener();
-    l.filter_chains.push(l.filter_chains[0].clone());
-    rejected(&l, "more than one filter chain is not supported");
+    l.filter_chains[0].name = "a".into();
+    let mut second = l.filter_chains[0].clone();
+    second.name = "b".into();
+    l.filter_chains.push(second);
+    rejected(
+        &l,
+        "filter chain 'b' has the same matching rules defined as 'a'",
+    );
+    // A default chain has no match, so it never collides.
     let mut l = listener();
     l.default_filter_chain = Some(l.filter_chains[0].clone());
-    rejected(&l, "more than one filter chain is not supported");
+    let d = ok(&l);
+    assert_eq!(d.chains.len(), 2);
+    assert!(d.has_default);
 }
 
 #[test]
-fn tls_transport_socket_is_rejected() {
+fn tls_context_without_certificates_is_rejected() {
     let mut l = listener();
     l.filter_chains[0].transport_socket = Some(tls_socket("envoy.transport_sockets.tls", TLS_TYPE));
     rejected(
         &l,
-        "filter_chains[0].transport_socket 'envoy.transport_sockets.tls' is not supported yet (TLS)",
+        "filter_chains[0].transport_socket 'envoy.transport_sockets.tls': No TLS certificates found for server context",
     );
 }
 
@@ -652,9 +667,9 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
     ];
     // istiod's empty HTTPFault: a fault filter that injects nothing.
     let l = ok(&listener_with(&h));
-    assert_eq!(l.hcm.faults.len(), 1);
-    assert_eq!(l.hcm.faults[0].name, "envoy.filters.http.fault");
-    assert!(l.hcm.faults[0].config.abort.is_none());
+    assert_eq!(l.chains[0].hcm.faults.len(), 1);
+    assert_eq!(l.chains[0].hcm.faults[0].name, "envoy.filters.http.fault");
+    assert!(l.chains[0].hcm.faults[0].config.abort.is_none());
     let mut with_abort = typed_filter("my-fault", fault);
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // HTTPFault { abort: { http_status: 503 } }: field 2, message with field 2 = 503.
@@ -662,8 +677,8 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
     }
     h.http_filters = vec![with_abort.clone(), router()];
     let l = ok(&listener_with(&h));
-    assert_eq!(l.hcm.faults[0].name, "my-fault");
-    assert!(l.hcm.faults[0].config.abort.is_some());
+    assert_eq!(l.chains[0].hcm.faults[0].name, "my-fault");
+    assert!(l.chains[0].hcm.faults[0].config.abort.is_some());
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // http_status: 99
         a.value = vec![0x12, 0x02, 0x10, 0x63];
@@ -685,9 +700,12 @@ fn stream_timeouts_and_internal_addresses() {
         })
     };
     let def = ok(&listener_with(&base_hcm()));
-    assert_eq!(def.hcm.stream_idle_timeout, Some(Duration::from_secs(300)));
-    assert_eq!(def.hcm.max_stream_duration, None);
-    assert!(def.hcm.internal_ranges.is_empty());
+    assert_eq!(
+        def.chains[0].hcm.stream_idle_timeout,
+        Some(Duration::from_secs(300))
+    );
+    assert_eq!(def.chains[0].hcm.max_stream_duration, None);
+    assert!(def.chains[0].hcm.internal_ranges.is_empty());
 
     let mut h = base_hcm();
     h.stream_idle_timeout = d(0);
@@ -704,9 +722,12 @@ fn stream_timeouts_and_internal_addresses() {
         ..Default::default()
     });
     let def = ok(&listener_with(&h));
-    assert_eq!(def.hcm.stream_idle_timeout, None);
-    assert_eq!(def.hcm.max_stream_duration, Some(Duration::from_secs(30)));
-    let r = &def.hcm.internal_ranges;
+    assert_eq!(def.chains[0].hcm.stream_idle_timeout, None);
+    assert_eq!(
+        def.chains[0].hcm.max_stream_duration,
+        Some(Duration::from_secs(30))
+    );
+    let r = &def.chains[0].hcm.internal_ranges;
     let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
     assert!(r[0].contains(ip("10.1.2.3")));
     assert!(
@@ -742,9 +763,9 @@ fn hcm_upgrade_configs_are_kept_and_checked() {
     let mut h = base_hcm();
     h.upgrade_configs = vec![up("websocket", None), up("foo", Some(false))];
     let d = ok(&listener_with(&h));
-    assert_eq!(d.hcm.upgrades.lookup(b"websocket"), Some(true));
-    assert_eq!(d.hcm.upgrades.lookup(b"foo"), Some(false));
-    assert!(ok(&listener()).hcm.upgrades.is_empty());
+    assert_eq!(d.chains[0].hcm.upgrades.lookup(b"websocket"), Some(true));
+    assert_eq!(d.chains[0].hcm.upgrades.lookup(b"foo"), Some(false));
+    assert!(ok(&listener()).chains[0].hcm.upgrades.is_empty());
     let mut h = base_hcm();
     h.upgrade_configs = vec![up("websocket", None), up("WebSocket", None)];
     hcm_rejected(
@@ -756,7 +777,10 @@ fn hcm_upgrade_configs_are_kept_and_checked() {
     f.filters.push(router());
     h.upgrade_configs = vec![f.clone()];
     assert_eq!(
-        ok(&listener_with(&h)).hcm.upgrades.lookup(b"websocket"),
+        ok(&listener_with(&h)).chains[0]
+            .hcm
+            .upgrades
+            .lookup(b"websocket"),
         Some(true)
     );
     f.filters
@@ -766,4 +790,53 @@ fn hcm_upgrade_configs_are_kept_and_checked() {
         h,
         "upgrade_configs[0] 'websocket': filters other than the router are not supported",
     );
+}
+
+#[test]
+fn chain_errors_name_the_chain_and_default_chains_translate() {
+    let mut l = listener();
+    let mut second = l.filter_chains[0].clone();
+    second.filter_chain_match = Some(lpb::FilterChainMatch {
+        server_names: vec!["b.example.com".into()],
+        ..Default::default()
+    });
+    second.transport_socket = Some(tls_socket("envoy.transport_sockets.tls", TLS_TYPE));
+    l.filter_chains.push(second);
+    rejected(
+        &l,
+        "filter_chains[1].transport_socket 'envoy.transport_sockets.tls': No TLS certificates",
+    );
+    let mut l = listener();
+    let mut d = l.filter_chains[0].clone();
+    d.transport_socket = Some(tls_socket("envoy.transport_sockets.tls", TLS_TYPE));
+    l.default_filter_chain = Some(d);
+    rejected(&l, "default_filter_chain.transport_socket");
+    let mut l = listener();
+    l.filter_chains[0].transport_socket = Some(corepb::TransportSocket {
+        name: "envoy.transport_sockets.alts".into(),
+        config_type: None,
+    });
+    rejected(
+        &l,
+        "filter_chains[0].transport_socket 'envoy.transport_sockets.alts' is not supported",
+    );
+}
+
+#[test]
+fn a_default_chain_is_picked_when_nothing_matches() {
+    let mut l = listener();
+    l.filter_chains[0].filter_chain_match = Some(lpb::FilterChainMatch {
+        server_names: vec!["a.example.com".into()],
+        ..Default::default()
+    });
+    let conn = |sni| super::super::filter_chain::Conn {
+        destination_port: 8080,
+        server_name: sni,
+        transport_protocol: "tls",
+        application_protocols: &[],
+    };
+    assert_eq!(ok(&l).select_chain(&conn("a.example.com")), Some(0));
+    assert_eq!(ok(&l).select_chain(&conn("b.example.com")), None);
+    l.default_filter_chain = Some(l.filter_chains[0].clone());
+    assert_eq!(ok(&l).select_chain(&conn("b.example.com")), Some(1));
 }

@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod cors;
 pub mod fault;
+pub mod filter_chain;
 pub mod headers;
 pub mod health_check;
 pub mod listener;
@@ -14,6 +15,7 @@ pub mod outlier;
 pub mod ratelimit;
 pub mod retry;
 pub mod route;
+pub mod tls;
 pub mod upgrade;
 
 use std::collections::HashMap;
@@ -43,11 +45,22 @@ impl TranslateError {
     }
 }
 
-/// A listener that is serving: its definition and the route table it resolved to.
+/// A listener that is serving: its definition and, per filter chain, what it resolved to.
 #[derive(Debug)]
 pub struct ActiveListener {
     pub def: Arc<ListenerDef>,
+    pub chains: Vec<Arc<ActiveChain>>,
+}
+
+/// One filter chain that is serving: what a request on it reads.
+#[derive(Debug)]
+pub struct ActiveChain {
+    pub def: Arc<listener::ChainDef>,
     pub routes: Arc<RouteTable>,
+    /// The handshake configs, for TLS chains (inline certificates, or the SDS secret in force).
+    pub tls: Option<Arc<tls::TlsServer>>,
+    /// The SDS secret `tls` was built from, so an unchanged secret reuses it.
+    pub secret: Option<Arc<tls::SecretDef>>,
 }
 
 /// Everything a request needs, swapped as a whole.

@@ -282,7 +282,7 @@ impl AdsClient {
             self.subs.entry(Kind::Listener).or_default();
             initial.push(Kind::Listener);
         }
-        for kind in [Kind::Endpoint, Kind::Route] {
+        for kind in [Kind::Endpoint, Kind::Route, Kind::Secret] {
             if self.subs.get(&kind).is_some_and(|s| !s.names.is_empty()) {
                 initial.push(kind);
             }
@@ -367,6 +367,8 @@ impl AdsClient {
             Kind::Endpoint => names
                 .iter()
                 .for_each(|n| counters.eds[outcome].with_label_values(&[n.as_str()]).inc()),
+            // Envoy's sds.<name>.* counters are not kept yet.
+            Kind::Secret => {}
         };
         // As Envoy, a named resource's counters move only when the response carries it.
         let names: Vec<String> = if kind.is_wildcard() {
@@ -407,6 +409,7 @@ impl AdsClient {
                     vec![
                         (Kind::Endpoint, self.worker.store.wanted_endpoints()),
                         (Kind::Route, self.worker.store.wanted_routes()),
+                        (Kind::Secret, self.worker.store.wanted_secrets()),
                     ]
                 } else {
                     Vec::new()

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::config::cluster::v3::Cluster as ClusterProto;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener as ListenerProto;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret as SecretProto;
 use envoy_types::pb::google::protobuf::Any;
 
 use super::types::{self, Kind, Raw};
@@ -23,7 +24,8 @@ use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
-use crate::snapshot::{ActiveListener, Snapshot, TranslateError};
+use crate::snapshot::tls::{CertSource, DownstreamTls, SecretDef, TlsServer};
+use crate::snapshot::{ActiveChain, ActiveListener, Snapshot, TranslateError};
 
 /// One accepted resource: the proto as received (encoded, for `/config_dump`) and its
 /// translation.
@@ -68,6 +70,8 @@ pub struct Store {
     pub routes: Table<RouteConfiguration, RouteTable>,
     pub clusters: Table<ClusterProto, ClusterDef>,
     pub endpoints: Table<ClusterLoadAssignment, LoadAssignment>,
+    /// SDS secrets the listeners ask for.
+    pub secrets: Table<SecretProto, SecretDef>,
     /// Endpoints of STATIC and DNS clusters, by cluster name (DNS ones filled by a resolver).
     pub resolved: imbl::OrdMap<String, Arc<LoadAssignment>>,
     /// EDS clusters by the ClusterLoadAssignment name they read; rebuilt when clusters change.
@@ -115,6 +119,17 @@ impl Translate for ClusterProto {
     }
     fn translate(&self) -> Result<ClusterDef, TranslateError> {
         ClusterDef::translate(self)
+    }
+}
+
+impl Translate for SecretProto {
+    type Out = SecretDef;
+    const URL: &'static str = types::SECRET;
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn translate(&self) -> Result<SecretDef, TranslateError> {
+        SecretDef::translate(self)
     }
 }
 
@@ -168,6 +183,7 @@ fn apply_table<P: Translate>(
             Kind::Route => "route",
             Kind::Cluster => "cluster",
             Kind::Endpoint => "endpoints",
+            Kind::Secret => "secret",
         };
         if !seen.insert(name.clone()) {
             // Envoy rejects a repeated listener or cluster, but keeps the first of a repeated
@@ -318,6 +334,16 @@ impl Store {
                 next.index_eds_users();
                 next.touched.all_clusters = true;
             }
+            Kind::Secret => {
+                let (secrets, pushed) =
+                    apply_table(&self.secrets, kind, version, resources, now, &mut errors);
+                next.secrets = secrets;
+                // Secrets nothing asks for are dropped, as Envoy ignores them.
+                let wanted = next.wanted_secrets();
+                for name in pushed.iter().filter(|n| !wanted.contains(*n)) {
+                    next.secrets.remove(name);
+                }
+            }
             Kind::Endpoint => {
                 let (endpoints, pushed) =
                     apply_table(&self.endpoints, kind, version, resources, now, &mut errors);
@@ -360,13 +386,15 @@ impl Store {
     fn check_route_clusters(&self, check: impl Fn(&str) -> bool) -> Vec<String> {
         let mut errors = Vec::new();
         for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
-            if let RouteSource::Inline(t) = &l.value.hcm.routes {
-                if t.validate_clusters != Some(false) {
-                    errors.extend(
-                        t.unknown_clusters(|c| self.clusters.contains_key(c))
-                            .into_iter()
-                            .map(|e| format!("listener '{name}': {e}")),
-                    );
+            for chain in &l.value.chains {
+                if let RouteSource::Inline(t) = &chain.hcm.routes {
+                    if t.validate_clusters != Some(false) {
+                        errors.extend(
+                            t.unknown_clusters(|c| self.clusters.contains_key(c))
+                                .into_iter()
+                                .map(|e| format!("listener '{name}': {e}")),
+                        );
+                    }
                 }
             }
         }
@@ -377,10 +405,20 @@ impl Store {
     pub fn wanted_routes(&self) -> BTreeSet<String> {
         self.listeners
             .values()
-            .filter_map(|l| match &l.value.hcm.routes {
+            .flat_map(|l| l.value.chains.iter())
+            .filter_map(|c| match &c.hcm.routes {
                 RouteSource::Rds(n) => Some(n.clone()),
                 RouteSource::Inline(_) => None,
             })
+            .collect()
+    }
+
+    /// SDS secret names the listeners' TLS chains ask for.
+    pub fn wanted_secrets(&self) -> BTreeSet<String> {
+        self.listeners
+            .values()
+            .flat_map(|l| l.value.chains.iter())
+            .filter_map(|c| c.tls.as_ref()?.sds_name().map(str::to_string))
             .collect()
     }
 
@@ -448,6 +486,16 @@ impl Store {
             .collect();
         for k in &stale {
             self.routes.remove(k);
+        }
+        let secrets = self.wanted_secrets();
+        let stale: Vec<String> = self
+            .secrets
+            .keys()
+            .filter(|k| !secrets.contains(*k))
+            .cloned()
+            .collect();
+        for k in &stale {
+            self.secrets.remove(k);
         }
         let stale: Vec<String> = self
             .endpoints
@@ -530,20 +578,22 @@ impl Store {
         let mut listeners = HashMap::with_capacity(self.listeners.len());
         for (name, item) in self.listeners.iter() {
             let def = &item.value;
-            let routes = match &def.hcm.routes {
-                RouteSource::Inline(t) => Some(t.clone()),
-                RouteSource::Rds(n) => self.routes.get(n).map(|r| r.value.clone()),
-            };
             let old = prev.listeners.get(name);
-            let active = match (routes, old) {
-                (Some(r), Some(old))
-                    if Arc::ptr_eq(&old.def, def) && Arc::ptr_eq(&old.routes, &r) =>
+            let active = match (self.active_chains(def, old.map(|o| &**o)), old) {
+                (Some(chains), Some(old))
+                    if Arc::ptr_eq(&old.def, def)
+                        && old.chains.len() == chains.len()
+                        && old
+                            .chains
+                            .iter()
+                            .zip(&chains)
+                            .all(|(a, b)| Arc::ptr_eq(a, b)) =>
                 {
                     old.clone()
                 }
-                (Some(routes), _) => Arc::new(ActiveListener {
+                (Some(chains), _) => Arc::new(ActiveListener {
                     def: def.clone(),
-                    routes,
+                    chains,
                 }),
                 // Only a listener at the same address may keep serving its old routes.
                 (None, Some(old)) if old.def.addr == def.addr => old.clone(),
@@ -555,6 +605,82 @@ impl Store {
             version,
             listeners,
             clusters,
+        }
+    }
+
+    /// Every chain of `def` resolved (routes, and the certificate of TLS chains), reusing the
+    /// previous chain where nothing changed; None while any chain is still warming, as Envoy
+    /// keeps a whole listener warming until every dependency has arrived.
+    fn active_chains(
+        &self,
+        def: &Arc<ListenerDef>,
+        old: Option<&ActiveListener>,
+    ) -> Option<Vec<Arc<ActiveChain>>> {
+        let mut out = Vec::with_capacity(def.chains.len());
+        for (i, chain) in def.chains.iter().enumerate() {
+            let routes = match &chain.hcm.routes {
+                RouteSource::Inline(t) => t.clone(),
+                RouteSource::Rds(n) => self.routes.get(n)?.value.clone(),
+            };
+            let prev = old
+                .filter(|o| Arc::ptr_eq(&o.def, def))
+                .and_then(|o| o.chains.get(i));
+            let (tls, secret) = match &chain.tls {
+                None => (None, None),
+                Some(t) => {
+                    let (server, secret) = self.tls_server(t, prev.map(|p| &**p))?;
+                    (Some(server), secret)
+                }
+            };
+            let same = |p: &&Arc<ActiveChain>| {
+                Arc::ptr_eq(&p.routes, &routes)
+                    && match (&p.tls, &tls) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    }
+            };
+            out.push(match prev.filter(same) {
+                Some(p) => p.clone(),
+                None => Arc::new(ActiveChain {
+                    def: chain.clone(),
+                    routes,
+                    tls,
+                    secret,
+                }),
+            });
+        }
+        Some(out)
+    }
+
+    /// The handshake configs of a TLS chain once its certificate is known (None: warming),
+    /// and the secret they were built from. The previous chain's configs are reused while its
+    /// secret is unchanged, so a push of something else builds no rustls config.
+    fn tls_server(
+        &self,
+        t: &DownstreamTls,
+        prev: Option<&ActiveChain>,
+    ) -> Option<(Arc<TlsServer>, Option<Arc<SecretDef>>)> {
+        match &t.cert {
+            CertSource::Inline(_) => Some((t.inline_config.clone()?, None)),
+            CertSource::Sds(name) => {
+                let secret = self.secrets.get(name)?.value.clone();
+                let cert = secret.cert.clone()?;
+                if let Some(p) = prev {
+                    if let (Some(s), Some(tls)) = (&p.secret, &p.tls) {
+                        if Arc::ptr_eq(s, &secret) {
+                            return Some((tls.clone(), Some(secret)));
+                        }
+                    }
+                }
+                match t.server(cert) {
+                    Ok(server) => Some((server, Some(secret))),
+                    Err(e) => {
+                        tracing::warn!(secret = %name, "cannot build the TLS config: {e}");
+                        None
+                    }
+                }
+            }
         }
     }
 

@@ -633,7 +633,7 @@ fn complete_store_assembles() {
     assert_eq!(snap_clusters(&snapshot), ["c"]);
     let l = &snapshot.listeners["l"];
     assert!(Arc::ptr_eq(&l.def, &s.listeners["l"].value));
-    assert!(Arc::ptr_eq(&l.routes, &s.routes["r"].value));
+    assert!(Arc::ptr_eq(&l.chains[0].routes, &s.routes["r"].value));
     let c = &snapshot.clusters["c"];
     assert!(Arc::ptr_eq(&c.def, &s.clusters["c"].value));
     assert!(Arc::ptr_eq(&c.endpoints, &s.endpoints["c"].value));
@@ -778,7 +778,7 @@ fn listener_keeps_serving_its_previous_version_while_warming() {
     let third = snap(&s, &second);
     assert!(!Arc::ptr_eq(&third.listeners["l"], &old));
     assert!(Arc::ptr_eq(
-        &third.listeners["l"].routes,
+        &third.listeners["l"].chains[0].routes,
         &s.routes["r2"].value
     ));
 }
@@ -800,7 +800,7 @@ fn inline_routes_need_no_rds() {
     );
     let snapshot = snap(&s, &Snapshot::default());
     assert_eq!(snap_listeners(&snapshot), ["l"]);
-    assert_eq!(snapshot.listeners["l"].routes.name, "inline");
+    assert_eq!(snapshot.listeners["l"].chains[0].routes.name, "inline");
     assert!(s.wanted_routes().is_empty());
 }
 
@@ -1105,4 +1105,120 @@ fn eds_push_reaches_every_cluster_sharing_a_service_name() {
         );
     }
     assert!(Arc::ptr_eq(&s1.clusters["z"], &s2.clusters["z"]));
+}
+
+mod sds {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tlspb;
+
+    fn sds_listener(name: &str, port: u32, secret: &str) -> ListenerProto {
+        let mut l = inline_listener(name, port);
+        let ctx = tlspb::DownstreamTlsContext {
+            common_tls_context: Some(tlspb::CommonTlsContext {
+                tls_certificate_sds_secret_configs: vec![tlspb::SdsSecretConfig {
+                    name: secret.into(),
+                    sds_config: Some(corepb::ConfigSource {
+                        config_source_specifier: Some(
+                            corepb::config_source::ConfigSourceSpecifier::Ads(Default::default()),
+                        ),
+                        ..Default::default()
+                    }),
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        l.filter_chains[0].transport_socket = Some(corepb::TransportSocket {
+            name: "envoy.transport_sockets.tls".into(),
+            config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(any(
+                crate::snapshot::tls::DOWNSTREAM_TLS_TYPE,
+                &ctx,
+            ))),
+        });
+        l
+    }
+
+    fn secret(name: &str, key: Option<&str>) -> Any {
+        let k = rcgen::KeyPair::generate().expect("key");
+        let c = rcgen::CertificateParams::new(vec!["a.example.com".to_string()])
+            .expect("params")
+            .self_signed(&k)
+            .expect("cert");
+        let pem = |s: String| {
+            Some(corepb::DataSource {
+                specifier: Some(corepb::data_source::Specifier::InlineString(s)),
+                ..Default::default()
+            })
+        };
+        let s = tlspb::Secret {
+            name: name.into(),
+            r#type: Some(tlspb::secret::Type::TlsCertificate(tlspb::TlsCertificate {
+                certificate_chain: pem(c.pem()),
+                private_key: pem(key.map_or_else(|| k.serialize_pem(), str::to_string)),
+                ..Default::default()
+            })),
+        };
+        any(types::SECRET, &s)
+    }
+
+    #[test]
+    fn a_listener_warms_until_its_secret_arrives_and_reuses_it_after() {
+        let s = push(
+            &Store::default(),
+            Kind::Listener,
+            &lds(&[sds_listener("l", 1, "cert")]),
+        );
+        assert_eq!(s.wanted_secrets().into_iter().collect::<Vec<_>>(), ["cert"]);
+        let warming = snap(&s, &Snapshot::default());
+        assert!(
+            snap_listeners(&warming).is_empty(),
+            "no secret yet: warming"
+        );
+        let s = push(
+            &s,
+            Kind::Secret,
+            &[secret("cert", None), secret("unused", None)],
+        );
+        assert_eq!(
+            names(&s.secrets),
+            ["cert"],
+            "a secret nothing asks for is dropped"
+        );
+        let first = snap(&s, &warming);
+        let tls = first.listeners["l"].chains[0].tls.clone().expect("serving");
+        // Another push leaves the secret alone: the same rustls configs stay.
+        let s2 = push(&s, Kind::Route, &rds(&[route_config("other", "c")]));
+        let again = snap(&s2, &first);
+        assert!(Arc::ptr_eq(
+            &tls,
+            again.listeners["l"].chains[0]
+                .tls
+                .as_ref()
+                .expect("serving")
+        ));
+        // A new version (rotation) builds new ones.
+        let s3 = push(&s2, Kind::Secret, &[secret("cert", None)]);
+        let rotated = snap(&s3, &again);
+        assert!(!Arc::ptr_eq(
+            &tls,
+            rotated.listeners["l"].chains[0]
+                .tls
+                .as_ref()
+                .expect("serving")
+        ));
+    }
+
+    #[test]
+    fn a_bad_key_is_nacked_by_secret_name() {
+        let s = push(
+            &Store::default(),
+            Kind::Listener,
+            &lds(&[sds_listener("l", 1, "cert")]),
+        );
+        let errors = nack(&s, Kind::Secret, &[secret("cert", Some("nope"))]);
+        assert_eq!(
+            errors,
+            ["secret 'cert': tls_certificate: private_key: no private key found"]
+        );
+    }
 }

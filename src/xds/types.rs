@@ -15,10 +15,17 @@ pub enum Kind {
     Endpoint,
     Listener,
     Route,
+    Secret,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 4] = [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route];
+    pub const ALL: [Kind; 5] = [
+        Kind::Cluster,
+        Kind::Endpoint,
+        Kind::Listener,
+        Kind::Route,
+        Kind::Secret,
+    ];
 
     pub fn type_url(self) -> &'static str {
         match self {
@@ -26,6 +33,7 @@ impl Kind {
             Kind::Route => ROUTE,
             Kind::Cluster => CLUSTER,
             Kind::Endpoint => ENDPOINT,
+            Kind::Secret => SECRET,
         }
     }
 
@@ -44,6 +52,7 @@ impl Kind {
             Kind::Route => "rds",
             Kind::Cluster => "cds",
             Kind::Endpoint => "eds",
+            Kind::Secret => "sds",
         }
     }
 

@@ -55,6 +55,7 @@ pub const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
 pub const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 pub const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub const SDS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 
 /// Config propagation is asynchronous; every wait in the suite uses this bound.
 pub const PROPAGATION: Duration = Duration::from_secs(10);
@@ -217,6 +218,8 @@ async fn backend_accept_loop(
                             ("x-forwarded-for", "x-echo-xff"),
                             ("x-request-id", "x-echo-request-id"),
                             ("host", "x-echo-host"),
+                            ("x-forwarded-proto", "x-echo-xfp"),
+                            ("x-forwarded-client-cert", "x-echo-xfcc"),
                         ] {
                             if let Some(v) = req.headers().get(from) {
                                 resp = resp.header(to, v.clone());
@@ -462,6 +465,7 @@ pub struct Snapshot {
     pub routes: Vec<RouteConfiguration>,
     pub clusters: Vec<Cluster>,
     pub endpoints: Vec<ClusterLoadAssignment>,
+    pub secrets: Vec<envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret>,
 }
 
 impl Snapshot {
@@ -512,7 +516,7 @@ struct Shared {
 
 /// Order in which a multi-type change is pushed: clusters and endpoints before
 /// the listeners and routes that may reference them (make-before-break).
-const PUSH_ORDER: [&str; 4] = [CDS, EDS, LDS, RDS];
+const PUSH_ORDER: [&str; 5] = [CDS, EDS, LDS, RDS, SDS];
 
 pub struct AdsServer {
     pub port: u16,
@@ -624,6 +628,15 @@ impl AdsServer {
             ),
         );
         cfg.insert(
+            SDS.into(),
+            named(
+                s.secrets
+                    .iter()
+                    .map(|x| (x.name.clone(), any(x.clone())))
+                    .collect(),
+            ),
+        );
+        cfg.insert(
             EDS.into(),
             named(
                 s.endpoints
@@ -677,6 +690,18 @@ impl AdsServer {
             .map(|x| (x.cluster_name.clone(), any(x.clone())))
             .collect();
         self.set_type(EDS, version, r);
+    }
+
+    pub fn set_secrets(
+        &self,
+        version: &str,
+        secrets: &[envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret],
+    ) {
+        let r = secrets
+            .iter()
+            .map(|x| (x.name.clone(), any(x.clone())))
+            .collect();
+        self.set_type(SDS, version, r);
     }
 
     pub fn set_listeners(&self, version: &str, listeners: &[Listener]) {

@@ -1,0 +1,99 @@
+//! The downstream TLS path: what Envoy's TLS inspector reads from the ClientHello (without
+//! consuming it), and the handshake with the chain's config.
+
+use std::sync::Arc;
+
+use pingora_core::protocols::ALPN;
+use tokio::net::TcpStream;
+
+use crate::snapshot::listener::Codec;
+use crate::snapshot::tls::TlsServer;
+
+/// What the TLS inspector learnt: TLS or not, the SNI (lowercased) and the offered ALPN list.
+#[derive(Debug, Default)]
+pub struct Hello {
+    pub tls: bool,
+    pub server_name: String,
+    pub alpn: Vec<String>,
+}
+
+/// Envoy's inspector gives up on a ClientHello beyond 64 KiB; such a client is not TLS to it.
+const MAX_HELLO: usize = 64 * 1024;
+
+/// Peeks at the first bytes until they parse as a ClientHello, or clearly are not one.
+pub async fn inspect(tcp: &TcpStream) -> Hello {
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut last = 0;
+    loop {
+        let n = match tcp.peek(&mut buf).await {
+            Ok(0) | Err(_) => return Hello::default(),
+            Ok(n) => n,
+        };
+        // A TLS handshake record starts 0x16 0x03; anything else is plain text to Envoy.
+        if buf[0] != 0x16 || (n > 1 && buf[1] != 0x03) {
+            return Hello::default();
+        }
+        if n > last {
+            last = n;
+            let mut acceptor = rustls::server::Acceptor::default();
+            let mut rest = &buf[..n];
+            while !rest.is_empty() {
+                match acceptor.read_tls(&mut rest) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+            match acceptor.accept() {
+                Ok(Some(accepted)) => {
+                    let hello = accepted.client_hello();
+                    return Hello {
+                        tls: true,
+                        server_name: hello
+                            .server_name()
+                            .map(|s| s.to_ascii_lowercase())
+                            .unwrap_or_default(),
+                        alpn: hello
+                            .alpn()
+                            .map(|it| {
+                                it.map(|p| String::from_utf8_lossy(p).into_owned())
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    };
+                }
+                Ok(None) => {}
+                Err(_) => return Hello::default(),
+            }
+            if n == buf.len() {
+                if buf.len() >= MAX_HELLO {
+                    return Hello::default();
+                }
+                buf.resize(buf.len() * 2, 0);
+                continue;
+            }
+        }
+        // More of the ClientHello is on its way; peek returns at once while data is queued.
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// Runs the handshake; returns the session and the protocol pingora should speak on it.
+pub async fn handshake(
+    tcp: TcpStream,
+    tls: &Arc<TlsServer>,
+    codec: Codec,
+) -> std::io::Result<(tokio_rustls::server::TlsStream<TcpStream>, Option<ALPN>)> {
+    let start =
+        tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), tcp).await?;
+    let config = tls.for_client(start.client_hello().alpn());
+    let stream = start.into_stream(config).await?;
+    let negotiated_h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+    // The connection manager's codec_type decides, as in Envoy; AUTO follows ALPN.
+    let alpn = match codec {
+        Codec::Http2 => Some(ALPN::H2),
+        Codec::Http1 => None,
+        Codec::Auto if negotiated_h2 => Some(ALPN::H2),
+        Codec::Auto => None,
+    };
+    Ok((stream, alpn))
+}

@@ -1,0 +1,425 @@
+//! Downstream TLS (`envoy.transport_sockets.tls` with a `DownstreamTlsContext`) and the rustls
+//! server configs built from it.
+//!
+//! Translation parses certificates and keys up front, so a bad one is rejected with the push;
+//! the `ServerConfig` is built once per accepted config, never per connection.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3 as corepb;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tlspb;
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::sign::CertifiedKey;
+
+pub const DOWNSTREAM_TLS_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
+pub const TLS_INSPECTOR_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector";
+
+/// Where a chain's certificate comes from.
+#[derive(Debug, Clone)]
+pub enum CertSource {
+    Inline(Arc<CertifiedKey>),
+    /// An SDS secret name, delivered on the ADS stream.
+    Sds(String),
+}
+
+/// The parts of a `DownstreamTlsContext` Portico applies.
+#[derive(Debug)]
+pub struct DownstreamTls {
+    pub cert: CertSource,
+    /// Wire-format protocol names, in the configured preference order.
+    pub alpn: Vec<Vec<u8>>,
+    pub versions: Vec<&'static rustls::SupportedProtocolVersion>,
+    /// TLS 1.2 suites when `cipher_suites` is set; TLS 1.3 suites are not configurable in
+    /// Envoy either.
+    pub tls12_suites: Option<Vec<rustls::SupportedCipherSuite>>,
+    /// Built here when the certificate is inline; SDS chains get theirs once the secret is in.
+    pub inline_config: Option<Arc<TlsServer>>,
+}
+
+/// What a handshake uses: one config offering the chain's ALPN list and one offering none.
+/// Envoy (BoringSSL) carries on without ALPN when the client offers nothing it knows, where
+/// rustls would fail the handshake, so the acceptor picks the second config for such clients.
+#[derive(Debug)]
+pub struct TlsServer {
+    pub with_alpn: Arc<rustls::ServerConfig>,
+    pub without_alpn: Arc<rustls::ServerConfig>,
+    pub alpn: Vec<Vec<u8>>,
+}
+
+impl TlsServer {
+    /// The config for a client offering `offered` (None: no ALPN extension).
+    pub fn for_client<'a>(
+        &self,
+        mut offered: Option<impl Iterator<Item = &'a [u8]>>,
+    ) -> Arc<rustls::ServerConfig> {
+        let overlap = offered
+            .as_mut()
+            .is_some_and(|o| o.any(|p| self.alpn.iter().any(|a| a == p)));
+        if overlap || self.alpn.is_empty() {
+            self.with_alpn.clone()
+        } else {
+            self.without_alpn.clone()
+        }
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Reads a `DataSource` (inline or a file). Files are read at translation time, as Envoy reads
+/// them when it loads the config.
+pub fn data_source(d: Option<&corepb::DataSource>, field: &str) -> Result<Vec<u8>, String> {
+    use corepb::data_source::Specifier as S;
+    match d.and_then(|d| d.specifier.as_ref()) {
+        Some(S::InlineBytes(b)) => Ok(b.clone()),
+        Some(S::InlineString(s)) => Ok(s.clone().into_bytes()),
+        Some(S::Filename(f)) => {
+            std::fs::read(f).map_err(|e| format!("{field}: cannot read file '{f}': {e}"))
+        }
+        Some(S::EnvironmentVariable(v)) => std::env::var(v)
+            .map(String::into_bytes)
+            .map_err(|_| format!("{field}: environment variable '{v}' is not set")),
+        None => Err(format!("{field}: a data source is required")),
+    }
+}
+
+/// Parses a PEM certificate chain and private key into a key rustls can sign with, checking
+/// that they belong together.
+pub fn certified_key(chain_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, String> {
+    let chain: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut &chain_pem[..])
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("certificate_chain: malformed PEM: {e}"))?;
+    if chain.is_empty() {
+        return Err("certificate_chain: no certificate found".into());
+    }
+    let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut &key_pem[..])
+        .map_err(|e| format!("private_key: malformed PEM: {e}"))?
+        .ok_or("private_key: no private key found")?;
+    let signer = provider()
+        .key_provider
+        .load_private_key(key)
+        .map_err(|e| format!("private_key: {e}"))?;
+    let ck = CertifiedKey::new(chain, signer);
+    match ck.keys_match() {
+        // rustls cannot read some public keys; the handshake then shows any mismatch.
+        Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {}
+        Err(e) => return Err(format!("private_key does not match certificate_chain: {e}")),
+    }
+    Ok(Arc::new(ck))
+}
+
+/// A `TlsCertificate` (inline, a file, or an SDS secret's `tls_certificate`).
+pub fn tls_certificate(c: &tlspb::TlsCertificate) -> Result<Arc<CertifiedKey>, String> {
+    if c.private_key_provider.is_some() {
+        return Err("private_key_provider is not supported".into());
+    }
+    if c.password.is_some() {
+        return Err("password (encrypted private keys) is not supported".into());
+    }
+    let chain = data_source(c.certificate_chain.as_ref(), "certificate_chain")?;
+    let key = data_source(c.private_key.as_ref(), "private_key")?;
+    certified_key(&chain, &key)
+}
+
+/// TLS 1.2 suites BoringSSL (so Envoy) knows but rustls does not implement: RSA key exchange,
+/// CBC modes, PSK and 3DES.
+const BORINGSSL_ONLY: [&str; 14] = [
+    "ECDHE-PSK-CHACHA20-POLY1305",
+    "ECDHE-ECDSA-AES128-SHA",
+    "ECDHE-RSA-AES128-SHA",
+    "ECDHE-PSK-AES128-CBC-SHA",
+    "ECDHE-ECDSA-AES256-SHA",
+    "ECDHE-RSA-AES256-SHA",
+    "ECDHE-PSK-AES256-CBC-SHA",
+    "AES128-GCM-SHA256",
+    "AES256-GCM-SHA384",
+    "AES128-SHA",
+    "PSK-AES128-CBC-SHA",
+    "AES256-SHA",
+    "PSK-AES256-CBC-SHA",
+    "DES-CBC3-SHA",
+];
+
+/// Envoy's TLS 1.2 cipher names (BoringSSL's) that rustls implements.
+fn tls12_suite(name: &str) -> Option<rustls::SupportedCipherSuite> {
+    use rustls::crypto::ring::cipher_suite as cs;
+    Some(match name {
+        "ECDHE-ECDSA-AES128-GCM-SHA256" => cs::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        "ECDHE-ECDSA-AES256-GCM-SHA384" => cs::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+        "ECDHE-ECDSA-CHACHA20-POLY1305" => cs::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+        "ECDHE-RSA-AES128-GCM-SHA256" => cs::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+        "ECDHE-RSA-AES256-GCM-SHA384" => cs::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+        "ECDHE-RSA-CHACHA20-POLY1305" => cs::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        _ => return None,
+    })
+}
+
+fn versions(
+    p: Option<&tlspb::TlsParameters>,
+) -> Result<Vec<&'static rustls::SupportedProtocolVersion>, String> {
+    use tlspb::tls_parameters::TlsProtocol as P;
+    // Envoy's server defaults: TLS 1.2 to TLS 1.3.
+    let rank = |v: i32, field: &str, auto: u8| -> Result<u8, String> {
+        match P::try_from(v) {
+            Ok(P::TlsAuto) => Ok(auto),
+            Ok(P::TlSv12) => Ok(2),
+            Ok(P::TlSv13) => Ok(3),
+            Ok(P::TlSv10 | P::TlSv11) => Err(format!(
+                "tls_params.{field}: {} is not supported (only TLSv1_2 and TLSv1_3)",
+                P::try_from(v).map(|p| p.as_str_name()).unwrap_or("?")
+            )),
+            Err(_) => Err(format!("tls_params.{field}: unknown protocol version {v}")),
+        }
+    };
+    let (min, max) = match p {
+        Some(p) => (
+            rank(
+                p.tls_minimum_protocol_version,
+                "tls_minimum_protocol_version",
+                2,
+            )?,
+            rank(
+                p.tls_maximum_protocol_version,
+                "tls_maximum_protocol_version",
+                3,
+            )?,
+        ),
+        None => (2, 3),
+    };
+    if min > max {
+        return Err(
+            "tls_params: tls_minimum_protocol_version is above tls_maximum_protocol_version".into(),
+        );
+    }
+    let mut v = Vec::new();
+    if max >= 3 {
+        v.push(&rustls::version::TLS13);
+    }
+    if min <= 2 {
+        v.push(&rustls::version::TLS12);
+    }
+    Ok(v)
+}
+
+impl DownstreamTls {
+    /// The `typed_config` of an `envoy.transport_sockets.tls` transport socket.
+    pub fn from_any(any: &Any) -> Result<DownstreamTls, String> {
+        if any.type_url != DOWNSTREAM_TLS_TYPE {
+            return Err(format!(
+                "typed_config: expected {DOWNSTREAM_TLS_TYPE}, got {}",
+                any.type_url
+            ));
+        }
+        let ctx = tlspb::DownstreamTlsContext::decode(any.value.as_slice())
+            .map_err(|e| format!("typed_config: cannot decode: {e}"))?;
+        DownstreamTls::translate(&ctx)
+    }
+
+    pub fn translate(ctx: &tlspb::DownstreamTlsContext) -> Result<DownstreamTls, String> {
+        if ctx
+            .require_client_certificate
+            .as_ref()
+            .is_some_and(|b| b.value)
+        {
+            return Err("require_client_certificate is not supported yet".into());
+        }
+        if ctx.require_sni.as_ref().is_some_and(|b| b.value) {
+            return Err("require_sni is not supported".into());
+        }
+        if ctx.ocsp_staple_policy != 0 {
+            return Err("ocsp_staple_policy is not supported".into());
+        }
+        let empty = tlspb::CommonTlsContext::default();
+        let c = ctx.common_tls_context.as_ref().unwrap_or(&empty);
+        if c.validation_context_type.is_some() {
+            return Err(
+                "common_tls_context: validation contexts (client certificates) are not supported yet"
+                    .into(),
+            );
+        }
+        if c.tls_certificate_provider_instance.is_some() || c.custom_handshaker.is_some() {
+            return Err(
+                "common_tls_context: tls_certificate_provider_instance and custom_handshaker are not supported"
+                    .into(),
+            );
+        }
+        let cert = match (
+            c.tls_certificates.as_slice(),
+            c.tls_certificate_sds_secret_configs.as_slice(),
+        ) {
+            ([one], []) => CertSource::Inline(
+                tls_certificate(one).map_err(|e| format!("tls_certificates[0]: {e}"))?,
+            ),
+            ([], [sds]) => {
+                let ads = matches!(
+                    sds.sds_config
+                        .as_ref()
+                        .and_then(|s| s.config_source_specifier.as_ref()),
+                    Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
+                );
+                if sds.name.is_empty() {
+                    return Err("tls_certificate_sds_secret_configs[0]: name is required".into());
+                }
+                if !ads {
+                    return Err(
+                        "tls_certificate_sds_secret_configs[0].sds_config: only ads is supported"
+                            .into(),
+                    );
+                }
+                CertSource::Sds(sds.name.clone())
+            }
+            ([], []) => {
+                return Err("No TLS certificates found for server context".into());
+            }
+            _ => {
+                return Err(
+                    "common_tls_context: more than one certificate is not supported yet".into(),
+                )
+            }
+        };
+        let versions = versions(c.tls_params.as_ref())?;
+        let tls12_suites = match c.tls_params.as_ref() {
+            Some(p) if !p.cipher_suites.is_empty() => {
+                let mut suites = Vec::new();
+                let mut skipped = Vec::new();
+                for (i, name) in p.cipher_suites.iter().enumerate() {
+                    // BoringSSL's equal-preference groups, "[A|B]".
+                    let group = name.trim_start_matches('[').trim_end_matches(']');
+                    for n in group.split('|') {
+                        match tls12_suite(n) {
+                            Some(s) => suites.push(s),
+                            // istiod's default list names two of these; Envoy accepts it, so
+                            // they are left out rather than the whole listener refused.
+                            None if BORINGSSL_ONLY.contains(&n) => skipped.push(n.to_string()),
+                            None => {
+                                return Err(format!(
+                                "tls_params.cipher_suites[{i}]: '{n}' is not a known cipher suite"
+                            ))
+                            }
+                        }
+                    }
+                }
+                if suites.is_empty() {
+                    return Err(format!(
+                        "tls_params.cipher_suites: none of {} is supported (rustls has no RSA key exchange, CBC, PSK or 3DES suites)",
+                        skipped.join(", ")
+                    ));
+                }
+                if !skipped.is_empty() {
+                    tracing::warn!(
+                        "tls_params.cipher_suites: {} not offered (rustls does not implement them)",
+                        skipped.join(", ")
+                    );
+                }
+                Some(suites)
+            }
+            _ => None,
+        };
+        if let Some(p) = &c.tls_params {
+            if !p.ecdh_curves.is_empty() {
+                return Err("tls_params.ecdh_curves is not supported".into());
+            }
+            if !p.signature_algorithms.is_empty() {
+                return Err("tls_params.signature_algorithms is not supported".into());
+            }
+        }
+        let mut tls = DownstreamTls {
+            cert,
+            alpn: c
+                .alpn_protocols
+                .iter()
+                .map(|p| p.as_bytes().to_vec())
+                .collect(),
+            versions,
+            tls12_suites,
+            inline_config: None,
+        };
+        if let CertSource::Inline(ck) = &tls.cert {
+            tls.inline_config = Some(tls.server(ck.clone())?);
+        }
+        Ok(tls)
+    }
+
+    /// The handshake configs for `cert`.
+    pub fn server(&self, cert: Arc<CertifiedKey>) -> Result<Arc<TlsServer>, String> {
+        let mut p = rustls::crypto::ring::default_provider();
+        if let Some(suites) = &self.tls12_suites {
+            p.cipher_suites.retain(|s| {
+                s.version() == &rustls::version::TLS13
+                    || suites.iter().any(|x| x.suite() == s.suite())
+            });
+        }
+        let build = |alpn: Vec<Vec<u8>>| -> Result<Arc<rustls::ServerConfig>, String> {
+            let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(p.clone()))
+                .with_protocol_versions(&self.versions)
+                .map_err(|e| format!("tls_params: {e}"))?
+                .with_no_client_auth()
+                .with_cert_resolver(Arc::new(Fixed(cert.clone())));
+            cfg.alpn_protocols = alpn;
+            Ok(Arc::new(cfg))
+        };
+        Ok(Arc::new(TlsServer {
+            with_alpn: build(self.alpn.clone())?,
+            without_alpn: build(Vec::new())?,
+            alpn: self.alpn.clone(),
+        }))
+    }
+
+    pub fn sds_name(&self) -> Option<&str> {
+        match &self.cert {
+            CertSource::Sds(n) => Some(n),
+            CertSource::Inline(_) => None,
+        }
+    }
+}
+
+/// One certificate for every client, whatever its SNI, as Envoy serves a single certificate.
+#[derive(Debug)]
+struct Fixed(Arc<CertifiedKey>);
+
+impl rustls::server::ResolvesServerCert for Fixed {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+}
+
+/// An SDS `Secret` Portico can use: a server certificate.
+#[derive(Debug)]
+pub struct SecretDef {
+    pub name: String,
+    pub cert: Option<Arc<CertifiedKey>>,
+}
+
+impl SecretDef {
+    pub fn translate(s: &tlspb::Secret) -> Result<SecretDef, super::TranslateError> {
+        use tlspb::secret::Type;
+        let err = |d: String| super::TranslateError::new(format!("secret '{}'", s.name), d);
+        if s.name.is_empty() {
+            return Err(super::TranslateError::new(
+                "secret ''",
+                "name must not be empty",
+            ));
+        }
+        let cert = match &s.r#type {
+            Some(Type::TlsCertificate(c)) => {
+                Some(tls_certificate(c).map_err(|e| err(format!("tls_certificate: {e}")))?)
+            }
+            // A CA bundle (istiod's ROOTCA) or other kinds: accepted, used by nothing yet.
+            Some(_) => None,
+            None => return Err(err("a secret type is required".into())),
+        };
+        Ok(SecretDef {
+            name: s.name.clone(),
+            cert,
+        })
+    }
+}
+
+#[cfg(test)]
+#[path = "tls_tests.rs"]
+mod tls_tests;

@@ -1,0 +1,242 @@
+//! `DownstreamTlsContext` and SDS secret translation, with certificates made by rcgen.
+
+use super::*;
+use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
+use tlspb::tls_parameters::TlsProtocol;
+
+fn cert(name: &str) -> (String, String) {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("params");
+    let c = params.self_signed(&key).expect("cert");
+    (c.pem(), key.serialize_pem())
+}
+
+fn inline(s: &str) -> Option<corepb::DataSource> {
+    Some(corepb::DataSource {
+        specifier: Some(Specifier::InlineString(s.into())),
+        ..Default::default()
+    })
+}
+
+fn tls_cert(chain: &str, key: &str) -> tlspb::TlsCertificate {
+    tlspb::TlsCertificate {
+        certificate_chain: inline(chain),
+        private_key: inline(key),
+        ..Default::default()
+    }
+}
+
+fn ctx(common: tlspb::CommonTlsContext) -> tlspb::DownstreamTlsContext {
+    tlspb::DownstreamTlsContext {
+        common_tls_context: Some(common),
+        ..Default::default()
+    }
+}
+
+fn with_cert() -> tlspb::CommonTlsContext {
+    let (c, k) = cert("a.example.com");
+    tlspb::CommonTlsContext {
+        tls_certificates: vec![tls_cert(&c, &k)],
+        ..Default::default()
+    }
+}
+
+fn params(min: TlsProtocol, max: TlsProtocol) -> Option<tlspb::TlsParameters> {
+    Some(tlspb::TlsParameters {
+        tls_minimum_protocol_version: min as i32,
+        tls_maximum_protocol_version: max as i32,
+        ..Default::default()
+    })
+}
+
+#[test]
+fn inline_certificate_builds_a_config_with_alpn() {
+    let mut c = with_cert();
+    c.alpn_protocols = vec!["h2".into(), "http/1.1".into()];
+    let t = DownstreamTls::translate(&ctx(c)).expect("valid");
+    let server = t.inline_config.expect("built");
+    assert_eq!(
+        server.with_alpn.alpn_protocols,
+        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+    );
+    assert!(server.without_alpn.alpn_protocols.is_empty());
+    // A client offering nothing the chain knows gets the config without ALPN, as BoringSSL
+    // carries on without it.
+    let other: [&[u8]; 1] = [b"spdy/3"];
+    assert!(server
+        .for_client(Some(other.into_iter()))
+        .alpn_protocols
+        .is_empty());
+    let h2: [&[u8]; 1] = [b"h2"];
+    assert_eq!(
+        server.for_client(Some(h2.into_iter())).alpn_protocols.len(),
+        2
+    );
+}
+
+#[test]
+fn certificate_from_a_file() {
+    let (c, k) = cert("a.example.com");
+    let dir = std::env::temp_dir().join(format!("portico-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("c.pem"), c).expect("write");
+    std::fs::write(dir.join("k.pem"), k).expect("write");
+    let file = |p: &str| {
+        Some(corepb::DataSource {
+            specifier: Some(Specifier::Filename(dir.join(p).display().to_string())),
+            ..Default::default()
+        })
+    };
+    let common = tlspb::CommonTlsContext {
+        tls_certificates: vec![tlspb::TlsCertificate {
+            certificate_chain: file("c.pem"),
+            private_key: file("k.pem"),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    assert!(DownstreamTls::translate(&ctx(common.clone())).is_ok());
+    let mut missing = common;
+    missing.tls_certificates[0].private_key = file("nope.pem");
+    let e = DownstreamTls::translate(&ctx(missing)).unwrap_err();
+    assert!(
+        e.contains("tls_certificates[0]: private_key: cannot read file"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_key_that_does_not_match_or_parse_is_rejected() {
+    let (c, _) = cert("a.example.com");
+    let (_, other_key) = cert("b.example.com");
+    let common = tlspb::CommonTlsContext {
+        tls_certificates: vec![tls_cert(&c, &other_key)],
+        ..Default::default()
+    };
+    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    assert!(
+        e.contains("private_key does not match certificate_chain"),
+        "{e}"
+    );
+    let common = tlspb::CommonTlsContext {
+        tls_certificates: vec![tls_cert(&c, "not a key")],
+        ..Default::default()
+    };
+    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    assert!(e.contains("private_key: no private key found"), "{e}");
+}
+
+#[test]
+fn protocol_versions() {
+    let mut c = with_cert();
+    c.tls_params = params(TlsProtocol::TlSv13, TlsProtocol::TlSv13);
+    let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
+    assert_eq!(t.versions, vec![&rustls::version::TLS13]);
+    c.tls_params = params(TlsProtocol::TlsAuto, TlsProtocol::TlSv12);
+    let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
+    assert_eq!(t.versions, vec![&rustls::version::TLS12]);
+    c.tls_params = params(TlsProtocol::TlSv10, TlsProtocol::TlsAuto);
+    let e = DownstreamTls::translate(&ctx(c.clone())).unwrap_err();
+    assert!(
+        e.contains("tls_params.tls_minimum_protocol_version: TLSv1_0 is not supported"),
+        "{e}"
+    );
+    c.tls_params = params(TlsProtocol::TlSv13, TlsProtocol::TlSv12);
+    assert!(DownstreamTls::translate(&ctx(c)).is_err());
+}
+
+#[test]
+fn cipher_suites_rustls_lacks_are_left_out_and_unknown_ones_rejected() {
+    let mut c = with_cert();
+    c.tls_params = Some(tlspb::TlsParameters {
+        cipher_suites: vec![
+            "[ECDHE-ECDSA-AES128-GCM-SHA256|ECDHE-ECDSA-CHACHA20-POLY1305]".into(),
+            "ECDHE-RSA-AES128-GCM-SHA256".into(),
+        ],
+        ..Default::default()
+    });
+    let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
+    assert_eq!(t.tls12_suites.as_ref().map(Vec::len), Some(3));
+    // istiod's default list: the two RSA key exchange suites are left out, the rest applies.
+    c.tls_params = Some(tlspb::TlsParameters {
+        cipher_suites: [
+            "ECDHE-ECDSA-AES256-GCM-SHA384",
+            "ECDHE-RSA-AES256-GCM-SHA384",
+            "ECDHE-ECDSA-AES128-GCM-SHA256",
+            "ECDHE-RSA-AES128-GCM-SHA256",
+            "AES256-GCM-SHA384",
+            "AES128-GCM-SHA256",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..Default::default()
+    });
+    let t = DownstreamTls::translate(&ctx(c.clone())).expect("istiod's list");
+    assert_eq!(t.tls12_suites.as_ref().map(Vec::len), Some(4));
+    // Only suites rustls lacks: nothing left to offer.
+    c.tls_params = Some(tlspb::TlsParameters {
+        cipher_suites: vec!["AES128-SHA".into()],
+        ..Default::default()
+    });
+    let e = DownstreamTls::translate(&ctx(c.clone())).unwrap_err();
+    assert!(
+        e.starts_with("tls_params.cipher_suites: none of AES128-SHA is supported"),
+        "{e}"
+    );
+    c.tls_params = Some(tlspb::TlsParameters {
+        cipher_suites: vec!["ECDHE-RSA-AES128-GCM-SHA256".into(), "NOT-A-SUITE".into()],
+        ..Default::default()
+    });
+    let e = DownstreamTls::translate(&ctx(c)).unwrap_err();
+    assert_eq!(
+        e,
+        "tls_params.cipher_suites[1]: 'NOT-A-SUITE' is not a known cipher suite"
+    );
+}
+
+#[test]
+fn sds_certificates_need_ads() {
+    let sds = |ads: bool| tlspb::CommonTlsContext {
+        tls_certificate_sds_secret_configs: vec![tlspb::SdsSecretConfig {
+            name: "kubernetes://bookinfo-cert".into(),
+            sds_config: ads.then(|| corepb::ConfigSource {
+                config_source_specifier: Some(corepb::config_source::ConfigSourceSpecifier::Ads(
+                    Default::default(),
+                )),
+                ..Default::default()
+            }),
+        }],
+        ..Default::default()
+    };
+    let t = DownstreamTls::translate(&ctx(sds(true))).expect("valid");
+    assert_eq!(t.sds_name(), Some("kubernetes://bookinfo-cert"));
+    assert!(t.inline_config.is_none());
+    let e = DownstreamTls::translate(&ctx(sds(false))).unwrap_err();
+    assert!(e.contains("only ads is supported"), "{e}");
+}
+
+#[test]
+fn secrets_translate_and_bad_keys_name_the_secret() {
+    let (c, k) = cert("a.example.com");
+    let good = tlspb::Secret {
+        name: "kubernetes://bookinfo-cert".into(),
+        r#type: Some(tlspb::secret::Type::TlsCertificate(tls_cert(&c, &k))),
+    };
+    assert!(SecretDef::translate(&good).expect("valid").cert.is_some());
+    let bad = tlspb::Secret {
+        name: "kubernetes://bookinfo-cert".into(),
+        r#type: Some(tlspb::secret::Type::TlsCertificate(tls_cert(&c, "garbage"))),
+    };
+    let e = SecretDef::translate(&bad).unwrap_err().to_string();
+    assert!(
+        e.starts_with("secret 'kubernetes://bookinfo-cert': tls_certificate: private_key"),
+        "{e}"
+    );
+    // istiod's ROOTCA: a validation context, accepted.
+    let ca = tlspb::Secret {
+        name: "ROOTCA".into(),
+        r#type: Some(tlspb::secret::Type::ValidationContext(Default::default())),
+    };
+    assert!(SecretDef::translate(&ca).expect("valid").cert.is_none());
+}

@@ -1,0 +1,1032 @@
+//! Downstream TLS termination, as an Istio `Gateway` server with `tls.mode: SIMPLE` renders it:
+//! filter chains picked by SNI (exact, wildcard, default), certificates inline or over SDS on
+//! the ADS stream, ALPN (h2 and http/1.1), TLS version limits, rotation and warming. CA and
+//! certificates are made at test time with rcgen. Runs against Envoy too (PORTICO_GATEWAY_BIN).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::config::core::v3::{data_source, DataSource, TransportSocket};
+use envoy_types::pb::envoy::config::listener::v3::{
+    filter, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter,
+};
+use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, HttpConnectionManager, Rds,
+};
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+    secret, tls_parameters::TlsProtocol, CommonTlsContext, DownstreamTlsContext, SdsSecretConfig,
+    Secret, TlsCertificate, TlsParameters,
+};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use rustls::pki_types::{CertificateDer, ServerName};
+
+// ---------------------------------------------------------------------------------------------
+// Certificates
+
+struct Pki {
+    ca: rcgen::Certificate,
+    ca_key: rcgen::KeyPair,
+}
+
+struct Leaf {
+    cert: String,
+    key: String,
+    der: Vec<u8>,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let ca_key = rcgen::KeyPair::generate().expect("CA key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "portico test CA");
+        let ca = params.self_signed(&ca_key).expect("CA cert");
+        Pki { ca, ca_key }
+    }
+
+    fn leaf(&self, names: &[&str]) -> Leaf {
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let params =
+            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .expect("leaf params");
+        let cert = params
+            .signed_by(&key, &self.ca, &self.ca_key)
+            .expect("leaf cert");
+        Leaf {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+            der: cert.der().to_vec(),
+        }
+    }
+
+    fn roots(&self) -> rustls::RootCertStore {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from(self.ca.der().to_vec()))
+            .expect("add CA");
+        roots
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// xDS builders
+
+fn inline(s: &str) -> Option<DataSource> {
+    Some(DataSource {
+        specifier: Some(data_source::Specifier::InlineString(s.to_string())),
+        ..Default::default()
+    })
+}
+
+fn tls_certificate(leaf: &Leaf) -> TlsCertificate {
+    TlsCertificate {
+        certificate_chain: inline(&leaf.cert),
+        private_key: inline(&leaf.key),
+        ..Default::default()
+    }
+}
+
+fn transport(common: CommonTlsContext) -> TransportSocket {
+    TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(
+            envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+                any(DownstreamTlsContext {
+                    common_tls_context: Some(common),
+                    ..Default::default()
+                }),
+            ),
+        ),
+    }
+}
+
+fn alpn(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn inline_tls(leaf: &Leaf, protocols: &[&str], params: Option<TlsParameters>) -> TransportSocket {
+    transport(CommonTlsContext {
+        tls_certificates: vec![tls_certificate(leaf)],
+        alpn_protocols: alpn(protocols),
+        tls_params: params,
+        ..Default::default()
+    })
+}
+
+/// What istiod sends for `credentialName`: the certificate by SDS name over ADS.
+fn sds_tls(secret: &str) -> TransportSocket {
+    transport(CommonTlsContext {
+        tls_certificate_sds_secret_configs: vec![SdsSecretConfig {
+            name: secret.into(),
+            sds_config: Some(ads_source()),
+        }],
+        alpn_protocols: alpn(&["h2", "http/1.1"]),
+        tls_params: Some(TlsParameters {
+            tls_minimum_protocol_version: TlsProtocol::TlSv12 as i32,
+            tls_maximum_protocol_version: TlsProtocol::TlSv13 as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+fn secret(name: &str, leaf: &Leaf) -> Secret {
+    Secret {
+        name: name.into(),
+        r#type: Some(secret::Type::TlsCertificate(tls_certificate(leaf))),
+    }
+}
+
+fn hcm_for(route: &str) -> HttpConnectionManager {
+    let mut h = hcm(0);
+    h.stat_prefix = format!("https_{route}");
+    h.route_specifier = Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+        config_source: Some(ads_source()),
+        route_config_name: route.into(),
+    }));
+    h
+}
+
+fn chain(
+    name: &str,
+    server_names: &[&str],
+    ts: Option<TransportSocket>,
+    route: &str,
+) -> FilterChain {
+    FilterChain {
+        name: name.into(),
+        filter_chain_match: (!server_names.is_empty()).then(|| FilterChainMatch {
+            server_names: alpn(server_names),
+            ..Default::default()
+        }),
+        transport_socket: ts,
+        filters: vec![Filter {
+            name: "envoy.filters.network.http_connection_manager".into(),
+            config_type: Some(filter::ConfigType::TypedConfig(any(hcm_for(route)))),
+        }],
+        ..Default::default()
+    }
+}
+
+fn tls_listener(port: u16, chains: Vec<FilterChain>, default: Option<FilterChain>) -> Listener {
+    Listener {
+        name: listener_name(port),
+        address: Some(socket_addr("127.0.0.1", port)),
+        listener_filters: vec![ListenerFilter {
+            name: "envoy.filters.listener.tls_inspector".into(),
+            config_type: Some(
+                envoy_types::pb::envoy::config::listener::v3::listener_filter::ConfigType::TypedConfig(
+                    any(TlsInspector::default()),
+                ),
+            ),
+            ..Default::default()
+        }],
+        filter_chains: chains,
+        default_filter_chain: default,
+        ..Default::default()
+    }
+}
+
+/// A route table answering every request with `body`.
+fn answering(
+    name: &str,
+    body: &str,
+) -> envoy_types::pb::envoy::config::route::v3::RouteConfiguration {
+    route_config(
+        name,
+        vec![vhost(
+            "all",
+            &["*"],
+            vec![rt(prefix("/"), direct(200, body))],
+        )],
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// A rustls client
+
+struct TlsResp {
+    status: u16,
+    body: String,
+    headers: http::HeaderMap,
+    alpn: Option<Vec<u8>>,
+    version: Option<rustls::ProtocolVersion>,
+    peer_cert: Option<Vec<u8>>,
+}
+
+struct Client {
+    roots: rustls::RootCertStore,
+    alpn: Vec<Vec<u8>>,
+    versions: Vec<&'static rustls::SupportedProtocolVersion>,
+}
+
+impl Client {
+    fn new(pki: &Pki) -> Client {
+        Client {
+            roots: pki.roots(),
+            alpn: vec![b"http/1.1".to_vec()],
+            versions: vec![&rustls::version::TLS13, &rustls::version::TLS12],
+        }
+    }
+
+    fn alpn(mut self, list: &[&str]) -> Client {
+        self.alpn = list.iter().map(|s| s.as_bytes().to_vec()).collect();
+        self
+    }
+
+    fn versions(mut self, v: &[&'static rustls::SupportedProtocolVersion]) -> Client {
+        self.versions = v.to_vec();
+        self
+    }
+
+    async fn connect(
+        &self,
+        port: u16,
+        sni: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+        let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&self.versions)
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(self.roots.clone())
+        .with_no_client_auth();
+        cfg.alpn_protocols = self.alpn.clone();
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let name = ServerName::try_from(sni.to_string()).map_err(|e| e.to_string())?;
+        tokio_rustls::TlsConnector::from(Arc::new(cfg))
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("handshake: {e}"))
+    }
+
+    /// One GET on a fresh connection, within 5 s.
+    async fn get(&self, port: u16, sni: &str, path: &str) -> Result<TlsResp, String> {
+        tokio::time::timeout(Duration::from_secs(5), self.get_inner(port, sni, path))
+            .await
+            .map_err(|_| "timed out".to_string())?
+    }
+
+    async fn get_inner(&self, port: u16, sni: &str, path: &str) -> Result<TlsResp, String> {
+        let tls = self.connect(port, sni).await?;
+        let (alpn, version, peer_cert) = {
+            let c = tls.get_ref().1;
+            (
+                c.alpn_protocol().map(<[u8]>::to_vec),
+                c.protocol_version(),
+                c.peer_certificates()
+                    .and_then(|c| c.first())
+                    .map(|c| c.to_vec()),
+            )
+        };
+        let io = hyper_util::rt::TokioIo::new(tls);
+        let h2 = alpn.as_deref() == Some(b"h2");
+        let req = hyper::Request::get(format!("https://{sni}{path}"))
+            .header("host", sni)
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let resp = if h2 {
+            let (mut send, conn) =
+                hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                    .await
+                    .map_err(|e| format!("h2 handshake: {e}"))?;
+            tokio::spawn(conn);
+            let mut req = req;
+            req.headers_mut().remove("host");
+            send.send_request(req).await.map_err(|e| e.to_string())?
+        } else {
+            let (mut send, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| format!("h1 handshake: {e}"))?;
+            tokio::spawn(conn);
+            let mut req = req;
+            *req.uri_mut() = path
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+            send.send_request(req).await.map_err(|e| e.to_string())?
+        };
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok(TlsResp {
+            status,
+            body: String::from_utf8_lossy(&body).into_owned(),
+            headers,
+            alpn,
+            version,
+            peer_cert,
+        })
+    }
+}
+
+/// Waits until `sni` on `port` answers 200.
+async fn wait_tls(client: &Client, port: u16, sni: &str) -> TlsResp {
+    eventually(&format!("TLS {sni} on {port}"), PROPAGATION, || async {
+        match client.get(port, sni, "/").await {
+            Ok(r) if r.status == 200 => Ok(r),
+            Ok(r) => Err(format!("status {}", r.status)),
+            Err(e) => Err(e),
+        }
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simple_tls_by_sni_with_two_chains_and_a_default() {
+    let pki = Pki::new();
+    let a = pki.leaf(&["a.example.com"]);
+    let wild = pki.leaf(&["*.example.com"]);
+    let dflt = pki.leaf(&["other.test"]);
+    let backend = Backend::start("tls-backend").await;
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = Snapshot {
+            listeners: vec![tls_listener(
+                port,
+                vec![
+                    chain(
+                        "a",
+                        &["a.example.com"],
+                        Some(inline_tls(&a, &[], None)),
+                        "route-a",
+                    ),
+                    chain(
+                        "wild",
+                        &["*.example.com"],
+                        Some(inline_tls(&wild, &[], None)),
+                        "route-wild",
+                    ),
+                ],
+                Some(chain(
+                    "default",
+                    &[],
+                    Some(inline_tls(&dflt, &[], None)),
+                    "route-default",
+                )),
+            )],
+            routes: vec![
+                route_config(
+                    "route-a",
+                    vec![vhost(
+                        "all",
+                        &["*"],
+                        vec![rt(prefix("/"), to_cluster("tls-backend"))],
+                    )],
+                ),
+                answering("route-wild", "chain-wild"),
+                answering("route-default", "chain-default"),
+            ],
+            ..Default::default()
+        };
+        s = s.with_backends(&[("tls-backend", &backend)]);
+        s
+    })
+    .await;
+    let client = Client::new(&pki);
+    let r = wait_tls(&client, mesh.port, "a.example.com").await;
+    assert_eq!(r.body, "tls-backend");
+    assert_eq!(r.peer_cert.as_deref(), Some(&a.der[..]));
+    // The upstream learns the client came over TLS.
+    assert_eq!(
+        r.headers.get("x-echo-xfp").and_then(|v| v.to_str().ok()),
+        Some("https")
+    );
+    let r = client
+        .get(mesh.port, "b.example.com", "/")
+        .await
+        .expect("wildcard");
+    assert_eq!((r.status, r.body.as_str()), (200, "chain-wild"));
+    assert_eq!(r.peer_cert.as_deref(), Some(&wild.der[..]));
+    // Deeper names match the wildcard too, as Envoy's suffix walk does.
+    let r = client.get(mesh.port, "x.y.example.com", "/").await;
+    // ...but the wildcard certificate does not cover them, so the client refuses it.
+    assert!(
+        r.is_err(),
+        "a two-label name under *.example.com fails verification"
+    );
+    let r = client
+        .get(mesh.port, "other.test", "/")
+        .await
+        .expect("default");
+    assert_eq!((r.status, r.body.as_str()), (200, "chain-default"));
+    assert_eq!(r.peer_cert.as_deref(), Some(&dflt.der[..]));
+
+    // curl agrees, when it is installed.
+    if let Ok(out) = curl(&pki, mesh.port, "a.example.com", &[]) {
+        assert!(out.contains("tls-backend"), "curl: {out}");
+    }
+
+    // Without a default chain, a name nothing matches closes the connection.
+    mesh.ads.set_listeners(
+        "2",
+        &[tls_listener(
+            mesh.port,
+            vec![chain(
+                "a",
+                &["a.example.com"],
+                Some(inline_tls(&a, &[], None)),
+                "route-a",
+            )],
+            None,
+        )],
+    );
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    eventually("other.test is refused", PROPAGATION, || async {
+        match client.get(mesh.port, "other.test", "/").await {
+            Err(e) => Ok(e),
+            Ok(r) => Err(format!("answered {} {}", r.status, r.body)),
+        }
+    })
+    .await;
+    let r = client
+        .get(mesh.port, "a.example.com", "/")
+        .await
+        .expect("a");
+    assert_eq!(r.body, "tls-backend");
+}
+
+fn curl(pki: &Pki, port: u16, host: &str, extra: &[&str]) -> Result<String, String> {
+    let dir = TempDir::new("portico-curl");
+    let ca = dir.path.join("ca.pem");
+    std::fs::write(&ca, pki.ca.pem()).map_err(|e| e.to_string())?;
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "5", "--cacert"])
+        .arg(&ca)
+        .arg("--resolve")
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .args(extra)
+        .args(["-w", " http_version=%{http_version}"])
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .map_err(|e| e.to_string())?;
+    Ok(format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_by_alpn_and_http1_otherwise() {
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["h2.example.com"]);
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "h2",
+                &[],
+                Some(inline_tls(&leaf, &["h2", "http/1.1"], None)),
+                "route-h2",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-h2", "over-tls")],
+        ..Default::default()
+    })
+    .await;
+    let h2 = Client::new(&pki).alpn(&["h2", "http/1.1"]);
+    let r = wait_tls(&h2, mesh.port, "h2.example.com").await;
+    assert_eq!(r.alpn.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(r.body, "over-tls");
+    let h1 = Client::new(&pki).alpn(&["http/1.1"]);
+    let r = h1.get(mesh.port, "h2.example.com", "/").await.expect("h1");
+    assert_eq!(r.alpn.as_deref(), Some(&b"http/1.1"[..]));
+    assert_eq!(r.body, "over-tls");
+    // A client offering nothing the listener knows still gets a handshake, without ALPN.
+    let odd = Client::new(&pki).alpn(&["spdy/3"]);
+    let r = odd
+        .get(mesh.port, "h2.example.com", "/")
+        .await
+        .expect("no ALPN overlap");
+    assert_eq!(r.alpn, None);
+    assert_eq!(r.body, "over-tls");
+    let none = Client::new(&pki).alpn(&[]);
+    let r = none
+        .get(mesh.port, "h2.example.com", "/")
+        .await
+        .expect("no ALPN");
+    assert_eq!((r.alpn, r.status), (None, 200));
+    if let Ok(out) = curl(&pki, mesh.port, "h2.example.com", &["--http2"]) {
+        if !out.contains("not built") && !out.contains("unsupported") {
+            assert!(out.contains("over-tls http_version=2"), "curl: {out}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_version_limits() {
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["v.example.com"]);
+    let params = |min: TlsProtocol, max: TlsProtocol| {
+        Some(TlsParameters {
+            tls_minimum_protocol_version: min as i32,
+            tls_maximum_protocol_version: max as i32,
+            ..Default::default()
+        })
+    };
+    let listener = |port: u16, min, max| {
+        tls_listener(
+            port,
+            vec![chain(
+                "v",
+                &[],
+                Some(inline_tls(&leaf, &[], params(min, max))),
+                "route-v",
+            )],
+            None,
+        )
+    };
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![listener(port, TlsProtocol::TlsAuto, TlsProtocol::TlSv12)],
+        routes: vec![answering("route-v", "v")],
+        ..Default::default()
+    })
+    .await;
+    let any = Client::new(&pki);
+    let r = wait_tls(&any, mesh.port, "v.example.com").await;
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_2));
+    let only13 = Client::new(&pki).versions(&[&rustls::version::TLS13]);
+    assert!(only13.get(mesh.port, "v.example.com", "/").await.is_err());
+
+    mesh.ads.set_listeners(
+        "2",
+        &[listener(
+            mesh.port,
+            TlsProtocol::TlSv13,
+            TlsProtocol::TlsAuto,
+        )],
+    );
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    let r = eventually("TLS 1.3 only", PROPAGATION, || async {
+        match any.get(mesh.port, "v.example.com", "/").await {
+            Ok(r) if r.version == Some(rustls::ProtocolVersion::TLSv1_3) => Ok(r),
+            Ok(r) => Err(format!("version {:?}", r.version)),
+            Err(e) => Err(e),
+        }
+    })
+    .await;
+    assert_eq!(r.body, "v");
+    let only12 = Client::new(&pki).versions(&[&rustls::version::TLS12]);
+    assert!(only12.get(mesh.port, "v.example.com", "/").await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sds_delivery_rotation_warming_and_a_bad_key() {
+    const NAME: &str = "kubernetes://bookinfo-cert";
+    let pki = Pki::new();
+    let first = pki.leaf(&["bookinfo.example.com"]);
+    let second = pki.leaf(&["bookinfo.example.com"]);
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "https",
+                &["bookinfo.example.com"],
+                Some(sds_tls(NAME)),
+                "route-sds",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-sds", "bookinfo")],
+        secrets: vec![secret(NAME, &first)],
+        ..Default::default()
+    })
+    .await;
+    let client = Client::new(&pki);
+    let r = wait_tls(&client, mesh.port, "bookinfo.example.com").await;
+    assert_eq!(r.peer_cert.as_deref(), Some(&first.der[..]));
+    assert!(mesh
+        .ads
+        .log()
+        .iter()
+        .any(|q| q.type_url == SDS && q.resource_names == [NAME.to_string()]));
+
+    // An open connection, to outlive the rotation.
+    let tls = client
+        .connect(mesh.port, "bookinfo.example.com")
+        .await
+        .expect("connect");
+    let (mut open, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+        .await
+        .expect("h1 handshake");
+    tokio::spawn(conn);
+    let get = || {
+        hyper::Request::get("/")
+            .header("host", "bookinfo.example.com")
+            .body(Empty::<Bytes>::new())
+            .expect("request")
+    };
+    assert_eq!(
+        open.send_request(get()).await.expect("before").status(),
+        200
+    );
+
+    mesh.ads.set_secrets("2", &[secret(NAME, &second)]);
+    mesh.ads.wait_for_ack(SDS, "2", PROPAGATION).await;
+    eventually(
+        "a new handshake sees the new certificate",
+        PROPAGATION,
+        || async {
+            match client.get(mesh.port, "bookinfo.example.com", "/").await {
+                Ok(r) if r.peer_cert.as_deref() == Some(&second.der[..]) => Ok(()),
+                Ok(_) => Err("old certificate".to_string()),
+                Err(e) => Err(e),
+            }
+        },
+    )
+    .await;
+    let r = open
+        .send_request(get())
+        .await
+        .expect("open connection survives");
+    assert_eq!(r.status(), 200);
+
+    // A bad key is rejected; the certificate in force keeps serving.
+    let mut bad = secret(NAME, &second);
+    if let Some(secret::Type::TlsCertificate(c)) = &mut bad.r#type {
+        c.private_key =
+            inline("-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n");
+    }
+    mesh.ads.set_secrets("3", &[bad]);
+    let nack = mesh.ads.wait_for_nack(SDS, PROPAGATION).await;
+    let detail = nack.error.unwrap_or_default();
+    eprintln!("bad key NACK: {detail}");
+    if !is_envoy(&gateway_bin()) {
+        assert!(detail.contains(NAME), "the NACK names the secret: {detail}");
+    }
+    let r = client
+        .get(mesh.port, "bookinfo.example.com", "/")
+        .await
+        .expect("still serving");
+    assert_eq!(r.peer_cert.as_deref(), Some(&second.der[..]));
+
+    // A listener whose secret never arrives stays warming: it does not serve.
+    let other = free_port();
+    mesh.ads.set_listeners(
+        "2",
+        &[
+            tls_listener(
+                mesh.port,
+                vec![chain(
+                    "https",
+                    &["bookinfo.example.com"],
+                    Some(sds_tls(NAME)),
+                    "route-sds",
+                )],
+                None,
+            ),
+            tls_listener(
+                other,
+                vec![chain(
+                    "https",
+                    &[],
+                    Some(sds_tls("kubernetes://missing")),
+                    "route-sds",
+                )],
+                None,
+            ),
+        ],
+    );
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    eventually("the missing secret is asked for", PROPAGATION, || async {
+        mesh.ads
+            .log()
+            .iter()
+            .any(|q| {
+                q.type_url == SDS && q.resource_names.iter().any(|n| n == "kubernetes://missing")
+            })
+            .then_some(())
+            .ok_or_else(|| "not subscribed".to_string())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let warming = tokio::time::timeout(
+        Duration::from_secs(2),
+        client.get(other, "bookinfo.example.com", "/"),
+    )
+    .await;
+    assert!(
+        !matches!(warming, Ok(Ok(_))),
+        "a warming listener must not answer"
+    );
+    // The secret arrives: the listener serves.
+    let third = pki.leaf(&["bookinfo.example.com"]);
+    mesh.ads.set_secrets(
+        "4",
+        &[
+            secret(NAME, &second),
+            secret("kubernetes://missing", &third),
+        ],
+    );
+    let r = wait_tls(&client, other, "bookinfo.example.com").await;
+    assert_eq!(r.peer_cert.as_deref(), Some(&third.der[..]));
+    assert_eq!(r.body, "bookinfo");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_tls_inspector_server_names_never_match() {
+    let pki = Pki::new();
+    let a = pki.leaf(&["a.example.com"]);
+    let dflt = pki.leaf(&["a.example.com"]);
+    let mesh = Mesh::start_raw(|port| {
+        let mut l = tls_listener(
+            port,
+            vec![chain(
+                "a",
+                &["a.example.com"],
+                Some(inline_tls(&a, &[], None)),
+                "route-a",
+            )],
+            Some(chain(
+                "default",
+                &[],
+                Some(inline_tls(&dflt, &[], None)),
+                "route-default",
+            )),
+        );
+        l.listener_filters.clear();
+        Snapshot {
+            listeners: vec![l],
+            routes: vec![
+                answering("route-a", "chain-a"),
+                answering("route-default", "chain-default"),
+            ],
+            ..Default::default()
+        }
+    })
+    .await;
+    let client = Client::new(&pki);
+    // Nothing reads the SNI, so the connection has none to match on: the default chain.
+    let r = wait_tls(&client, mesh.port, "a.example.com").await;
+    assert_eq!(r.body, "chain-default");
+    assert_eq!(r.peer_cert.as_deref(), Some(&dflt.der[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_dump_shows_secrets_with_the_key_redacted() {
+    const NAME: &str = "kubernetes://dump-cert";
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["dump.example.com"]);
+    let mut inline_bytes = secret(NAME, &leaf);
+    if let Some(secret::Type::TlsCertificate(c)) = &mut inline_bytes.r#type {
+        c.private_key = Some(DataSource {
+            specifier: Some(data_source::Specifier::InlineBytes(
+                leaf.key.as_bytes().to_vec(),
+            )),
+            ..Default::default()
+        });
+    }
+    let https = |port| {
+        tls_listener(
+            port,
+            vec![chain("https", &[], Some(sds_tls(NAME)), "route-d")],
+            None,
+        )
+    };
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![https(port)],
+        routes: vec![answering("route-d", "d")],
+        secrets: vec![inline_bytes],
+        ..Default::default()
+    })
+    .await;
+    wait_tls(&Client::new(&pki), mesh.port, "dump.example.com").await;
+    // Added once running: Envoy's start-up would wait up to 15 s for a secret that never comes.
+    mesh.ads.set_listeners(
+        "2",
+        &[
+            https(mesh.port),
+            tls_listener(
+                free_port(),
+                vec![chain(
+                    "https",
+                    &[],
+                    Some(sds_tls("kubernetes://never")),
+                    "route-d",
+                )],
+                None,
+            ),
+        ],
+    );
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    eventually("the missing secret is asked for", PROPAGATION, || async {
+        mesh.ads
+            .log()
+            .iter()
+            .any(|q| {
+                q.type_url == SDS && q.resource_names.iter().any(|n| n == "kubernetes://never")
+            })
+            .then_some(())
+            .ok_or_else(|| "not subscribed".to_string())
+    })
+    .await;
+    let r = mesh.gw.admin_get("/config_dump").await;
+    let dump: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+    let secrets = dump["configs"]
+        .as_array()
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c["@type"] == "type.googleapis.com/envoy.admin.v3.SecretsConfigDump")
+        })
+        .cloned()
+        .unwrap_or_else(|| panic!("no SecretsConfigDump in {dump}"));
+    let active = &secrets["dynamic_active_secrets"][0];
+    assert_eq!(active["name"], NAME, "{secrets}");
+    assert_eq!(active["version_info"], "1", "{secrets}");
+    let tls = &active["secret"]["tls_certificate"];
+    assert_eq!(
+        tls["private_key"],
+        serde_json::json!({ "inline_bytes": "W3JlZGFjdGVkXQ==" }),
+        "{secrets}"
+    );
+    assert!(tls["certificate_chain"]["inline_string"]
+        .as_str()
+        .is_some_and(|c| c.contains("BEGIN CERTIFICATE")));
+    let warming = &secrets["dynamic_warming_secrets"][0];
+    assert_eq!(warming["name"], "kubernetes://never", "{secrets}");
+    assert_eq!(warming["version_info"], "uninitialized", "{secrets}");
+    assert_eq!(
+        warming["secret"],
+        serde_json::json!({
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+            "name": "kubernetes://never",
+        }),
+        "{secrets}"
+    );
+    assert!(warming["last_updated"].is_string(), "{secrets}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_cert_header_is_sanitized_unless_always_forwarded() {
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::ForwardClientCertDetails;
+    let backend = Backend::start("xfcc").await;
+    let mesh = Mesh::start(|port| {
+        Snapshot {
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "all",
+                    &["*"],
+                    vec![rt(prefix("/"), to_cluster("xfcc"))],
+                )],
+            )],
+            ..Default::default()
+        }
+        .with_backends(&[("xfcc", &backend)])
+    })
+    .await;
+    const XFCC: (&str, &str) = ("x-forwarded-client-cert", "By=spiffe://a;Hash=00");
+    let r = mesh.wait_status("/", "h", 200).await;
+    assert_eq!(r.header("x-echo-xfcc"), None);
+    let r = mesh.get("/", "h", &[XFCC]).await;
+    assert_eq!(
+        (r.status, r.header("x-echo-xfcc")),
+        (200, None),
+        "SANITIZE by default"
+    );
+    for (mode, kept) in [
+        (ForwardClientCertDetails::SanitizeSet, false),
+        (ForwardClientCertDetails::ForwardOnly, false),
+        (ForwardClientCertDetails::AlwaysForwardOnly, true),
+    ] {
+        let mut h = hcm(mesh.port);
+        h.forward_client_cert_details = mode as i32;
+        let v = format!("{mode:?}");
+        mesh.ads.set_listeners(&v, &[listener_with(mesh.port, h)]);
+        mesh.ads.wait_for_ack(LDS, &v, PROPAGATION).await;
+        eventually(&format!("{mode:?}"), PROPAGATION, || async {
+            let r = mesh.get("/", "h", &[XFCC]).await;
+            let got = r.header("x-echo-xfcc").map(str::to_string);
+            if r.status == 200 && got.is_some() == kept {
+                Ok(())
+            } else {
+                Err(format!("{} {got:?}", r.status))
+            }
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istiods_default_cipher_list_is_accepted() {
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["c.example.com"]);
+    let suites = [
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+        "AES256-GCM-SHA384",
+        "AES128-GCM-SHA256",
+    ];
+    let params = Some(TlsParameters {
+        tls_minimum_protocol_version: TlsProtocol::TlSv12 as i32,
+        tls_maximum_protocol_version: TlsProtocol::TlSv13 as i32,
+        cipher_suites: suites.map(String::from).to_vec(),
+        ..Default::default()
+    });
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "c",
+                &[],
+                Some(inline_tls(&leaf, &["h2", "http/1.1"], params)),
+                "route-c",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-c", "c")],
+        ..Default::default()
+    })
+    .await;
+    let tls12 = Client::new(&pki).versions(&[&rustls::version::TLS12]);
+    let r = wait_tls(&tls12, mesh.port, "c.example.com").await;
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_2));
+    let r = Client::new(&pki)
+        .get(mesh.port, "c.example.com", "/")
+        .await
+        .expect("1.3");
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_and_tls_on_one_port_by_transport_protocol() {
+    let pki = Pki::new();
+    let leaf = pki.leaf(&["t.example.com"]);
+    let by_transport = |mut c: FilterChain, transport: &str| {
+        c.filter_chain_match = Some(FilterChainMatch {
+            transport_protocol: transport.into(),
+            ..Default::default()
+        });
+        c
+    };
+    let listener = |port: u16, key: &str| {
+        let bad = Leaf {
+            cert: leaf.cert.clone(),
+            key: key.to_string(),
+            der: Vec::new(),
+        };
+        tls_listener(
+            port,
+            vec![
+                by_transport(
+                    chain("tls", &[], Some(inline_tls(&bad, &[], None)), "route-tls"),
+                    "tls",
+                ),
+                by_transport(chain("plain", &[], None, "route-plain"), "raw_buffer"),
+            ],
+            None,
+        )
+    };
+    let good_key = leaf.key.clone();
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![listener(port, &good_key)],
+        routes: vec![
+            answering("route-tls", "secure"),
+            answering("route-plain", "plain"),
+        ],
+        ..Default::default()
+    })
+    .await;
+    let client = Client::new(&pki);
+    let r = wait_tls(&client, mesh.port, "t.example.com").await;
+    assert_eq!(r.body, "secure");
+    let r = mesh.get("/", "t.example.com", &[]).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "plain"));
+
+    // An inline key that does not parse: the listener update is NACKed, the old one serves.
+    mesh.ads.set_listeners(
+        "2",
+        &[listener(
+            mesh.port,
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        )],
+    );
+    let nack = mesh.ads.wait_for_nack(LDS, PROPAGATION).await;
+    eprintln!("inline bad key NACK: {:?}", nack.error);
+    let r = client
+        .get(mesh.port, "t.example.com", "/")
+        .await
+        .expect("still serving");
+    assert_eq!(r.body, "secure");
+    let r = mesh.get("/", "t.example.com", &[]).await;
+    assert_eq!(r.body, "plain");
+}
