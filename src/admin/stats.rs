@@ -115,6 +115,19 @@ pub struct HcmStats {
     pub fault: FaultStats,
 }
 
+/// Envoy's `tcp.<stat_prefix>.*` stats of tcp_proxy chains.
+#[derive(Debug, Default)]
+pub struct TcpStats {
+    pub cx_total: AtomicU64,
+    /// The chain's cluster does not exist (yet).
+    pub cx_no_route: AtomicU64,
+    pub idle_timeout: AtomicU64,
+    pub rx_bytes: AtomicU64,
+    pub tx_bytes: AtomicU64,
+    /// Proxied connections open now.
+    pub cx_active: AtomicU64,
+}
+
 /// Envoy's `http.<stat_prefix>.fault.*` stats, shown once a listener with this prefix has a
 /// fault filter (Envoy creates them with the filter).
 #[derive(Debug, Default)]
@@ -182,6 +195,7 @@ pub const REJECTED: usize = 2;
 pub struct Stats {
     clusters: Mutex<HashMap<String, Arc<ClusterStats>>>,
     hcms: Mutex<HashMap<String, Arc<HcmStats>>>,
+    tcps: Mutex<HashMap<String, Arc<TcpStats>>>,
     pub xds: XdsCounters,
     registry: Registry,
 }
@@ -233,6 +247,7 @@ impl Stats {
         Stats {
             clusters: Mutex::default(),
             hcms: Mutex::default(),
+            tcps: Mutex::default(),
             xds,
             registry,
         }
@@ -248,6 +263,11 @@ impl Stats {
         m.entry(prefix.to_string()).or_default().clone()
     }
 
+    pub fn tcp(&self, prefix: &str) -> Arc<TcpStats> {
+        let mut m = self.tcps.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(prefix.to_string()).or_default().clone()
+    }
+
     /// Forgets clusters that no snapshot holds any more, as Envoy drops a removed cluster's stats.
     pub fn retain_clusters(&self, live: impl Fn(&str) -> bool) {
         let mut m = self.clusters.lock().unwrap_or_else(|p| p.into_inner());
@@ -258,7 +278,25 @@ impl Stats {
     pub fn render(&self, membership: &dyn Fn(&str) -> Option<(usize, usize)>) -> String {
         let clusters: Vec<(String, Arc<ClusterStats>)> = sorted(&self.clusters);
         let hcms: Vec<(String, Arc<HcmStats>)> = sorted(&self.hcms);
+        let tcps: Vec<(String, Arc<TcpStats>)> = sorted(&self.tcps);
         let mut f = Families::default();
+        for (n, s) in &tcps {
+            for (kind, stat, v) in [
+                ("counter", "downstream_cx_total", &s.cx_total),
+                ("counter", "downstream_cx_no_route", &s.cx_no_route),
+                ("counter", "idle_timeout", &s.idle_timeout),
+                ("counter", "downstream_cx_rx_bytes_total", &s.rx_bytes),
+                ("counter", "downstream_cx_tx_bytes_total", &s.tx_bytes),
+            ] {
+                let (metric, tag) = tagged("tcp", n, stat);
+                f.add(
+                    kind,
+                    metric,
+                    format!("envoy_tcp_prefix=\"{}\"", esc(tag)),
+                    v.load(Relaxed),
+                );
+            }
+        }
         for (n, s) in &clusters {
             let c = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
                 let (metric, tag) = tagged("cluster", n, stat);

@@ -16,23 +16,27 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use super::Gateway;
-use crate::snapshot::listener::Codec;
+use crate::snapshot::listener::{Codec, NetworkFilter};
 use crate::snapshot::Snapshot;
 use crate::State;
 
 struct Running {
     addr: SocketAddr,
-    /// Per filter chain: a change of chains or codecs restarts the listener.
-    codecs: Vec<Codec>,
+    /// Per filter chain (None: tcp_proxy): a change of chains or codecs restarts the listener.
+    codecs: Vec<Option<Codec>>,
     /// Tells the accept loop to stop and open connections to close after their current request.
     shutdown: watch::Sender<bool>,
     /// One set per worker (each has its own upstream connection pool, as Envoy's workers do, so
     /// a pooled connection is never handed between threads), one entry per filter chain.
-    apps: Vec<Arc<Vec<Apps>>>,
+    apps: Vec<Arc<Vec<Option<Apps>>>>,
 }
 
-fn codecs(l: &crate::snapshot::ActiveListener) -> Vec<Codec> {
-    l.def.chains.iter().map(|c| c.hcm.codec).collect()
+fn codecs(l: &crate::snapshot::ActiveListener) -> Vec<Option<Codec>> {
+    l.def
+        .chains
+        .iter()
+        .map(|c| c.hcm().map(|h| h.codec))
+        .collect()
 }
 
 /// One pingora app per protocol: HTTP/1 and h2c. Portico reads the first bytes itself to pick
@@ -106,7 +110,7 @@ impl ListenerManager {
                 // Wakes keep-alive connections idling in read_request so they close now.
                 for (w, apps) in self.workers.iter().zip(r.apps.clone()) {
                     w.spawn(async move {
-                        for a in apps.iter() {
+                        for a in apps.iter().flatten() {
                             a.h1.http_cleanup().await;
                             if let Some(h2c) = &a.h2c {
                                 h2c.http_cleanup().await;
@@ -143,8 +147,7 @@ impl ListenerManager {
                 continue;
             };
             let (tx, rx) = watch::channel(false);
-            let app = |chain: usize, h2c: bool| {
-                let hcm = &l.def.chains[chain].hcm;
+            let app = |chain: usize, hcm: &crate::snapshot::listener::Hcm, h2c: bool| {
                 let mut proxy = HttpProxy::new(
                     Gateway {
                         listener: name.clone(),
@@ -160,7 +163,7 @@ impl ListenerManager {
                 proxy.handle_init_modules();
                 Arc::new(proxy)
             };
-            let apps: Vec<Arc<Vec<Apps>>> = self
+            let apps: Vec<Arc<Vec<Option<Apps>>>> = self
                 .workers
                 .iter()
                 .map(|_| {
@@ -169,28 +172,36 @@ impl ListenerManager {
                             .chains
                             .iter()
                             .enumerate()
-                            .map(|(i, c)| Apps {
-                                h1: app(i, false),
-                                h2c: (c.hcm.codec != Codec::Http1).then(|| app(i, true)),
+                            .map(|(i, c)| {
+                                c.hcm().map(|h| Apps {
+                                    h1: app(i, h, false),
+                                    h2c: (h.codec != Codec::Http1).then(|| app(i, h, true)),
+                                })
                             })
                             .collect(),
                     )
                 })
                 .collect();
-            let hcm_stats: Arc<Vec<_>> = Arc::new(
+            let chain_stats: Arc<Vec<_>> = Arc::new(
                 l.def
                     .chains
                     .iter()
-                    .map(|c| {
-                        let s = self.state.stats.hcm(&c.hcm.stat_prefix);
-                        if !c.hcm.faults.is_empty() {
-                            // Envoy creates the fault stats with the filter, so they show
-                            // before any fault.
-                            s.fault
-                                .enabled
-                                .store(true, std::sync::atomic::Ordering::Relaxed);
+                    .map(|c| match &c.filter {
+                        NetworkFilter::Http(hcm) => {
+                            let s = self.state.stats.hcm(&hcm.stat_prefix);
+                            if !hcm.faults.is_empty() {
+                                // Envoy creates the fault stats with the filter, so they show
+                                // before any fault.
+                                s.fault
+                                    .enabled
+                                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            ChainStats::Http(s)
                         }
-                        s
+                        // Created with the chain, so Envoy's zeros show before any connection.
+                        NetworkFilter::Tcp(t) => {
+                            ChainStats::Tcp(self.state.stats.tcp(&t.stat_prefix))
+                        }
                     })
                     .collect(),
             );
@@ -200,7 +211,7 @@ impl ListenerManager {
                     listener: name.clone(),
                     state: self.state.clone(),
                     apps: a.clone(),
-                    hcm_stats: hcm_stats.clone(),
+                    chain_stats: chain_stats.clone(),
                 };
                 w.spawn(accept_loop(sock, conn, rx.clone()));
             }
@@ -258,8 +269,14 @@ async fn starts_with_h2_preface(stream: &tokio::net::TcpStream) -> bool {
 struct Conns {
     listener: String,
     state: Arc<State>,
-    apps: Arc<Vec<Apps>>,
-    hcm_stats: Arc<Vec<Arc<crate::admin::stats::HcmStats>>>,
+    apps: Arc<Vec<Option<Apps>>>,
+    chain_stats: Arc<Vec<ChainStats>>,
+}
+
+/// A chain's stats scope: `http.<prefix>` or `tcp.<prefix>`.
+enum ChainStats {
+    Http(Arc<crate::admin::stats::HcmStats>),
+    Tcp(Arc<crate::admin::stats::TcpStats>),
 }
 
 async fn serve_connection(
@@ -271,12 +288,11 @@ async fn serve_connection(
     let _ = tcp.set_nodelay(true);
     // One snapshot for the chain choice and its certificate: a rotation applies to the next
     // handshake, never to this one half-way.
-    let chain = {
-        let snap = conns.state.snapshot.load();
+    let (snap, chain) = {
+        let snap = conns.state.snapshot.load_full();
         let Some(l) = snap.listeners.get(&conns.listener).cloned() else {
             return;
         };
-        drop(snap);
         let hello = if l.def.tls_inspector {
             let inspect = super::tls::inspect(&tcp);
             match l.def.listener_filters_timeout {
@@ -303,28 +319,44 @@ async fn serve_connection(
             return;
         };
         match l.chains.get(i) {
-            Some(c) => (i, c.clone()),
+            Some(c) => (snap, (i, c.clone())),
             None => return,
         }
     };
     let (index, active) = chain;
-    let (Some(apps), Some(stats)) = (conns.apps.get(index), conns.hcm_stats.get(index)) else {
+    let stats = match conns.chain_stats.get(index) {
+        Some(ChainStats::Http(s)) => s,
+        Some(ChainStats::Tcp(s)) => {
+            if let Some(proxy) = active.def.tcp() {
+                super::tcp::serve(tcp, peer, proxy, snap, s, shutdown).await;
+            }
+            return;
+        }
+        None => return,
+    };
+    // The HTTP path loads the snapshot per request.
+    drop(snap);
+    let Some(Some(apps)) = conns.apps.get(index) else {
         return;
     };
     stats
         .cx_total
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (app, mut stream): (_, pingora_core::protocols::Stream) = match &active.tls {
-        Some(tls) => match super::tls::handshake(tcp, tls, active.def.hcm.codec).await {
-            Ok((tls, alpn)) => (
-                apps.h1.clone(),
-                Box::new(super::io::Downstream::new_tls(tls, peer, alpn)),
-            ),
-            Err(e) => {
-                tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
-                return;
+        Some(tls) => {
+            match super::tls::handshake(tcp, tls, active.def.hcm().map_or(Codec::Auto, |h| h.codec))
+                .await
+            {
+                Ok((tls, alpn)) => (
+                    apps.h1.clone(),
+                    Box::new(super::io::Downstream::new_tls(tls, peer, alpn)),
+                ),
+                Err(e) => {
+                    tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
+                    return;
+                }
             }
-        },
+        }
         None => {
             let app = match &apps.h2c {
                 Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),

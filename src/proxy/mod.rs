@@ -2,6 +2,7 @@
 
 pub mod io;
 pub mod listeners;
+pub mod tcp;
 pub mod tls;
 mod upgrade;
 
@@ -562,7 +563,9 @@ fn authority<'a>(req: &'a RequestHeader, listener: &ActiveChain) -> std::borrow:
 /// Whether the HCM's `strip_any_host_port` / `strip_matching_host_port` removes the port of
 /// this authority: that changes the Host sent upstream too, unlike `ignore_port_in_host_matching`.
 fn hcm_strips_port(raw: &str, listener: &ActiveChain) -> bool {
-    let hcm = &listener.def.hcm;
+    let Some(hcm) = listener.def.hcm() else {
+        return false;
+    };
     match split_port(raw).1 {
         Some(_) if hcm.strip_any_host_port => true,
         Some(port) => {
@@ -1009,8 +1012,8 @@ impl Gateway {
         if h1 {
             resp.insert_header(http::header::CONTENT_LENGTH, "0")?;
         }
-        if let Some(l) = &ctx.listener {
-            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+            resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
         }
         // Trailers-only means END_STREAM on the HEADERS frame, as Envoy sends it; pingora's
         // session wrapper would drop the flag and end the stream with an empty DATA frame.
@@ -1065,8 +1068,8 @@ impl Gateway {
         if let Some(rh) = &ctx.resp_headers {
             rh.apply(&mut resp, session.req_header());
         }
-        if let Some(l) = &ctx.listener {
-            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+            resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
         }
         cors_response(&mut resp, ctx)?;
         rate_limit_response(&mut resp, ctx)?;
@@ -1351,7 +1354,11 @@ fn request_hash(
         path: req.uri.path_and_query().map_or("/", |p| p.as_str()),
         method: req.method.as_str(),
         scheme: req.uri.scheme_str().unwrap_or("http"),
-        source_ip: downstream_remote(&req.headers, peer, &listener.def.hcm).map(|a| a.ip()),
+        source_ip: listener
+            .def
+            .hcm()
+            .and_then(|h| downstream_remote(&req.headers, peer, h))
+            .map(|a| a.ip()),
     };
     hash_policy::generate(&fwd.hash_policy, &input, |cookie| {
         // Envoy hashes the connection's remote and local addresses, so every request of one
@@ -1384,9 +1391,11 @@ impl ProxyHttp for Gateway {
             .listeners
             .get(&self.listener)
             .and_then(|l| l.chains.get(self.chain))
+            .filter(|c| c.def.hcm().is_some())
             .cloned()
         else {
-            // The listener was removed while this connection was open.
+            // The listener was removed while this connection was open (or its chain at this
+            // index is a tcp_proxy one now).
             session.set_keepalive(None);
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
@@ -1424,7 +1433,10 @@ impl ProxyHttp for Gateway {
             headers: &req.headers,
         };
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
-        let hcm = &listener.def.hcm;
+        let Some(hcm) = listener.def.hcm() else {
+            // Checked above when the chain was loaded.
+            return self.local_reply(session, ctx, 404, None, &[]).await;
+        };
         // Envoy decides an upgrade when it builds the filter chain, once the route is known and
         // before any filter runs: a refused one is a bare 403, and the connection closes since
         // the bytes after the request belong to the other protocol.
@@ -1517,7 +1529,7 @@ impl ProxyHttp for Gateway {
             }
             Action::Forward(f) => f,
         };
-        if let (true, Some(cors)) = (listener.def.hcm.cors, &fwd.cors) {
+        if let (true, Some(cors)) = (listener.def.hcm().is_some_and(|h| h.cors), &fwd.cors) {
             if let Some(extra) = cors_preflight(session, ctx, cors) {
                 return self.local_reply(session, ctx, 200, None, &extra).await;
             }
@@ -2091,8 +2103,8 @@ impl ProxyHttp for Gateway {
         if let Some(rh) = &ctx.resp_headers {
             rh.apply(resp, session.req_header());
         }
-        if let Some(l) = &ctx.listener {
-            resp.insert_header(http::header::SERVER, l.def.hcm.server_name.as_str())?;
+        if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+            resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
         }
         if ctx.attempt_count_to_client && ctx.attempts > 0 {
             resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;

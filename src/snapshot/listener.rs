@@ -14,6 +14,7 @@ use super::fault::{Fault, FAULT_TYPE};
 use super::filter_chain::{select, ChainMatch, Conn};
 use super::ratelimit::LocalRateLimit;
 use super::route::RouteTable;
+use super::tcp_proxy::{TcpProxy, TCP_PROXY_TYPE};
 use super::tls::{DownstreamTls, DOWNSTREAM_TLS_TYPE, TLS_INSPECTOR_TYPE};
 use super::{socket_address, TranslateError};
 
@@ -38,14 +39,38 @@ pub struct ListenerDef {
     pub continue_on_listener_filters_timeout: bool,
 }
 
-/// One filter chain: how it terminates the transport, and its connection manager.
+/// One filter chain: how it terminates the transport, and its network filter.
 #[derive(Debug)]
 pub struct ChainDef {
     pub name: String,
     /// The listener's address (the request path reads it for `strip_matching_host_port`).
     pub addr: SocketAddr,
     pub tls: Option<Arc<DownstreamTls>>,
-    pub hcm: Hcm,
+    pub filter: NetworkFilter,
+}
+
+/// The chain's one terminal network filter.
+#[derive(Debug)]
+pub enum NetworkFilter {
+    Http(Hcm),
+    Tcp(TcpProxy),
+}
+
+impl ChainDef {
+    /// The connection manager of an HTTP chain; None for a tcp_proxy chain.
+    pub fn hcm(&self) -> Option<&Hcm> {
+        match &self.filter {
+            NetworkFilter::Http(h) => Some(h),
+            NetworkFilter::Tcp(_) => None,
+        }
+    }
+
+    pub fn tcp(&self) -> Option<&TcpProxy> {
+        match &self.filter {
+            NetworkFilter::Tcp(t) => Some(t),
+            NetworkFilter::Http(_) => None,
+        }
+    }
 }
 
 impl ListenerDef {
@@ -287,7 +312,7 @@ impl ChainDef {
                 }
             },
         };
-        let hcm = match chain.filters.as_slice() {
+        let filter = match chain.filters.as_slice() {
             [f] if f.name.is_empty() => {
                 return Err(format!("{at}.filters[0]: name must not be empty"))
             }
@@ -301,20 +326,39 @@ impl ChainDef {
                         ))
                     }
                 };
-                if any.type_url != HCM_TYPE {
-                    return Err(format!(
-                        "network filter '{}' ({}) is not supported",
-                        f.name, any.type_url
-                    ));
+                match any.type_url.as_str() {
+                    HCM_TYPE => {
+                        let proto: hcm::HttpConnectionManager =
+                            unpack(any, HCM_TYPE, "http_connection_manager")?;
+                        NetworkFilter::Http(
+                            Hcm::translate(&proto)
+                                .map_err(|e| format!("http_connection_manager: {e}"))?,
+                        )
+                    }
+                    TCP_PROXY_TYPE => {
+                        // Terminating TLS in front of tcp_proxy is not wired up yet: refused
+                        // rather than proxying ciphertext or plaintext by surprise.
+                        if tls.is_some() {
+                            return Err(format!(
+                                "{at}: tcp_proxy behind a TLS transport_socket is not supported"
+                            ));
+                        }
+                        NetworkFilter::Tcp(
+                            TcpProxy::from_any(any).map_err(|e| format!("{at}.filters[0]: {e}"))?,
+                        )
+                    }
+                    other => {
+                        return Err(format!(
+                            "network filter '{}' ({other}) is not supported",
+                            f.name
+                        ))
+                    }
                 }
-                let proto: hcm::HttpConnectionManager =
-                    unpack(any, HCM_TYPE, "http_connection_manager")?;
-                Hcm::translate(&proto).map_err(|e| format!("http_connection_manager: {e}"))?
             }
             [] => return Err(format!("{at}: no network filters")),
             [first, ..] => {
                 return Err(format!(
-                    "{at}: only a single http_connection_manager is supported, found network filter '{}' first",
+                    "{at}: only a single http_connection_manager or tcp_proxy is supported, found network filter '{}' first",
                     first.name
                 ))
             }
@@ -323,7 +367,7 @@ impl ChainDef {
             name: chain.name.clone(),
             addr,
             tls,
-            hcm,
+            filter,
         })
     }
 }

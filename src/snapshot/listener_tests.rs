@@ -4,6 +4,7 @@ use super::*;
 
 use envoy_types::pb::envoy::config::route::v3 as rpb;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tpb;
 use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::DownstreamTlsContext;
 use envoy_types::pb::google::protobuf::BoolValue;
@@ -163,7 +164,7 @@ fn minimal_listener_translates_with_defaults() {
     let d = ok(&listener());
     assert_eq!(d.name, "l");
     assert_eq!(d.addr, "0.0.0.0:8080".parse().unwrap());
-    let h = &d.chains[0].hcm;
+    let h = &d.chains[0].hcm().expect("http chain");
     assert_eq!(h.stat_prefix, "ingress_http");
     assert!(matches!(&h.routes, RouteSource::Rds(n) if n == "routes"));
     assert_eq!(h.codec, Codec::Auto);
@@ -191,20 +192,33 @@ fn hcm_options_are_kept() {
     h.strip_matching_host_port = true;
     h.server_name = "portico".into();
     let d = ok(&listener_with(&h));
-    assert_eq!(d.chains[0].hcm.codec, Codec::Http2);
-    assert!(d.chains[0].hcm.use_remote_address);
-    assert!(d.chains[0].hcm.skip_xff_append);
-    assert!(!d.chains[0].hcm.generate_request_id);
-    assert!(d.chains[0].hcm.preserve_external_request_id);
-    assert!(d.chains[0].hcm.strip_any_host_port);
-    assert!(d.chains[0].hcm.strip_matching_host_port);
-    assert_eq!(d.chains[0].hcm.server_name, "portico");
+    assert_eq!(d.chains[0].hcm().expect("http chain").codec, Codec::Http2);
+    assert!(d.chains[0].hcm().expect("http chain").use_remote_address);
+    assert!(d.chains[0].hcm().expect("http chain").skip_xff_append);
+    assert!(!d.chains[0].hcm().expect("http chain").generate_request_id);
+    assert!(
+        d.chains[0]
+            .hcm()
+            .expect("http chain")
+            .preserve_external_request_id
+    );
+    assert!(d.chains[0].hcm().expect("http chain").strip_any_host_port);
+    assert!(
+        d.chains[0]
+            .hcm()
+            .expect("http chain")
+            .strip_matching_host_port
+    );
+    assert_eq!(
+        d.chains[0].hcm().expect("http chain").server_name,
+        "portico"
+    );
 
     h.codec_type = CodecType::Http1 as i32;
     h.strip_port_mode = Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(false));
     let d = ok(&listener_with(&h));
-    assert_eq!(d.chains[0].hcm.codec, Codec::Http1);
-    assert!(!d.chains[0].hcm.strip_any_host_port);
+    assert_eq!(d.chains[0].hcm().expect("http chain").codec, Codec::Http1);
+    assert!(!d.chains[0].hcm().expect("http chain").strip_any_host_port);
 }
 
 #[test]
@@ -218,7 +232,10 @@ fn ipv6_address_and_port_zero() {
 fn default_filter_chain_alone_is_used() {
     let mut l = listener();
     l.default_filter_chain = Some(l.filter_chains.remove(0));
-    assert!(matches!(ok(&l).chains[0].hcm.routes, RouteSource::Rds(_)));
+    assert!(matches!(
+        ok(&l).chains[0].hcm().expect("http chain").routes,
+        RouteSource::Rds(_)
+    ));
 }
 
 #[test]
@@ -234,7 +251,7 @@ fn inline_route_config_is_translated() {
         ..Default::default()
     }));
     let d = ok(&listener_with(&h));
-    let RouteSource::Inline(t) = &d.chains[0].hcm.routes else {
+    let RouteSource::Inline(t) = &d.chains[0].hcm().expect("http chain").routes else {
         panic!("not inline");
     };
     assert_eq!(t.name, "inline");
@@ -441,7 +458,7 @@ fn several_network_filters_are_rejected() {
     l.filter_chains[0].filters.insert(0, rbac);
     rejected(
         &l,
-        "filter_chains[0]: only a single http_connection_manager is supported, found network filter 'envoy.filters.network.rbac' first",
+        "filter_chains[0]: only a single http_connection_manager or tcp_proxy is supported, found network filter 'envoy.filters.network.rbac' first",
     );
 }
 
@@ -455,20 +472,115 @@ fn network_filter_without_typed_config_is_rejected() {
     );
 }
 
+fn tcp_filter(p: &tpb::TcpProxy) -> lpb::Filter {
+    lpb::Filter {
+        name: "envoy.filters.network.tcp_proxy".into(),
+        config_type: Some(lpb::filter::ConfigType::TypedConfig(any(TCP_PROXY_TYPE, p))),
+    }
+}
+
+fn tcp_proxy(cluster: &str) -> tpb::TcpProxy {
+    tpb::TcpProxy {
+        stat_prefix: "passthrough".into(),
+        cluster_specifier: Some(tpb::tcp_proxy::ClusterSpecifier::Cluster(cluster.into())),
+        ..Default::default()
+    }
+}
+
 #[test]
-fn non_hcm_network_filter_is_rejected() {
+fn tcp_proxy_chains_translate_next_to_http_ones() {
     let mut l = listener();
+    l.filter_chains[0].filter_chain_match = Some(lpb::FilterChainMatch {
+        server_names: vec!["http.example.com".into()],
+        ..Default::default()
+    });
+    l.filter_chains.push(lpb::FilterChain {
+        filter_chain_match: Some(lpb::FilterChainMatch {
+            server_names: vec!["a.example.com".into()],
+            ..Default::default()
+        }),
+        ..chain(vec![tcp_filter(&tcp_proxy("a"))])
+    });
+    l.default_filter_chain = Some(chain(vec![tcp_filter(&tcp_proxy("fallback"))]));
+    let d = ok(&l);
+    assert_eq!(d.chains.len(), 3);
+    assert!(d.chains[0].hcm().is_some() && d.chains[0].tcp().is_none());
+    let t = d.chains[1].tcp().expect("tcp chain");
+    assert!(d.chains[1].hcm().is_none());
+    assert_eq!(t.stat_prefix, "passthrough");
+    assert_eq!(t.cluster(0), "a");
+    assert_eq!(d.chains[2].tcp().map(|t| t.cluster(0)), Some("fallback"));
+}
+
+#[test]
+fn bad_tcp_proxy_is_rejected_naming_the_chain() {
+    let mut l = listener();
+    l.filter_chains[0].filters[0] = tcp_filter(&tpb::TcpProxy {
+        stat_prefix: String::new(),
+        ..tcp_proxy("a")
+    });
+    rejected(
+        &l,
+        "listener 'l': filter_chains[0].filters[0]: tcp_proxy: stat_prefix must not be empty",
+    );
     l.filter_chains[0].filters[0] = lpb::Filter {
         name: "envoy.filters.network.tcp_proxy".into(),
         config_type: Some(lpb::filter::ConfigType::TypedConfig(Any {
-            type_url: "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
-                .into(),
+            type_url: TCP_PROXY_TYPE.into(),
+            value: vec![0xff, 0xff],
+        })),
+    };
+    rejected(&l, "filter_chains[0].filters[0]: tcp_proxy: cannot decode");
+}
+
+#[test]
+fn tcp_proxy_behind_tls_termination_is_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].filters[0] = tcp_filter(&tcp_proxy("a"));
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tlspb;
+    // An SDS certificate, so the TLS context itself is valid without key material.
+    let sds = DownstreamTlsContext {
+        common_tls_context: Some(tlspb::CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![tlspb::SdsSecretConfig {
+                name: "cert".into(),
+                sds_config: Some(corepb::ConfigSource {
+                    config_source_specifier: Some(
+                        corepb::config_source::ConfigSourceSpecifier::Ads(Default::default()),
+                    ),
+                    ..Default::default()
+                }),
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    l.filter_chains[0].transport_socket = Some(corepb::TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(any(
+            TLS_TYPE, &sds,
+        ))),
+    });
+    rejected(
+        &l,
+        "filter_chains[0]: tcp_proxy behind a TLS transport_socket is not supported",
+    );
+}
+
+#[test]
+fn other_network_filters_are_rejected() {
+    let mut l = listener();
+    l.filter_chains[0].filters[0] = lpb::Filter {
+        name: "envoy.filters.network.redis_proxy".into(),
+        config_type: Some(lpb::filter::ConfigType::TypedConfig(Any {
+            type_url:
+                "type.googleapis.com/envoy.extensions.filters.network.redis_proxy.v3.RedisProxy"
+                    .into(),
             value: vec![],
         })),
     };
     rejected(
         &l,
-        "network filter 'envoy.filters.network.tcp_proxy' (type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy) is not supported",
+        "network filter 'envoy.filters.network.redis_proxy' (type.googleapis.com/envoy.extensions.filters.network.redis_proxy.v3.RedisProxy) is not supported",
     );
 }
 
@@ -667,9 +779,15 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
     ];
     // istiod's empty HTTPFault: a fault filter that injects nothing.
     let l = ok(&listener_with(&h));
-    assert_eq!(l.chains[0].hcm.faults.len(), 1);
-    assert_eq!(l.chains[0].hcm.faults[0].name, "envoy.filters.http.fault");
-    assert!(l.chains[0].hcm.faults[0].config.abort.is_none());
+    assert_eq!(l.chains[0].hcm().expect("http chain").faults.len(), 1);
+    assert_eq!(
+        l.chains[0].hcm().expect("http chain").faults[0].name,
+        "envoy.filters.http.fault"
+    );
+    assert!(l.chains[0].hcm().expect("http chain").faults[0]
+        .config
+        .abort
+        .is_none());
     let mut with_abort = typed_filter("my-fault", fault);
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // HTTPFault { abort: { http_status: 503 } }: field 2, message with field 2 = 503.
@@ -677,8 +795,14 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
     }
     h.http_filters = vec![with_abort.clone(), router()];
     let l = ok(&listener_with(&h));
-    assert_eq!(l.chains[0].hcm.faults[0].name, "my-fault");
-    assert!(l.chains[0].hcm.faults[0].config.abort.is_some());
+    assert_eq!(
+        l.chains[0].hcm().expect("http chain").faults[0].name,
+        "my-fault"
+    );
+    assert!(l.chains[0].hcm().expect("http chain").faults[0]
+        .config
+        .abort
+        .is_some());
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // http_status: 99
         a.value = vec![0x12, 0x02, 0x10, 0x63];
@@ -701,11 +825,18 @@ fn stream_timeouts_and_internal_addresses() {
     };
     let def = ok(&listener_with(&base_hcm()));
     assert_eq!(
-        def.chains[0].hcm.stream_idle_timeout,
+        def.chains[0].hcm().expect("http chain").stream_idle_timeout,
         Some(Duration::from_secs(300))
     );
-    assert_eq!(def.chains[0].hcm.max_stream_duration, None);
-    assert!(def.chains[0].hcm.internal_ranges.is_empty());
+    assert_eq!(
+        def.chains[0].hcm().expect("http chain").max_stream_duration,
+        None
+    );
+    assert!(def.chains[0]
+        .hcm()
+        .expect("http chain")
+        .internal_ranges
+        .is_empty());
 
     let mut h = base_hcm();
     h.stream_idle_timeout = d(0);
@@ -722,12 +853,15 @@ fn stream_timeouts_and_internal_addresses() {
         ..Default::default()
     });
     let def = ok(&listener_with(&h));
-    assert_eq!(def.chains[0].hcm.stream_idle_timeout, None);
     assert_eq!(
-        def.chains[0].hcm.max_stream_duration,
+        def.chains[0].hcm().expect("http chain").stream_idle_timeout,
+        None
+    );
+    assert_eq!(
+        def.chains[0].hcm().expect("http chain").max_stream_duration,
         Some(Duration::from_secs(30))
     );
-    let r = &def.chains[0].hcm.internal_ranges;
+    let r = &def.chains[0].hcm().expect("http chain").internal_ranges;
     let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
     assert!(r[0].contains(ip("10.1.2.3")));
     assert!(
@@ -763,9 +897,27 @@ fn hcm_upgrade_configs_are_kept_and_checked() {
     let mut h = base_hcm();
     h.upgrade_configs = vec![up("websocket", None), up("foo", Some(false))];
     let d = ok(&listener_with(&h));
-    assert_eq!(d.chains[0].hcm.upgrades.lookup(b"websocket"), Some(true));
-    assert_eq!(d.chains[0].hcm.upgrades.lookup(b"foo"), Some(false));
-    assert!(ok(&listener()).chains[0].hcm.upgrades.is_empty());
+    assert_eq!(
+        d.chains[0]
+            .hcm()
+            .expect("http chain")
+            .upgrades
+            .lookup(b"websocket"),
+        Some(true)
+    );
+    assert_eq!(
+        d.chains[0]
+            .hcm()
+            .expect("http chain")
+            .upgrades
+            .lookup(b"foo"),
+        Some(false)
+    );
+    assert!(ok(&listener()).chains[0]
+        .hcm()
+        .expect("http chain")
+        .upgrades
+        .is_empty());
     let mut h = base_hcm();
     h.upgrade_configs = vec![up("websocket", None), up("WebSocket", None)];
     hcm_rejected(
@@ -778,7 +930,8 @@ fn hcm_upgrade_configs_are_kept_and_checked() {
     h.upgrade_configs = vec![f.clone()];
     assert_eq!(
         ok(&listener_with(&h)).chains[0]
-            .hcm
+            .hcm()
+            .expect("http chain")
             .upgrades
             .lookup(b"websocket"),
         Some(true)

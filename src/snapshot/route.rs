@@ -651,6 +651,20 @@ impl RouteTable {
         self.any.map(|i| &self.vhosts[i])
     }
 
+    /// A table without virtual hosts: what a tcp_proxy chain carries, since it routes nothing.
+    pub fn empty() -> RouteTable {
+        RouteTable {
+            name: String::new(),
+            vhosts: Vec::new(),
+            exact: HashMap::new(),
+            suffixes: Vec::new(),
+            prefixes: Vec::new(),
+            any: None,
+            ignore_port: false,
+            validate_clusters: None,
+        }
+    }
+
     pub fn translate(rc: &rpb::RouteConfiguration) -> Result<RouteTable, TranslateError> {
         let err = |detail: String| TranslateError::new(format!("route '{}'", rc.name), detail);
         let mut vhosts = Vec::with_capacity(rc.virtual_hosts.len());

@@ -387,7 +387,7 @@ impl Store {
         let mut errors = Vec::new();
         for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
             for chain in &l.value.chains {
-                if let RouteSource::Inline(t) = &chain.hcm.routes {
+                if let Some(RouteSource::Inline(t)) = chain.hcm().map(|h| &h.routes) {
                     if t.validate_clusters != Some(false) {
                         errors.extend(
                             t.unknown_clusters(|c| self.clusters.contains_key(c))
@@ -406,9 +406,9 @@ impl Store {
         self.listeners
             .values()
             .flat_map(|l| l.value.chains.iter())
-            .filter_map(|c| match &c.hcm.routes {
-                RouteSource::Rds(n) => Some(n.clone()),
-                RouteSource::Inline(_) => None,
+            .filter_map(|c| match c.hcm().map(|h| &h.routes) {
+                Some(RouteSource::Rds(n)) => Some(n.clone()),
+                Some(RouteSource::Inline(_)) | None => None,
             })
             .collect()
     }
@@ -618,9 +618,12 @@ impl Store {
     ) -> Option<Vec<Arc<ActiveChain>>> {
         let mut out = Vec::with_capacity(def.chains.len());
         for (i, chain) in def.chains.iter().enumerate() {
-            let routes = match &chain.hcm.routes {
-                RouteSource::Inline(t) => t.clone(),
-                RouteSource::Rds(n) => self.routes.get(n)?.value.clone(),
+            let routes = match chain.hcm().map(|h| &h.routes) {
+                Some(RouteSource::Inline(t)) => t.clone(),
+                Some(RouteSource::Rds(n)) => self.routes.get(n)?.value.clone(),
+                // A tcp_proxy chain routes nothing; like Envoy it does not wait for its
+                // clusters either (a missing one closes connections until it arrives).
+                None => empty_routes(),
             };
             let prev = old
                 .filter(|o| Arc::ptr_eq(&o.def, def))
@@ -745,3 +748,9 @@ fn check_listener_addresses(listeners: &Table<ListenerProto, ListenerDef>) -> Ve
 #[cfg(test)]
 #[path = "store_tests.rs"]
 mod store_tests;
+
+/// One shared empty table, so an unchanged tcp_proxy chain compares equal across pushes.
+fn empty_routes() -> Arc<RouteTable> {
+    static EMPTY: std::sync::OnceLock<Arc<RouteTable>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| Arc::new(RouteTable::empty())).clone()
+}

@@ -1,0 +1,156 @@
+//! `envoy.filters.network.tcp_proxy`: the connection's bytes, the peeked ClientHello included,
+//! go to one endpoint of the chain's cluster and back, until both sides have closed.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::admin::stats::TcpStats;
+use crate::snapshot::tcp_proxy::TcpProxy;
+use crate::snapshot::Snapshot;
+
+/// How long a connection of a removed or replaced listener stays up: Envoy's default
+/// `--drain-time-s`, after which it closes what is left of the listener's connections.
+const DRAIN_TIME: Duration = Duration::from_secs(600);
+
+/// Serves one downstream connection on a tcp_proxy chain. `snap` is the snapshot the chain was
+/// picked from; it is let go once the upstream is connected.
+pub async fn serve(
+    down: TcpStream,
+    peer: SocketAddr,
+    proxy: &TcpProxy,
+    snap: Arc<Snapshot>,
+    stats: &TcpStats,
+    shutdown: watch::Receiver<bool>,
+) {
+    stats.cx_total.fetch_add(1, Relaxed);
+    let Some(up) = connect(proxy, &snap, stats, peer).await else {
+        // Envoy closes the downstream connection without a byte when no upstream is reached.
+        return;
+    };
+    drop(snap);
+    let _ = up.set_nodelay(true);
+    stats.cx_active.fetch_add(1, Relaxed);
+    pipe(down, up, proxy.idle_timeout, stats, shutdown).await;
+    stats.cx_active.fetch_sub(1, Relaxed);
+}
+
+/// An upstream connection to the chain's cluster, trying up to `max_connect_attempts` hosts,
+/// each picked afresh by the cluster's balancer, as Envoy does.
+async fn connect(
+    proxy: &TcpProxy,
+    snap: &Snapshot,
+    stats: &TcpStats,
+    peer: SocketAddr,
+) -> Option<TcpStream> {
+    let name = proxy.cluster(fastrand::u64(..));
+    let Some(cluster) = snap.clusters.get(name) else {
+        stats.cx_no_route.fetch_add(1, Relaxed);
+        tracing::debug!(cluster = %name, %peer, "tcp_proxy: no such cluster; closing");
+        return None;
+    };
+    for attempt in 1..=proxy.max_connect_attempts {
+        let Some((_, addr)) = cluster.pick() else {
+            tracing::debug!(cluster = %name, %peer, "tcp_proxy: no healthy upstream; closing");
+            return None;
+        };
+        match tokio::time::timeout(cluster.def.connect_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(up)) => return Some(up),
+            Ok(Err(e)) => {
+                tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect failed: {e}")
+            }
+            Err(_) => {
+                tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect timed out")
+            }
+        }
+        cluster.stats.cx_connect_fail.fetch_add(1, Relaxed);
+    }
+    None
+}
+
+/// Copies both ways. A FIN from one side becomes a write shutdown towards the other (Envoy's
+/// half-close); the connection ends once both directions have finished, on an error in
+/// either, or after `idle` without a byte either way.
+async fn pipe(
+    down: TcpStream,
+    up: TcpStream,
+    idle: Option<Duration>,
+    stats: &TcpStats,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let start = Instant::now();
+    // Milliseconds since `start` of the last byte moved, shared by both directions.
+    let last = AtomicU64::new(0);
+    let (mut dr, mut dw) = down.into_split();
+    let (mut ur, mut uw) = up.into_split();
+    let upstream = copy(&mut dr, &mut uw, &last, start, &stats.rx_bytes);
+    let downstream = copy(&mut ur, &mut dw, &last, start, &stats.tx_bytes);
+    let both = async {
+        // The first direction to fail ends both: Envoy closes the whole connection on a reset.
+        tokio::try_join!(upstream, downstream).map(|_| ())
+    };
+    let idle_watch = async {
+        let Some(idle) = idle else {
+            return std::future::pending::<()>().await;
+        };
+        loop {
+            let since = Duration::from_millis(last.load(Relaxed));
+            let due = start + since + idle;
+            if Instant::now() >= due {
+                return;
+            }
+            tokio::time::sleep_until(due.into()).await;
+        }
+    };
+    let drain = async {
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            if shutdown.changed().await.is_err() {
+                // The listener's sender is gone with it: drain as for a removal.
+                break;
+            }
+        }
+        tokio::time::sleep(DRAIN_TIME).await;
+    };
+    tokio::select! {
+        _ = both => {}
+        () = idle_watch => {
+            stats.idle_timeout.fetch_add(1, Relaxed);
+        }
+        () = drain => {}
+    }
+}
+
+async fn copy<R, W>(
+    from: &mut R,
+    to: &mut W,
+    last: &AtomicU64,
+    start: Instant,
+    bytes: &AtomicU64,
+) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            // Half-close: the other side may still send.
+            return to.shutdown().await;
+        }
+        // Envoy's idle timer restarts on reads and writes of either side alike.
+        let touch = || last.store(start.elapsed().as_millis() as u64, Relaxed);
+        touch();
+        to.write_all(&buf[..n]).await?;
+        touch();
+        bytes.fetch_add(n as u64, Relaxed);
+    }
+}

@@ -1,0 +1,422 @@
+//! `envoy.filters.network.tcp_proxy`: a filter chain that forwards the raw byte stream to one
+//! cluster (TLS passthrough, plain TCP) instead of parsing HTTP.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tpb;
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+
+pub const TCP_PROXY_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
+
+/// Where a connection goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// `cluster` (may be empty: Envoy accepts it and closes every connection as no route).
+    Cluster(String),
+    /// `weighted_clusters`: one cluster per connection, drawn by weight.
+    Weighted {
+        clusters: Vec<(String, u32)>,
+        total: u64,
+    },
+}
+
+/// The parts of `TcpProxy` a connection reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpProxy {
+    pub stat_prefix: String,
+    pub target: Target,
+    /// `idle_timeout`: 1 h when unset, as in Envoy; zero disables it.
+    pub idle_timeout: Option<Duration>,
+    /// `max_connect_attempts` (at least 1, default 1): hosts tried before giving up.
+    pub max_connect_attempts: u32,
+}
+
+impl TcpProxy {
+    pub fn from_any(a: &Any) -> Result<TcpProxy, String> {
+        if a.type_url != TCP_PROXY_TYPE {
+            return Err(format!("expected {TCP_PROXY_TYPE}, got {}", a.type_url));
+        }
+        let p = tpb::TcpProxy::decode(a.value.as_slice())
+            .map_err(|e| format!("tcp_proxy: cannot decode: {e}"))?;
+        TcpProxy::translate(&p).map_err(|e| format!("tcp_proxy: {e}"))
+    }
+
+    pub fn translate(p: &tpb::TcpProxy) -> Result<TcpProxy, String> {
+        if p.stat_prefix.is_empty() {
+            return Err("stat_prefix must not be empty".into());
+        }
+        // Fields that change where or how bytes flow: honouring none of them silently would
+        // send traffic somewhere Envoy would not, so they are refused by name. Access logging
+        // only observes, and is ignored.
+        let unsupported = [
+            ("on_demand", p.on_demand.is_some()),
+            ("metadata_match", p.metadata_match.is_some()),
+            (
+                "downstream_idle_timeout",
+                p.downstream_idle_timeout.is_some(),
+            ),
+            ("upstream_idle_timeout", p.upstream_idle_timeout.is_some()),
+            ("backoff_options", p.backoff_options.is_some()),
+            ("hash_policy", !p.hash_policy.is_empty()),
+            ("tunneling_config", p.tunneling_config.is_some()),
+            (
+                "max_downstream_connection_duration",
+                p.max_downstream_connection_duration.is_some(),
+            ),
+            ("proxy_protocol_tlvs", !p.proxy_protocol_tlvs.is_empty()),
+            ("upstream_connect_mode", p.upstream_connect_mode != 0),
+            ("max_early_data_bytes", p.max_early_data_bytes.is_some()),
+            (
+                "check_drain_close",
+                p.check_drain_close.as_ref().is_some_and(|b| b.value),
+            ),
+        ];
+        if let Some((field, _)) = unsupported.iter().find(|(_, set)| *set) {
+            return Err(format!("{field} is not supported"));
+        }
+        use tpb::tcp_proxy::ClusterSpecifier;
+        let target = match &p.cluster_specifier {
+            None => return Err("one of cluster or weighted_clusters is required".into()),
+            Some(ClusterSpecifier::Cluster(c)) => Target::Cluster(c.clone()),
+            Some(ClusterSpecifier::WeightedClusters(w)) => {
+                if w.clusters.is_empty() {
+                    return Err("weighted_clusters.clusters must not be empty".into());
+                }
+                let mut clusters = Vec::with_capacity(w.clusters.len());
+                for (i, c) in w.clusters.iter().enumerate() {
+                    let at = format!("weighted_clusters.clusters[{i}]");
+                    if c.name.is_empty() {
+                        return Err(format!("{at}.name must not be empty"));
+                    }
+                    if c.weight < 1 {
+                        return Err(format!("{at}.weight must be at least 1"));
+                    }
+                    if c.metadata_match.is_some() {
+                        return Err(format!("{at}.metadata_match is not supported"));
+                    }
+                    clusters.push((c.name.clone(), c.weight));
+                }
+                // u64: the weights are u32 each, so their sum cannot overflow.
+                let total = clusters.iter().map(|(_, w)| u64::from(*w)).sum();
+                Target::Weighted { clusters, total }
+            }
+        };
+        let idle_timeout = match &p.idle_timeout {
+            None => Some(Duration::from_secs(3600)),
+            Some(d) => {
+                let d = super::duration(d).map_err(|e| format!("idle_timeout: {e}"))?;
+                (!d.is_zero()).then_some(d)
+            }
+        };
+        let max_connect_attempts = match &p.max_connect_attempts {
+            None => 1,
+            Some(v) if v.value >= 1 => v.value,
+            Some(v) => {
+                return Err(format!(
+                    "max_connect_attempts {} must be at least 1",
+                    v.value
+                ))
+            }
+        };
+        Ok(TcpProxy {
+            stat_prefix: p.stat_prefix.clone(),
+            target,
+            idle_timeout,
+            max_connect_attempts,
+        })
+    }
+
+    /// The cluster for one connection; `draw` is a uniform random number.
+    pub fn cluster(&self, draw: u64) -> &str {
+        match &self.target {
+            Target::Cluster(c) => c,
+            Target::Weighted { clusters, total } => {
+                let mut point = draw % (*total).max(1);
+                for (name, w) in clusters {
+                    let w = u64::from(*w);
+                    if point < w {
+                        return name;
+                    }
+                    point -= w;
+                }
+                // Unreachable while total is the weights' sum; the last entry is a safe answer.
+                clusters.last().map_or("", |(n, _)| n.as_str())
+            }
+        }
+    }
+
+    /// Every cluster the chain can send to, for `/config_dump` and warming checks.
+    pub fn clusters(&self) -> Vec<&str> {
+        match &self.target {
+            Target::Cluster(c) => vec![c.as_str()],
+            Target::Weighted { clusters, .. } => clusters.iter().map(|(n, _)| n.as_str()).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3 as corepb;
+    use envoy_types::pb::google::protobuf::{BoolValue, Duration as PDuration, UInt32Value};
+    use tpb::tcp_proxy::{weighted_cluster::ClusterWeight, ClusterSpecifier, WeightedCluster};
+
+    fn base() -> tpb::TcpProxy {
+        tpb::TcpProxy {
+            stat_prefix: "outbound|443||a".into(),
+            cluster_specifier: Some(ClusterSpecifier::Cluster("a".into())),
+            ..Default::default()
+        }
+    }
+
+    fn weighted(w: &[(&str, u32)]) -> tpb::TcpProxy {
+        tpb::TcpProxy {
+            cluster_specifier: Some(ClusterSpecifier::WeightedClusters(WeightedCluster {
+                clusters: w
+                    .iter()
+                    .map(|(n, w)| ClusterWeight {
+                        name: n.to_string(),
+                        weight: *w,
+                        ..Default::default()
+                    })
+                    .collect(),
+            })),
+            ..base()
+        }
+    }
+
+    fn err(p: tpb::TcpProxy) -> String {
+        TcpProxy::translate(&p).expect_err("should be rejected")
+    }
+
+    #[test]
+    fn defaults_follow_envoy() {
+        let t = TcpProxy::translate(&base()).expect("valid");
+        assert_eq!(t.stat_prefix, "outbound|443||a");
+        assert_eq!(t.target, Target::Cluster("a".into()));
+        assert_eq!(t.idle_timeout, Some(Duration::from_secs(3600)));
+        assert_eq!(t.max_connect_attempts, 1);
+        assert_eq!(t.cluster(12345), "a");
+    }
+
+    #[test]
+    fn idle_timeout_zero_disables_and_attempts_are_read() {
+        let t = TcpProxy::translate(&tpb::TcpProxy {
+            idle_timeout: Some(PDuration {
+                seconds: 0,
+                nanos: 0,
+            }),
+            max_connect_attempts: Some(UInt32Value { value: 3 }),
+            ..base()
+        })
+        .expect("valid");
+        assert_eq!(t.idle_timeout, None);
+        assert_eq!(t.max_connect_attempts, 3);
+        let t = TcpProxy::translate(&tpb::TcpProxy {
+            idle_timeout: Some(PDuration {
+                seconds: 2,
+                nanos: 500_000_000,
+            }),
+            ..base()
+        })
+        .expect("valid");
+        assert_eq!(t.idle_timeout, Some(Duration::from_millis(2500)));
+    }
+
+    #[test]
+    fn access_log_is_ignored() {
+        let t = TcpProxy::translate(&tpb::TcpProxy {
+            access_log: vec![Default::default()],
+            ..base()
+        });
+        assert!(t.is_ok());
+    }
+
+    #[test]
+    fn weighted_clusters_draw_by_weight() {
+        let t = TcpProxy::translate(&weighted(&[("a", 1), ("b", 3)])).expect("valid");
+        assert_eq!(
+            t.target,
+            Target::Weighted {
+                clusters: vec![("a".into(), 1), ("b".into(), 3)],
+                total: 4
+            }
+        );
+        let picks: Vec<&str> = (0..8).map(|d| t.cluster(d)).collect();
+        assert_eq!(picks, ["a", "b", "b", "b", "a", "b", "b", "b"]);
+        assert_eq!(t.clusters(), ["a", "b"]);
+    }
+
+    #[test]
+    fn rejections_name_the_field() {
+        assert_eq!(
+            err(tpb::TcpProxy {
+                stat_prefix: String::new(),
+                ..base()
+            }),
+            "stat_prefix must not be empty"
+        );
+        assert_eq!(
+            err(tpb::TcpProxy {
+                cluster_specifier: None,
+                ..base()
+            }),
+            "one of cluster or weighted_clusters is required"
+        );
+        assert_eq!(
+            err(weighted(&[])),
+            "weighted_clusters.clusters must not be empty"
+        );
+        assert_eq!(
+            err(weighted(&[("a", 1), ("", 1)])),
+            "weighted_clusters.clusters[1].name must not be empty"
+        );
+        assert_eq!(
+            err(weighted(&[("a", 0)])),
+            "weighted_clusters.clusters[0].weight must be at least 1"
+        );
+        let mut w = weighted(&[("a", 1)]);
+        if let Some(ClusterSpecifier::WeightedClusters(wc)) = &mut w.cluster_specifier {
+            wc.clusters[0].metadata_match = Some(Default::default());
+        }
+        assert_eq!(
+            err(w),
+            "weighted_clusters.clusters[0].metadata_match is not supported"
+        );
+        assert_eq!(
+            err(tpb::TcpProxy {
+                max_connect_attempts: Some(UInt32Value { value: 0 }),
+                ..base()
+            }),
+            "max_connect_attempts 0 must be at least 1"
+        );
+        assert_eq!(
+            err(tpb::TcpProxy {
+                idle_timeout: Some(PDuration {
+                    seconds: -1,
+                    nanos: 0
+                }),
+                ..base()
+            }),
+            "idle_timeout: invalid duration -1s 0ns"
+        );
+    }
+
+    #[test]
+    fn unsupported_fields_are_refused() {
+        let cases: Vec<(&str, tpb::TcpProxy)> = vec![
+            (
+                "on_demand",
+                tpb::TcpProxy {
+                    on_demand: Some(Default::default()),
+                    ..base()
+                },
+            ),
+            (
+                "metadata_match",
+                tpb::TcpProxy {
+                    metadata_match: Some(corepb::Metadata::default()),
+                    ..base()
+                },
+            ),
+            (
+                "downstream_idle_timeout",
+                tpb::TcpProxy {
+                    downstream_idle_timeout: Some(Default::default()),
+                    ..base()
+                },
+            ),
+            (
+                "upstream_idle_timeout",
+                tpb::TcpProxy {
+                    upstream_idle_timeout: Some(Default::default()),
+                    ..base()
+                },
+            ),
+            (
+                "backoff_options",
+                tpb::TcpProxy {
+                    backoff_options: Some(Default::default()),
+                    ..base()
+                },
+            ),
+            (
+                "hash_policy",
+                tpb::TcpProxy {
+                    hash_policy: vec![Default::default()],
+                    ..base()
+                },
+            ),
+            (
+                "tunneling_config",
+                tpb::TcpProxy {
+                    tunneling_config: Some(Default::default()),
+                    ..base()
+                },
+            ),
+            (
+                "max_downstream_connection_duration",
+                tpb::TcpProxy {
+                    max_downstream_connection_duration: Some(Default::default()),
+                    ..base()
+                },
+            ),
+            (
+                "proxy_protocol_tlvs",
+                tpb::TcpProxy {
+                    proxy_protocol_tlvs: vec![Default::default()],
+                    ..base()
+                },
+            ),
+            (
+                "upstream_connect_mode",
+                tpb::TcpProxy {
+                    upstream_connect_mode: 1,
+                    ..base()
+                },
+            ),
+            (
+                "max_early_data_bytes",
+                tpb::TcpProxy {
+                    max_early_data_bytes: Some(UInt32Value { value: 1 }),
+                    ..base()
+                },
+            ),
+            (
+                "check_drain_close",
+                tpb::TcpProxy {
+                    check_drain_close: Some(BoolValue { value: true }),
+                    ..base()
+                },
+            ),
+        ];
+        for (field, p) in cases {
+            assert_eq!(err(p), format!("{field} is not supported"));
+        }
+    }
+
+    #[test]
+    fn from_any_checks_the_type_and_bytes() {
+        let good = Any {
+            type_url: TCP_PROXY_TYPE.into(),
+            value: base().encode_to_vec(),
+        };
+        assert!(TcpProxy::from_any(&good).is_ok());
+        let wrong = Any {
+            type_url: "type.googleapis.com/x".into(),
+            value: vec![],
+        };
+        assert!(TcpProxy::from_any(&wrong)
+            .expect_err("wrong type")
+            .starts_with("expected "));
+        let garbage = Any {
+            type_url: TCP_PROXY_TYPE.into(),
+            value: vec![0xff, 0xff, 0xff],
+        };
+        assert!(TcpProxy::from_any(&garbage)
+            .expect_err("bad bytes")
+            .starts_with("tcp_proxy: cannot decode"));
+    }
+}
