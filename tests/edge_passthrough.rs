@@ -1,0 +1,637 @@
+//! TLS passthrough and plain TCP proxying with `envoy.filters.network.tcp_proxy`, as an Istio
+//! `Gateway` server with `tls.mode: PASSTHROUGH` renders it: the TLS inspector reads the SNI,
+//! the chain is picked by `server_names`, and the raw stream (ClientHello included) goes to the
+//! chain's cluster, so the client sees the backend's own certificate. Runs against Envoy too
+//! (PORTICO_GATEWAY_BIN).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use envoy_types::pb::envoy::config::listener::v3::{
+    filter, listener_filter, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter,
+};
+use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
+    tcp_proxy::{weighted_cluster::ClusterWeight, ClusterSpecifier, WeightedCluster},
+    TcpProxy,
+};
+use envoy_types::pb::google::protobuf::{Duration as PDuration, UInt32Value};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+// ---------------------------------------------------------------------------------------------
+// Certificates and backends
+
+struct Pki {
+    ca: rcgen::Certificate,
+    ca_key: rcgen::KeyPair,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let ca_key = rcgen::KeyPair::generate().expect("CA key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "portico passthrough CA");
+        let ca = params.self_signed(&ca_key).expect("CA cert");
+        Pki { ca, ca_key }
+    }
+
+    /// A server config for a backend holding a certificate for `names`.
+    fn server(&self, names: &[&str]) -> rustls::ServerConfig {
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let params =
+            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .expect("leaf params");
+        let cert = params
+            .signed_by(&key, &self.ca, &self.ca_key)
+            .expect("leaf cert");
+        rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from(cert.der().to_vec())],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+        .expect("server config")
+    }
+
+    fn client(&self) -> tokio_rustls::TlsConnector {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from(self.ca.der().to_vec()))
+            .expect("add CA");
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        tokio_rustls::TlsConnector::from(Arc::new(cfg))
+    }
+}
+
+/// A TCP backend that greets each connection with `<name>\n` (over TLS when given a config)
+/// and then echoes what it reads until the client half-closes, then closes.
+struct TcpBackend {
+    addr: SocketAddr,
+    accepted: Arc<AtomicUsize>,
+}
+
+impl TcpBackend {
+    async fn start(name: &str, tls: Option<rustls::ServerConfig>) -> TcpBackend {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind backend");
+        let addr = listener.local_addr().expect("backend addr");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        let greeting = format!("{name}\n").into_bytes();
+        let acceptor = tls.map(|c| tokio_rustls::TlsAcceptor::from(Arc::new(c)));
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let greeting = greeting.clone();
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    match acceptor {
+                        Some(a) => {
+                            if let Ok(tls) = a.accept(tcp).await {
+                                echo(tls, &greeting).await;
+                            }
+                        }
+                        None => echo(tcp, &greeting).await,
+                    }
+                });
+            }
+        });
+        TcpBackend { addr, accepted }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+async fn echo<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut s: S, greeting: &[u8]) {
+    if s.write_all(greeting).await.is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if s.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let _ = s.shutdown().await;
+}
+
+/// A port nothing listens on.
+fn dead_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// xDS builders
+
+fn tcp_proxy(prefix: &str, cluster: &str) -> TcpProxy {
+    TcpProxy {
+        stat_prefix: prefix.into(),
+        cluster_specifier: Some(ClusterSpecifier::Cluster(cluster.into())),
+        ..Default::default()
+    }
+}
+
+fn tcp_chain(name: &str, server_names: &[&str], p: TcpProxy) -> FilterChain {
+    FilterChain {
+        name: name.into(),
+        filter_chain_match: (!server_names.is_empty()).then(|| FilterChainMatch {
+            server_names: server_names.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }),
+        filters: vec![Filter {
+            name: "envoy.filters.network.tcp_proxy".into(),
+            config_type: Some(filter::ConfigType::TypedConfig(any(p))),
+        }],
+        ..Default::default()
+    }
+}
+
+fn passthrough_listener(
+    port: u16,
+    chains: Vec<FilterChain>,
+    default: Option<FilterChain>,
+) -> Listener {
+    Listener {
+        name: listener_name(port),
+        address: Some(socket_addr("127.0.0.1", port)),
+        listener_filters: vec![ListenerFilter {
+            name: "envoy.filters.listener.tls_inspector".into(),
+            config_type: Some(listener_filter::ConfigType::TypedConfig(any(
+                TlsInspector::default(),
+            ))),
+            ..Default::default()
+        }],
+        filter_chains: chains,
+        default_filter_chain: default,
+        ..Default::default()
+    }
+}
+
+fn plain_listener(port: u16, p: TcpProxy) -> Listener {
+    Listener {
+        name: listener_name(port),
+        address: Some(socket_addr("127.0.0.1", port)),
+        filter_chains: vec![tcp_chain("raw", &[], p)],
+        ..Default::default()
+    }
+}
+
+fn cluster_at(s: &mut Snapshot, name: &str, addrs: &[SocketAddr]) {
+    s.clusters.push(eds_cluster(name));
+    s.endpoints.push(cla(name, addrs));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients
+
+/// A TLS session through the gateway to `sni`; the handshake verifies the backend's
+/// certificate for `sni`. Returns the greeting line and the stream.
+async fn tls_session(
+    pki: &Pki,
+    port: u16,
+    sni: &str,
+) -> Result<(String, tokio_rustls::client::TlsStream<TcpStream>), String> {
+    let run = async {
+        let tcp = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let name = ServerName::try_from(sni.to_string()).map_err(|e| e.to_string())?;
+        let mut tls = pki
+            .client()
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        let line = read_line(&mut tls).await?;
+        Ok((line, tls))
+    };
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .map_err(|_| "timed out".to_string())?
+}
+
+async fn read_line<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Result<String, String> {
+    let mut out = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        match s.read(&mut b).await {
+            Ok(0) => return Err(format!("closed after {:?}", String::from_utf8_lossy(&out))),
+            Ok(_) if b[0] == b'\n' => return Ok(String::from_utf8_lossy(&out).into_owned()),
+            Ok(_) => out.push(b[0]),
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
+/// A plain TCP connection through the gateway and the backend's greeting.
+async fn tcp_session(port: u16) -> Result<(String, TcpStream), String> {
+    let run = async {
+        let mut tcp = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let line = read_line(&mut tcp).await?;
+        Ok((line, tcp))
+    };
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .map_err(|_| "timed out".to_string())?
+}
+
+/// Round trip of `msg` on an echoing session.
+async fn echo_round<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    s: &mut S,
+    msg: &str,
+) -> Result<String, String> {
+    s.write_all(format!("{msg}\n").as_bytes())
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    tokio::time::timeout(Duration::from_secs(5), read_line(s))
+        .await
+        .map_err(|_| "echo timed out".to_string())?
+}
+
+/// Whether the gateway closes a fresh connection without passing a byte (read gives EOF or
+/// a reset), within 5 s.
+async fn closed_without_data(port: u16, send: &[u8]) -> Result<(), String> {
+    let mut tcp = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = tcp.write_all(send).await;
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut buf)).await {
+        Err(_) => Err("still open after 5 s".into()),
+        Ok(Ok(0)) | Ok(Err(_)) => Ok(()),
+        Ok(Ok(n)) => Err(format!("got {n} bytes: {:?}", &buf[..n])),
+    }
+}
+
+/// A ClientHello-bearing TLS attempt for `sni` fails (the gateway closed the connection).
+async fn tls_refused(pki: &Pki, port: u16, sni: &str) -> Result<(), String> {
+    match tls_session(pki, port, sni).await {
+        Ok((line, _)) => Err(format!("reached {line}")),
+        Err(e) if e == "timed out" => Err(e),
+        Err(_) => Ok(()),
+    }
+}
+
+async fn tcp_stat(gw: &Gateway, stat: &str, prefix: &str) -> f64 {
+    prom_value(
+        &gw.prometheus().await,
+        &format!("envoy_tcp_{stat}"),
+        "envoy_tcp_prefix",
+        prefix,
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_by_sni_reaches_each_backend_with_its_own_certificate() {
+    let pki = Pki::new();
+    let a = TcpBackend::start("backend-a", Some(pki.server(&["a.example.com"]))).await;
+    let b = TcpBackend::start(
+        "backend-b",
+        Some(pki.server(&["b.example.com", "other.test"])),
+    )
+    .await;
+    let chains = || {
+        vec![
+            tcp_chain("a", &["a.example.com"], tcp_proxy("pass_a", "cluster-a")),
+            tcp_chain("b", &["b.example.com"], tcp_proxy("pass_b", "cluster-b")),
+        ]
+    };
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "cluster-a", &[a.addr]);
+    cluster_at(&mut snap, "cluster-b", &[b.addr]);
+    let mut mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![passthrough_listener(port, chains(), None)];
+        s
+    })
+    .await;
+    let port = mesh.port;
+
+    // Each SNI reaches its backend, and the client verified that backend's certificate for
+    // the name: the gateway did not terminate TLS.
+    let (line, mut open_a) = eventually("SNI a through the gateway", PROPAGATION, || {
+        tls_session(&pki, port, "a.example.com")
+    })
+    .await;
+    assert_eq!(line, "backend-a");
+    assert_eq!(
+        echo_round(&mut open_a, "hello a").await.as_deref(),
+        Ok("hello a")
+    );
+    let (line, mut sb) = tls_session(&pki, port, "b.example.com")
+        .await
+        .expect("SNI b");
+    assert_eq!(line, "backend-b");
+    assert_eq!(echo_round(&mut sb, "hi b").await.as_deref(), Ok("hi b"));
+    // Half-close: the backend sees EOF, answers with its own close, and the client reads EOF.
+    sb.get_mut().0.shutdown().await.expect("half-close");
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), sb.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "the close did not come back");
+
+    // No chain for this name and no default: the connection is closed.
+    tls_refused(&pki, port, "other.test")
+        .await
+        .expect("unknown SNI without a default chain is refused");
+    // Not TLS at all on a passthrough listener with only SNI chains: closed too.
+    closed_without_data(port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("plain text is refused");
+
+    let gw = &mesh.gw;
+    assert!(tcp_stat(gw, "downstream_cx_total", "pass_a").await >= 1.0);
+    assert!(tcp_stat(gw, "downstream_cx_total", "pass_b").await >= 1.0);
+
+    // A default chain to backend b: an unknown name now reaches b. The open session to a
+    // (its chain unchanged by the push) stays up.
+    let mut next = snap.clone();
+    next.listeners = vec![passthrough_listener(
+        port,
+        chains(),
+        Some(tcp_chain(
+            "default",
+            &[],
+            tcp_proxy("pass_default", "cluster-b"),
+        )),
+    )];
+    mesh.ads.set_snapshot("2", &next);
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    let (line, _s) = eventually("unknown SNI to the default chain", PROPAGATION, || {
+        tls_session(&pki, port, "other.test")
+    })
+    .await;
+    assert_eq!(line, "backend-b");
+    assert_eq!(
+        echo_round(&mut open_a, "still there").await.as_deref(),
+        Ok("still there"),
+        "a proxied connection survives an LDS push that keeps its chain"
+    );
+    assert!(a.accepted() >= 1 && b.accepted() >= 2);
+    drop(open_a);
+    mesh.ads.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_tcp_on_a_plain_listener_and_listener_removal() {
+    let echo = TcpBackend::start("echo", None).await;
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "echo", &[echo.addr]);
+    let mut mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![plain_listener(port, tcp_proxy("raw", "echo"))];
+        s
+    })
+    .await;
+    let port = mesh.port;
+    let (line, mut s) = eventually("raw TCP through the gateway", PROPAGATION, || {
+        tcp_session(port)
+    })
+    .await;
+    assert_eq!(line, "echo");
+    assert_eq!(echo_round(&mut s, "ping").await.as_deref(), Ok("ping"));
+    // Bytes that look like HTTP are just bytes here.
+    assert_eq!(
+        echo_round(&mut s, "GET / HTTP/1.1").await.as_deref(),
+        Ok("GET / HTTP/1.1")
+    );
+    // Half-close from the client: data still flows back, then the backend's close arrives.
+    let (mut s2_line, mut s2) = tcp_session(port).await.expect("second session");
+    assert_eq!(std::mem::take(&mut s2_line), "echo");
+    s2.write_all(b"last words\n").await.expect("write");
+    s2.shutdown().await.expect("half-close");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s2.read_to_end(&mut rest))
+        .await
+        .expect("backend close propagated")
+        .expect("read to end");
+    assert_eq!(rest, b"last words\n");
+
+    assert!(tcp_stat(&mesh.gw, "downstream_cx_total", "raw").await >= 2.0);
+
+    // The listener is removed: new connections are refused, and the open one stays up while
+    // the listener drains (Envoy's drain time, 600 s by default).
+    let mut next = snap.clone();
+    next.listeners.clear();
+    mesh.ads.set_snapshot("2", &next);
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    eventually("listener gone", PROPAGATION, || async {
+        match tcp_connect(port).await {
+            Err(_) => Ok(()),
+            Ok(()) => Err("still accepting".to_string()),
+        }
+    })
+    .await;
+    assert_eq!(
+        echo_round(&mut s, "draining").await.as_deref(),
+        Ok("draining"),
+        "an open proxied connection stays up while its removed listener drains"
+    );
+    mesh.ads.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_failures_close_the_downstream() {
+    let echo = TcpBackend::start("echo", None).await;
+    let dead = dead_addr();
+    let (p_dead, p_retry, p_none, p_missing) = (free_port(), free_port(), free_port(), free_port());
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "dead", &[dead]);
+    cluster_at(&mut snap, "half-dead", &[dead, echo.addr]);
+    cluster_at(&mut snap, "empty", &[]);
+    let retry = TcpProxy {
+        max_connect_attempts: Some(UInt32Value { value: 2 }),
+        ..tcp_proxy("retry", "half-dead")
+    };
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![
+            plain_listener(port, tcp_proxy("unused", "echo-missing")),
+            plain_listener(p_dead, tcp_proxy("dead", "dead")),
+            plain_listener(p_retry, retry),
+            plain_listener(p_none, tcp_proxy("none", "empty")),
+            plain_listener(p_missing, tcp_proxy("missing", "no-such-cluster")),
+        ];
+        s
+    })
+    .await;
+    // Every listener is up once each accepts.
+    for p in [p_dead, p_retry, p_none, p_missing] {
+        eventually("listener up", PROPAGATION, || async move {
+            tcp_connect(p).await.map_err(|e| format!("{e:?}"))
+        })
+        .await;
+    }
+
+    // Connection refused upstream: the downstream is closed without a byte.
+    closed_without_data(p_dead, b"hello\n")
+        .await
+        .expect("refused upstream closes the downstream");
+    // With two attempts, a refused host is followed by another pick: round robin over
+    // {dead, echo} then always ends on echo.
+    for i in 0..6 {
+        let (line, mut s) = tcp_session(p_retry)
+            .await
+            .unwrap_or_else(|e| panic!("attempt {i} with a retry: {e}"));
+        assert_eq!(line, "echo");
+        assert_eq!(echo_round(&mut s, "x").await.as_deref(), Ok("x"));
+    }
+    // No host at all, and a cluster that does not exist: closed.
+    closed_without_data(p_none, b"hello\n")
+        .await
+        .expect("no healthy upstream closes the downstream");
+    closed_without_data(p_missing, b"hello\n")
+        .await
+        .expect("a missing cluster closes the downstream");
+
+    let gw = &mesh.gw;
+    eventually("no_route counted", PROPAGATION, || async {
+        let v = tcp_stat(gw, "downstream_cx_no_route", "missing").await;
+        if v >= 1.0 {
+            Ok(())
+        } else {
+            Err(format!("downstream_cx_no_route {v}"))
+        }
+    })
+    .await;
+    let prom = gw.prometheus().await;
+    let fails = |c: &str| {
+        prom_value(
+            &prom,
+            "envoy_cluster_upstream_cx_connect_fail",
+            "envoy_cluster_name",
+            c,
+        )
+    };
+    assert!(fails("dead") >= 1.0, "dead: {}", fails("dead"));
+    assert!(
+        fails("half-dead") >= 1.0,
+        "half-dead: {}",
+        fails("half-dead")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_clusters_split_connections_by_weight() {
+    let a = TcpBackend::start("a", None).await;
+    let b = TcpBackend::start("b", None).await;
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "ca", &[a.addr]);
+    cluster_at(&mut snap, "cb", &[b.addr]);
+    let p = TcpProxy {
+        stat_prefix: "split".into(),
+        cluster_specifier: Some(ClusterSpecifier::WeightedClusters(WeightedCluster {
+            clusters: vec![
+                ClusterWeight {
+                    name: "ca".into(),
+                    weight: 1,
+                    ..Default::default()
+                },
+                ClusterWeight {
+                    name: "cb".into(),
+                    weight: 3,
+                    ..Default::default()
+                },
+            ],
+        })),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![plain_listener(port, p)];
+        s
+    })
+    .await;
+    let port = mesh.port;
+    eventually("split listener", PROPAGATION, || tcp_session(port)).await;
+    let n = 200;
+    let mut to_b = 0;
+    for i in 0..n {
+        let (line, _s) = tcp_session(port)
+            .await
+            .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        if line == "b" {
+            to_b += 1;
+        }
+    }
+    // 75 % expected; the bounds are about 5 standard deviations wide.
+    let share = f64::from(to_b) / f64::from(n);
+    assert!((0.6..=0.9).contains(&share), "share to b: {share}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_timeout_closes_a_silent_connection() {
+    let echo = TcpBackend::start("echo", None).await;
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "echo", &[echo.addr]);
+    let p = TcpProxy {
+        idle_timeout: Some(PDuration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        ..tcp_proxy("idle", "echo")
+    };
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![plain_listener(port, p)];
+        s
+    })
+    .await;
+    let port = mesh.port;
+    eventually("idle listener", PROPAGATION, || tcp_session(port)).await;
+
+    // Traffic every 400 ms keeps it open past the timeout.
+    let (_, mut busy) = tcp_session(port).await.expect("busy session");
+    for i in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(
+            echo_round(&mut busy, &format!("beat {i}")).await,
+            Ok(format!("beat {i}"))
+        );
+    }
+    // Silence: closed after about a second.
+    let (_, mut quiet) = tcp_session(port).await.expect("quiet session");
+    let start = Instant::now();
+    let mut buf = [0u8; 16];
+    let r = tokio::time::timeout(Duration::from_secs(5), quiet.read(&mut buf))
+        .await
+        .expect("the idle connection was not closed");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(3),
+        "closed after {took:?}"
+    );
+    assert!(tcp_stat(&mesh.gw, "idle_timeout", "idle").await >= 1.0);
+}
