@@ -534,7 +534,30 @@ async fn upstream_failures_close_the_downstream() {
             c,
         )
     };
-    assert!(fails("dead") >= 1.0, "dead: {}", fails("dead"));
+    // Each listener also saw the one connection of the "listener up" probe.
+    assert_eq!(fails("dead"), 2.0, "two connections, one attempt each");
+    assert_eq!(fails("empty"), 0.0, "no host, no attempt");
+    let cx = |prefix: &str| {
+        prom_value(
+            &prom,
+            "envoy_tcp_downstream_cx_total",
+            "envoy_tcp_prefix",
+            prefix,
+        )
+    };
+    assert_eq!(
+        [cx("dead"), cx("none"), cx("missing"), cx("retry")],
+        [2.0, 2.0, 2.0, 7.0]
+    );
+    let no_route = |prefix: &str| {
+        prom_value(
+            &prom,
+            "envoy_tcp_downstream_cx_no_route",
+            "envoy_tcp_prefix",
+            prefix,
+        )
+    };
+    assert_eq!([no_route("missing"), no_route("none")], [2.0, 0.0]);
     assert!(
         fails("half-dead") >= 1.0,
         "half-dead: {}",
@@ -634,4 +657,106 @@ async fn idle_timeout_closes_a_silent_connection() {
         "closed after {took:?}"
     );
     assert!(tcp_stat(&mesh.gw, "idle_timeout", "idle").await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_timeout_and_odd_first_bytes() {
+    // A listening socket whose accept queue is full drops further SYNs, so connecting to it
+    // hangs until the cluster's connect_timeout (1 s in eds_cluster).
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    let stuck_addr = sock.local_addr().expect("addr");
+    let stuck = sock.listen(0).expect("listen");
+    let mut fillers = Vec::new();
+    for _ in 0..4 {
+        if let Ok(Ok(c)) =
+            tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(stuck_addr)).await
+        {
+            fillers.push(c);
+        }
+    }
+    let echo = TcpBackend::start("echo", None).await;
+    let p_stuck = free_port();
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "stuck", &[stuck_addr]);
+    cluster_at(&mut snap, "echo", &[echo.addr]);
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![
+            // TLS inspector with only a default chain: whatever the first bytes are.
+            passthrough_listener(
+                port,
+                vec![],
+                Some(tcp_chain("any", &[], tcp_proxy("any", "echo"))),
+            ),
+            plain_listener(p_stuck, tcp_proxy("stuck", "stuck")),
+        ];
+        s
+    })
+    .await;
+    let port = mesh.port;
+    eventually("stuck listener up", PROPAGATION, || async {
+        tcp_connect(p_stuck).await.map_err(|e| format!("{e:?}"))
+    })
+    .await;
+    let start = Instant::now();
+    closed_without_data(p_stuck, b"hello\n")
+        .await
+        .expect("connect timeout closes the downstream");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(4),
+        "closed after {took:?}"
+    );
+    drop(stuck);
+    drop(fillers);
+
+    // Plain text on a listener with the TLS inspector goes to the default chain, once the
+    // client has spoken: the inspector waits for the first bytes, so a server-first protocol
+    // sees nothing until then (in Envoy too).
+    let mut silent = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let mut buf = [0u8; 16];
+    let early = tokio::time::timeout(Duration::from_millis(500), silent.read(&mut buf)).await;
+    assert!(
+        early.is_err(),
+        "greeting before the client spoke: {early:?}"
+    );
+    let line = eventually("plain text to the default chain", PROPAGATION, || async {
+        let mut tcp = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .map_err(|e| e.to_string())?;
+        tcp.write_all(b"plain\n").await.map_err(|e| e.to_string())?;
+        let run = async {
+            let greeting = read_line(&mut tcp).await?;
+            let echoed = read_line(&mut tcp).await?;
+            Ok::<_, String>(format!("{greeting}/{echoed}"))
+        };
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .map_err(|_| "timed out".to_string())?
+    })
+    .await;
+    assert_eq!(line, "echo/plain");
+    // A handshake record that is not a ClientHello is not TLS to the inspector either: it goes
+    // to the default chain as it is (agreed with Envoy 1.40).
+    let mut tcp = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    tcp.write_all(&[0x16, 0x03, 0x01, 0x00, 0x05, 0xff, 0xff, 0xff, 0xff, 0xff])
+        .await
+        .expect("write");
+    let mut buf = [0u8; 64];
+    let got = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut buf)).await;
+    let outcome = match got {
+        Err(_) => "open".to_string(),
+        Ok(Ok(0)) | Ok(Err(_)) => "closed".to_string(),
+        Ok(Ok(n)) => String::from_utf8_lossy(&buf[..n]).into_owned(),
+    };
+    assert!(
+        outcome.starts_with("echo\n"),
+        "a malformed ClientHello: {outcome:?}"
+    );
 }
