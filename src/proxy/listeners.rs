@@ -328,7 +328,12 @@ async fn serve_connection(
         Some(ChainStats::Http(s)) => s,
         Some(ChainStats::Tcp(s)) => {
             if let Some(proxy) = active.def.tcp() {
-                super::tcp::serve(tcp, peer, proxy, snap, s, shutdown).await;
+                let matched = snap
+                    .listeners
+                    .get(&conns.listener)
+                    .and_then(|l| l.def.matches.get(index).cloned());
+                let kept = chain_kept(conns.state.clone(), conns.listener.clone(), matched, proxy);
+                super::tcp::serve(tcp, peer, proxy, snap, s, shutdown, kept).await;
             }
             return;
         }
@@ -368,6 +373,28 @@ async fn serve_connection(
     drop(active);
     while let Some(next) = app.process_new(stream, &shutdown).await {
         stream = next;
+    }
+}
+
+/// Whether the snapshot in force still has this tcp_proxy chain (same match, same config) on
+/// the listener. Envoy updates a listener's filter chains in place and drains only the chains
+/// that changed, so a connection on an unchanged chain outlives the listener's restart here.
+fn chain_kept(
+    state: Arc<State>,
+    listener: String,
+    matched: Option<crate::snapshot::filter_chain::ChainMatch>,
+    proxy: &crate::snapshot::tcp_proxy::TcpProxy,
+) -> impl Fn() -> bool + Send {
+    let proxy = proxy.clone();
+    move || {
+        let snap = state.snapshot.load();
+        snap.listeners.get(&listener).is_some_and(|l| {
+            l.def
+                .chains
+                .iter()
+                .enumerate()
+                .any(|(i, c)| c.tcp() == Some(&proxy) && l.def.matches.get(i) == matched.as_ref())
+        })
     }
 }
 

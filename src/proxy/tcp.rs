@@ -14,12 +14,13 @@ use crate::admin::stats::TcpStats;
 use crate::snapshot::tcp_proxy::TcpProxy;
 use crate::snapshot::Snapshot;
 
-/// How long a connection of a removed or replaced listener stays up: Envoy's default
-/// `--drain-time-s`, after which it closes what is left of the listener's connections.
+/// How long a connection of a removed listener (or of a chain a push changed) stays up:
+/// Envoy's default `--drain-time-s`, after which it closes what is left of them.
 const DRAIN_TIME: Duration = Duration::from_secs(600);
 
 /// Serves one downstream connection on a tcp_proxy chain. `snap` is the snapshot the chain was
-/// picked from; it is let go once the upstream is connected.
+/// picked from; it is let go once the upstream is connected. `kept` tells, when the listener
+/// stops, whether the new config still has this very chain (then the connection stays).
 pub async fn serve(
     down: TcpStream,
     peer: SocketAddr,
@@ -27,6 +28,7 @@ pub async fn serve(
     snap: Arc<Snapshot>,
     stats: &TcpStats,
     shutdown: watch::Receiver<bool>,
+    kept: impl Fn() -> bool,
 ) {
     stats.cx_total.fetch_add(1, Relaxed);
     let Some(up) = connect(proxy, &snap, stats, peer).await else {
@@ -36,7 +38,7 @@ pub async fn serve(
     drop(snap);
     let _ = up.set_nodelay(true);
     stats.cx_active.fetch_add(1, Relaxed);
-    pipe(down, up, proxy.idle_timeout, stats, shutdown).await;
+    pipe(down, up, proxy.idle_timeout, stats, shutdown, kept).await;
     stats.cx_active.fetch_sub(1, Relaxed);
 }
 
@@ -82,6 +84,7 @@ async fn pipe(
     idle: Option<Duration>,
     stats: &TcpStats,
     mut shutdown: watch::Receiver<bool>,
+    kept: impl Fn() -> bool,
 ) {
     let start = Instant::now();
     // Milliseconds since `start` of the last byte moved, shared by both directions.
@@ -116,6 +119,9 @@ async fn pipe(
                 // The listener's sender is gone with it: drain as for a removal.
                 break;
             }
+        }
+        if kept() {
+            return std::future::pending::<()>().await;
         }
         tokio::time::sleep(DRAIN_TIME).await;
     };
