@@ -372,6 +372,17 @@ async fn passthrough_by_sni_reaches_each_backend_with_its_own_certificate() {
 
     let gw = &mesh.gw;
     assert!(tcp_stat(gw, "downstream_cx_total", "pass_a").await >= 1.0);
+    // The chain's TcpProxy is dumped as Envoy's proto JSON.
+    let dump = get(&gw.admin_url("/config_dump"), None, &[]).await;
+    assert_eq!(dump.status, 200);
+    let flat: String = dump.body.split_whitespace().collect();
+    for needle in [
+        r#""@type":"type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy""#,
+        r#""stat_prefix":"pass_a""#,
+        r#""cluster":"cluster-a""#,
+    ] {
+        assert!(flat.contains(needle), "config_dump lacks {needle}");
+    }
     assert!(tcp_stat(gw, "downstream_cx_total", "pass_b").await >= 1.0);
 
     // A default chain to backend b: an unknown name now reaches b. The open session to a
