@@ -1222,3 +1222,40 @@ mod sds {
         );
     }
 }
+
+#[test]
+fn tcp_proxy_listeners_serve_without_routes_or_their_cluster() {
+    use crate::snapshot::tcp_proxy::TCP_PROXY_TYPE;
+    use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tpb;
+    let p = tpb::TcpProxy {
+        stat_prefix: "tcp".into(),
+        cluster_specifier: Some(tpb::tcp_proxy::ClusterSpecifier::Cluster("not-yet".into())),
+        ..Default::default()
+    };
+    let tcp = ListenerProto {
+        name: "tcp".into(),
+        address: Some(sock("127.0.0.1", 9)),
+        filter_chains: vec![lpb::FilterChain {
+            filters: vec![lpb::Filter {
+                name: "envoy.filters.network.tcp_proxy".into(),
+                config_type: Some(lpb::filter::ConfigType::TypedConfig(any(
+                    TCP_PROXY_TYPE,
+                    &p,
+                ))),
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let s = push(&Store::default(), Kind::Listener, &lds(std::slice::from_ref(&tcp)));
+    // Nothing to wait for: Envoy does not warm a tcp_proxy listener on its cluster.
+    assert!(s.wanted_routes().is_empty());
+    let first = snap(&s, &Snapshot::default());
+    assert_eq!(snap_listeners(&first), ["tcp"]);
+    let chain = &first.listeners["tcp"].chains[0];
+    assert!(chain.routes.vhosts.is_empty());
+    // An unchanged push keeps the very same active chain.
+    let s = push(&s, Kind::Listener, &lds(&[tcp]));
+    let second = snap(&s, &first);
+    assert!(Arc::ptr_eq(&second.listeners["tcp"].chains[0], chain));
+}
