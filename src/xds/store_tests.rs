@@ -1247,7 +1247,11 @@ fn tcp_proxy_listeners_serve_without_routes_or_their_cluster() {
         }],
         ..Default::default()
     };
-    let s = push(&Store::default(), Kind::Listener, &lds(std::slice::from_ref(&tcp)));
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(std::slice::from_ref(&tcp)),
+    );
     // Nothing to wait for: Envoy does not warm a tcp_proxy listener on its cluster.
     assert!(s.wanted_routes().is_empty());
     let first = snap(&s, &Snapshot::default());
