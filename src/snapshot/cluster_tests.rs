@@ -145,6 +145,7 @@ fn defaults() {
             max_requests_per_connection: None,
             tcp_keepalive: None,
             health_check: None,
+            transport: Default::default(),
         }
     );
 }
@@ -569,6 +570,7 @@ mod consistent_hashing {
                     priority: 0,
                     locality: 0,
                     hostname: None,
+                    labels: None,
                 })
                 .collect(),
             ..Default::default()
@@ -642,6 +644,7 @@ mod consistent_hashing {
                 priority: *priority,
                 locality: 0,
                 hostname: None,
+                labels: None,
             })
             .collect(),
             ..Default::default()
@@ -678,6 +681,7 @@ mod consistent_hashing {
                     priority: 0,
                     locality: 0,
                     hostname: None,
+                    labels: None,
                 })
                 .collect(),
             ..Default::default()
@@ -700,13 +704,16 @@ mod consistent_hashing {
 }
 
 #[test]
-fn tls_transport_socket_is_rejected() {
+fn tls_transport_socket_is_accepted() {
     let mut c = cluster("c");
     c.transport_socket = Some(socket("envoy.transport_sockets.tls", TLS_TYPE));
-    rejected(
-        &c,
-        "transport_socket 'envoy.transport_sockets.tls' is not supported yet (upstream TLS)",
-    );
+    let d = ok(&c);
+    assert!(d.transport.default.is_some());
+    assert!(d
+        .transport
+        .default
+        .as_ref()
+        .is_some_and(|t| t.sni.is_none()));
 }
 
 #[test]
@@ -724,14 +731,19 @@ fn raw_buffer_transport_socket_by_name_or_type_is_accepted() {
 }
 
 #[test]
-fn tls_context_under_the_raw_buffer_name_is_rejected() {
+fn the_typed_config_type_not_the_name_picks_the_socket() {
     let mut c = cluster("c");
     c.transport_socket = Some(socket("envoy.transport_sockets.raw_buffer", TLS_TYPE));
-    rejected(&c, "transport_socket");
+    assert!(ok(&c).transport.default.is_some());
+    c.transport_socket = Some(socket(
+        "envoy.transport_sockets.tls",
+        "type.googleapis.com/x.Y",
+    ));
+    rejected(&c, "transport_socket: 'envoy.transport_sockets.tls': typed_config type.googleapis.com/x.Y is not supported");
 }
 
 #[test]
-fn tls_transport_socket_match_is_rejected() {
+fn tls_transport_socket_match_is_accepted() {
     let mut c = cluster("c");
     c.transport_socket_matches = vec![
         TransportSocketMatch {
@@ -745,12 +757,10 @@ fn tls_transport_socket_match_is_rejected() {
             ..Default::default()
         },
     ];
-    rejected(
-        &c,
-        "transport_socket_matches 'tlsMode-istio': upstream TLS is not supported yet",
-    );
-    c.transport_socket_matches.pop();
-    ok(&c);
+    let d = ok(&c);
+    assert!(d.transport.default.is_none());
+    assert!(d.transport.matches[0].socket.is_none());
+    assert!(d.transport.matches[1].socket.is_some());
 }
 
 #[test]
@@ -1192,6 +1202,7 @@ fn from_resolved_skips_unresolvable_hosts() {
         priority,
         locality: 0,
         hostname: None,
+        labels: None,
     };
     let spec = LoadAssignmentSpec {
         endpoints: vec![

@@ -17,6 +17,7 @@ pub mod retry;
 pub mod route;
 pub mod tls;
 pub mod upgrade;
+pub mod upstream_tls;
 
 use std::collections::HashMap;
 use std::sync::Arc;
