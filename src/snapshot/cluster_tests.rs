@@ -764,6 +764,73 @@ fn tls_transport_socket_match_is_accepted() {
 }
 
 #[test]
+fn hosts_keep_their_match_metadata_and_clusters_pick_each_hosts_socket() {
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+    let mut c = cluster("c");
+    let istio = Struct {
+        fields: [(
+            "tlsMode".to_string(),
+            Value {
+                kind: Some(Kind::StringValue("istio".into())),
+            },
+        )]
+        .into_iter()
+        .collect(),
+    };
+    c.transport_socket_matches = vec![TransportSocketMatch {
+        name: "tlsMode-istio".into(),
+        r#match: Some(istio.clone()),
+        transport_socket: Some(socket("envoy.transport_sockets.tls", TLS_TYPE)),
+    }];
+    let mut la = epb::ClusterLoadAssignment {
+        cluster_name: "c".into(),
+        ..Default::default()
+    };
+    let ep = |port: u32| epb::LbEndpoint {
+        host_identifier: Some(epb::lb_endpoint::HostIdentifier::Endpoint(epb::Endpoint {
+            address: Some(corepb::Address {
+                address: Some(corepb::address::Address::SocketAddress(
+                    corepb::SocketAddress {
+                        address: "10.0.0.1".into(),
+                        port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(
+                            port,
+                        )),
+                        ..Default::default()
+                    },
+                )),
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let mut secure = ep(1);
+    let mut meta = corepb::Metadata::default();
+    meta.filter_metadata
+        .insert("envoy.transport_socket_match".into(), istio);
+    secure.metadata = Some(meta);
+    la.endpoints = vec![epb::LocalityLbEndpoints {
+        lb_endpoints: vec![secure, ep(2)],
+        ..Default::default()
+    }];
+    let la = LoadAssignment::translate(&la).expect("endpoints");
+    assert!(la.hosts[0].labels.is_some());
+    assert!(la.hosts[1].labels.is_none());
+    let cl = Cluster::new(Arc::new(ok(&c)), Arc::new(la), Default::default());
+    assert!(cl.tls_for(0).is_some());
+    assert!(cl.tls_for(1).is_none());
+    // Without matches every host uses the default socket, and no per-host table is kept.
+    c.transport_socket_matches.clear();
+    c.transport_socket = Some(socket("envoy.transport_sockets.tls", TLS_TYPE));
+    let cl = Cluster::new(
+        Arc::new(ok(&c)),
+        Arc::new(LoadAssignment::default()),
+        Default::default(),
+    );
+    assert!(cl.transport.is_empty());
+    assert!(cl.tls_for(7).is_some());
+}
+
+#[test]
 fn connect_timeout_is_kept() {
     let mut c = cluster("c");
     c.connect_timeout = Some(PbDuration {
