@@ -3,6 +3,12 @@
 //! socket (so pingora sees a plain peer, speaking HTTP/1.1 or, for HTTP/2 clusters, h2 on it).
 //! pingora's `total_connection_timeout` bounds both steps, as Envoy's connect timeout runs until
 //! the handshake is done.
+//!
+//! Known gap: pingora never reuses these HTTP/1.1 connections. Its pool checks a pooled
+//! connection's fd peer address against the peer's (`matches_fd`), which a virtual socket (fd
+//! -1) or any local pipe cannot pass, so each request opens a new TLS connection (Envoy reuses
+//! them). A virtual socket at least keeps the idle leftovers to one: every one has the id -1,
+//! so each release evicts the previous from the pool.
 
 use std::pin::Pin;
 use std::sync::Arc;
