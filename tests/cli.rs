@@ -44,7 +44,7 @@ fn validate_names_the_bad_field() {
         ),
         (
             "filter.yaml",
-            "static_resources:\n  listeners:\n  - name: l\n    address: {socket_address: {address: 127.0.0.1, port_value: 1}}\n    filter_chains: [{filters: [{name: x, typed_config: {\"@type\": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: s, cluster: c}}]}]\n",
+            "static_resources:\n  listeners:\n  - name: l\n    address: {socket_address: {address: 127.0.0.1, port_value: 1}}\n    filter_chains: [{filters: [{name: x, typed_config: {\"@type\": type.googleapis.com/envoy.extensions.filters.network.direct_response.v3.Config}}]}]\n",
             "listener 'l': network filter 'x'",
         ),
         (

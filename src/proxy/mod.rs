@@ -5,6 +5,7 @@ pub mod listeners;
 pub mod tcp;
 pub mod tls;
 mod upgrade;
+mod upstream_tls;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -1800,6 +1801,9 @@ impl ProxyHttp for Gateway {
             peer.options.max_h2_streams = cluster.def.h2_max_streams as usize;
         }
         peer.options.idle_timeout = cluster.def.idle_timeout;
+        if let Some(tls) = cluster.tls_for(ctx.host_index) {
+            upstream_tls::apply(&mut peer, tls, cluster.def.connect_timeout);
+        }
         if let Some(k) = cluster.def.tcp_keepalive {
             peer.options.tcp_keepalive = Some(tcp_keepalive(k));
         }
@@ -1821,8 +1825,9 @@ impl ProxyHttp for Gateway {
             .as_ref()
             .filter(|c| !c.def.http2)
             .and_then(|c| c.def.max_requests_per_connection);
+        // A TLS connection is a virtual socket to pingora, with no fd to count uses by.
         #[cfg(unix)]
-        if let Some(max) = limit {
+        if let (Some(max), true) = (limit, fd >= 0) {
             ctx.close_upstream = count_connection_use(fd, reused, max);
         }
         Ok(())
@@ -2161,7 +2166,9 @@ impl ProxyHttp for Gateway {
                 503,
                 "upstream connect error or disconnect/reset before headers. reset reason: connection timeout",
             ),
-            ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure => (
+            // A failed upstream handshake too: Envoy names no TLS reason in the reply.
+            ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure
+            | TLSHandshakeFailure => (
                 503,
                 "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure",
             ),

@@ -57,10 +57,16 @@ async fn connect(
         return None;
     };
     for attempt in 1..=proxy.max_connect_attempts {
-        let Some((_, addr)) = cluster.pick() else {
+        let Some((i, addr)) = cluster.pick() else {
             tracing::debug!(cluster = %name, %peer, "tcp_proxy: no healthy upstream; closing");
             return None;
         };
+        if cluster.tls_for(i).is_some() {
+            // Envoy would originate TLS here; sending the bytes in the clear instead would be
+            // worse than refusing the connection.
+            tracing::warn!(cluster = %name, %addr, "tcp_proxy to an upstream TLS endpoint is not supported yet; closing");
+            return None;
+        }
         match tokio::time::timeout(cluster.def.connect_timeout, TcpStream::connect(addr)).await {
             Ok(Ok(up)) => return Some(up),
             Ok(Err(e)) => {

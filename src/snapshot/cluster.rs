@@ -59,6 +59,8 @@ pub struct ClusterDef {
     pub tcp_keepalive: Option<TcpKeepalive>,
     /// `health_checks`: the active health check, when there is one.
     pub health_check: Option<Arc<super::health_check::HealthCheckConfig>>,
+    /// `transport_socket` and `transport_socket_matches`.
+    pub transport: super::upstream_tls::TransportSockets,
 }
 
 /// What a cluster's load-balancer config says beyond the policy itself.
@@ -132,6 +134,9 @@ pub struct SpecEndpoint {
     pub locality: u32,
     /// `endpoint.hostname` (DNS clusters: the name resolved when it is empty).
     pub hostname: Option<Arc<str>>,
+    /// The endpoint's transport socket match metadata (None: neither it nor its locality has
+    /// any).
+    pub labels: Option<Arc<super::upstream_tls::SocketLabels>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -159,6 +164,8 @@ pub struct Host {
     pub locality: u32,
     /// What `auto_host_rewrite` puts in the Host header.
     pub hostname: Option<Arc<str>>,
+    /// For `transport_socket_matches`.
+    pub labels: Option<Arc<super::upstream_tls::SocketLabels>>,
 }
 
 /// A translated ClusterLoadAssignment.
@@ -187,6 +194,9 @@ pub struct Cluster {
     /// host whose checks are disabled), and the checker generation they were read at.
     pub hc: Vec<Option<super::health_check::HcFlags>>,
     pub hc_generation: u64,
+    /// Each host's transport socket (see `TransportSockets::pick`); empty when the cluster
+    /// has no `transport_socket_matches`, so every host uses the default.
+    pub transport: Vec<u16>,
 }
 
 impl Cluster {
@@ -242,7 +252,17 @@ impl Cluster {
         } else {
             Vec::new()
         };
+        let transport = if def.transport.matches.is_empty() {
+            Vec::new()
+        } else {
+            endpoints
+                .hosts
+                .iter()
+                .map(|h| def.transport.pick(h.labels.as_deref()) as u16)
+                .collect()
+        };
         Cluster {
+            transport,
             hc,
             hc_generation,
             outlier,
@@ -338,6 +358,12 @@ impl Cluster {
         Some((i, self.endpoints.hosts[i].addr))
     }
 
+    /// The TLS socket host `i` connects with; None for plain text.
+    pub fn tls_for(&self, i: usize) -> Option<&Arc<super::upstream_tls::UpstreamTls>> {
+        let socket = self.transport.get(i).map_or(0, |&s| usize::from(s));
+        self.def.transport.get(socket)
+    }
+
     pub fn healthy_count(&self) -> usize {
         self.endpoints
             .hosts
@@ -421,24 +447,6 @@ impl ClusterDef {
                 Err(_) => return Err(err(format!("lb_policy: unknown value {}", c.lb_policy))),
             },
         };
-        if let Some(ts) = &c.transport_socket {
-            if !is_raw_buffer(ts) {
-                return Err(err(format!(
-                    "transport_socket '{}' is not supported yet (upstream TLS)",
-                    ts.name
-                )));
-            }
-        }
-        if let Some(m) = c.transport_socket_matches.iter().find(|m| {
-            m.transport_socket
-                .as_ref()
-                .is_some_and(|ts| !is_raw_buffer(ts))
-        }) {
-            return Err(err(format!(
-                "transport_socket_matches '{}': upstream TLS is not supported yet",
-                m.name
-            )));
-        }
         let connect_timeout = match &c.connect_timeout {
             Some(d) => duration(d).map_err(|e| err(format!("connect_timeout: {e}")))?,
             None => Duration::from_secs(5),
@@ -563,7 +571,10 @@ impl ClusterDef {
         if let (Some(la), true) = (&c.load_assignment, kind != DiscoveryKind::Eds) {
             super::health_check::inline_checks_unsupported(la).map_err(err)?;
         }
+        // After the protocol: Envoy offers it by ALPN when the socket lists no protocols.
+        let transport = super::upstream_tls::TransportSockets::translate(c, http2).map_err(err)?;
         Ok(ClusterDef {
+            transport,
             health_check,
             idle_timeout,
             max_requests_per_connection,
@@ -1054,7 +1065,13 @@ fn load_assignment_spec(
                 return Err(format!("{at}.load_balancing_weight must be at least 1"));
             }
             let hostname = (!ep.hostname.is_empty()).then(|| Arc::from(ep.hostname.as_str()));
+            let labels = super::upstream_tls::SocketLabels {
+                endpoint: super::upstream_tls::labels(lb.metadata.as_ref()),
+                locality: super::upstream_tls::labels(loc.metadata.as_ref()),
+            };
+            let labels = (labels != Default::default()).then(|| Arc::new(labels));
             spec.endpoints.push(SpecEndpoint {
+                labels,
                 host,
                 port,
                 weight,
@@ -1092,6 +1109,7 @@ impl LoadAssignment {
             priority: e.priority,
             locality: e.locality,
             hostname,
+            labels: e.labels.clone(),
         }
     }
 
@@ -1176,6 +1194,7 @@ mod tests {
                     priority: 0,
                     locality: 0,
                     hostname: None,
+                    labels: None,
                 },
                 SpecEndpoint {
                     host: "10.0.0.9".into(),
@@ -1185,6 +1204,7 @@ mod tests {
                     priority: 0,
                     locality: 0,
                     hostname: None,
+                    labels: None,
                 },
             ],
             ..Default::default()

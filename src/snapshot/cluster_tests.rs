@@ -145,6 +145,7 @@ fn defaults() {
             max_requests_per_connection: None,
             tcp_keepalive: None,
             health_check: None,
+            transport: Default::default(),
         }
     );
 }
@@ -569,6 +570,7 @@ mod consistent_hashing {
                     priority: 0,
                     locality: 0,
                     hostname: None,
+                    labels: None,
                 })
                 .collect(),
             ..Default::default()
@@ -642,6 +644,7 @@ mod consistent_hashing {
                 priority: *priority,
                 locality: 0,
                 hostname: None,
+                labels: None,
             })
             .collect(),
             ..Default::default()
@@ -678,6 +681,7 @@ mod consistent_hashing {
                     priority: 0,
                     locality: 0,
                     hostname: None,
+                    labels: None,
                 })
                 .collect(),
             ..Default::default()
@@ -700,13 +704,16 @@ mod consistent_hashing {
 }
 
 #[test]
-fn tls_transport_socket_is_rejected() {
+fn tls_transport_socket_is_accepted() {
     let mut c = cluster("c");
     c.transport_socket = Some(socket("envoy.transport_sockets.tls", TLS_TYPE));
-    rejected(
-        &c,
-        "transport_socket 'envoy.transport_sockets.tls' is not supported yet (upstream TLS)",
-    );
+    let d = ok(&c);
+    assert!(d.transport.default.is_some());
+    assert!(d
+        .transport
+        .default
+        .as_ref()
+        .is_some_and(|t| t.sni.is_none()));
 }
 
 #[test]
@@ -724,14 +731,19 @@ fn raw_buffer_transport_socket_by_name_or_type_is_accepted() {
 }
 
 #[test]
-fn tls_context_under_the_raw_buffer_name_is_rejected() {
+fn the_typed_config_type_not_the_name_picks_the_socket() {
     let mut c = cluster("c");
     c.transport_socket = Some(socket("envoy.transport_sockets.raw_buffer", TLS_TYPE));
-    rejected(&c, "transport_socket");
+    assert!(ok(&c).transport.default.is_some());
+    c.transport_socket = Some(socket(
+        "envoy.transport_sockets.tls",
+        "type.googleapis.com/x.Y",
+    ));
+    rejected(&c, "transport_socket: 'envoy.transport_sockets.tls': typed_config type.googleapis.com/x.Y is not supported");
 }
 
 #[test]
-fn tls_transport_socket_match_is_rejected() {
+fn tls_transport_socket_match_is_accepted() {
     let mut c = cluster("c");
     c.transport_socket_matches = vec![
         TransportSocketMatch {
@@ -745,12 +757,77 @@ fn tls_transport_socket_match_is_rejected() {
             ..Default::default()
         },
     ];
-    rejected(
-        &c,
-        "transport_socket_matches 'tlsMode-istio': upstream TLS is not supported yet",
+    let d = ok(&c);
+    assert!(d.transport.default.is_none());
+    assert!(d.transport.matches[0].socket.is_none());
+    assert!(d.transport.matches[1].socket.is_some());
+}
+
+#[test]
+fn hosts_keep_their_match_metadata_and_clusters_pick_each_hosts_socket() {
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+    let mut c = cluster("c");
+    let istio = Struct {
+        fields: [(
+            "tlsMode".to_string(),
+            Value {
+                kind: Some(Kind::StringValue("istio".into())),
+            },
+        )]
+        .into_iter()
+        .collect(),
+    };
+    c.transport_socket_matches = vec![TransportSocketMatch {
+        name: "tlsMode-istio".into(),
+        r#match: Some(istio.clone()),
+        transport_socket: Some(socket("envoy.transport_sockets.tls", TLS_TYPE)),
+    }];
+    let mut la = epb::ClusterLoadAssignment {
+        cluster_name: "c".into(),
+        ..Default::default()
+    };
+    let ep = |port: u32| epb::LbEndpoint {
+        host_identifier: Some(epb::lb_endpoint::HostIdentifier::Endpoint(epb::Endpoint {
+            address: Some(corepb::Address {
+                address: Some(corepb::address::Address::SocketAddress(
+                    corepb::SocketAddress {
+                        address: "10.0.0.1".into(),
+                        port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(
+                            port,
+                        )),
+                        ..Default::default()
+                    },
+                )),
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let mut secure = ep(1);
+    let mut meta = corepb::Metadata::default();
+    meta.filter_metadata
+        .insert("envoy.transport_socket_match".into(), istio);
+    secure.metadata = Some(meta);
+    la.endpoints = vec![epb::LocalityLbEndpoints {
+        lb_endpoints: vec![secure, ep(2)],
+        ..Default::default()
+    }];
+    let la = LoadAssignment::translate(&la).expect("endpoints");
+    assert!(la.hosts[0].labels.is_some());
+    assert!(la.hosts[1].labels.is_none());
+    let cl = Cluster::new(Arc::new(ok(&c)), Arc::new(la), Default::default());
+    assert!(cl.tls_for(0).is_some());
+    assert!(cl.tls_for(1).is_none());
+    // Without matches every host uses the default socket, and no per-host table is kept.
+    c.transport_socket_matches.clear();
+    c.transport_socket = Some(socket("envoy.transport_sockets.tls", TLS_TYPE));
+    let cl = Cluster::new(
+        Arc::new(ok(&c)),
+        Arc::new(LoadAssignment::default()),
+        Default::default(),
     );
-    c.transport_socket_matches.pop();
-    ok(&c);
+    assert!(cl.transport.is_empty());
+    assert!(cl.tls_for(7).is_some());
 }
 
 #[test]
@@ -1192,6 +1269,7 @@ fn from_resolved_skips_unresolvable_hosts() {
         priority,
         locality: 0,
         hostname: None,
+        labels: None,
     };
     let spec = LoadAssignmentSpec {
         endpoints: vec![

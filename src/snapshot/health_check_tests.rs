@@ -455,6 +455,7 @@ fn the_first_round_completes_after_one_result_per_host() {
                 priority: 0,
                 locality: 0,
                 hostname: None,
+                labels: None,
             })
             .collect(),
         ..Default::default()

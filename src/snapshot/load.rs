@@ -444,6 +444,7 @@ mod tests {
             priority,
             locality: 0,
             hostname: None,
+            labels: None,
         }
     }
 

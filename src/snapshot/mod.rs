@@ -18,6 +18,7 @@ pub mod route;
 pub mod tcp_proxy;
 pub mod tls;
 pub mod upgrade;
+pub mod upstream_tls;
 
 use std::collections::HashMap;
 use std::sync::Arc;

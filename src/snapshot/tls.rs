@@ -159,11 +159,13 @@ fn tls12_suite(name: &str) -> Option<rustls::SupportedCipherSuite> {
     })
 }
 
-fn versions(
+/// The versions `tls_params` allows; TLS_AUTO and unset mean TLS 1.2 at least and `auto_max`
+/// at most (Envoy's servers: 1.3; its clients: 1.2).
+pub fn protocol_versions(
     p: Option<&tlspb::TlsParameters>,
+    auto_max: u8,
 ) -> Result<Vec<&'static rustls::SupportedProtocolVersion>, String> {
     use tlspb::tls_parameters::TlsProtocol as P;
-    // Envoy's server defaults: TLS 1.2 to TLS 1.3.
     let rank = |v: i32, field: &str, auto: u8| -> Result<u8, String> {
         match P::try_from(v) {
             Ok(P::TlsAuto) => Ok(auto),
@@ -186,10 +188,10 @@ fn versions(
             rank(
                 p.tls_maximum_protocol_version,
                 "tls_maximum_protocol_version",
-                3,
+                auto_max,
             )?,
         ),
-        None => (2, 3),
+        None => (2, auto_max),
     };
     if min > max {
         return Err(
@@ -204,6 +206,50 @@ fn versions(
         v.push(&rustls::version::TLS12);
     }
     Ok(v)
+}
+
+/// The TLS 1.2 suites `tls_params.cipher_suites` names (None: rustls's defaults). TLS 1.3
+/// suites are not configurable in Envoy either.
+pub fn cipher_suites(
+    p: Option<&tlspb::TlsParameters>,
+) -> Result<Option<Vec<rustls::SupportedCipherSuite>>, String> {
+    Ok(match p {
+        Some(p) if !p.cipher_suites.is_empty() => {
+            let mut suites = Vec::new();
+            let mut skipped = Vec::new();
+            for (i, name) in p.cipher_suites.iter().enumerate() {
+                // BoringSSL's equal-preference groups, "[A|B]".
+                let group = name.trim_start_matches('[').trim_end_matches(']');
+                for n in group.split('|') {
+                    match tls12_suite(n) {
+                        Some(s) => suites.push(s),
+                        // istiod's default list names two of these; Envoy accepts it, so
+                        // they are left out rather than the whole listener refused.
+                        None if BORINGSSL_ONLY.contains(&n) => skipped.push(n.to_string()),
+                        None => {
+                            return Err(format!(
+                                "tls_params.cipher_suites[{i}]: '{n}' is not a known cipher suite"
+                            ))
+                        }
+                    }
+                }
+            }
+            if suites.is_empty() {
+                return Err(format!(
+                    "tls_params.cipher_suites: none of {} is supported (rustls has no RSA key exchange, CBC, PSK or 3DES suites)",
+                    skipped.join(", ")
+                ));
+            }
+            if !skipped.is_empty() {
+                tracing::warn!(
+                    "tls_params.cipher_suites: {} not offered (rustls does not implement them)",
+                    skipped.join(", ")
+                );
+            }
+            Some(suites)
+        }
+        _ => None,
+    })
 }
 
 impl DownstreamTls {
@@ -282,44 +328,8 @@ impl DownstreamTls {
                 )
             }
         };
-        let versions = versions(c.tls_params.as_ref())?;
-        let tls12_suites = match c.tls_params.as_ref() {
-            Some(p) if !p.cipher_suites.is_empty() => {
-                let mut suites = Vec::new();
-                let mut skipped = Vec::new();
-                for (i, name) in p.cipher_suites.iter().enumerate() {
-                    // BoringSSL's equal-preference groups, "[A|B]".
-                    let group = name.trim_start_matches('[').trim_end_matches(']');
-                    for n in group.split('|') {
-                        match tls12_suite(n) {
-                            Some(s) => suites.push(s),
-                            // istiod's default list names two of these; Envoy accepts it, so
-                            // they are left out rather than the whole listener refused.
-                            None if BORINGSSL_ONLY.contains(&n) => skipped.push(n.to_string()),
-                            None => {
-                                return Err(format!(
-                                "tls_params.cipher_suites[{i}]: '{n}' is not a known cipher suite"
-                            ))
-                            }
-                        }
-                    }
-                }
-                if suites.is_empty() {
-                    return Err(format!(
-                        "tls_params.cipher_suites: none of {} is supported (rustls has no RSA key exchange, CBC, PSK or 3DES suites)",
-                        skipped.join(", ")
-                    ));
-                }
-                if !skipped.is_empty() {
-                    tracing::warn!(
-                        "tls_params.cipher_suites: {} not offered (rustls does not implement them)",
-                        skipped.join(", ")
-                    );
-                }
-                Some(suites)
-            }
-            _ => None,
-        };
+        let versions = protocol_versions(c.tls_params.as_ref(), 3)?;
+        let tls12_suites = cipher_suites(c.tls_params.as_ref())?;
         if let Some(p) = &c.tls_params {
             if !p.ecdh_curves.is_empty() {
                 return Err("tls_params.ecdh_curves is not supported".into());

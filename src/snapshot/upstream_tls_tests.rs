@@ -1,0 +1,565 @@
+use super::*;
+use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher::MatchPattern, StringMatcher};
+use envoy_types::pb::google::protobuf::{Any, Struct};
+
+fn ca() -> (rcgen::Certificate, rcgen::KeyPair) {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    (p.self_signed(&key).expect("ca"), key)
+}
+
+fn pem_source(s: &str) -> Option<corepb::DataSource> {
+    Some(corepb::DataSource {
+        specifier: Some(corepb::data_source::Specifier::InlineString(s.into())),
+        ..Default::default()
+    })
+}
+
+fn tls(ctx: tlspb::UpstreamTlsContext) -> corepb::TransportSocket {
+    corepb::TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(Any {
+            type_url: UPSTREAM_TLS_TYPE.into(),
+            value: ctx.encode_to_vec(),
+        })),
+    }
+}
+
+fn with_validation(vc: tlspb::CertificateValidationContext) -> tlspb::UpstreamTlsContext {
+    tlspb::UpstreamTlsContext {
+        common_tls_context: Some(tlspb::CommonTlsContext {
+            validation_context_type: Some(
+                tlspb::common_tls_context::ValidationContextType::ValidationContext(vc),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn cluster(ts: corepb::TransportSocket) -> cpb::Cluster {
+    cpb::Cluster {
+        name: "c".into(),
+        transport_socket: Some(ts),
+        ..Default::default()
+    }
+}
+
+fn translate(ctx: tlspb::UpstreamTlsContext) -> Result<TransportSockets, String> {
+    TransportSockets::translate(&cluster(tls(ctx)), false)
+}
+
+fn rejected(ctx: tlspb::UpstreamTlsContext, needle: &str) {
+    match translate(ctx) {
+        Ok(t) => panic!("expected a rejection mentioning {needle:?}, got {t:?}"),
+        Err(e) => assert!(e.contains(needle), "{e:?} does not mention {needle:?}"),
+    }
+}
+
+fn exact(s: &str) -> StringMatcher {
+    StringMatcher {
+        match_pattern: Some(MatchPattern::Exact(s.into())),
+        ignore_case: false,
+    }
+}
+
+#[test]
+fn sni_empty_means_none_and_alpn_falls_back_to_the_cluster_protocol() {
+    let t = translate(Default::default()).expect("ok");
+    let s = t.default.expect("tls");
+    assert!(s.sni.is_none());
+    assert_eq!(s.config.alpn_protocols, vec![b"http/1.1".to_vec()]);
+    let h2 = TransportSockets::translate(&cluster(tls(Default::default())), true).expect("ok");
+    let s2 = h2.default.expect("tls");
+    assert_eq!(s2.config.alpn_protocols, vec![b"h2".to_vec()]);
+    // Different sockets never share pooled connections.
+    assert_ne!(s.group_key, s2.group_key);
+    let t = translate(tlspb::UpstreamTlsContext {
+        sni: "api.example".into(),
+        common_tls_context: Some(tlspb::CommonTlsContext {
+            alpn_protocols: vec!["h2".into(), "http/1.1".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .expect("ok");
+    let s = t.default.expect("tls");
+    assert_eq!(
+        s.sni.as_ref().map(|n| n.to_str().into_owned()),
+        Some("api.example".into())
+    );
+    assert_eq!(
+        s.config.alpn_protocols,
+        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+    );
+}
+
+#[test]
+fn equal_configs_compare_equal() {
+    let a = translate(Default::default()).expect("ok");
+    let b = translate(Default::default()).expect("ok");
+    assert_eq!(a, b);
+    let c = translate(tlspb::UpstreamTlsContext {
+        sni: "x.example".into(),
+        ..Default::default()
+    })
+    .expect("ok");
+    assert_ne!(a, c);
+}
+
+#[test]
+fn trusted_ca_and_san_matchers_are_built() {
+    let (ca, _) = ca();
+    let t = translate(with_validation(tlspb::CertificateValidationContext {
+        trusted_ca: pem_source(&ca.pem()),
+        match_typed_subject_alt_names: vec![tlspb::SubjectAltNameMatcher {
+            san_type: tlspb::subject_alt_name_matcher::SanType::Uri as i32,
+            matcher: Some(exact("spiffe://td/ns/a/sa/b")),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }));
+    assert!(t.expect("ok").default.is_some());
+}
+
+#[test]
+fn rejections_name_the_field() {
+    let (ca, _) = ca();
+    let vc = |f: &dyn Fn(&mut tlspb::CertificateValidationContext)| {
+        let mut v = tlspb::CertificateValidationContext {
+            trusted_ca: pem_source(&ca.pem()),
+            ..Default::default()
+        };
+        f(&mut v);
+        with_validation(v)
+    };
+    rejected(
+        vc(&|v| v.trusted_ca = pem_source("not pem")),
+        "validation_context.trusted_ca: no certificate found",
+    );
+    rejected(
+        vc(&|v| {
+            v.trusted_ca = Some(corepb::DataSource {
+                specifier: Some(corepb::data_source::Specifier::Filename(
+                    "/nonexistent/ca.pem".into(),
+                )),
+                ..Default::default()
+            })
+        }),
+        "validation_context.trusted_ca: cannot read file '/nonexistent/ca.pem'",
+    );
+    rejected(
+        vc(&|v| v.verify_certificate_spki = vec!["x".into()]),
+        "validation_context.verify_certificate_spki is not supported",
+    );
+    rejected(
+        vc(&|v| v.verify_certificate_hash = vec!["x".into()]),
+        "validation_context.verify_certificate_hash is not supported",
+    );
+    rejected(
+        vc(&|v| v.crl = pem_source("x")),
+        "validation_context.crl is not supported",
+    );
+    rejected(
+        vc(&|v| v.allow_expired_certificate = true),
+        "validation_context.allow_expired_certificate is not supported",
+    );
+    rejected(
+        vc(&|v| v.trust_chain_verification = 1),
+        "validation_context.trust_chain_verification is not supported",
+    );
+    rejected(
+        vc(&|v| {
+            v.max_verify_depth = Some(envoy_types::pb::google::protobuf::UInt32Value { value: 3 })
+        }),
+        "validation_context.max_verify_depth is not supported",
+    );
+    rejected(
+        vc(&|v| {
+            v.match_typed_subject_alt_names = vec![tlspb::SubjectAltNameMatcher {
+                san_type: tlspb::subject_alt_name_matcher::SanType::OtherName as i32,
+                matcher: Some(exact("x")),
+                ..Default::default()
+            }]
+        }),
+        "match_typed_subject_alt_names[0]: san_type OTHER_NAME is not supported",
+    );
+    rejected(
+        vc(&|v| {
+            v.match_typed_subject_alt_names = vec![tlspb::SubjectAltNameMatcher {
+                san_type: 0,
+                matcher: Some(exact("x")),
+                ..Default::default()
+            }]
+        }),
+        "match_typed_subject_alt_names[0]: san_type must be set",
+    );
+    rejected(
+        vc(&|v| {
+            v.match_typed_subject_alt_names = vec![tlspb::SubjectAltNameMatcher {
+                san_type: tlspb::subject_alt_name_matcher::SanType::Dns as i32,
+                matcher: Some(StringMatcher {
+                    match_pattern: Some(MatchPattern::Prefix(String::new())),
+                    ignore_case: false,
+                }),
+                ..Default::default()
+            }]
+        }),
+        "match_typed_subject_alt_names[0]: string matcher",
+    );
+    #[allow(deprecated)]
+    rejected(
+        vc(&|v| {
+            v.trusted_ca = None;
+            v.match_subject_alt_names = vec![exact("x")];
+        }),
+        "SAN-based verification of peer certificates without trusted CA is insecure and not allowed",
+    );
+    let common = |f: &dyn Fn(&mut tlspb::CommonTlsContext)| {
+        let mut c = tlspb::CommonTlsContext::default();
+        f(&mut c);
+        tlspb::UpstreamTlsContext {
+            common_tls_context: Some(c),
+            ..Default::default()
+        }
+    };
+    rejected(
+        common(&|c| {
+            c.tls_certificate_sds_secret_configs = vec![tlspb::SdsSecretConfig {
+                name: "default".into(),
+                ..Default::default()
+            }]
+        }),
+        "tls_certificate_sds_secret_configs is not supported yet",
+    );
+    rejected(
+        common(&|c| {
+            c.validation_context_type = Some(
+                tlspb::common_tls_context::ValidationContextType::ValidationContextSdsSecretConfig(
+                    Default::default(),
+                ),
+            )
+        }),
+        "validation_context_sds_secret_config is not supported yet",
+    );
+    rejected(
+        common(&|c| {
+            c.validation_context_type = Some(
+                tlspb::common_tls_context::ValidationContextType::CombinedValidationContext(
+                    Default::default(),
+                ),
+            )
+        }),
+        "combined_validation_context is not supported yet",
+    );
+    rejected(
+        common(&|c| c.tls_certificates = vec![Default::default(), Default::default()]),
+        "Multiple TLS certificates are not supported for client contexts",
+    );
+    rejected(
+        common(&|c| {
+            c.tls_certificates = vec![tlspb::TlsCertificate {
+                certificate_chain: pem_source("nope"),
+                private_key: pem_source("nope"),
+                ..Default::default()
+            }]
+        }),
+        "tls_certificates[0]: certificate_chain: no certificate found",
+    );
+    rejected(
+        common(&|c| {
+            c.tls_params = Some(tlspb::TlsParameters {
+                tls_minimum_protocol_version: tlspb::tls_parameters::TlsProtocol::TlSv13 as i32,
+                tls_maximum_protocol_version: tlspb::tls_parameters::TlsProtocol::TlSv12 as i32,
+                ..Default::default()
+            })
+        }),
+        "tls_params: tls_minimum_protocol_version is above tls_maximum_protocol_version",
+    );
+    rejected(
+        common(&|c| {
+            c.tls_params = Some(tlspb::TlsParameters {
+                ecdh_curves: vec!["X25519".into()],
+                ..Default::default()
+            })
+        }),
+        "tls_params.ecdh_curves is not supported",
+    );
+    rejected(
+        common(&|c| c.key_log = Some(Default::default())),
+        "key_log is not supported",
+    );
+    rejected(
+        tlspb::UpstreamTlsContext {
+            allow_renegotiation: true,
+            ..Default::default()
+        },
+        "allow_renegotiation is not supported",
+    );
+    rejected(
+        tlspb::UpstreamTlsContext {
+            auto_host_sni: true,
+            ..Default::default()
+        },
+        "auto_host_sni is not supported yet",
+    );
+    rejected(
+        tlspb::UpstreamTlsContext {
+            auto_sni_san_validation: true,
+            ..Default::default()
+        },
+        "auto_sni_san_validation is not supported yet",
+    );
+    let bad = corepb::TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(Any {
+            type_url: UPSTREAM_TLS_TYPE.into(),
+            value: vec![0xff, 0xff],
+        })),
+    };
+    let e = TransportSockets::translate(&cluster(bad), false).expect_err("bad bytes");
+    assert!(e.contains("typed_config: cannot decode"), "{e}");
+    let e = TransportSockets::translate(
+        &cpb::Cluster {
+            transport_socket_matcher: Some(Default::default()),
+            ..Default::default()
+        },
+        false,
+    )
+    .expect_err("matcher");
+    assert!(
+        e.contains("transport_socket_matcher is not supported yet"),
+        "{e}"
+    );
+}
+
+#[test]
+fn versions_default_to_tls12_for_clients() {
+    let t = translate(Default::default()).expect("ok");
+    let s = t.default.expect("tls");
+    // The config offers only what the version list allows; rustls exposes it through the
+    // provider's suites, so check the builder accepted TLS 1.2 alone.
+    assert!(s
+        .config
+        .crypto_provider()
+        .cipher_suites
+        .iter()
+        .any(|c| c.version() == &rustls::version::TLS12));
+    let v = super::super::tls::protocol_versions(None, 2).expect("ok");
+    assert_eq!(v, vec![&rustls::version::TLS12]);
+}
+
+fn label_struct(pairs: &[(&str, &str)]) -> Struct {
+    Struct {
+        fields: pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    Value {
+                        kind: Some(Kind::StringValue(v.to_string())),
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+fn meta(pairs: &[(&str, &str)]) -> corepb::Metadata {
+    let mut m = corepb::Metadata::default();
+    m.filter_metadata
+        .insert(MATCH_KEY.into(), label_struct(pairs));
+    m
+}
+
+#[test]
+fn matches_pick_by_endpoint_then_locality_metadata() {
+    let c = cpb::Cluster {
+        name: "c".into(),
+        transport_socket_matches: vec![
+            cpb::cluster::TransportSocketMatch {
+                name: "istio".into(),
+                r#match: Some(label_struct(&[("tlsMode", "istio")])),
+                transport_socket: Some(tls(Default::default())),
+            },
+            cpb::cluster::TransportSocketMatch {
+                name: "plain".into(),
+                r#match: Some(label_struct(&[("tlsMode", "disabled")])),
+                transport_socket: None,
+            },
+        ],
+        ..Default::default()
+    };
+    let t = TransportSockets::translate(&c, false).expect("ok");
+    let l = |e: Option<&[(&str, &str)]>, loc: Option<&[(&str, &str)]>| SocketLabels {
+        endpoint: e.and_then(|p| labels(Some(&meta(p)))),
+        locality: loc.and_then(|p| labels(Some(&meta(p)))),
+    };
+    assert_eq!(t.pick(None), 0);
+    assert_eq!(t.pick(Some(&l(Some(&[("tlsMode", "istio")]), None))), 1);
+    assert!(t.get(1).is_some());
+    assert_eq!(t.pick(Some(&l(Some(&[("tlsMode", "disabled")]), None))), 2);
+    assert!(t.get(2).is_none());
+    // Extra labels on the endpoint do not matter; a different value does.
+    assert_eq!(
+        t.pick(Some(&l(Some(&[("tlsMode", "istio"), ("x", "y")]), None))),
+        1
+    );
+    assert_eq!(t.pick(Some(&l(Some(&[("tlsMode", "other")]), None))), 0);
+    // The endpoint's metadata wins over its locality's, whichever match comes first.
+    assert_eq!(
+        t.pick(Some(&l(
+            Some(&[("tlsMode", "disabled")]),
+            Some(&[("tlsMode", "istio")])
+        ))),
+        2
+    );
+    assert_eq!(
+        t.pick(Some(&l(
+            Some(&[("other", "x")]),
+            Some(&[("tlsMode", "istio")])
+        ))),
+        1
+    );
+    assert!(t.get(0).is_none(), "no transport_socket: plain text");
+    // An empty match matches every endpoint.
+    let c = cpb::Cluster {
+        transport_socket_matches: vec![cpb::cluster::TransportSocketMatch {
+            name: "all".into(),
+            r#match: None,
+            transport_socket: Some(tls(Default::default())),
+        }],
+        ..Default::default()
+    };
+    let t = TransportSockets::translate(&c, false).expect("ok");
+    assert_eq!(t.pick(None), 1);
+}
+
+#[test]
+fn dns_matching_follows_dns_rules() {
+    assert!(dns_name_match("api.svc.example", "*.svc.example"));
+    assert!(dns_name_match("API.svc.example", "api.SVC.example"));
+    assert!(!dns_name_match("a.b.svc.example", "*.svc.example"));
+    assert!(!dns_name_match("svc.example", "*.svc.example"));
+    assert!(!dns_name_match("api.svc.example", "*api.svc.example"));
+}
+
+fn matcher(kind: SanKind, m: MatchPattern) -> SanMatcher {
+    SanMatcher {
+        kind,
+        matcher: super::super::route::string_matcher(&StringMatcher {
+            match_pattern: Some(m),
+            ignore_case: false,
+        })
+        .expect("matcher"),
+    }
+}
+
+#[test]
+fn san_matchers_look_at_their_own_san_type() {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut p =
+        rcgen::CertificateParams::new(vec!["*.svc.example".to_string(), "10.1.2.3".to_string()])
+            .expect("params");
+    p.subject_alt_names.push(rcgen::SanType::URI(
+        rcgen::Ia5String::try_from("spiffe://td/ns/a/sa/b".to_string()).expect("uri"),
+    ));
+    p.subject_alt_names.push(rcgen::SanType::Rfc822Name(
+        rcgen::Ia5String::try_from("ops@example.com".to_string()).expect("email"),
+    ));
+    let cert = p.self_signed(&key).expect("cert");
+    let have = sans(cert.der()).expect("sans");
+    assert_eq!(
+        have,
+        vec![
+            San::Dns("*.svc.example".into()),
+            San::Ip("10.1.2.3".into()),
+            San::Uri("spiffe://td/ns/a/sa/b".into()),
+            San::Email("ops@example.com".into()),
+        ]
+    );
+    let any = |m: &SanMatcher| have.iter().any(|s| m.matches(s));
+    assert!(any(&matcher(
+        SanKind::Dns,
+        MatchPattern::Exact("x.svc.example".into())
+    )));
+    // Only the exact DNS matcher knows wildcards; a suffix matcher compares the SAN text.
+    assert!(!any(&matcher(
+        SanKind::Dns,
+        MatchPattern::Suffix("x.svc.example".into())
+    )));
+    assert!(any(&matcher(
+        SanKind::Ip,
+        MatchPattern::Exact("10.1.2.3".into())
+    )));
+    assert!(!any(&matcher(
+        SanKind::Dns,
+        MatchPattern::Exact("10.1.2.3".into())
+    )));
+    assert!(any(&matcher(
+        SanKind::Uri,
+        MatchPattern::Prefix("spiffe://td/".into())
+    )));
+    assert!(!any(&matcher(
+        SanKind::Dns,
+        MatchPattern::Prefix("spiffe://td/".into())
+    )));
+    assert!(any(&matcher(
+        SanKind::Email,
+        MatchPattern::Exact("ops@example.com".into())
+    )));
+}
+
+#[test]
+fn the_validator_checks_the_chain_and_never_the_name() {
+    let (ca, ca_key) = ca();
+    let (rogue, rogue_key) = self::ca();
+    let leaf = |names: &[&str], issuer: &rcgen::Certificate, key: &rcgen::KeyPair| {
+        let k = rcgen::KeyPair::generate().expect("key");
+        let p =
+            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .expect("params");
+        p.signed_by(&k, issuer, key).expect("leaf").der().clone()
+    };
+    let good = leaf(&["unrelated.example"], &ca, &ca_key);
+    let bad = leaf(&["api.example"], &rogue, &rogue_key);
+    let name = ServerName::try_from("api.example").expect("name");
+    let now = UnixTime::now();
+    let check = |v: &Validator, cert: &CertificateDer<'_>| {
+        v.verify_server_cert(cert, &[], &name, &[], now).is_ok()
+    };
+    let none = Validator {
+        chain: None,
+        sans: Vec::new(),
+        algorithms: rustls::crypto::ring::default_provider().signature_verification_algorithms,
+    };
+    assert!(check(&none, &good) && check(&none, &bad));
+    let mut id = Vec::new();
+    let trusted = validator(
+        &tlspb::CertificateValidationContext {
+            trusted_ca: pem_source(&ca.pem()),
+            ..Default::default()
+        },
+        &mut id,
+    )
+    .expect("validator");
+    assert!(check(&trusted, &good), "the name is not checked");
+    assert!(!check(&trusted, &bad), "the chain is");
+    let with_san = validator(
+        &tlspb::CertificateValidationContext {
+            trusted_ca: pem_source(&ca.pem()),
+            match_typed_subject_alt_names: vec![tlspb::SubjectAltNameMatcher {
+                san_type: tlspb::subject_alt_name_matcher::SanType::Dns as i32,
+                matcher: Some(exact("api.example")),
+                ..Default::default()
+            }],
+            ..Default::default()
+        },
+        &mut id,
+    )
+    .expect("validator");
+    assert!(!check(&with_san, &good), "SANs, not the SNI, decide");
+    let named = leaf(&["api.example"], &ca, &ca_key);
+    assert!(check(&with_san, &named));
+}
