@@ -21,67 +21,12 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy,
 };
 use envoy_types::pb::google::protobuf::{Duration as PDuration, UInt32Value};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 // ---------------------------------------------------------------------------------------------
 // Certificates and backends
-
-struct Pki {
-    ca: rcgen::Certificate,
-    ca_key: rcgen::KeyPair,
-}
-
-impl Pki {
-    fn new() -> Pki {
-        let ca_key = rcgen::KeyPair::generate().expect("CA key");
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "portico passthrough CA");
-        let ca = params.self_signed(&ca_key).expect("CA cert");
-        Pki { ca, ca_key }
-    }
-
-    /// A server config for a backend holding a certificate for `names`.
-    fn server(&self, names: &[&str]) -> rustls::ServerConfig {
-        let key = rcgen::KeyPair::generate().expect("leaf key");
-        let params =
-            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
-                .expect("leaf params");
-        let cert = params
-            .signed_by(&key, &self.ca, &self.ca_key)
-            .expect("leaf cert");
-        rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![CertificateDer::from(cert.der().to_vec())],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .expect("server config")
-    }
-
-    fn client(&self) -> tokio_rustls::TlsConnector {
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(CertificateDer::from(self.ca.der().to_vec()))
-            .expect("add CA");
-        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        tokio_rustls::TlsConnector::from(Arc::new(cfg))
-    }
-}
 
 /// A TCP backend that greets each connection with `<name>\n` (over TLS when given a config)
 /// and then echoes what it reads until the client half-closes, then closes.
@@ -315,7 +260,7 @@ async fn tcp_stat(gw: &Gateway, stat: &str, prefix: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_by_sni_reaches_each_backend_with_its_own_certificate() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico passthrough CA");
     let a = TcpBackend::start("backend-a", Some(pki.server(&["a.example.com"]))).await;
     let b = TcpBackend::start(
         "backend-b",

@@ -23,57 +23,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 };
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
-use rustls::pki_types::{CertificateDer, ServerName};
-
-// ---------------------------------------------------------------------------------------------
-// Certificates
-
-struct Pki {
-    ca: rcgen::Certificate,
-    ca_key: rcgen::KeyPair,
-}
-
-struct Leaf {
-    cert: String,
-    key: String,
-    der: Vec<u8>,
-}
-
-impl Pki {
-    fn new() -> Pki {
-        let ca_key = rcgen::KeyPair::generate().expect("CA key");
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "portico test CA");
-        let ca = params.self_signed(&ca_key).expect("CA cert");
-        Pki { ca, ca_key }
-    }
-
-    fn leaf(&self, names: &[&str]) -> Leaf {
-        let key = rcgen::KeyPair::generate().expect("leaf key");
-        let params =
-            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
-                .expect("leaf params");
-        let cert = params
-            .signed_by(&key, &self.ca, &self.ca_key)
-            .expect("leaf cert");
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-            der: cert.der().to_vec(),
-        }
-    }
-
-    fn roots(&self) -> rustls::RootCertStore {
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(CertificateDer::from(self.ca.der().to_vec()))
-            .expect("add CA");
-        roots
-    }
-}
+use rustls::pki_types::ServerName;
 
 // ---------------------------------------------------------------------------------------------
 // xDS builders
@@ -350,7 +300,7 @@ async fn wait_tls(client: &Client, port: u16, sni: &str) -> TlsResp {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simple_tls_by_sni_with_two_chains_and_a_default() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let a = pki.leaf(&["a.example.com"]);
     let wild = pki.leaf(&["*.example.com"]);
     let dflt = pki.leaf(&["other.test"]);
@@ -484,7 +434,7 @@ fn curl(pki: &Pki, port: u16, host: &str, extra: &[&str]) -> Result<String, Stri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2_by_alpn_and_http1_otherwise() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let leaf = pki.leaf(&["h2.example.com"]);
     let mesh = Mesh::start_raw(|port| Snapshot {
         listeners: vec![tls_listener(
@@ -532,7 +482,7 @@ async fn h2_by_alpn_and_http1_otherwise() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_version_limits() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let leaf = pki.leaf(&["v.example.com"]);
     let params = |min: TlsProtocol, max: TlsProtocol| {
         Some(TlsParameters {
@@ -590,7 +540,7 @@ async fn tls_version_limits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sds_delivery_rotation_warming_and_a_bad_key() {
     const NAME: &str = "kubernetes://bookinfo-cert";
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let first = pki.leaf(&["bookinfo.example.com"]);
     let second = pki.leaf(&["bookinfo.example.com"]);
     let mesh = Mesh::start_raw(|port| Snapshot {
@@ -742,7 +692,7 @@ async fn sds_delivery_rotation_warming_and_a_bad_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_tls_inspector_server_names_never_match() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let a = pki.leaf(&["a.example.com"]);
     let dflt = pki.leaf(&["a.example.com"]);
     let mesh = Mesh::start_raw(|port| {
@@ -782,7 +732,7 @@ async fn without_the_tls_inspector_server_names_never_match() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_dump_shows_secrets_with_the_key_redacted() {
     const NAME: &str = "kubernetes://dump-cert";
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let leaf = pki.leaf(&["dump.example.com"]);
     let mut inline_bytes = secret(NAME, &leaf);
     if let Some(secret::Type::TlsCertificate(c)) = &mut inline_bytes.r#type {
@@ -926,7 +876,7 @@ async fn client_cert_header_is_sanitized_unless_always_forwarded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn istiods_default_cipher_list_is_accepted() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let leaf = pki.leaf(&["c.example.com"]);
     let suites = [
         "ECDHE-ECDSA-AES256-GCM-SHA384",
@@ -969,7 +919,7 @@ async fn istiods_default_cipher_list_is_accepted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_and_tls_on_one_port_by_transport_protocol() {
-    let pki = Pki::new();
+    let pki = Pki::new("portico test CA");
     let leaf = pki.leaf(&["t.example.com"]);
     let by_transport = |mut c: FilterChain, transport: &str| {
         c.filter_chain_match = Some(FilterChainMatch {
@@ -983,6 +933,7 @@ async fn plain_and_tls_on_one_port_by_transport_protocol() {
             cert: leaf.cert.clone(),
             key: key.to_string(),
             der: Vec::new(),
+            key_der: Vec::new(),
         };
         tls_listener(
             port,

@@ -36,64 +36,6 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 const HOST: &str = "tls.example.com";
 
 // ---------------------------------------------------------------------------------------------
-// Certificates
-
-struct Pki {
-    ca: rcgen::Certificate,
-    ca_key: rcgen::KeyPair,
-}
-
-struct Leaf {
-    cert: String,
-    key: String,
-}
-
-impl Pki {
-    fn new(name: &str) -> Pki {
-        let ca_key = rcgen::KeyPair::generate().expect("CA key");
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        let ca = params.self_signed(&ca_key).expect("CA cert");
-        Pki { ca, ca_key }
-    }
-
-    /// A leaf with DNS (or IP) SANs for `names` and URI SANs for `uris`.
-    fn leaf(&self, names: &[&str], uris: &[&str]) -> Leaf {
-        let key = rcgen::KeyPair::generate().expect("leaf key");
-        let mut params =
-            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
-                .expect("leaf params");
-        for u in uris {
-            params.subject_alt_names.push(rcgen::SanType::URI(
-                rcgen::Ia5String::try_from(u.to_string()).expect("uri"),
-            ));
-        }
-        let cert = params
-            .signed_by(&key, &self.ca, &self.ca_key)
-            .expect("leaf cert");
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-
-    fn ca_pem(&self) -> String {
-        self.ca.pem()
-    }
-
-    fn roots(&self) -> rustls::RootCertStore {
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(CertificateDer::from(self.ca.der().to_vec()))
-            .expect("add CA");
-        roots
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 // HTTPS backends
 
 /// An HTTPS backend answering 200 with its name in `x-backend` and what it saw of the
@@ -335,7 +277,12 @@ async fn refused(mesh: &Mesh) -> Resp {
 #[tokio::test]
 async fn without_a_validation_context_any_certificate_is_accepted_and_no_sni_sent() {
     let rogue = Pki::new("rogue CA");
-    let backend = tls_backend("b", &rogue.leaf(&["elsewhere.example"], &[]), None).await;
+    let backend = tls_backend(
+        "b",
+        &rogue.leaf_with_uris(&["elsewhere.example"], &[]),
+        None,
+    )
+    .await;
     let mesh = start(UpstreamTlsContext::default(), &backend, false).await;
     let r = served(&mesh).await;
     assert_eq!(r.header("x-sni"), Some("-"), "{r:?}");
@@ -347,7 +294,7 @@ async fn without_a_validation_context_any_certificate_is_accepted_and_no_sni_sen
 async fn trusted_ca_checks_the_chain_but_not_the_hostname() {
     let pki = Pki::new("test CA");
     // The certificate names neither the SNI nor the address.
-    let backend = tls_backend("b", &pki.leaf(&["unrelated.example"], &[]), None).await;
+    let backend = tls_backend("b", &pki.leaf_with_uris(&["unrelated.example"], &[]), None).await;
     let mesh = start(
         upstream("backend.example", validation(&pki, vec![])),
         &backend,
@@ -362,7 +309,7 @@ async fn trusted_ca_checks_the_chain_but_not_the_hostname() {
 async fn connections_are_reused_but_never_across_tls_settings() {
     let pki = Pki::new("test CA");
     let rogue = Pki::new("rogue CA");
-    let backend = tls_backend("b", &rogue.leaf(&["b.svc.example"], &[]), None).await;
+    let backend = tls_backend("b", &rogue.leaf_with_uris(&["b.svc.example"], &[]), None).await;
     let addr = backend.addr;
     // Two clusters on the same address: one accepts any certificate, one trusts another CA.
     let mesh = Mesh::start(move |port| {
@@ -414,9 +361,14 @@ async fn connections_are_reused_but_never_across_tls_settings() {
 #[tokio::test]
 async fn trusted_ca_and_client_certificate_from_files() {
     let pki = Pki::new("test CA");
-    let backend = tls_backend("b", &pki.leaf(&["b.svc.example"], &[]), Some(&pki)).await;
+    let backend = tls_backend(
+        "b",
+        &pki.leaf_with_uris(&["b.svc.example"], &[]),
+        Some(&pki),
+    )
+    .await;
     let dir = TempDir::new("upstream-tls");
-    let client = pki.leaf(&["gateway.example"], &[]);
+    let client = pki.leaf_with_uris(&["gateway.example"], &[]);
     let write = |name: &str, text: &str| {
         let path = dir.path.join(name);
         std::fs::write(&path, text).expect("write");
@@ -450,7 +402,7 @@ async fn trusted_ca_and_client_certificate_from_files() {
 async fn an_untrusted_certificate_fails_the_connection() {
     let pki = Pki::new("test CA");
     let rogue = Pki::new("rogue CA");
-    let backend = tls_backend("b", &rogue.leaf(&["backend.example"], &[]), None).await;
+    let backend = tls_backend("b", &rogue.leaf_with_uris(&["backend.example"], &[]), None).await;
     let mesh = start(
         upstream("backend.example", validation(&pki, vec![])),
         &backend,
@@ -463,7 +415,7 @@ async fn an_untrusted_certificate_fails_the_connection() {
 #[tokio::test]
 async fn san_matchers_check_the_certificate_sans() {
     let pki = Pki::new("test CA");
-    let leaf = pki.leaf(
+    let leaf = pki.leaf_with_uris(
         &["*.svc.example"],
         &["spiffe://cluster.local/ns/default/sa/b"],
     );
@@ -507,7 +459,7 @@ async fn san_matchers_check_the_certificate_sans() {
 #[tokio::test]
 async fn a_san_mismatch_fails_the_connection() {
     let pki = Pki::new("test CA");
-    let leaf = pki.leaf(
+    let leaf = pki.leaf_with_uris(
         &["b.svc.example"],
         &["spiffe://cluster.local/ns/default/sa/b"],
     );
@@ -541,7 +493,7 @@ async fn a_san_mismatch_fails_the_connection() {
 #[tokio::test]
 async fn the_deprecated_san_list_matches_any_san_type() {
     let pki = Pki::new("test CA");
-    let leaf = pki.leaf(
+    let leaf = pki.leaf_with_uris(
         &["b.svc.example"],
         &["spiffe://cluster.local/ns/default/sa/b"],
     );
@@ -563,7 +515,12 @@ async fn the_deprecated_san_list_matches_any_san_type() {
 #[tokio::test]
 async fn a_client_certificate_is_presented_when_configured() {
     let pki = Pki::new("test CA");
-    let backend = tls_backend("b", &pki.leaf(&["b.svc.example"], &[]), Some(&pki)).await;
+    let backend = tls_backend(
+        "b",
+        &pki.leaf_with_uris(&["b.svc.example"], &[]),
+        Some(&pki),
+    )
+    .await;
     // Without one, the backend refuses the handshake.
     let mesh = start(
         upstream("b.svc.example", validation(&pki, vec![])),
@@ -573,7 +530,7 @@ async fn a_client_certificate_is_presented_when_configured() {
     .await;
     refused(&mesh).await;
     drop(mesh);
-    let client = pki.leaf(&["gateway.example"], &[]);
+    let client = pki.leaf_with_uris(&["gateway.example"], &[]);
     let mut common = validation(&pki, vec![]);
     common.tls_certificates = vec![TlsCertificate {
         certificate_chain: inline(&client.cert),
@@ -588,7 +545,7 @@ async fn a_client_certificate_is_presented_when_configured() {
 #[tokio::test]
 async fn alpn_h2_carries_an_http2_cluster() {
     let pki = Pki::new("test CA");
-    let backend = tls_backend("b", &pki.leaf(&["b.svc.example"], &[]), None).await;
+    let backend = tls_backend("b", &pki.leaf_with_uris(&["b.svc.example"], &[]), None).await;
     let mut common = validation(&pki, vec![]);
     common.alpn_protocols = vec!["h2".into()];
     let mesh = start(upstream("b.svc.example", common), &backend, true).await;
@@ -601,7 +558,7 @@ async fn alpn_h2_carries_an_http2_cluster() {
 #[tokio::test]
 async fn without_alpn_protocols_what_the_cluster_speaks_is_offered() {
     let pki = Pki::new("test CA");
-    let backend = tls_backend("b", &pki.leaf(&["b.svc.example"], &[]), None).await;
+    let backend = tls_backend("b", &pki.leaf_with_uris(&["b.svc.example"], &[]), None).await;
     let mesh = start(
         upstream("b.svc.example", validation(&pki, vec![])),
         &backend,
@@ -647,7 +604,7 @@ fn metadata(pairs: &[(&str, &str)]) -> Metadata {
 #[tokio::test]
 async fn transport_socket_matches_pick_tls_per_endpoint() {
     let pki = Pki::new("test CA");
-    let secure = tls_backend("b", &pki.leaf(&["b.svc.example"], &[]), None).await;
+    let secure = tls_backend("b", &pki.leaf_with_uris(&["b.svc.example"], &[]), None).await;
     let plain = Backend::start("plain").await;
     let (secure_addr, plain_addr) = (secure.addr, plain.addr);
     let mesh = Mesh::start(move |port| {

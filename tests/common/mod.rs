@@ -6,6 +6,10 @@
 // Each test binary uses a different subset of the harness.
 #![allow(dead_code)]
 
+pub mod pki;
+#[allow(unused_imports)] // each binary uses what it needs
+pub use pki::{Leaf, Pki};
+
 use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::future::Future;
