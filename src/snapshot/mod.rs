@@ -19,6 +19,7 @@ pub mod tcp_proxy;
 pub mod tls;
 pub mod upgrade;
 pub mod upstream_tls;
+pub mod validation;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -398,11 +398,15 @@ impl rustls::server::ResolvesServerCert for Fixed {
     }
 }
 
-/// An SDS `Secret` Portico can use: a server certificate.
+/// An SDS `Secret` Portico can use: a certificate and key, or a validation context (a CA
+/// bundle such as Istio's `ROOTCA` or `kubernetes://<name>-cacert`).
 #[derive(Debug)]
 pub struct SecretDef {
     pub name: String,
     pub cert: Option<Arc<CertifiedKey>>,
+    /// Kept as configured: it completes the `combined_validation_context` that names it, and
+    /// only the combination is parsed into a validator.
+    pub validation: Option<Arc<tlspb::CertificateValidationContext>>,
 }
 
 impl SecretDef {
@@ -415,17 +419,34 @@ impl SecretDef {
                 "name must not be empty",
             ));
         }
-        let cert = match &s.r#type {
-            Some(Type::TlsCertificate(c)) => {
-                Some(tls_certificate(c).map_err(|e| err(format!("tls_certificate: {e}")))?)
+        let (cert, validation) = match &s.r#type {
+            Some(Type::TlsCertificate(c)) => (
+                Some(tls_certificate(c).map_err(|e| err(format!("tls_certificate: {e}")))?),
+                None,
+            ),
+            Some(Type::ValidationContext(vc)) => {
+                // The CA and pins are checked here, so a bad bundle is refused by its name;
+                // SAN matchers may rely on the CA of the context the secret completes.
+                let mut alone = vc.clone();
+                alone.match_typed_subject_alt_names.clear();
+                #[allow(deprecated)]
+                alone.match_subject_alt_names.clear();
+                super::validation::CertValidation::parse(
+                    &alone,
+                    &mut Vec::new(),
+                    super::validation::Side::Downstream,
+                )
+                .map_err(err)?;
+                (None, Some(Arc::new(vc.clone())))
             }
-            // A CA bundle (istiod's ROOTCA) or other kinds: accepted, used by nothing yet.
-            Some(_) => None,
+            // Session ticket keys and generic secrets: accepted, used by nothing.
+            Some(_) => (None, None),
             None => return Err(err("a secret type is required".into())),
         };
         Ok(SecretDef {
             name: s.name.clone(),
             cert,
+            validation,
         })
     }
 }

@@ -19,7 +19,11 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, SignatureScheme};
 
-use super::route::StringMatch;
+#[cfg(test)]
+use super::validation::{dns_name_match, SanKind};
+#[cfg(test)]
+use super::validation::{sans, San, SanMatcher};
+use super::validation::{CertValidation, Refusal, Side};
 
 pub const UPSTREAM_TLS_TYPE: &str =
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
@@ -208,99 +212,13 @@ fn socket(
     }
 }
 
-/// A SAN matcher: the SAN type and the string matcher.
-#[derive(Debug)]
-struct SanMatcher {
-    kind: SanKind,
-    matcher: StringMatch,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SanKind {
-    Dns,
-    Uri,
-    Email,
-    Ip,
-}
-
-impl SanMatcher {
-    fn matches(&self, san: &San) -> bool {
-        let value = match (self.kind, san) {
-            (SanKind::Dns, San::Dns(v))
-            | (SanKind::Uri, San::Uri(v))
-            | (SanKind::Email, San::Email(v))
-            | (SanKind::Ip, San::Ip(v)) => v,
-            _ => return false,
-        };
-        // An exact matcher on a DNS SAN follows DNS rules, as Envoy's does: a wildcard SAN
-        // covers one label, and case does not count.
-        match (&self.matcher, self.kind) {
-            (StringMatch::Exact(want, _), SanKind::Dns) => dns_name_match(want, value),
-            (m, _) => m.matches(value),
-        }
-    }
-}
-
-fn dns_name_match(name: &str, pattern: &str) -> bool {
-    let (name, pattern) = (name.to_ascii_lowercase(), pattern.to_ascii_lowercase());
-    if name == pattern {
-        return true;
-    }
-    let Some(suffix) = pattern.strip_prefix('*') else {
-        return false;
-    };
-    // "*.example.com" matches "a.example.com", not "a.b.example.com" nor "example.com".
-    suffix.starts_with('.')
-        && name.len() > suffix.len()
-        && name.ends_with(suffix)
-        && !name[..name.len() - suffix.len()].contains('.')
-}
-
-#[derive(Debug, PartialEq)]
-enum San {
-    Dns(String),
-    Uri(String),
-    Email(String),
-    Ip(String),
-}
-
-/// The subject alternative names of a DER certificate.
-fn sans(der: &[u8]) -> Result<Vec<San>, String> {
-    use x509_parser::extensions::GeneralName;
-    let (_, cert) =
-        x509_parser::parse_x509_certificate(der).map_err(|e| format!("bad certificate: {e}"))?;
-    let Ok(Some(ext)) = cert.subject_alternative_name() else {
-        return Ok(Vec::new());
-    };
-    Ok(ext
-        .value
-        .general_names
-        .iter()
-        .filter_map(|g| match g {
-            GeneralName::DNSName(s) => Some(San::Dns(s.to_string())),
-            GeneralName::URI(s) => Some(San::Uri(s.to_string())),
-            GeneralName::RFC822Name(s) => Some(San::Email(s.to_string())),
-            GeneralName::IPAddress(b) => match b.len() {
-                4 => <[u8; 4]>::try_from(*b)
-                    .ok()
-                    .map(|a| San::Ip(std::net::IpAddr::from(a).to_string())),
-                16 => <[u8; 16]>::try_from(*b)
-                    .ok()
-                    .map(|a| San::Ip(std::net::IpAddr::from(a).to_string())),
-                _ => None,
-            },
-            _ => None,
-        })
-        .collect())
-}
-
 /// Envoy's default certificate validator: nothing checked without a validation context; with
 /// `trusted_ca` the chain (never the hostname); with SAN matchers, one of the certificate's
 /// SANs must match one of them.
 #[derive(Debug)]
 struct Validator {
     chain: Option<Arc<rustls::client::WebPkiServerVerifier>>,
-    sans: Vec<SanMatcher>,
+    check: CertValidation,
     algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
@@ -324,15 +242,14 @@ impl ServerCertVerifier for Validator {
                 Err(e) => return Err(e),
             }
         }
-        if !self.sans.is_empty() {
-            let have = sans(end_entity.as_ref())
-                .map_err(|_| rustls::Error::InvalidCertificate(CE::BadEncoding))?;
-            if !self.sans.iter().any(|m| have.iter().any(|s| m.matches(s))) {
-                return Err(rustls::Error::InvalidCertificate(
-                    CE::ApplicationVerificationFailure,
-                ));
-            }
-        }
+        self.check
+            .check_leaf(end_entity.as_ref())
+            .map_err(|r| match r {
+                Refusal::Encoding => rustls::Error::InvalidCertificate(CE::BadEncoding),
+                Refusal::San | Refusal::Hash => {
+                    rustls::Error::InvalidCertificate(CE::ApplicationVerificationFailure)
+                }
+            })?;
         Ok(ServerCertVerified::assertion())
     }
 
@@ -391,106 +308,22 @@ fn validator(
     vc: &tlspb::CertificateValidationContext,
     identity: &mut Vec<u8>,
 ) -> Result<Validator, String> {
-    let at = |f: &str| format!("validation_context.{f} is not supported");
-    if !vc.verify_certificate_spki.is_empty() {
-        return Err(at("verify_certificate_spki"));
-    }
-    if !vc.verify_certificate_hash.is_empty() {
-        return Err(at("verify_certificate_hash"));
-    }
-    if vc.crl.is_some() {
-        return Err(at("crl"));
-    }
-    if vc.allow_expired_certificate {
-        return Err(at("allow_expired_certificate"));
-    }
-    if vc.trust_chain_verification != 0 {
-        return Err(at("trust_chain_verification"));
-    }
-    if vc.custom_validator_config.is_some() {
-        return Err(at("custom_validator_config"));
-    }
-    if vc.ca_certificate_provider_instance.is_some() {
-        return Err(at("ca_certificate_provider_instance"));
-    }
-    if vc.system_root_certs.is_some() {
-        return Err(at("system_root_certs"));
-    }
-    if vc.max_verify_depth.is_some() {
-        return Err(at("max_verify_depth"));
-    }
-    if vc.watched_directory.is_some() {
-        return Err(at("watched_directory"));
-    }
+    let v = CertValidation::parse(vc, identity, Side::Upstream)?;
     let provider = rustls::crypto::ring::default_provider();
-    let chain = match &vc.trusted_ca {
-        Some(ca) => {
-            let pem = read(Some(ca), "validation_context.trusted_ca", identity)?;
-            let mut roots = rustls::RootCertStore::empty();
-            for c in rustls_pemfile::certs(&mut &pem[..]) {
-                let c =
-                    c.map_err(|e| format!("validation_context.trusted_ca: malformed PEM: {e}"))?;
-                roots
-                    .add(c)
-                    .map_err(|e| format!("validation_context.trusted_ca: {e}"))?;
-            }
-            if roots.is_empty() {
-                return Err("validation_context.trusted_ca: no certificate found".into());
-            }
-            Some(
-                rustls::client::WebPkiServerVerifier::builder_with_provider(
-                    Arc::new(roots),
-                    Arc::new(provider.clone()),
-                )
-                .build()
-                .map_err(|e| format!("validation_context.trusted_ca: {e}"))?,
+    let chain = match &v.roots {
+        Some(roots) => Some(
+            rustls::client::WebPkiServerVerifier::builder_with_provider(
+                roots.clone(),
+                Arc::new(provider.clone()),
             )
-        }
+            .build()
+            .map_err(|e| format!("validation_context.trusted_ca: {e}"))?,
+        ),
         None => None,
     };
-    let mut sans = Vec::new();
-    if !vc.match_typed_subject_alt_names.is_empty() {
-        // Envoy ignores the deprecated list when the typed one is set.
-        use tlspb::subject_alt_name_matcher::SanType as T;
-        for (i, m) in vc.match_typed_subject_alt_names.iter().enumerate() {
-            let at = format!("validation_context.match_typed_subject_alt_names[{i}]");
-            let kind = match T::try_from(m.san_type) {
-                Ok(T::Dns) => SanKind::Dns,
-                Ok(T::Uri) => SanKind::Uri,
-                Ok(T::Email) => SanKind::Email,
-                Ok(T::IpAddress) => SanKind::Ip,
-                Ok(T::OtherName) => {
-                    return Err(format!("{at}: san_type OTHER_NAME is not supported"))
-                }
-                Ok(T::Unspecified) | Err(_) => return Err(format!("{at}: san_type must be set")),
-            };
-            let matcher = m
-                .matcher
-                .as_ref()
-                .ok_or_else(|| format!("{at}: matcher is required"))
-                .and_then(|s| super::route::string_matcher(s).map_err(|e| format!("{at}: {e}")))?;
-            sans.push(SanMatcher { kind, matcher });
-        }
-    } else {
-        #[allow(deprecated)]
-        for (i, m) in vc.match_subject_alt_names.iter().enumerate() {
-            let at = format!("validation_context.match_subject_alt_names[{i}]");
-            // The untyped matchers apply to DNS, URI, email and IP SANs alike.
-            for kind in [SanKind::Dns, SanKind::Uri, SanKind::Email, SanKind::Ip] {
-                let matcher = super::route::string_matcher(m).map_err(|e| format!("{at}: {e}"))?;
-                sans.push(SanMatcher { kind, matcher });
-            }
-        }
-    }
-    if !sans.is_empty() && chain.is_none() {
-        return Err(
-            "validation_context: SAN-based verification of peer certificates without trusted CA is insecure and not allowed"
-                .into(),
-        );
-    }
     Ok(Validator {
         chain,
-        sans,
+        check: v,
         algorithms: provider.signature_verification_algorithms,
     })
 }
@@ -537,7 +370,7 @@ impl UpstreamTls {
         let validator = match &c.validation_context_type {
             None => Validator {
                 chain: None,
-                sans: Vec::new(),
+                check: CertValidation::default(),
                 algorithms: rustls::crypto::ring::default_provider()
                     .signature_verification_algorithms,
             },
