@@ -175,6 +175,8 @@ struct Client {
     roots: rustls::RootCertStore,
     alpn: Vec<Vec<u8>>,
     versions: Vec<&'static rustls::SupportedProtocolVersion>,
+    /// A client certificate (DER) and its PKCS#8 key, for mTLS.
+    cert: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Client {
@@ -183,7 +185,13 @@ impl Client {
             roots: pki.roots(),
             alpn: vec![b"http/1.1".to_vec()],
             versions: vec![&rustls::version::TLS13, &rustls::version::TLS12],
+            cert: None,
         }
+    }
+
+    fn cert(mut self, leaf: &Leaf) -> Client {
+        self.cert = Some((leaf.der.clone(), leaf.key_der.clone()));
+        self
     }
 
     fn alpn(mut self, list: &[&str]) -> Client {
@@ -201,13 +209,23 @@ impl Client {
         port: u16,
         sni: &str,
     ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
-        let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
         .with_protocol_versions(&self.versions)
         .map_err(|e| e.to_string())?
-        .with_root_certificates(self.roots.clone())
-        .with_no_client_auth();
+        .with_root_certificates(self.roots.clone());
+        let mut cfg = match &self.cert {
+            Some((der, key)) => cfg
+                .with_client_auth_cert(
+                    vec![rustls::pki_types::CertificateDer::from(der.clone())],
+                    rustls::pki_types::PrivateKeyDer::Pkcs8(
+                        rustls::pki_types::PrivatePkcs8KeyDer::from(key.clone()),
+                    ),
+                )
+                .map_err(|e| e.to_string())?,
+            None => cfg.with_no_client_auth(),
+        };
         cfg.alpn_protocols = self.alpn.clone();
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -221,12 +239,31 @@ impl Client {
 
     /// One GET on a fresh connection, within 5 s.
     async fn get(&self, port: u16, sni: &str, path: &str) -> Result<TlsResp, String> {
-        tokio::time::timeout(Duration::from_secs(5), self.get_inner(port, sni, path))
-            .await
-            .map_err(|_| "timed out".to_string())?
+        self.get_with(port, sni, path, &[]).await
     }
 
-    async fn get_inner(&self, port: u16, sni: &str, path: &str) -> Result<TlsResp, String> {
+    async fn get_with(
+        &self,
+        port: u16,
+        sni: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<TlsResp, String> {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            self.get_inner(port, sni, path, headers),
+        )
+        .await
+        .map_err(|_| "timed out".to_string())?
+    }
+
+    async fn get_inner(
+        &self,
+        port: u16,
+        sni: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<TlsResp, String> {
         let tls = self.connect(port, sni).await?;
         let (alpn, version, peer_cert) = {
             let c = tls.get_ref().1;
@@ -240,10 +277,11 @@ impl Client {
         };
         let io = hyper_util::rt::TokioIo::new(tls);
         let h2 = alpn.as_deref() == Some(b"h2");
-        let req = hyper::Request::get(format!("https://{sni}{path}"))
-            .header("host", sni)
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| e.to_string())?;
+        let mut req = hyper::Request::get(format!("https://{sni}{path}")).header("host", sni);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
         let resp = if h2 {
             let (mut send, conn) =
                 hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
@@ -980,4 +1018,594 @@ async fn plain_and_tls_on_one_port_by_transport_protocol() {
     assert_eq!(r.body, "secure");
     let r = mesh.get("/", "t.example.com", &[]).await;
     assert_eq!(r.body, "plain");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mutual TLS (Istio `tls.mode: MUTUAL`) and x-forwarded-client-cert
+
+/// A client certificate with a three-part subject, DNS and URI SANs, signed by `pki`.
+fn client_leaf(pki: &Pki, cn: &str, uri: &str) -> Leaf {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut p = rcgen::CertificateParams::new(vec!["client.example".to_string()]).expect("params");
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name.push(rcgen::DnType::CountryName, "US");
+    p.distinguished_name
+        .push(rcgen::DnType::OrganizationName, "Acme, Inc.");
+    p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+    p.subject_alt_names.push(rcgen::SanType::URI(
+        rcgen::Ia5String::try_from(uri.to_string()).expect("uri"),
+    ));
+    let cert = p.signed_by(&key, &pki.ca, &pki.ca_key).expect("leaf");
+    Leaf {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+        der: cert.der().to_vec(),
+        key_der: key.serialize_der(),
+    }
+}
+
+fn sha256_hex(der: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, der)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The certificates in an XFCC `Cert="..."` / `Chain="..."` value.
+fn xfcc_pem(value: &str) -> Vec<Vec<u8>> {
+    let pem = value
+        .replace("%0A", "\n")
+        .replace("%20", " ")
+        .replace("%2B", "+")
+        .replace("%2F", "/")
+        .replace("%3D", "=");
+    assert!(!pem.contains('%'), "only these five are encoded: {value}");
+    rustls_pemfile::certs(&mut pem.as_bytes())
+        .map(|c| c.expect("pem").to_vec())
+        .collect()
+}
+
+fn mtls_transport(ctx: DownstreamTlsContext) -> TransportSocket {
+    TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(
+            envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+                any(ctx),
+            ),
+        ),
+    }
+}
+
+fn validation(
+    ca: &str,
+    uri_prefix: Option<&str>,
+) -> envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::CertificateValidationContext {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        subject_alt_name_matcher::SanType, CertificateValidationContext, SubjectAltNameMatcher,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
+    CertificateValidationContext {
+        trusted_ca: inline(ca),
+        match_typed_subject_alt_names: uri_prefix
+            .map(|p| SubjectAltNameMatcher {
+                san_type: SanType::Uri as i32,
+                matcher: Some(StringMatcher {
+                    match_pattern: Some(string_matcher::MatchPattern::Prefix(p.into())),
+                    ignore_case: false,
+                }),
+                ..Default::default()
+            })
+            .into_iter()
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn xfcc_chain(
+    ts: TransportSocket,
+    mode: http_connection_manager::ForwardClientCertDetails,
+    details: Option<http_connection_manager::SetCurrentClientCertDetails>,
+) -> FilterChain {
+    let mut h = hcm_for("mtls-route");
+    h.forward_client_cert_details = mode as i32;
+    h.set_current_client_cert_details = details;
+    FilterChain {
+        name: "mtls".into(),
+        transport_socket: Some(ts),
+        filters: vec![Filter {
+            name: "envoy.filters.network.http_connection_manager".into(),
+            config_type: Some(filter::ConfigType::TypedConfig(any(h))),
+        }],
+        ..Default::default()
+    }
+}
+
+fn to_backend(name: &str) -> envoy_types::pb::envoy::config::route::v3::RouteConfiguration {
+    route_config(
+        "mtls-route",
+        vec![vhost(
+            "all",
+            &["*"],
+            vec![rt(prefix("/"), to_cluster(name))],
+        )],
+    )
+}
+
+fn xfcc_of(r: &TlsResp) -> Option<String> {
+    r.headers
+        .get("x-echo-xfcc")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_checks_the_client_and_sets_its_details() {
+    use http_connection_manager::{ForwardClientCertDetails, SetCurrentClientCertDetails};
+    let pki = Pki::new("portico server CA");
+    let clients = Pki::new("portico client CA");
+    let rogue = Pki::new("rogue CA");
+    let server = pki.leaf(&["mtls.example.com"]);
+    let good = client_leaf(&clients, "good client", "spiffe://td/ns/good/sa/a");
+    let wrong_san = client_leaf(&clients, "other", "spiffe://td/ns/bad/sa/a");
+    let untrusted = client_leaf(&rogue, "rogue", "spiffe://td/ns/good/sa/a");
+    let backend = Backend::start("mtls-backend").await;
+    let ctx = DownstreamTlsContext {
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue { value: true }),
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&server)],
+            validation_context_type: Some(
+                envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::ValidationContextType::ValidationContext(
+                    validation(&clients.ca_pem(), Some("spiffe://td/ns/good/")),
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let details = SetCurrentClientCertDetails {
+        subject: Some(envoy_types::pb::google::protobuf::BoolValue { value: true }),
+        cert: true,
+        chain: true,
+        dns: true,
+        uri: true,
+        issuer: true,
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| {
+        Snapshot {
+            listeners: vec![tls_listener(
+                port,
+                vec![xfcc_chain(
+                    mtls_transport(ctx.clone()),
+                    ForwardClientCertDetails::SanitizeSet,
+                    Some(details),
+                )],
+                None,
+            )],
+            routes: vec![to_backend("mtls-backend")],
+            ..Default::default()
+        }
+        .with_backends(&[("mtls-backend", &backend)])
+    })
+    .await;
+    let ok = Client::new(&pki).cert(&good);
+    let r = wait_tls(&ok, mesh.port, "mtls.example.com").await;
+    assert_eq!(r.body, "mtls-backend");
+    // The client's own XFCC is replaced by what the gateway saw.
+    let r = ok
+        .get_with(
+            mesh.port,
+            "mtls.example.com",
+            "/",
+            &[("x-forwarded-client-cert", "By=spiffe://forged;Hash=00")],
+        )
+        .await
+        .expect("mTLS request");
+    let xfcc = xfcc_of(&r).expect("XFCC set");
+    let parts: Vec<&str> = xfcc.split(';').collect();
+    assert_eq!(
+        parts[0],
+        format!("Hash={}", sha256_hex(&good.der)),
+        "{xfcc}"
+    );
+    let cert = parts[1]
+        .strip_prefix("Cert=\"")
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("Cert second");
+    assert_eq!(xfcc_pem(cert), vec![good.der.clone()]);
+    let chain = parts[2]
+        .strip_prefix("Chain=\"")
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("Chain third");
+    assert_eq!(xfcc_pem(chain), vec![good.der.clone()]);
+    assert_eq!(
+        &parts[3..],
+        &[
+            "Subject=\"CN=good client,O=Acme\\, Inc.,C=US\"",
+            "URI=spiffe://td/ns/good/sa/a",
+            "DNS=client.example",
+            "Issuer=\"CN=portico client CA\"",
+        ],
+        "{xfcc}"
+    );
+    // Refused at the handshake: no certificate, a SAN the matcher refuses, an unknown CA.
+    for (what, client) in [
+        ("no certificate", Client::new(&pki)),
+        ("wrong SAN", Client::new(&pki).cert(&wrong_san)),
+        ("untrusted CA", Client::new(&pki).cert(&untrusted)),
+    ] {
+        let r = client.get(mesh.port, "mtls.example.com", "/").await;
+        assert!(r.is_err(), "{what}: answered {:?}", r.map(|r| r.status));
+    }
+    // A refused handshake costs only that connection.
+    let r = ok
+        .get(mesh.port, "mtls.example.com", "/")
+        .await
+        .expect("still serving");
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optional_client_certificates_append_to_the_header() {
+    use http_connection_manager::ForwardClientCertDetails;
+    let pki = Pki::new("portico server CA");
+    let clients = Pki::new("portico client CA");
+    // The gateway's own identity, reported as By=.
+    let server = pki.leaf_with_uris(&["opt.example.com"], &["spiffe://td/ns/istio-system/sa/gw"]);
+    let good = client_leaf(&clients, "c", "spiffe://td/ns/good/sa/a");
+    let backend = Backend::start("opt-backend").await;
+    let ctx = DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&server)],
+            validation_context_type: Some(
+                envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::ValidationContextType::ValidationContext(
+                    validation(&clients.ca_pem(), None),
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| {
+        Snapshot {
+            listeners: vec![tls_listener(
+                port,
+                vec![xfcc_chain(
+                    mtls_transport(ctx.clone()),
+                    ForwardClientCertDetails::AppendForward,
+                    None,
+                )],
+                None,
+            )],
+            routes: vec![to_backend("opt-backend")],
+            ..Default::default()
+        }
+        .with_backends(&[("opt-backend", &backend)])
+    })
+    .await;
+    const PRIOR: (&str, &str) = ("x-forwarded-client-cert", "By=spiffe://a;Hash=00");
+    // Without a certificate the connection is plain TLS, and XFCC is dropped.
+    let anon = Client::new(&pki);
+    wait_tls(&anon, mesh.port, "opt.example.com").await;
+    let r = anon
+        .get_with(mesh.port, "opt.example.com", "/", &[PRIOR])
+        .await
+        .expect("TLS without a client certificate");
+    assert_eq!((r.status, xfcc_of(&r)), (200, None));
+    // With one, the gateway's element is appended to the client's.
+    let r = Client::new(&pki)
+        .cert(&good)
+        .get_with(mesh.port, "opt.example.com", "/", &[PRIOR])
+        .await
+        .expect("mTLS");
+    assert_eq!(
+        xfcc_of(&r),
+        Some(format!(
+            "By=spiffe://a;Hash=00,By=spiffe://td/ns/istio-system/sa/gw;Hash={}",
+            sha256_hex(&good.der)
+        ))
+    );
+    // And without a prior header, only it.
+    let r = Client::new(&pki)
+        .cert(&good)
+        .get(mesh.port, "opt.example.com", "/")
+        .await
+        .expect("mTLS");
+    assert_eq!(
+        xfcc_of(&r),
+        Some(format!(
+            "By=spiffe://td/ns/istio-system/sa/gw;Hash={}",
+            sha256_hex(&good.der)
+        ))
+    );
+    // A certificate from another CA still fails: optional does not mean unchecked.
+    let r = Client::new(&pki)
+        .cert(&client_leaf(&Pki::new("rogue"), "r", "spiffe://x"))
+        .get(mesh.port, "opt.example.com", "/")
+        .await;
+    assert!(r.is_err(), "untrusted client certificate accepted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_mutual_over_sds_warms_and_rotates_the_ca() {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::{
+        CombinedCertificateValidationContext, ValidationContextType,
+    };
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::CertificateValidationContext;
+    use http_connection_manager::{ForwardClientCertDetails, SetCurrentClientCertDetails};
+    let pki = Pki::new("portico server CA");
+    let ca1 = Pki::new("client CA one");
+    let ca2 = Pki::new("client CA two");
+    let server = pki.leaf(&["bookinfo.example.com"]);
+    let c1 = client_leaf(&ca1, "one", "spiffe://cluster.local/ns/default/sa/one");
+    let c2 = client_leaf(&ca2, "two", "spiffe://cluster.local/ns/default/sa/two");
+    let backend = Backend::start("mutual-backend").await;
+    // What istiod renders for a MUTUAL server with credentialName bookinfo-cert.
+    let ctx = DownstreamTlsContext {
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue {
+            value: true,
+        }),
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![SdsSecretConfig {
+                name: "kubernetes://bookinfo-cert".into(),
+                sds_config: Some(ads_source()),
+            }],
+            validation_context_type: Some(ValidationContextType::CombinedValidationContext(
+                CombinedCertificateValidationContext {
+                    default_validation_context: Some(CertificateValidationContext {
+                        match_typed_subject_alt_names: validation(
+                            "",
+                            Some("spiffe://cluster.local/"),
+                        )
+                        .match_typed_subject_alt_names,
+                        ..Default::default()
+                    }),
+                    validation_context_sds_secret_config: Some(SdsSecretConfig {
+                        name: "kubernetes://bookinfo-cert-cacert".into(),
+                        sds_config: Some(ads_source()),
+                    }),
+                    ..Default::default()
+                },
+            )),
+            alpn_protocols: alpn(&["h2", "http/1.1"]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let ca_secret = |name: &str, pki: &Pki| Secret {
+        name: name.into(),
+        r#type: Some(secret::Type::ValidationContext(
+            CertificateValidationContext {
+                trusted_ca: inline(&pki.ca_pem()),
+                ..Default::default()
+            },
+        )),
+    };
+    let xfcc_details = SetCurrentClientCertDetails {
+        subject: Some(envoy_types::pb::google::protobuf::BoolValue { value: true }),
+        dns: true,
+        uri: true,
+        ..Default::default()
+    };
+    let listener = |port: u16, ctx: &DownstreamTlsContext| {
+        tls_listener(
+            port,
+            vec![xfcc_chain(
+                mtls_transport(ctx.clone()),
+                ForwardClientCertDetails::SanitizeSet,
+                Some(xfcc_details),
+            )],
+            None,
+        )
+    };
+    let mesh = Mesh::start_raw(|port| {
+        Snapshot {
+            listeners: vec![listener(port, &ctx)],
+            routes: vec![to_backend("mutual-backend")],
+            secrets: vec![
+                secret("kubernetes://bookinfo-cert", &server),
+                ca_secret("kubernetes://bookinfo-cert-cacert", &ca1),
+            ],
+            ..Default::default()
+        }
+        .with_backends(&[("mutual-backend", &backend)])
+    })
+    .await;
+    let one = Client::new(&pki).cert(&c1);
+    let r = wait_tls(&one, mesh.port, "bookinfo.example.com").await;
+    assert_eq!(
+        xfcc_of(&r),
+        Some(format!(
+            "Hash={};Subject=\"CN=one,O=Acme\\, Inc.,C=US\";URI=spiffe://cluster.local/ns/default/sa/one;DNS=client.example",
+            sha256_hex(&c1.der)
+        ))
+    );
+    let two = Client::new(&pki).cert(&c2);
+    assert!(two
+        .get(mesh.port, "bookinfo.example.com", "/")
+        .await
+        .is_err());
+    // A listener naming a CA secret that has not arrived warms; the old one keeps serving.
+    let mut ctx2 = ctx.clone();
+    if let Some(ValidationContextType::CombinedValidationContext(c)) = ctx2
+        .common_tls_context
+        .as_mut()
+        .and_then(|c| c.validation_context_type.as_mut())
+    {
+        if let Some(s) = c.validation_context_sds_secret_config.as_mut() {
+            s.name = "kubernetes://other-cacert".into();
+        }
+    }
+    mesh.ads.set_listeners("2", &[listener(mesh.port, &ctx2)]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        one.get(mesh.port, "bookinfo.example.com", "/")
+            .await
+            .map(|r| r.status),
+        Ok(200),
+        "the warming listener replaced the serving one"
+    );
+    mesh.ads.set_secrets(
+        "2",
+        &[
+            secret("kubernetes://bookinfo-cert", &server),
+            ca_secret("kubernetes://bookinfo-cert-cacert", &ca1),
+            ca_secret("kubernetes://other-cacert", &ca2),
+        ],
+    );
+    wait_tls(&two, mesh.port, "bookinfo.example.com").await;
+    assert!(one
+        .get(mesh.port, "bookinfo.example.com", "/")
+        .await
+        .is_err());
+    // A rotated CA applies to new handshakes.
+    mesh.ads.set_secrets(
+        "3",
+        &[
+            secret("kubernetes://bookinfo-cert", &server),
+            ca_secret("kubernetes://other-cacert", &ca1),
+        ],
+    );
+    wait_tls(&one, mesh.port, "bookinfo.example.com").await;
+    assert!(two
+        .get(mesh.port, "bookinfo.example.com", "/")
+        .await
+        .is_err());
+    // A bad CA bundle is refused by name; the last good one keeps serving.
+    mesh.ads.set_secrets(
+        "4",
+        &[
+            secret("kubernetes://bookinfo-cert", &server),
+            Secret {
+                name: "kubernetes://other-cacert".into(),
+                r#type: Some(secret::Type::ValidationContext(
+                    CertificateValidationContext {
+                        trusted_ca: inline(
+                            "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n",
+                        ),
+                        ..Default::default()
+                    },
+                )),
+            },
+        ],
+    );
+    let nack = mesh.ads.wait_for_nack(SDS, PROPAGATION).await;
+    let detail = nack.error.unwrap_or_default();
+    eprintln!("bad CA NACK: {detail}");
+    if !is_envoy(&gateway_bin()) {
+        assert!(detail.contains("kubernetes://other-cacert"), "{detail}");
+    }
+    let r = one
+        .get(mesh.port, "bookinfo.example.com", "/")
+        .await
+        .expect("last good CA");
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_certificate_without_a_validation_context() {
+    let pki = Pki::new("portico server CA");
+    let server = pki.leaf(&["req.example.com"]);
+    let any_client = client_leaf(&Pki::new("whoever"), "w", "spiffe://w");
+    let backend = Backend::start("req-backend").await;
+    let ctx = DownstreamTlsContext {
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue {
+            value: true,
+        }),
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&server)],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| {
+        Snapshot {
+            listeners: vec![tls_listener(
+                port,
+                vec![xfcc_chain(
+                    mtls_transport(ctx.clone()),
+                    http_connection_manager::ForwardClientCertDetails::SanitizeSet,
+                    None,
+                )],
+                None,
+            )],
+            routes: vec![to_backend("req-backend")],
+            ..Default::default()
+        }
+        .with_backends(&[("req-backend", &backend)])
+    })
+    .await;
+    let with = Client::new(&pki).cert(&any_client);
+    // With nothing to check the certificate against, Envoy does not ask for one: clients
+    // with and without are served alike, and no client certificate is reported.
+    let r = wait_tls(&with, mesh.port, "req.example.com").await;
+    assert_eq!((r.status, xfcc_of(&r)), (200, None));
+    let r = Client::new(&pki)
+        .get(mesh.port, "req.example.com", "/")
+        .await
+        .expect("no certificate");
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pinned_client_certificates_over_h2() {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        common_tls_context::ValidationContextType, CertificateValidationContext,
+    };
+    let pki = Pki::new("portico server CA");
+    let clients = Pki::new("portico client CA");
+    let server = pki.leaf(&["pin.example.com"]);
+    let pinned = client_leaf(&clients, "pinned", "spiffe://td/pinned");
+    let other = client_leaf(&clients, "other", "spiffe://td/other");
+    let backend = Backend::start("pin-backend").await;
+    let ctx = DownstreamTlsContext {
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue {
+            value: true,
+        }),
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&server)],
+            alpn_protocols: alpn(&["h2", "http/1.1"]),
+            // A pinned hash alone: no CA, so the chain is not checked, only the pin.
+            validation_context_type: Some(ValidationContextType::ValidationContext(
+                CertificateValidationContext {
+                    verify_certificate_hash: vec![sha256_hex(&pinned.der)],
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| {
+        Snapshot {
+            listeners: vec![tls_listener(
+                port,
+                vec![xfcc_chain(
+                    mtls_transport(ctx.clone()),
+                    http_connection_manager::ForwardClientCertDetails::SanitizeSet,
+                    None,
+                )],
+                None,
+            )],
+            routes: vec![to_backend("pin-backend")],
+            ..Default::default()
+        }
+        .with_backends(&[("pin-backend", &backend)])
+    })
+    .await;
+    let ok = Client::new(&pki).alpn(&["h2"]).cert(&pinned);
+    let r = wait_tls(&ok, mesh.port, "pin.example.com").await;
+    assert_eq!(r.alpn.as_deref(), Some(&b"h2"[..]));
+    // The connection's certificate reaches requests on HTTP/2 streams too.
+    assert_eq!(
+        xfcc_of(&r),
+        Some(format!("Hash={}", sha256_hex(&pinned.der)))
+    );
+    let r = Client::new(&pki)
+        .alpn(&["h2"])
+        .cert(&other)
+        .get(mesh.port, "pin.example.com", "/")
+        .await;
+    assert!(r.is_err(), "a certificate that is not pinned was accepted");
 }

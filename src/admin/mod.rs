@@ -302,7 +302,8 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             .value
             .chains
             .iter()
-            .filter_map(|c| c.tls.as_ref()?.sds_name())
+            .filter_map(|c| c.tls.as_ref())
+            .flat_map(|t| t.sds_names())
             .filter(|n| !store.secrets.contains_key(*n))
         {
             warming_since.entry(name).or_insert(item.last_updated);

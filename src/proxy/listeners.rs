@@ -352,10 +352,22 @@ async fn serve_connection(
             match super::tls::handshake(tcp, tls, active.def.hcm().map_or(Codec::Auto, |h| h.codec))
                 .await
             {
-                Ok((tls, alpn)) => (
-                    apps.h1.clone(),
-                    Box::new(super::io::Downstream::new_tls(tls, peer, alpn)),
-                ),
+                Ok((session, alpn)) => {
+                    let client = session
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|c| {
+                            super::client_cert::PeerCert::from_chain(c, tls.local_uris.clone())
+                        })
+                        .and_then(|p| p.into_digest());
+                    let mut d = super::io::Downstream::new_tls(session, peer, alpn);
+                    if let Some(digest) = client {
+                        use pingora_core::protocols::GetProxyDigest;
+                        d.set_proxy_digest(digest);
+                    }
+                    (apps.h1.clone(), Box::new(d))
+                }
                 Err(e) => {
                     tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
                     return;

@@ -1,5 +1,6 @@
 //! The request path: a pingora `ProxyHttp` that routes on one snapshot per request.
 
+pub mod client_cert;
 pub mod io;
 pub mod listeners;
 pub mod tcp;
@@ -1414,6 +1415,17 @@ impl ProxyHttp for Gateway {
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             return self.local_reply(session, ctx, status, body, &[]).await;
         }
+        // Envoy's connection manager settles x-forwarded-client-cert before routing, so route
+        // matchers see what the upstream will.
+        if let Some(hcm) = listener.def.hcm() {
+            use crate::snapshot::listener::ForwardClientCert as F;
+            // Only the modes that keep or write the header look at the certificate.
+            let peer = match hcm.xfcc.mode {
+                F::Sanitize | F::AlwaysForwardOnly => None,
+                _ => client_cert::of(session.digest()),
+            };
+            client_cert::mutate(session.req_header_mut(), &hcm.xfcc, peer.as_deref())?;
+        }
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = session
@@ -1720,9 +1732,6 @@ impl ProxyHttp for Gateway {
                 "http"
             };
             req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
-        }
-        if !hcm.always_forward_client_cert {
-            req.remove_header("x-forwarded-client-cert");
         }
         let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
@@ -2341,7 +2350,7 @@ mod tests {
             max_stream_duration: None,
             internal_ranges: Vec::new(),
             upgrades: Default::default(),
-            always_forward_client_cert: false,
+            xfcc: Default::default(),
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

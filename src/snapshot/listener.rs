@@ -128,10 +128,34 @@ pub struct Hcm {
     pub internal_ranges: Vec<Cidr>,
     /// `upgrade_configs`: which `Upgrade` types (WebSocket) are proxied.
     pub upgrades: super::upgrade::Upgrades,
-    /// `forward_client_cert_details: ALWAYS_FORWARD_ONLY`. Every other mode removes an incoming
-    /// `x-forwarded-client-cert` on a connection without a client certificate, and Portico
-    /// does not ask for client certificates yet.
-    pub always_forward_client_cert: bool,
+    /// `forward_client_cert_details` and `set_current_client_cert_details`: what becomes of
+    /// `x-forwarded-client-cert`.
+    pub xfcc: Xfcc,
+}
+
+/// `forward_client_cert_details` (Envoy's default: SANITIZE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardClientCert {
+    #[default]
+    Sanitize,
+    ForwardOnly,
+    AppendForward,
+    SanitizeSet,
+    AlwaysForwardOnly,
+}
+
+/// How the connection manager treats `x-forwarded-client-cert`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Xfcc {
+    pub mode: ForwardClientCert,
+    /// `set_current_client_cert_details`, for APPEND_FORWARD and SANITIZE_SET; `Hash` (and
+    /// `By`) are always set.
+    pub subject: bool,
+    pub cert: bool,
+    pub chain: bool,
+    pub dns: bool,
+    pub uri: bool,
+    pub issuer: bool,
 }
 
 /// An address range (`CidrRange`).
@@ -442,11 +466,38 @@ impl Hcm {
         };
         let upgrades = super::upgrade::Upgrades::from_hcm(&h.upgrade_configs)?;
         use hcm::http_connection_manager::ForwardClientCertDetails as Fcc;
-        let always_forward_client_cert =
-            Fcc::try_from(h.forward_client_cert_details) == Ok(Fcc::AlwaysForwardOnly);
+        let mode = match Fcc::try_from(h.forward_client_cert_details) {
+            Ok(Fcc::Sanitize) => ForwardClientCert::Sanitize,
+            Ok(Fcc::ForwardOnly) => ForwardClientCert::ForwardOnly,
+            Ok(Fcc::AppendForward) => ForwardClientCert::AppendForward,
+            Ok(Fcc::SanitizeSet) => ForwardClientCert::SanitizeSet,
+            Ok(Fcc::AlwaysForwardOnly) => ForwardClientCert::AlwaysForwardOnly,
+            Err(_) => {
+                return Err(format!(
+                    "forward_client_cert_details: unknown value {}",
+                    h.forward_client_cert_details
+                ))
+            }
+        };
+        let details = h.set_current_client_cert_details.unwrap_or_default();
+        let xfcc = Xfcc {
+            mode,
+            subject: details.subject.is_some_and(|b| b.value),
+            cert: details.cert,
+            chain: details.chain,
+            dns: details.dns,
+            uri: details.uri,
+            issuer: details.issuer,
+        };
+        if details.format != 0 {
+            return Err(
+                "set_current_client_cert_details.format: only TEXT is supported (JSON is not)"
+                    .into(),
+            );
+        }
         Ok(Hcm {
             upgrades,
-            always_forward_client_cert,
+            xfcc,
             stream_idle_timeout,
             max_stream_duration,
             internal_ranges,

@@ -62,8 +62,9 @@ pub struct ActiveChain {
     pub routes: Arc<RouteTable>,
     /// The handshake configs, for TLS chains (inline certificates, or the SDS secret in force).
     pub tls: Option<Arc<tls::TlsServer>>,
-    /// The SDS secret `tls` was built from, so an unchanged secret reuses it.
-    pub secret: Option<Arc<tls::SecretDef>>,
+    /// The SDS secrets `tls` was built from (certificate, then validation context), so
+    /// unchanged secrets reuse it.
+    pub secrets: Vec<Arc<tls::SecretDef>>,
 }
 
 /// Everything a request needs, swapped as a whole.

@@ -13,6 +13,8 @@ use prost::Message;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
 
+use super::validation::{CertValidation, Side};
+
 pub const DOWNSTREAM_TLS_TYPE: &str =
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
 pub const TLS_INSPECTOR_TYPE: &str =
@@ -26,10 +28,27 @@ pub enum CertSource {
     Sds(String),
 }
 
+/// Where a chain's client-certificate validation comes from.
+#[derive(Debug, Clone)]
+pub enum ClientValidation {
+    /// No validation context: clients are not asked for a certificate.
+    None,
+    Inline(Arc<CertValidation>),
+    /// `validation_context_sds_secret_config`, or a `combined_validation_context` whose
+    /// default half is merged under the secret.
+    Sds {
+        name: String,
+        default: Option<Box<tlspb::CertificateValidationContext>>,
+    },
+}
+
 /// The parts of a `DownstreamTlsContext` Portico applies.
 #[derive(Debug)]
 pub struct DownstreamTls {
     pub cert: CertSource,
+    pub validation: ClientValidation,
+    /// `require_client_certificate`: a client without a certificate fails the handshake.
+    pub require_client_cert: bool,
     /// Wire-format protocol names, in the configured preference order.
     pub alpn: Vec<Vec<u8>>,
     pub versions: Vec<&'static rustls::SupportedProtocolVersion>,
@@ -48,6 +67,8 @@ pub struct TlsServer {
     pub with_alpn: Arc<rustls::ServerConfig>,
     pub without_alpn: Arc<rustls::ServerConfig>,
     pub alpn: Vec<Vec<u8>>,
+    /// The URI SANs of the chain's own certificate: `By=` in `x-forwarded-client-cert`.
+    pub local_uris: Arc<[String]>,
 }
 
 impl TlsServer {
@@ -267,13 +288,6 @@ impl DownstreamTls {
     }
 
     pub fn translate(ctx: &tlspb::DownstreamTlsContext) -> Result<DownstreamTls, String> {
-        if ctx
-            .require_client_certificate
-            .as_ref()
-            .is_some_and(|b| b.value)
-        {
-            return Err("require_client_certificate is not supported yet".into());
-        }
         if ctx.require_sni.as_ref().is_some_and(|b| b.value) {
             return Err("require_sni is not supported".into());
         }
@@ -282,12 +296,7 @@ impl DownstreamTls {
         }
         let empty = tlspb::CommonTlsContext::default();
         let c = ctx.common_tls_context.as_ref().unwrap_or(&empty);
-        if c.validation_context_type.is_some() {
-            return Err(
-                "common_tls_context: validation contexts (client certificates) are not supported yet"
-                    .into(),
-            );
-        }
+        let validation = client_validation(c)?;
         if c.tls_certificate_provider_instance.is_some() || c.custom_handshaker.is_some() {
             return Err(
                 "common_tls_context: tls_certificate_provider_instance and custom_handshaker are not supported"
@@ -301,24 +310,7 @@ impl DownstreamTls {
             ([one], []) => CertSource::Inline(
                 tls_certificate(one).map_err(|e| format!("tls_certificates[0]: {e}"))?,
             ),
-            ([], [sds]) => {
-                let ads = matches!(
-                    sds.sds_config
-                        .as_ref()
-                        .and_then(|s| s.config_source_specifier.as_ref()),
-                    Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
-                );
-                if sds.name.is_empty() {
-                    return Err("tls_certificate_sds_secret_configs[0]: name is required".into());
-                }
-                if !ads {
-                    return Err(
-                        "tls_certificate_sds_secret_configs[0].sds_config: only ads is supported"
-                            .into(),
-                    );
-                }
-                CertSource::Sds(sds.name.clone())
-            }
+            ([], [sds]) => CertSource::Sds(sds_name(sds, "tls_certificate_sds_secret_configs[0]")?),
             ([], []) => {
                 return Err("No TLS certificates found for server context".into());
             }
@@ -340,6 +332,11 @@ impl DownstreamTls {
         }
         let mut tls = DownstreamTls {
             cert,
+            validation,
+            require_client_cert: ctx
+                .require_client_certificate
+                .as_ref()
+                .is_some_and(|b| b.value),
             alpn: c
                 .alpn_protocols
                 .iter()
@@ -349,14 +346,36 @@ impl DownstreamTls {
             tls12_suites,
             inline_config: None,
         };
-        if let CertSource::Inline(ck) = &tls.cert {
-            tls.inline_config = Some(tls.server(ck.clone())?);
+        match (&tls.cert, &tls.validation) {
+            (CertSource::Inline(ck), ClientValidation::None) => {
+                tls.inline_config = Some(tls.server(ck.clone(), None)?);
+            }
+            (CertSource::Inline(ck), ClientValidation::Inline(v)) => {
+                tls.inline_config = Some(tls.server(ck.clone(), Some(v.clone()))?);
+            }
+            _ => {}
         }
         Ok(tls)
     }
 
-    /// The handshake configs for `cert`.
-    pub fn server(&self, cert: Arc<CertifiedKey>) -> Result<Arc<TlsServer>, String> {
+    /// The handshake configs for `cert`, checking client certificates by `validation`.
+    pub fn server(
+        &self,
+        cert: Arc<CertifiedKey>,
+        validation: Option<Arc<CertValidation>>,
+    ) -> Result<Arc<TlsServer>, String> {
+        let local_uris: Arc<[String]> = cert
+            .end_entity_cert()
+            .ok()
+            .and_then(|der| super::validation::sans(der.as_ref()).ok())
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|s| match s {
+                super::validation::San::Uri(u) => Some(u),
+                _ => None,
+            })
+            .collect();
+        let verifier = client_verifier(validation, self.require_client_cert)?;
         let mut p = rustls::crypto::ring::default_provider();
         if let Some(suites) = &self.tls12_suites {
             p.cipher_suites.retain(|s| {
@@ -365,11 +384,14 @@ impl DownstreamTls {
             });
         }
         let build = |alpn: Vec<Vec<u8>>| -> Result<Arc<rustls::ServerConfig>, String> {
-            let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(p.clone()))
+            let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(p.clone()))
                 .with_protocol_versions(&self.versions)
-                .map_err(|e| format!("tls_params: {e}"))?
-                .with_no_client_auth()
-                .with_cert_resolver(Arc::new(Fixed(cert.clone())));
+                .map_err(|e| format!("tls_params: {e}"))?;
+            let cfg = match &verifier {
+                Some(v) => cfg.with_client_cert_verifier(v.clone()),
+                None => cfg.with_no_client_auth(),
+            };
+            let mut cfg = cfg.with_cert_resolver(Arc::new(Fixed(cert.clone())));
             cfg.alpn_protocols = alpn;
             Ok(Arc::new(cfg))
         };
@@ -377,14 +399,202 @@ impl DownstreamTls {
             with_alpn: build(self.alpn.clone())?,
             without_alpn: build(Vec::new())?,
             alpn: self.alpn.clone(),
+            local_uris,
         }))
     }
 
-    pub fn sds_name(&self) -> Option<&str> {
-        match &self.cert {
-            CertSource::Sds(n) => Some(n),
+    /// The SDS secrets the chain waits for: its certificate's and its validation context's.
+    pub fn sds_names(&self) -> impl Iterator<Item = &str> {
+        let cert = match &self.cert {
+            CertSource::Sds(n) => Some(n.as_str()),
             CertSource::Inline(_) => None,
+        };
+        let validation = match &self.validation {
+            ClientValidation::Sds { name, .. } => Some(name.as_str()),
+            _ => None,
+        };
+        cert.into_iter().chain(validation)
+    }
+}
+
+/// An SDS secret reference's name, once its source is one Portico can read.
+fn sds_name(sds: &tlspb::SdsSecretConfig, at: &str) -> Result<String, String> {
+    let ads = matches!(
+        sds.sds_config
+            .as_ref()
+            .and_then(|s| s.config_source_specifier.as_ref()),
+        Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
+    );
+    if sds.name.is_empty() {
+        return Err(format!("{at}: name is required"));
+    }
+    if !ads {
+        return Err(format!("{at}.sds_config: only ads is supported"));
+    }
+    Ok(sds.name.clone())
+}
+
+/// The chain's client certificate validation, as configured.
+fn client_validation(c: &tlspb::CommonTlsContext) -> Result<ClientValidation, String> {
+    use tlspb::common_tls_context::ValidationContextType as V;
+    let at = "common_tls_context";
+    Ok(match &c.validation_context_type {
+        None => ClientValidation::None,
+        Some(V::ValidationContext(vc)) => ClientValidation::Inline(Arc::new(
+            CertValidation::parse(vc, &mut Vec::new(), Side::Downstream)
+                .map_err(|e| format!("{at}.{e}"))?,
+        )),
+        Some(V::ValidationContextSdsSecretConfig(sds)) => ClientValidation::Sds {
+            name: sds_name(sds, &format!("{at}.validation_context_sds_secret_config"))?,
+            default: None,
+        },
+        Some(V::CombinedValidationContext(cv)) => {
+            let sds = cv.validation_context_sds_secret_config.as_ref().ok_or_else(|| {
+                format!("{at}.combined_validation_context.validation_context_sds_secret_config is required")
+            })?;
+            #[allow(deprecated)]
+            if cv.validation_context_certificate_provider.is_some()
+                || cv
+                    .validation_context_certificate_provider_instance
+                    .is_some()
+            {
+                return Err(format!(
+                    "{at}.combined_validation_context: certificate providers are not supported"
+                ));
+            }
+            ClientValidation::Sds {
+                name: sds_name(
+                    sds,
+                    &format!(
+                        "{at}.combined_validation_context.validation_context_sds_secret_config"
+                    ),
+                )?,
+                default: cv.default_validation_context.clone().map(Box::new),
+            }
         }
+        Some(_) => {
+            return Err(format!(
+                "{at}: validation context certificate providers are not supported"
+            ))
+        }
+    })
+}
+
+/// Resolves an SDS validation context: the secret's, merged over the default half.
+pub fn sds_validation(
+    default: Option<&tlspb::CertificateValidationContext>,
+    secret: &tlspb::CertificateValidationContext,
+) -> Result<Arc<CertValidation>, String> {
+    let vc = match default {
+        Some(d) => super::validation::combine(d, secret),
+        None => secret.clone(),
+    };
+    CertValidation::parse(&vc, &mut Vec::new(), Side::Downstream).map(Arc::new)
+}
+
+/// The client verifier for a chain: None when clients are not asked for a certificate.
+fn client_verifier(
+    validation: Option<Arc<CertValidation>>,
+    require: bool,
+) -> Result<Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>, String> {
+    let v = validation.unwrap_or_default();
+    // Envoy (BoringSSL) asks for a certificate only when something would check it: with
+    // nothing to check, `require_client_certificate` asks for nothing either (Envoy 1.40
+    // serves such a chain to clients without a certificate, and never sees theirs).
+    if !v.checks_anything() {
+        return Ok(None);
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = match &v.roots {
+        Some(roots) => Some(
+            rustls::server::WebPkiClientVerifier::builder_with_provider(
+                roots.clone(),
+                provider.clone(),
+            )
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| format!("validation_context.trusted_ca: {e}"))?,
+        ),
+        None => None,
+    };
+    let hints = chain
+        .as_ref()
+        .map(|c| c.root_hint_subjects().to_vec())
+        .unwrap_or_default();
+    Ok(Some(Arc::new(ClientVerifier {
+        chain,
+        check: v,
+        mandatory: require,
+        hints,
+        algorithms: provider.signature_verification_algorithms,
+    })))
+}
+
+/// Envoy's default validator on the server side: the chain to `trusted_ca` when there is
+/// one, then SANs and pinned hashes.
+#[derive(Debug)]
+struct ClientVerifier {
+    chain: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    check: Arc<CertValidation>,
+    mandatory: bool,
+    hints: Vec<rustls::DistinguishedName>,
+    algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl rustls::server::danger::ClientCertVerifier for ClientVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.mandatory
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        &self.hints
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        use rustls::CertificateError as CE;
+        if let Some(chain) = &self.chain {
+            chain.verify_client_cert(end_entity, intermediates, now)?;
+        }
+        self.check
+            .check_leaf(end_entity.as_ref())
+            .map_err(|r| match r {
+                super::validation::Refusal::Encoding => {
+                    rustls::Error::InvalidCertificate(CE::BadEncoding)
+                }
+                _ => rustls::Error::InvalidCertificate(CE::ApplicationVerificationFailure),
+            })?;
+        Ok(rustls::server::danger::ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.algorithms.supported_schemes()
     }
 }
 

@@ -210,7 +210,10 @@ fn sds_certificates_need_ads() {
         ..Default::default()
     };
     let t = DownstreamTls::translate(&ctx(sds(true))).expect("valid");
-    assert_eq!(t.sds_name(), Some("kubernetes://bookinfo-cert"));
+    assert_eq!(
+        t.sds_names().collect::<Vec<_>>(),
+        vec!["kubernetes://bookinfo-cert"]
+    );
     assert!(t.inline_config.is_none());
     let e = DownstreamTls::translate(&ctx(sds(false))).unwrap_err();
     assert!(e.contains("only ads is supported"), "{e}");
@@ -239,4 +242,109 @@ fn secrets_translate_and_bad_keys_name_the_secret() {
         r#type: Some(tlspb::secret::Type::ValidationContext(Default::default())),
     };
     assert!(SecretDef::translate(&ca).expect("valid").cert.is_none());
+}
+
+fn ads() -> Option<corepb::ConfigSource> {
+    Some(corepb::ConfigSource {
+        config_source_specifier: Some(corepb::config_source::ConfigSourceSpecifier::Ads(
+            Default::default(),
+        )),
+        ..Default::default()
+    })
+}
+
+#[test]
+fn client_validation_inline_sds_and_combined() {
+    use tlspb::common_tls_context::{CombinedCertificateValidationContext, ValidationContextType};
+    let (ca, _) = cert("client CA");
+    let mut common = with_cert();
+    common.validation_context_type = Some(ValidationContextType::ValidationContext(
+        tlspb::CertificateValidationContext {
+            trusted_ca: Some(corepb::DataSource {
+                specifier: Some(Specifier::InlineString(ca)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ));
+    let mut c = ctx(common.clone());
+    c.require_client_certificate =
+        Some(envoy_types::pb::google::protobuf::BoolValue { value: true });
+    let t = DownstreamTls::translate(&c).expect("inline mTLS");
+    assert!(t.require_client_cert);
+    assert!(matches!(t.validation, ClientValidation::Inline(_)));
+    // Built at once: nothing to wait for.
+    assert!(t.inline_config.is_some());
+
+    // istiod's MUTUAL: the CA by SDS, SAN matchers in the default half.
+    common.validation_context_type = Some(ValidationContextType::CombinedValidationContext(
+        CombinedCertificateValidationContext {
+            default_validation_context: Some(Default::default()),
+            validation_context_sds_secret_config: Some(tlspb::SdsSecretConfig {
+                name: "kubernetes://cred-cacert".into(),
+                sds_config: ads(),
+            }),
+            ..Default::default()
+        },
+    ));
+    let t = DownstreamTls::translate(&ctx(common.clone())).expect("combined");
+    assert_eq!(
+        t.sds_names().collect::<Vec<_>>(),
+        vec!["kubernetes://cred-cacert"]
+    );
+    assert!(t.inline_config.is_none(), "waits for the CA");
+
+    // Errors name the field.
+    common.validation_context_type = Some(ValidationContextType::CombinedValidationContext(
+        CombinedCertificateValidationContext::default(),
+    ));
+    let e = DownstreamTls::translate(&ctx(common.clone())).unwrap_err();
+    assert!(
+        e.contains("combined_validation_context.validation_context_sds_secret_config is required"),
+        "{e}"
+    );
+    common.validation_context_type = Some(ValidationContextType::ValidationContext(
+        tlspb::CertificateValidationContext {
+            match_typed_subject_alt_names: vec![tlspb::SubjectAltNameMatcher {
+                san_type: tlspb::subject_alt_name_matcher::SanType::Dns as i32,
+                matcher: Some(envoy_types::pb::envoy::r#type::matcher::v3::StringMatcher {
+                    match_pattern: Some(
+                        envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern::Exact(
+                            "a".into(),
+                        ),
+                    ),
+                    ignore_case: false,
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        },
+    ));
+    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    assert!(
+        e.starts_with("common_tls_context.validation_context:"),
+        "{e}"
+    );
+    assert!(e.contains("without trusted CA"), "{e}");
+}
+
+#[test]
+fn validation_secrets_are_checked_by_name() {
+    let bad = tlspb::Secret {
+        name: "ROOTCA".into(),
+        r#type: Some(tlspb::secret::Type::ValidationContext(
+            tlspb::CertificateValidationContext {
+                trusted_ca: Some(corepb::DataSource {
+                    specifier: Some(Specifier::InlineString("not a pem".into())),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )),
+    };
+    let e = SecretDef::translate(&bad).unwrap_err().to_string();
+    assert!(
+        e.starts_with("secret 'ROOTCA': validation_context.trusted_ca"),
+        "{e}"
+    );
 }

@@ -177,6 +177,8 @@ pub struct AdsClient {
     pub node_first_only: bool,
     /// The CDS ACK held back until the clusters it brought have their endpoints.
     pending_cds_ack: Option<(DiscoveryRequest, std::time::Instant)>,
+    /// Since when readiness has waited for a listener's SDS secrets.
+    secrets_wanted_since: std::cell::Cell<Option<std::time::Instant>>,
 }
 
 enum StreamEnd {
@@ -208,6 +210,7 @@ impl AdsClient {
             cds,
             node_first_only: false,
             pending_cds_ack: None,
+            secrets_wanted_since: Default::default(),
         }
     }
 
@@ -329,6 +332,7 @@ impl AdsClient {
                 },
                 _ = dns.tick() => {
                     self.worker.refresh_dns().await;
+                    self.update_readiness();
                     // Envoy's initial_fetch_timeout: stop waiting for endpoints after 15 s.
                     let expired = self
                         .pending_cds_ack
@@ -457,8 +461,23 @@ impl AdsClient {
     }
 
     fn update_readiness(&self) {
+        // Envoy's init waits for each secret a listener names, not just for an SDS answer,
+        // until the secret's initial_fetch_timeout (15 s by default) lets it go on.
+        let secrets_in = |s: &Sub| {
+            let all = s
+                .names
+                .iter()
+                .all(|n| self.worker.store.secrets.contains_key(n));
+            let since = self
+                .secrets_wanted_since
+                .get()
+                .unwrap_or_else(std::time::Instant::now);
+            self.secrets_wanted_since.set(Some(since));
+            all || since.elapsed() >= INITIAL_FETCH_TIMEOUT
+        };
         let done = |k: Kind| match self.subs.get(&k) {
             Some(s) if k.is_wildcard() => s.acked,
+            Some(s) if k == Kind::Secret => s.names.is_empty() || (s.acked && secrets_in(s)),
             Some(s) => s.names.is_empty() || s.acked,
             None => true,
         };

@@ -24,7 +24,7 @@ use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
-use crate::snapshot::tls::{CertSource, DownstreamTls, SecretDef, TlsServer};
+use crate::snapshot::tls::{CertSource, ClientValidation, DownstreamTls, SecretDef, TlsServer};
 use crate::snapshot::{ActiveChain, ActiveListener, Snapshot, TranslateError};
 
 /// One accepted resource: the proto as received (encoded, for `/config_dump`) and its
@@ -418,7 +418,8 @@ impl Store {
         self.listeners
             .values()
             .flat_map(|l| l.value.chains.iter())
-            .filter_map(|c| c.tls.as_ref()?.sds_name().map(str::to_string))
+            .filter_map(|c| c.tls.as_ref())
+            .flat_map(|t| t.sds_names().map(str::to_string))
             .collect()
     }
 
@@ -628,11 +629,11 @@ impl Store {
             let prev = old
                 .filter(|o| Arc::ptr_eq(&o.def, def))
                 .and_then(|o| o.chains.get(i));
-            let (tls, secret) = match &chain.tls {
-                None => (None, None),
+            let (tls, secrets) = match &chain.tls {
+                None => (None, Vec::new()),
                 Some(t) => {
-                    let (server, secret) = self.tls_server(t, prev.map(|p| &**p))?;
-                    (Some(server), secret)
+                    let (server, secrets) = self.tls_server(t, prev.map(|p| &**p))?;
+                    (Some(server), secrets)
                 }
             };
             let same = |p: &&Arc<ActiveChain>| {
@@ -649,7 +650,7 @@ impl Store {
                     def: chain.clone(),
                     routes,
                     tls,
-                    secret,
+                    secrets,
                 }),
             });
         }
@@ -663,26 +664,60 @@ impl Store {
         &self,
         t: &DownstreamTls,
         prev: Option<&ActiveChain>,
-    ) -> Option<(Arc<TlsServer>, Option<Arc<SecretDef>>)> {
-        match &t.cert {
-            CertSource::Inline(_) => Some((t.inline_config.clone()?, None)),
+    ) -> Option<(Arc<TlsServer>, Vec<Arc<SecretDef>>)> {
+        if let Some(inline) = &t.inline_config {
+            return Some((inline.clone(), Vec::new()));
+        }
+        let mut secrets = Vec::new();
+        let cert = match &t.cert {
+            CertSource::Inline(ck) => ck.clone(),
             CertSource::Sds(name) => {
                 let secret = self.secrets.get(name)?.value.clone();
                 let cert = secret.cert.clone()?;
-                if let Some(p) = prev {
-                    if let (Some(s), Some(tls)) = (&p.secret, &p.tls) {
-                        if Arc::ptr_eq(s, &secret) {
-                            return Some((tls.clone(), Some(secret)));
-                        }
-                    }
+                secrets.push(secret);
+                cert
+            }
+        };
+        let validation = match &t.validation {
+            ClientValidation::None => None,
+            ClientValidation::Inline(v) => Some(Ok(v.clone())),
+            ClientValidation::Sds { name, default } => {
+                let secret = self.secrets.get(name)?.value.clone();
+                let vc = secret.validation.clone()?;
+                secrets.push(secret);
+                Some(Err((name, default, vc)))
+            }
+        };
+        if let Some(p) = prev {
+            if let Some(tls) = &p.tls {
+                let same = p.secrets.len() == secrets.len()
+                    && p.secrets
+                        .iter()
+                        .zip(&secrets)
+                        .all(|(a, b)| Arc::ptr_eq(a, b));
+                if same {
+                    return Some((tls.clone(), secrets));
                 }
-                match t.server(cert) {
-                    Ok(server) => Some((server, Some(secret))),
+            }
+        }
+        let validation = match validation {
+            None => None,
+            Some(Ok(v)) => Some(v),
+            Some(Err((name, default, vc))) => {
+                match crate::snapshot::tls::sds_validation(default.as_deref(), &vc) {
+                    Ok(v) => Some(v),
                     Err(e) => {
-                        tracing::warn!(secret = %name, "cannot build the TLS config: {e}");
-                        None
+                        tracing::warn!(secret = %name, "cannot use the validation context: {e}");
+                        return None;
                     }
                 }
+            }
+        };
+        match t.server(cert, validation) {
+            Ok(server) => Some((server, secrets)),
+            Err(e) => {
+                tracing::warn!("cannot build the TLS config: {e}");
+                None
             }
         }
     }
