@@ -300,3 +300,77 @@ pub async fn churn(
     eprintln!("   ({pushes} pushes)");
     Ok(())
 }
+
+/// Case 6: HTTPS (TLS 1.3, an ECDSA P-256 certificate) with keep-alive, and with a new
+/// connection (so a full handshake) per request.
+pub async fn https(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vs-envoy-tls");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let key = rcgen::KeyPair::generate().map_err(|e| format!("key: {e}"))?;
+    let cert = rcgen::CertificateParams::new(vec!["bench.example.com".to_string()])
+        .and_then(|p| p.self_signed(&key))
+        .map_err(|e| format!("certificate: {e}"))?;
+    let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_path, cert.pem()).map_err(|e| format!("cert.pem: {e}"))?;
+    std::fs::write(&key_path, key.serialize_pem()).map_err(|e| format!("key.pem: {e}"))?;
+    let (admin, port) = (common::free_port(), common::free_port());
+    let boot = config::tls_bootstrap(
+        admin,
+        port,
+        &backend.ports,
+        &cert_path.display().to_string(),
+        &key_path.display().to_string(),
+    );
+    let p = Running::start(env, opts, proxy, &boot, admin).await?;
+    let who = proxy.name();
+    let url = format!("https://127.0.0.1:{port}/");
+    // A short run first: it fails loudly if the listener does not serve HTTPS.
+    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+    let probe = blocking(move || tools::wrk(&e, &o, &u, 1, 1)).await?;
+    if probe.requests < 1.0 || probe.errors > 0 {
+        return Err(format!(
+            "{who}: HTTPS probe: {} requests, {} errors",
+            probe.requests, probe.errors
+        ));
+    }
+    let secs = opts.secs;
+    let cpu0 = p.cpu_secs()?;
+    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+    let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
+    let cpu1 = p.cpu_secs()?;
+    results.add("6 https rps, 50 conns keep-alive", who, r.rps);
+    if r.requests > 0.0 {
+        results.add(
+            "6 https cpu per 100k requests (keep-alive)",
+            who,
+            (cpu1 - cpu0) / r.requests * 100_000.0,
+        );
+    }
+    results.error(format!("{who} https keep-alive"), r.errors);
+    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+    let cpu0 = p.cpu_secs()?;
+    let r = blocking(move || tools::wrk_with(&e, &o, &u, 20, secs, &["-H", "connection: close"]))
+        .await?;
+    let cpu1 = p.cpu_secs()?;
+    results.add(
+        "6 https new-connection rps (handshakes/s), 20 conns",
+        who,
+        r.rps,
+    );
+    if r.requests > 0.0 {
+        results.add(
+            "6 https cpu per 100k requests (new connections)",
+            who,
+            (cpu1 - cpu0) / r.requests * 100_000.0,
+        );
+    }
+    results.error(format!("{who} https new connections"), r.errors);
+    drop(p);
+    Ok(())
+}

@@ -61,6 +61,28 @@ static_resources:
     )
 }
 
+/// The same bootstrap with the listener terminating TLS 1.3 (HTTP/1.1 by ALPN), its
+/// certificate and key read from files, as a Gateway `tls.mode: SIMPLE` server.
+pub fn tls_bootstrap(admin: u16, listener: u16, backends: &[u16], cert: &str, key: &str) -> String {
+    let plain = static_bootstrap(admin, listener, 0, backends);
+    let tls = format!(
+        r#"    filter_chains:
+    - transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          common_tls_context:
+            alpn_protocols: ["http/1.1"]
+            tls_params: {{ tls_minimum_protocol_version: TLSv1_3, tls_maximum_protocol_version: TLSv1_3 }}
+            tls_certificates:
+            - certificate_chain: {{ filename: "{cert}" }}
+              private_key: {{ filename: "{key}" }}
+      filters:
+"#
+    );
+    plain.replacen("    filter_chains:\n    - filters:\n", &tls, 1)
+}
+
 fn addrs(ports: &[u16]) -> Vec<SocketAddr> {
     ports
         .iter()

@@ -53,7 +53,7 @@ impl Opts {
                 other => {
                     return Err(format!(
                         "unknown argument '{other}' (--rounds N --secs N --scale N \
-                         --cases all|h1,h2c,latency,routes,scale,churn --proxy-cpu N --load-cpu N \
+                         --cases all|h1,h2c,latency,https,routes,scale,churn --proxy-cpu N --load-cpu N \
                          --proxy-log LEVEL)"
                     ))
                 }
@@ -382,8 +382,22 @@ pub struct WrkResult {
 
 /// `wrk -t1 -c{conns}` for `secs` against `url`.
 pub fn wrk(env: &Env, opts: &Opts, url: &str, conns: u32, secs: u64) -> Result<WrkResult, String> {
+    wrk_with(env, opts, url, conns, secs, &[])
+}
+
+/// `wrk` with extra arguments (`-H "connection: close"` makes every request a new connection).
+pub fn wrk_with(
+    env: &Env,
+    opts: &Opts,
+    url: &str,
+    conns: u32,
+    secs: u64,
+    extra: &[&str],
+) -> Result<WrkResult, String> {
     let out = on_cpu(opts.load_cpu, &env.wrk)
-        .args(["-t1", &format!("-c{conns}"), &format!("-d{secs}s"), url])
+        .args(["-t1", &format!("-c{conns}"), &format!("-d{secs}s")])
+        .args(extra)
+        .arg(url)
         .output()
         .map_err(|e| format!("wrk: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
