@@ -1244,6 +1244,36 @@ async fn mutual_tls_checks_the_client_and_sets_its_details() {
         .await
         .expect("still serving");
     assert_eq!(r.status, 200);
+    // The listener's ssl.* stats say why each refused handshake failed, as Envoy's do.
+    let addr = format!("127.0.0.1_{}", mesh.port);
+    let prom = mesh.gw.prometheus().await;
+    let stat = |name: &str| prom_value(&prom, name, "envoy_listener_address", &addr);
+    for (name, want) in [
+        ("envoy_listener_ssl_fail_verify_no_cert", 1.0),
+        ("envoy_listener_ssl_fail_verify_san", 1.0),
+        ("envoy_listener_ssl_fail_verify_error", 1.0),
+        ("envoy_listener_ssl_fail_verify_cert_hash", 0.0),
+        ("envoy_listener_ssl_connection_error", 0.0),
+        ("envoy_listener_ssl_no_certificate", 0.0),
+    ] {
+        assert_eq!(stat(name), want, "{name}");
+    }
+    let handshakes = stat("envoy_listener_ssl_handshake");
+    assert!(handshakes >= 3.0, "ssl_handshake {handshakes}");
+    assert_eq!(stat("envoy_listener_ssl_versions"), handshakes);
+    assert_eq!(stat("envoy_listener_ssl_ciphers"), handshakes);
+    assert_eq!(stat("envoy_listener_ssl_curves"), handshakes);
+    assert!(stat("envoy_listener_downstream_cx_total") >= handshakes + 3.0);
+    assert_eq!(
+        prom_value(
+            &prom,
+            "envoy_http_downstream_cx_ssl_total",
+            "envoy_http_conn_manager_prefix",
+            "https_mtls-route"
+        ),
+        handshakes + 3.0,
+        "TLS connections, refused ones included"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1608,4 +1638,15 @@ async fn pinned_client_certificates_over_h2() {
         .get(mesh.port, "pin.example.com", "/")
         .await;
     assert!(r.is_err(), "a certificate that is not pinned was accepted");
+    let prom = mesh.gw.prometheus().await;
+    let addr = format!("127.0.0.1_{}", mesh.port);
+    assert_eq!(
+        prom_value(
+            &prom,
+            "envoy_listener_ssl_fail_verify_cert_hash",
+            "envoy_listener_address",
+            &addr
+        ),
+        1.0
+    );
 }

@@ -106,6 +106,8 @@ pub struct HcmStats {
     pub rq_xx: [AtomicU64; 5],
     pub rq_active: AtomicU64,
     pub cx_total: AtomicU64,
+    pub cx_ssl_total: AtomicU64,
+    pub cx_ssl_active: AtomicU64,
     pub no_route: AtomicU64,
     /// Upgrades refused by `upgrade_configs` (Envoy's name for any upgrade type).
     pub ws_on_non_ws_route: AtomicU64,
@@ -126,6 +128,43 @@ pub struct TcpStats {
     pub tx_bytes: AtomicU64,
     /// Proxied connections open now.
     pub cx_active: AtomicU64,
+}
+
+/// Envoy's `listener.<address>.*` stats: connections and, on TLS chains, `ssl.*`.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    pub cx_total: AtomicU64,
+    pub cx_destroy: AtomicU64,
+    pub cx_active: AtomicU64,
+    pub no_filter_chain_match: AtomicU64,
+    pub ssl: SslStats,
+}
+
+/// `ssl.*`: handshakes and why they failed, and what the good ones negotiated.
+#[derive(Debug, Default)]
+pub struct SslStats {
+    pub handshake: AtomicU64,
+    pub connection_error: AtomicU64,
+    pub no_certificate: AtomicU64,
+    pub fail_verify_error: AtomicU64,
+    pub fail_verify_no_cert: AtomicU64,
+    pub fail_verify_san: AtomicU64,
+    pub fail_verify_cert_hash: AtomicU64,
+    /// (tag, value) -> count, for `ssl.ciphers.*`, `ssl.versions.*` and `ssl.curves.*`.
+    negotiated: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+}
+
+impl SslStats {
+    /// One successful handshake and what it settled on; the names are Envoy's (BoringSSL's).
+    pub fn handshake_done(&self, cipher: &'static str, version: &'static str, curve: &'static str) {
+        self.handshake.fetch_add(1, Relaxed);
+        let mut m = self.negotiated.lock().unwrap_or_else(|p| p.into_inner());
+        for key in [("cipher", cipher), ("version", version), ("curve", curve)] {
+            if !key.1.is_empty() {
+                *m.entry(key).or_default() += 1;
+            }
+        }
+    }
 }
 
 /// Envoy's `http.<stat_prefix>.fault.*` stats, shown once a listener with this prefix has a
@@ -196,6 +235,7 @@ pub struct Stats {
     clusters: Mutex<HashMap<String, Arc<ClusterStats>>>,
     hcms: Mutex<HashMap<String, Arc<HcmStats>>>,
     tcps: Mutex<HashMap<String, Arc<TcpStats>>>,
+    listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     pub xds: XdsCounters,
     registry: Registry,
 }
@@ -248,6 +288,7 @@ impl Stats {
             clusters: Mutex::default(),
             hcms: Mutex::default(),
             tcps: Mutex::default(),
+            listeners: Mutex::default(),
             xds,
             registry,
         }
@@ -261,6 +302,11 @@ impl Stats {
     pub fn hcm(&self, prefix: &str) -> Arc<HcmStats> {
         let mut m = self.hcms.lock().unwrap_or_else(|p| p.into_inner());
         m.entry(prefix.to_string()).or_default().clone()
+    }
+
+    pub fn listener(&self, name: &str) -> Arc<ListenerStats> {
+        let mut m = self.listeners.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(name.to_string()).or_default().clone()
     }
 
     pub fn tcp(&self, prefix: &str) -> Arc<TcpStats> {
@@ -279,7 +325,58 @@ impl Stats {
         let clusters: Vec<(String, Arc<ClusterStats>)> = sorted(&self.clusters);
         let hcms: Vec<(String, Arc<HcmStats>)> = sorted(&self.hcms);
         let tcps: Vec<(String, Arc<TcpStats>)> = sorted(&self.tcps);
+        let listeners: Vec<(String, Arc<ListenerStats>)> = sorted(&self.listeners);
         let mut f = Families::default();
+        for (n, s) in &listeners {
+            let label = format!("envoy_listener_address=\"{}\"", esc(n));
+            for (kind, stat, v) in [
+                ("counter", "downstream_cx_total", &s.cx_total),
+                ("counter", "downstream_cx_destroy", &s.cx_destroy),
+                ("gauge", "downstream_cx_active", &s.cx_active),
+                ("counter", "no_filter_chain_match", &s.no_filter_chain_match),
+                ("counter", "ssl_handshake", &s.ssl.handshake),
+                ("counter", "ssl_connection_error", &s.ssl.connection_error),
+                ("counter", "ssl_no_certificate", &s.ssl.no_certificate),
+                ("counter", "ssl_fail_verify_error", &s.ssl.fail_verify_error),
+                (
+                    "counter",
+                    "ssl_fail_verify_no_cert",
+                    &s.ssl.fail_verify_no_cert,
+                ),
+                ("counter", "ssl_fail_verify_san", &s.ssl.fail_verify_san),
+                (
+                    "counter",
+                    "ssl_fail_verify_cert_hash",
+                    &s.ssl.fail_verify_cert_hash,
+                ),
+            ] {
+                f.add(
+                    kind,
+                    format!("envoy_listener_{stat}"),
+                    label.clone(),
+                    v.load(Relaxed),
+                );
+            }
+            let negotiated = s
+                .ssl
+                .negotiated
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            for ((tag, value), count) in negotiated {
+                let (metric, tag) = match tag {
+                    "cipher" => ("envoy_listener_ssl_ciphers", "envoy_ssl_cipher"),
+                    "version" => ("envoy_listener_ssl_versions", "envoy_ssl_version"),
+                    _ => ("envoy_listener_ssl_curves", "envoy_ssl_curve"),
+                };
+                f.add(
+                    "counter",
+                    metric.to_string(),
+                    format!("{tag}=\"{}\",{label}", esc(value)),
+                    count,
+                );
+            }
+        }
         for (n, s) in &tcps {
             for (kind, stat, v) in [
                 ("counter", "downstream_cx_total", &s.cx_total),
@@ -454,6 +551,8 @@ impl Stats {
                     "downstream_rq_ws_on_non_ws_route",
                     &s.ws_on_non_ws_route,
                 ),
+                ("counter", "downstream_cx_ssl_total", &s.cx_ssl_total),
+                ("gauge", "downstream_cx_ssl_active", &s.cx_ssl_active),
                 ("counter", "downstream_cx_upgrades_total", &s.upgrades_total),
                 ("gauge", "downstream_cx_upgrades_active", &s.upgrades_active),
             ] {

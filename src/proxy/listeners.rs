@@ -12,6 +12,7 @@ use std::sync::Arc;
 use pingora_core::apps::{HttpServerApp, HttpServerOptions, ServerApp};
 use pingora_core::server::configuration::ServerConf;
 use pingora_proxy::HttpProxy;
+use std::sync::atomic::Ordering::Relaxed;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
@@ -209,6 +210,7 @@ impl ListenerManager {
             for ((w, sock), a) in self.workers.iter().zip(socks).zip(&apps) {
                 let conn = Conns {
                     listener: name.clone(),
+                    stats: self.state.stats.listener(&l.def.stat_name),
                     state: self.state.clone(),
                     apps: a.clone(),
                     chain_stats: chain_stats.clone(),
@@ -268,6 +270,8 @@ async fn starts_with_h2_preface(stream: &tokio::net::TcpStream) -> bool {
 #[derive(Clone)]
 struct Conns {
     listener: String,
+    /// `listener.<address>.*`.
+    stats: Arc<crate::admin::stats::ListenerStats>,
     state: Arc<State>,
     apps: Arc<Vec<Option<Apps>>>,
     chain_stats: Arc<Vec<ChainStats>>,
@@ -316,6 +320,7 @@ async fn serve_connection(
         };
         let Some(i) = l.def.select_chain(&conn) else {
             tracing::debug!(listener = %conns.listener, %peer, "no filter chain matches; closing");
+            conns.stats.no_filter_chain_match.fetch_add(1, Relaxed);
             return;
         };
         match l.chains.get(i) {
@@ -349,18 +354,30 @@ async fn serve_connection(
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (app, mut stream): (_, pingora_core::protocols::Stream) = match &active.tls {
         Some(tls) => {
+            // Envoy's connection manager exists before the handshake, so failed ones count.
+            stats.cx_ssl_total.fetch_add(1, Relaxed);
+            stats.cx_ssl_active.fetch_add(1, Relaxed);
             match super::tls::handshake(tcp, tls, active.def.hcm().map_or(Codec::Auto, |h| h.codec))
                 .await
             {
                 Ok((session, alpn)) => {
-                    let client = session
-                        .get_ref()
-                        .1
-                        .peer_certificates()
-                        .and_then(|c| {
-                            super::client_cert::PeerCert::from_chain(c, tls.local_uris.clone())
-                        })
-                        .and_then(|p| p.into_digest());
+                    let ssl = &conns.stats.ssl;
+                    let c = session.get_ref().1;
+                    ssl.handshake_done(
+                        super::tls::cipher_name(c),
+                        super::tls::version_name(c),
+                        super::tls::curve_name(c),
+                    );
+                    let client = match c.peer_certificates() {
+                        Some(chain) => {
+                            super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
+                                .and_then(|p| p.into_digest())
+                        }
+                        None => {
+                            ssl.no_certificate.fetch_add(1, Relaxed);
+                            None
+                        }
+                    };
                     let mut d = super::io::Downstream::new_tls(session, peer, alpn);
                     if let Some(digest) = client {
                         use pingora_core::protocols::GetProxyDigest;
@@ -369,7 +386,9 @@ async fn serve_connection(
                     (apps.h1.clone(), Box::new(d))
                 }
                 Err(e) => {
+                    super::tls::count_failure(&conns.stats.ssl, &e);
                     tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
+                    stats.cx_ssl_active.fetch_sub(1, Relaxed);
                     return;
                 }
             }
@@ -382,9 +401,13 @@ async fn serve_connection(
             (app, Box::new(super::io::Downstream::new(tcp, peer)))
         }
     };
+    let active_tls = active.tls.is_some();
     drop(active);
     while let Some(next) = app.process_new(stream, &shutdown).await {
         stream = next;
+    }
+    if active_tls {
+        stats.cx_ssl_active.fetch_sub(1, Relaxed);
     }
 }
 
@@ -426,7 +449,16 @@ async fn accept_loop(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, peer)) => {
-                    tokio::spawn(serve_connection(tcp, peer, conns.clone(), shutdown.clone()));
+                    let conns = conns.clone();
+                    let shutdown = shutdown.clone();
+                    tokio::spawn(async move {
+                        let stats = conns.stats.clone();
+                        stats.cx_total.fetch_add(1, Relaxed);
+                        stats.cx_active.fetch_add(1, Relaxed);
+                        serve_connection(tcp, peer, conns, shutdown).await;
+                        stats.cx_active.fetch_sub(1, Relaxed);
+                        stats.cx_destroy.fetch_add(1, Relaxed);
+                    });
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.

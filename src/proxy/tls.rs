@@ -97,3 +97,59 @@ pub async fn handshake(
     };
     Ok((stream, alpn))
 }
+
+/// The negotiated cipher suite by its BoringSSL name, as Envoy's `ssl.ciphers.*` says it.
+pub fn cipher_name(c: &rustls::ServerConnection) -> &'static str {
+    use rustls::CipherSuite as S;
+    match c.negotiated_cipher_suite().map(|s| s.suite()) {
+        Some(S::TLS13_AES_128_GCM_SHA256) => "TLS_AES_128_GCM_SHA256",
+        Some(S::TLS13_AES_256_GCM_SHA384) => "TLS_AES_256_GCM_SHA384",
+        Some(S::TLS13_CHACHA20_POLY1305_SHA256) => "TLS_CHACHA20_POLY1305_SHA256",
+        Some(S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256) => "ECDHE-ECDSA-AES128-GCM-SHA256",
+        Some(S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384) => "ECDHE-ECDSA-AES256-GCM-SHA384",
+        Some(S::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256) => "ECDHE-ECDSA-CHACHA20-POLY1305",
+        Some(S::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256) => "ECDHE-RSA-AES128-GCM-SHA256",
+        Some(S::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384) => "ECDHE-RSA-AES256-GCM-SHA384",
+        Some(S::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256) => "ECDHE-RSA-CHACHA20-POLY1305",
+        _ => "",
+    }
+}
+
+pub fn version_name(c: &rustls::ServerConnection) -> &'static str {
+    match c.protocol_version() {
+        Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1.3",
+        Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1.2",
+        _ => "",
+    }
+}
+
+/// The key exchange group by its BoringSSL name (`ssl.curves.*`).
+pub fn curve_name(c: &rustls::ServerConnection) -> &'static str {
+    use rustls::NamedGroup as G;
+    match c.negotiated_key_exchange_group().map(|g| g.name()) {
+        Some(G::X25519) => "X25519",
+        Some(G::secp256r1) => "P-256",
+        Some(G::secp384r1) => "P-384",
+        Some(G::secp521r1) => "P-521",
+        _ => "",
+    }
+}
+
+/// Counts a failed handshake where Envoy does: client-certificate refusals by their reason,
+/// everything else as `ssl.connection_error`.
+pub fn count_failure(ssl: &crate::admin::stats::SslStats, e: &std::io::Error) {
+    use rustls::CertificateError as CE;
+    use std::sync::atomic::Ordering::Relaxed;
+    let counter = match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        Some(rustls::Error::NoCertificatesPresented) => &ssl.fail_verify_no_cert,
+        // The client verifier reports a SAN mismatch as a name error and a pin mismatch as
+        // an application failure (see `snapshot::tls`).
+        Some(rustls::Error::InvalidCertificate(CE::NotValidForName)) => &ssl.fail_verify_san,
+        Some(rustls::Error::InvalidCertificate(CE::ApplicationVerificationFailure)) => {
+            &ssl.fail_verify_cert_hash
+        }
+        Some(rustls::Error::InvalidCertificate(_)) => &ssl.fail_verify_error,
+        _ => &ssl.connection_error,
+    };
+    counter.fetch_add(1, Relaxed);
+}

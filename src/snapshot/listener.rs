@@ -37,6 +37,9 @@ pub struct ListenerDef {
     /// `listener_filters_timeout` (default 15 s; zero: none).
     pub listener_filters_timeout: Option<std::time::Duration>,
     pub continue_on_listener_filters_timeout: bool,
+    /// The `listener.<name>.*` stats scope: `stat_prefix`, else the address as Envoy writes
+    /// it (`0.0.0.0_443`).
+    pub stat_name: String,
 }
 
 /// One filter chain: how it terminates the transport, and its network filter.
@@ -305,6 +308,11 @@ impl ListenerDef {
             tls_inspector,
             listener_filters_timeout,
             continue_on_listener_filters_timeout: l.continue_on_listener_filters_timeout,
+            stat_name: if l.stat_prefix.is_empty() {
+                format!("{}_{}", addr.ip(), addr.port())
+            } else {
+                l.stat_prefix.clone()
+            },
         })
     }
 }

@@ -566,11 +566,17 @@ impl rustls::server::danger::ClientCertVerifier for ClientVerifier {
         }
         self.check
             .check_leaf(end_entity.as_ref())
+            // The listener counts refusals by these (ssl.fail_verify_san / _cert_hash).
             .map_err(|r| match r {
                 super::validation::Refusal::Encoding => {
                     rustls::Error::InvalidCertificate(CE::BadEncoding)
                 }
-                _ => rustls::Error::InvalidCertificate(CE::ApplicationVerificationFailure),
+                super::validation::Refusal::San => {
+                    rustls::Error::InvalidCertificate(CE::NotValidForName)
+                }
+                super::validation::Refusal::Hash => {
+                    rustls::Error::InvalidCertificate(CE::ApplicationVerificationFailure)
+                }
             })?;
         Ok(rustls::server::danger::ClientCertVerified::assertion())
     }
