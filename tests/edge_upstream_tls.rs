@@ -344,15 +344,11 @@ async fn connections_are_reused_but_never_across_tls_settings() {
     let first = client.get(&url, Some(HOST), &[]).await;
     let second = client.get(&url, Some(HOST), &[]).await;
     assert_eq!((first.status, second.status), (200, 200));
-    if is_envoy(&gateway_bin()) {
-        assert_eq!(first.header("x-conn"), second.header("x-conn"), "reused");
-    } else {
-        // Known gap (see src/proxy/upstream_tls.rs): pingora's pool cannot reuse them.
-        assert_ne!(
-            first.header("x-conn"),
-            second.header("x-conn"),
-            "Portico reuses upstream TLS connections now: make this assert what Envoy does"
-        );
+    assert_eq!(first.header("x-conn"), second.header("x-conn"), "reused");
+    // Many requests, one connection.
+    for _ in 0..20 {
+        let r = client.get(&url, Some(HOST), &[]).await;
+        assert_eq!(r.header("x-conn"), first.header("x-conn"));
     }
     let r = client.get(&mesh.url("/strict"), Some(HOST), &[]).await;
     assert_eq!((r.status, r.body.as_str()), (503, TLS_FAILED));
@@ -553,6 +549,11 @@ async fn alpn_h2_carries_an_http2_cluster() {
     assert_eq!(r.header("x-alpn-offered"), Some("h2"));
     assert_eq!(r.header("x-alpn"), Some("h2"));
     assert_eq!(r.header("x-version"), Some("HTTP/2.0"));
+    // Later requests are streams on the same TLS connection.
+    for _ in 0..10 {
+        let again = mesh.get("/", HOST, &[]).await;
+        assert_eq!(again.header("x-conn"), r.header("x-conn"));
+    }
 }
 
 #[tokio::test]

@@ -1785,7 +1785,11 @@ impl ProxyHttp for Gateway {
         let (Some(addr), Some(cluster)) = (ctx.peer, &ctx.cluster) else {
             return Error::e_explain(ErrorType::InternalError, "no upstream chosen");
         };
-        let mut peer = HttpPeer::new(addr, false, String::new());
+        let tls = cluster.tls_for(ctx.host_index);
+        let mut peer = match tls {
+            Some(tls) => upstream_tls::peer(tls, cluster.def.connect_timeout)?,
+            None => HttpPeer::new(addr, false, String::new()),
+        };
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
         // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
         // and within what is left of the route timeout.
@@ -1810,10 +1814,8 @@ impl ProxyHttp for Gateway {
             peer.options.max_h2_streams = cluster.def.h2_max_streams as usize;
         }
         peer.options.idle_timeout = cluster.def.idle_timeout;
-        if let Some(tls) = cluster.tls_for(ctx.host_index) {
-            upstream_tls::apply(&mut peer, tls, cluster.def.connect_timeout);
-        }
-        if let Some(k) = cluster.def.tcp_keepalive {
+        // A TLS connection sets its keepalive on the TCP socket under the relay.
+        if let (Some(k), None) = (cluster.def.tcp_keepalive, tls) {
             peer.options.tcp_keepalive = Some(tcp_keepalive(k));
         }
         Ok(Box::new(peer))
@@ -1834,7 +1836,6 @@ impl ProxyHttp for Gateway {
             .as_ref()
             .filter(|c| !c.def.http2)
             .and_then(|c| c.def.max_requests_per_connection);
-        // A TLS connection is a virtual socket to pingora, with no fd to count uses by.
         #[cfg(unix)]
         if let (Some(max), true) = (limit, fd >= 0) {
             ctx.close_upstream = count_connection_use(fd, reused, max);

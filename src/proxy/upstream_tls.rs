@@ -1,51 +1,208 @@
-//! Upstream TLS connections: pingora's custom L4 connector dials TCP and runs the handshake
-//! with the transport socket's rustls config, then hands pingora the TLS session as a virtual
-//! socket (so pingora sees a plain peer, speaking HTTP/1.1 or, for HTTP/2 clusters, h2 on it).
-//! pingora's `total_connection_timeout` bounds both steps, as Envoy's connect timeout runs until
-//! the handshake is done.
+//! Upstream TLS connections, made by Portico and pooled by pingora.
 //!
-//! Known gap: pingora never reuses these HTTP/1.1 connections. Its pool checks a pooled
-//! connection's fd peer address against the peer's (`matches_fd`), which a virtual socket (fd
-//! -1) or any local pipe cannot pass, so each request opens a new TLS connection (Envoy reuses
-//! them). A virtual socket at least keeps the idle leftovers to one: every one has the id -1,
-//! so each release evicts the previous from the pool.
+//! pingora's custom L4 connector dials TCP and runs the handshake with the transport socket's
+//! rustls config (pingora's own rustls connector cannot skip only the hostname check, match
+//! SANs or keep a config per cluster). pingora's pool, though, only hands a pooled connection
+//! out again when the fd's peer address is the peer's (`matches_fd`), which no in-memory
+//! stream passes, so a TLS session given to pingora directly was never reused.
+//!
+//! So the session is relayed: pingora gets one end of a Unix-socket connection to a listener
+//! of this process (the peer's address is that listener's path, which `matches_fd` then
+//! finds), and a task on the same worker copies between the other end and the TLS session.
+//! An idle pooled connection is the relay's too: when pingora drops it, or the upstream
+//! closes, the relay closes the other side. Keep-alive costs two socket copies per direction;
+//! a handshake per request cost far more. pingora's `total_connection_timeout` bounds the
+//! dial and the handshake, as Envoy's connect timeout runs until the handshake is done.
+//!
+//! Pairing: the connector sends a random token on its new connection; the acceptor (a
+//! thread blocking in `accept`) reads it and hands the accepted end to the waiting connector.
+//! Only this process may connect: the listener lives in a directory only its user can enter,
+//! and the acceptor refuses peers whose `SO_PEERCRED` pid is not ours.
 
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::io::AsRawFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use pingora_core::connectors::L4Connect;
 use pingora_core::protocols::l4::stream::Stream;
-use pingora_core::protocols::l4::virt::{VirtualSockOpt, VirtualSocket, VirtualSocketStream};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::oneshot;
 
-use crate::snapshot::upstream_tls::UpstreamTls;
+use crate::snapshot::upstream_tls::EndpointTls;
 
 /// Marks a handshake failure so the local reply can say what Envoy says.
 pub const TLS_FAILURE: ErrorType = ErrorType::TLSHandshakeFailure;
 
-/// Sets `peer` up to connect through `tls`: cheap clones only.
-pub fn apply(peer: &mut HttpPeer, tls: &Arc<UpstreamTls>, connect_timeout: std::time::Duration) {
+/// A peer that connects to `tls.addr` through `tls`: the relay's address plus cheap clones.
+pub fn peer(tls: &Arc<EndpointTls>, connect_timeout: std::time::Duration) -> Result<HttpPeer> {
+    let relay = relay()?;
+    let mut peer = HttpPeer::new_uds(&relay.path_str, false, String::new())?;
     peer.options.custom_l4 = Some(tls.clone());
     peer.options.total_connection_timeout = Some(connect_timeout);
-    // pingora's reuse hash leaves the connector out; the group key keeps pools apart.
+    // pingora's reuse hash has the address (the relay's, shared) and not the connector.
     peer.group_key = tls.group_key;
+    Ok(peer)
+}
+
+/// The listener relayed connections come through, and the connectors waiting for theirs.
+struct Relay {
+    path: PathBuf,
+    path_str: String,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<std::os::unix::net::UnixStream>>>,
+}
+
+static RELAY: OnceLock<std::result::Result<Arc<Relay>, String>> = OnceLock::new();
+
+fn relay() -> Result<Arc<Relay>> {
+    match RELAY.get_or_init(|| Relay::start().map_err(|e| e.to_string())) {
+        Ok(r) => Ok(r.clone()),
+        Err(e) => Error::e_explain(
+            ErrorType::ConnectError,
+            format!("upstream TLS relay unavailable: {e}"),
+        ),
+    }
+}
+
+const DIR_PREFIX: &str = "portico-tls-relay-";
+
+impl Relay {
+    fn start() -> std::io::Result<Arc<Relay>> {
+        use std::os::unix::fs::DirBuilderExt;
+        let base = std::env::temp_dir();
+        remove_stale(&base);
+        let dir = base.join(format!(
+            "{DIR_PREFIX}{}-{:x}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        let path = dir.join("s");
+        let listener = std::os::unix::net::UnixListener::bind(&path)?;
+        let path_str = path
+            .to_str()
+            .ok_or_else(|| std::io::Error::other("the temp directory's path is not UTF-8"))?
+            .to_string();
+        let relay = Arc::new(Relay {
+            path,
+            path_str,
+            waiting: Mutex::default(),
+        });
+        let r = relay.clone();
+        std::thread::Builder::new()
+            .name("tls-relay-accept".into())
+            .spawn(move || r.accept_loop(listener))?;
+        Ok(relay)
+    }
+
+    fn accept_loop(&self, listener: std::os::unix::net::UnixListener) {
+        let me = std::process::id() as i32;
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            if peer_pid(&conn) != Some(me) {
+                tracing::warn!("upstream TLS relay: refused a connection from another process");
+                continue;
+            }
+            let mut token = [0u8; 8];
+            // The connector writes the token at once; never let a stuck peer hold the loop.
+            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+            if conn.read_exact(&mut token).is_err() || conn.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let waiter = self
+                .waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&u64::from_le_bytes(token));
+            if let Some(tx) = waiter {
+                let _ = tx.send(conn);
+            }
+        }
+    }
+
+    /// A connected pair: pingora's end, and the relay's (registered with this worker).
+    async fn pair(&self) -> std::io::Result<(UnixStream, UnixStream)> {
+        let token = fastrand::u64(..);
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(token, tx);
+        let result = async {
+            let mut ours = UnixStream::connect(&self.path).await?;
+            ours.write_all(&token.to_le_bytes()).await?;
+            let theirs = tokio::time::timeout(std::time::Duration::from_secs(5), rx)
+                .await
+                .map_err(|_| std::io::Error::other("relay pairing timed out"))?
+                .map_err(|_| std::io::Error::other("relay pairing dropped"))?;
+            Ok((ours, UnixStream::from_std(theirs)?))
+        }
+        .await;
+        if result.is_err() {
+            self.waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&token);
+        }
+        result
+    }
+}
+
+fn peer_pid(conn: &std::os::unix::net::UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of the sizes given, and the fd is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.pid)
+}
+
+/// Relay directories left by processes that are gone (a gateway killed without cleanup).
+fn remove_stale(base: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(DIR_PREFIX)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 #[async_trait]
-impl L4Connect for UpstreamTls {
+impl L4Connect for EndpointTls {
     async fn connect(
         &self,
-        addr: &pingora_core::protocols::l4::socket::SocketAddr,
+        _relay_addr: &pingora_core::protocols::l4::socket::SocketAddr,
     ) -> Result<Stream> {
-        let Some(inet) = addr.as_inet() else {
-            return Error::e_explain(ErrorType::ConnectError, "upstream TLS needs an IP address");
-        };
+        let inet = self.addr;
         let tcp = TcpStream::connect(inet).await.map_err(|e| {
             let kind = match e.kind() {
                 std::io::ErrorKind::ConnectionRefused => ErrorType::ConnectRefused,
@@ -53,71 +210,71 @@ impl L4Connect for UpstreamTls {
             };
             Error::because(kind, format!("connecting to {inet}"), e)
         })?;
+        let _ = tcp.set_nodelay(true);
+        if let Some(k) = self.keepalive {
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(std::time::Duration::from_secs(u64::from(
+                    k.time.unwrap_or(7200),
+                )))
+                .with_interval(std::time::Duration::from_secs(u64::from(
+                    k.interval.unwrap_or(75),
+                )))
+                .with_retries(k.probes.unwrap_or(9));
+            let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&ka);
+        }
         // Without an SNI the name is the peer's IP, which rustls never sends as SNI; the
         // validator ignores names either way.
-        let name = match &self.sni {
+        let name = match &self.tls.sni {
             Some(n) => n.clone(),
             None => ServerName::IpAddress(inet.ip().into()),
         };
-        let tls = tokio_rustls::TlsConnector::from(self.config.clone())
+        let tls = tokio_rustls::TlsConnector::from(self.tls.config.clone())
             .connect(name, tcp)
             .await
             .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))?;
-        Ok(Stream::from(VirtualSocketStream::new(Box::new(Session(
-            tls,
-        )))))
+        let relay = relay()?;
+        let (ours, theirs) = relay.pair().await.map_err(|e| {
+            Error::because(ErrorType::ConnectError, "upstream TLS relay".to_string(), e)
+        })?;
+        tokio::spawn(pump(theirs, tls));
+        Ok(Stream::from(ours))
     }
 }
 
-struct Session(tokio_rustls::client::TlsStream<TcpStream>);
-
-impl std::fmt::Debug for Session {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("upstream TLS session")
+/// Copies both ways until either side ends, then closes the other: an HTTP connection has
+/// nothing left to say once one side is gone.
+async fn pump(local: UnixStream, tls: tokio_rustls::client::TlsStream<TcpStream>) {
+    let (mut lr, mut lw) = tokio::io::split(local);
+    let (mut tr, mut tw) = tokio::io::split(tls);
+    let up = async {
+        let _ = copy(&mut lr, &mut tw).await;
+        // close_notify, then the socket closes when the session drops.
+        let _ = tw.shutdown().await;
+    };
+    let down = async {
+        let _ = copy(&mut tr, &mut lw).await;
+        let _ = lw.shutdown().await;
+    };
+    tokio::select! {
+        () = up => {}
+        () = down => {}
     }
 }
 
-impl VirtualSocket for Session {
-    fn set_socket_option(&self, opt: VirtualSockOpt) -> std::io::Result<()> {
-        let tcp = self.0.get_ref().0;
-        match opt {
-            VirtualSockOpt::NoDelay => tcp.set_nodelay(true),
-            VirtualSockOpt::KeepAlive(k) => {
-                let ka = socket2::TcpKeepalive::new()
-                    .with_time(k.idle)
-                    .with_interval(k.interval)
-                    .with_retries(k.count as u32);
-                socket2::SockRef::from(tcp).set_tcp_keepalive(&ka)
-            }
-            _ => Ok(()),
+/// `tokio::io::copy` with a flush after every read: a relayed response must not wait in a
+/// buffer for more bytes that may never come.
+async fn copy<R, W>(r: &mut R, w: &mut W) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = r.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
         }
-    }
-}
-
-impl AsyncRead for Session {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Session {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+        w.write_all(&buf[..n]).await?;
+        w.flush().await?;
     }
 }

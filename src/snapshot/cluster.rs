@@ -197,6 +197,8 @@ pub struct Cluster {
     /// Each host's transport socket (see `TransportSockets::pick`); empty when the cluster
     /// has no `transport_socket_matches`, so every host uses the default.
     pub transport: Vec<u16>,
+    /// Per host, its TLS connection settings (None: plain text); empty without TLS.
+    pub tls_hosts: Vec<Option<Arc<super::upstream_tls::EndpointTls>>>,
 }
 
 impl Cluster {
@@ -261,7 +263,27 @@ impl Cluster {
                 .map(|h| def.transport.pick(h.labels.as_deref()) as u16)
                 .collect()
         };
+        let tls_hosts = if def.transport.any_tls() {
+            endpoints
+                .hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    let socket = transport.get(i).map_or(0, |&s| usize::from(s));
+                    def.transport.get(socket).map(|t| {
+                        Arc::new(super::upstream_tls::EndpointTls::new(
+                            t.clone(),
+                            h.addr,
+                            def.tcp_keepalive,
+                        ))
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         Cluster {
+            tls_hosts,
             transport,
             hc,
             hc_generation,
@@ -358,10 +380,9 @@ impl Cluster {
         Some((i, self.endpoints.hosts[i].addr))
     }
 
-    /// The TLS socket host `i` connects with; None for plain text.
-    pub fn tls_for(&self, i: usize) -> Option<&Arc<super::upstream_tls::UpstreamTls>> {
-        let socket = self.transport.get(i).map_or(0, |&s| usize::from(s));
-        self.def.transport.get(socket)
+    /// The TLS settings host `i` connects with; None for plain text.
+    pub fn tls_for(&self, i: usize) -> Option<&Arc<super::upstream_tls::EndpointTls>> {
+        self.tls_hosts.get(i)?.as_ref()
     }
 
     pub fn healthy_count(&self) -> usize {

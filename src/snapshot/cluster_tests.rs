@@ -827,7 +827,8 @@ fn hosts_keep_their_match_metadata_and_clusters_pick_each_hosts_socket() {
         Default::default(),
     );
     assert!(cl.transport.is_empty());
-    assert!(cl.tls_for(7).is_some());
+    assert!(cl.tls_for(0).is_none(), "no such host");
+    assert!(cl.def.transport.default.is_some());
 }
 
 #[test]

@@ -489,3 +489,33 @@ impl UpstreamTls {
 #[cfg(test)]
 #[path = "upstream_tls_tests.rs"]
 mod upstream_tls_tests;
+
+/// One endpoint's TLS connection settings: the socket and where it connects. Built with the
+/// cluster, one per TLS host, so a request only clones an `Arc`.
+#[derive(Debug)]
+pub struct EndpointTls {
+    pub tls: Arc<UpstreamTls>,
+    pub addr: std::net::SocketAddr,
+    /// Keeps pooled connections per socket settings and endpoint apart: pingora's pool
+    /// sees every relayed connection at the same (local) address.
+    pub group_key: u64,
+    /// The cluster's `tcp_keepalive`, set on the TCP connection under the session.
+    pub keepalive: Option<super::cluster::TcpKeepalive>,
+}
+
+impl EndpointTls {
+    pub fn new(
+        tls: Arc<UpstreamTls>,
+        addr: std::net::SocketAddr,
+        keepalive: Option<super::cluster::TcpKeepalive>,
+    ) -> EndpointTls {
+        let mut key = tls.group_key.to_le_bytes().to_vec();
+        key.extend_from_slice(addr.to_string().as_bytes());
+        EndpointTls {
+            group_key: xxhash_rust::xxh64::xxh64(&key, 1),
+            tls,
+            addr,
+            keepalive,
+        }
+    }
+}
