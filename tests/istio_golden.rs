@@ -378,10 +378,37 @@ fn every_feature_golden() {
     assert!(got["endpoints"]
         .as_object()
         .is_some_and(|e| !e.contains_key("outbound|9080|v2|cart.shop.svc.cluster.local")));
-    let invalid = got["invalid"].as_array().expect("invalid");
-    assert!(invalid
-        .iter()
-        .any(|i| i.as_str().is_some_and(|s| s.contains("HTTPS servers"))));
+    assert_eq!(got["invalid"], json!([]));
+    // HTTPS with its Secret, SNI passthrough (namespace-scoped host) and TCP, each on its port.
+    let https = &got["listeners"]["0.0.0.0_8443"]["filter_chains"][0];
+    assert_eq!(
+        https["filter_chain_match"]["server_names"],
+        json!(["shop.example.com"])
+    );
+    assert_eq!(
+        https["transport_socket"]["typed_config"]["common_tls_context"]["tls_params"],
+        json!({"tls_minimum_protocol_version": "TLSv1_2"})
+    );
+    assert!(got["routes"]
+        .as_object()
+        .is_some_and(|r| r.contains_key("https.8443.https.edge.istio-system")));
+    assert!(got["secrets"]["kubernetes://shop-cert"]["tls_certificate"].is_object());
+    let pass = got["listeners"]["0.0.0.0_8444"]["filter_chains"]
+        .as_array()
+        .expect("passthrough chains");
+    assert_eq!(
+        pass[1]["filter_chain_match"]["server_names"],
+        json!(["basket.pass.example.com", "cart.pass.example.com"])
+    );
+    assert_eq!(
+        pass[1]["filters"][0]["typed_config"]["stat_prefix"],
+        "passthrough.shop"
+    );
+    assert_eq!(
+        got["listeners"]["0.0.0.0_9000"]["filter_chains"][0]["filters"][0]["typed_config"]
+            ["cluster"],
+        "outbound|9090||catalog.shop.svc.cluster.local"
+    );
 }
 
 #[test]
@@ -414,10 +441,18 @@ fn invalid_objects_are_reported_by_file_kind_name_and_field_and_the_rest_is_serv
     );
 }
 
-/// The features output, made static (EDS clusters with their assignments inline, RDS inline),
-/// through `<bin> --mode validate`.
+/// The features output, made static (EDS clusters with their assignments inline, RDS and SDS
+/// inline), through `<bin> --mode validate`.
 fn validate_static(bin: &Path, case: &str, drop: &[&str]) -> std::process::Output {
     let got = golden(case);
+    // The secrets with their keys (the golden file has them redacted).
+    let (raw, _) = run(&PathBuf::from(MANIFEST).join("tests/golden").join(case));
+    let secret = |name: &str| {
+        raw.secrets
+            .get(name)
+            .map(|s| normalised(types::SECRET, s)["tls_certificate"].clone())
+            .unwrap_or_else(|| panic!("no secret {name}"))
+    };
     let mut clusters = Vec::new();
     for (name, c) in got["clusters"].as_object().expect("clusters") {
         let mut c = c.clone();
@@ -445,14 +480,26 @@ fn validate_static(bin: &Path, case: &str, drop: &[&str]) -> std::process::Outpu
     let mut listeners = Vec::new();
     for l in got["listeners"].as_object().expect("listeners").values() {
         let mut l = l.clone();
-        let hcm = &mut l["filter_chains"][0]["filters"][0]["typed_config"];
-        let name = hcm["rds"]["route_config_name"]
-            .as_str()
-            .unwrap_or("")
-            .to_string();
-        if let Some(o) = hcm.as_object_mut() {
-            o.remove("rds");
-            o.insert("route_config".into(), got["routes"][&name].clone());
+        for chain in l["filter_chains"].as_array_mut().into_iter().flatten() {
+            let hcm = chain.pointer_mut("/filters/0/typed_config");
+            let rds = hcm
+                .as_ref()
+                .and_then(|h| h.pointer("/rds/route_config_name"))
+                .and_then(Value::as_str)
+                .map(String::from);
+            if let (Some(name), Some(hcm)) = (rds, hcm) {
+                if let Some(o) = hcm.as_object_mut() {
+                    o.remove("rds");
+                    o.insert("route_config".into(), got["routes"][&name].clone());
+                }
+            }
+            let common = chain.pointer_mut("/transport_socket/typed_config/common_tls_context");
+            if let Some(o) = common.and_then(Value::as_object_mut) {
+                if let Some(sds) = o.remove("tls_certificate_sds_secret_configs") {
+                    let name = sds[0]["name"].as_str().unwrap_or("").to_string();
+                    o.insert("tls_certificates".into(), json!([secret(&name)]));
+                }
+            }
         }
         l["address"]["socket_address"]["address"] = json!("127.0.0.1");
         listeners.push(l);
