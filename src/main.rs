@@ -168,6 +168,8 @@ fn check_config(
         ("routes", &xds.routes),
         ("clusters", &xds.clusters),
         ("endpoints", &xds.endpoints),
+        // Names only: a secret's content is never printed.
+        ("secrets", &xds.secrets),
     ] {
         println!("{kind} ({}):", resources.len());
         for name in resources.keys() {
@@ -176,14 +178,15 @@ fn check_config(
     }
     let gateway = portico::istio::server::labels_text(&node.labels);
     println!(
-        "{}: {} objects, {} invalid; gateway {gateway}: {} listeners, {} routes, {} clusters, {} endpoints",
+        "{}: {} objects, {} invalid; gateway {gateway}: {} listeners, {} routes, {} clusters, {} endpoints, {} secrets",
         dir.display(),
         config.objects.len(),
         invalid.len(),
         xds.listeners.len(),
         xds.routes.len(),
         xds.clusters.len(),
-        xds.endpoints.len()
+        xds.endpoints.len(),
+        xds.secrets.len()
     );
     if !invalid.is_empty() {
         anyhow::bail!("{} invalid object(s) in {}", invalid.len(), dir.display());

@@ -113,16 +113,31 @@ impl NodeInfo {
 }
 
 /// The xDS for one gateway, by type then resource name. Names sort, so output is stable.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Clone, Default, PartialEq)]
 pub struct Xds {
     pub listeners: BTreeMap<String, Any>,
     pub routes: BTreeMap<String, Any>,
     pub clusters: BTreeMap<String, Any>,
     pub endpoints: BTreeMap<String, Any>,
+    /// SDS secrets (`kubernetes://<name>`): private keys, so Debug shows names only.
+    pub secrets: BTreeMap<String, Any>,
+}
+
+impl std::fmt::Debug for Xds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = |m: &BTreeMap<String, Any>| m.keys().cloned().collect::<Vec<_>>();
+        f.debug_struct("Xds")
+            .field("listeners", &names(&self.listeners))
+            .field("routes", &names(&self.routes))
+            .field("clusters", &names(&self.clusters))
+            .field("endpoints", &names(&self.endpoints))
+            .field("secrets", &names(&self.secrets))
+            .finish()
+    }
 }
 
 impl Xds {
-    /// The resources of one xDS type URL (LDS, RDS, CDS, EDS), or None for other types.
+    /// The resources of one xDS type URL (LDS, RDS, CDS, EDS, SDS), or None for other types.
     pub fn by_type(&self, type_url: &str) -> Option<&BTreeMap<String, Any>> {
         use crate::xds::types;
         match type_url {
@@ -130,6 +145,7 @@ impl Xds {
             types::ROUTE => Some(&self.routes),
             types::CLUSTER => Some(&self.clusters),
             types::ENDPOINT => Some(&self.endpoints),
+            types::SECRET => Some(&self.secrets),
             _ => None,
         }
     }

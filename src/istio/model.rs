@@ -59,15 +59,39 @@ pub struct ServerPort {
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ServerTls {
+    /// SIMPLE (the default), MUTUAL, OPTIONAL_MUTUAL, ISTIO_MUTUAL, PASSTHROUGH,
+    /// AUTO_PASSTHROUGH.
     #[serde(default)]
     pub mode: Option<String>,
+    /// A Kubernetes Secret, served over SDS as `kubernetes://<name>`.
     #[serde(default)]
     pub credential_name: Option<String>,
     #[serde(default)]
     pub https_redirect: bool,
+    /// TLS_AUTO, TLSV1_0 .. TLSV1_3.
+    #[serde(default)]
+    pub min_protocol_version: Option<String>,
+    #[serde(default)]
+    pub max_protocol_version: Option<String>,
+    #[serde(default)]
+    pub cipher_suites: Vec<String>,
+    #[serde(default)]
+    pub ecdh_curves: Vec<String>,
+    /// Client certificate SANs a MUTUAL server accepts.
+    #[serde(default)]
+    pub subject_alt_names: Vec<String>,
+    #[serde(default)]
+    pub verify_certificate_spki: Vec<String>,
+    #[serde(default)]
+    pub verify_certificate_hash: Vec<String>,
+    /// File paths on the gateway pod (the pre-SDS way); only credentialName is served.
+    #[serde(default)]
+    pub server_certificate: Option<String>,
+    #[serde(default)]
+    pub private_key: Option<String>,
 }
 
-/// `networking.istio.io` VirtualService (HTTP part; tcp/tls routes are reported, not served).
+/// `networking.istio.io` VirtualService.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct VirtualServiceSpec {
@@ -77,11 +101,51 @@ pub struct VirtualServiceSpec {
     pub gateways: Vec<String>,
     #[serde(default)]
     pub http: Vec<HttpRoute>,
-    /// TCP and TLS routes: read so that they can be reported, not served yet.
+    /// Opaque TCP routes (TCP servers, and TLS servers that terminate).
     #[serde(default)]
-    pub tcp: Vec<serde_yaml::Value>,
+    pub tcp: Vec<TcpRoute>,
+    /// SNI routes (PASSTHROUGH servers).
     #[serde(default)]
-    pub tls: Vec<serde_yaml::Value>,
+    pub tls: Vec<TlsRoute>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TcpRoute {
+    #[serde(default, rename = "match")]
+    pub matches: Vec<L4Match>,
+    #[serde(default)]
+    pub route: Vec<RouteDestination>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsRoute {
+    #[serde(default, rename = "match")]
+    pub matches: Vec<TlsMatch>,
+    #[serde(default)]
+    pub route: Vec<RouteDestination>,
+}
+
+/// The parts of an L4 match a gateway evaluates (source criteria are for sidecars).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct L4Match {
+    #[serde(default)]
+    pub port: Option<u32>,
+    #[serde(default)]
+    pub gateways: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsMatch {
+    #[serde(default)]
+    pub sni_hosts: Vec<String>,
+    #[serde(default)]
+    pub port: Option<u32>,
+    #[serde(default)]
+    pub gateways: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
@@ -661,6 +725,75 @@ pub struct WorkloadEntrySpec {
     pub locality: Option<String>,
 }
 
+/// Kubernetes `v1` Secret: its keys, base64-decoded (`data`) or as written (`stringData`,
+/// which wins, as the API server merges it). Never printed: Debug shows the key names only.
+#[derive(Clone, Default, PartialEq)]
+pub struct SecretData {
+    pub type_: Option<String>,
+    pub data: BTreeMap<String, Vec<u8>>,
+}
+
+impl std::fmt::Debug for SecretData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretData")
+            .field("type", &self.type_)
+            .field("keys", &self.data.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl SecretData {
+    /// A key that is present and not empty (istiod treats empty values as missing).
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.data
+            .get(key)
+            .map(Vec::as_slice)
+            .filter(|v| !v.is_empty())
+    }
+
+    /// Reads a Secret's top-level `type`, `data` and `stringData`. The messages name keys,
+    /// never values: a secret's content must not reach a log.
+    fn parse(rest: &BTreeMap<String, serde_yaml::Value>) -> Result<SecretData, String> {
+        use base64::Engine;
+        let mut out = SecretData::default();
+        match rest.get("type") {
+            None | Some(serde_yaml::Value::Null) => {}
+            Some(serde_yaml::Value::String(t)) => out.type_ = Some(t.clone()),
+            Some(_) => return Err("type: must be a string".into()),
+        }
+        let map = |field: &str| -> Result<Vec<(String, String)>, String> {
+            match rest.get(field) {
+                None | Some(serde_yaml::Value::Null) => Ok(Vec::new()),
+                Some(serde_yaml::Value::Mapping(m)) => m
+                    .iter()
+                    .map(|(k, v)| match (k, v) {
+                        (serde_yaml::Value::String(k), serde_yaml::Value::String(v)) => {
+                            Ok((k.clone(), v.clone()))
+                        }
+                        (serde_yaml::Value::String(k), _) => {
+                            Err(format!("{field}.{k}: must be a string"))
+                        }
+                        _ => Err(format!("{field}: keys must be strings")),
+                    })
+                    .collect(),
+                Some(_) => Err(format!("{field}: must be a map of strings")),
+            }
+        };
+        for (k, v) in map("data")? {
+            // The API server stores standard base64; line breaks are tolerated in files.
+            let compact: String = v.split_ascii_whitespace().collect();
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(compact.as_bytes())
+                .map_err(|_| format!("data.{k}: not valid base64"))?;
+            out.data.insert(k, bytes);
+        }
+        for (k, v) in map("stringData")? {
+            out.data.insert(k, v.into_bytes());
+        }
+        Ok(out)
+    }
+}
+
 /// One object of any kind the control plane reads.
 #[derive(Debug, Clone, PartialEq)]
 // A config directory holds tens to thousands of objects, read once per change: boxing the
@@ -675,6 +808,7 @@ pub enum Object {
     Pod(Metadata, PodStatus),
     ServiceEntry(Metadata, ServiceEntrySpec),
     WorkloadEntry(Metadata, WorkloadEntrySpec),
+    Secret(Metadata, SecretData),
 }
 
 impl Object {
@@ -688,6 +822,7 @@ impl Object {
             Object::Pod(..) => "Pod",
             Object::ServiceEntry(..) => "ServiceEntry",
             Object::WorkloadEntry(..) => "WorkloadEntry",
+            Object::Secret(..) => "Secret",
         }
     }
 
@@ -700,7 +835,8 @@ impl Object {
             | Object::EndpointSlice(m, _)
             | Object::Pod(m, _)
             | Object::ServiceEntry(m, _)
-            | Object::WorkloadEntry(m, _) => m,
+            | Object::WorkloadEntry(m, _)
+            | Object::Secret(m, _) => m,
         }
     }
 }
@@ -818,6 +954,10 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
                     .map(|s| Object::EndpointSlice(env.metadata.clone(), s))
             }
             ("Pod", _, "v1") => spec(&env.status).map(|s| Object::Pod(env.metadata.clone(), s)),
+            // Like EndpointSlice, a Secret keeps its content at the top level.
+            ("Secret", _, "v1") => {
+                SecretData::parse(&env.rest).map(|s| Object::Secret(env.metadata.clone(), s))
+            }
             (kind, _, version) => Err(format!("unsupported kind {kind} in {version}")),
         };
         match parsed {

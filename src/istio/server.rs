@@ -18,6 +18,7 @@ use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
@@ -35,12 +36,14 @@ use super::{Config, Invalid, NodeInfo, Options, Xds};
 use crate::xds::types;
 
 /// istiod's push order: clusters and their endpoints before the listeners and routes that
-/// may reference them, so a gateway never routes to a cluster it has not heard of.
-const PUSH_ORDER: [&str; 4] = [
+/// may reference them, so a gateway never routes to a cluster it has not heard of; secrets
+/// last (a listener names them, and waits for them).
+const PUSH_ORDER: [&str; 5] = [
     types::CLUSTER,
     types::ENDPOINT,
     types::LISTENER,
     types::ROUTE,
+    types::SECRET,
 ];
 
 type Source = dyn Fn(&NodeInfo) -> (Xds, Vec<Invalid>) + Send + Sync;
@@ -621,6 +624,7 @@ fn same_resource(a: &Any, b: &Any) -> bool {
         types::ROUTE => decoded_eq::<RouteConfiguration>(&a.value, &b.value),
         types::CLUSTER => decoded_eq::<Cluster>(&a.value, &b.value),
         types::ENDPOINT => decoded_eq::<ClusterLoadAssignment>(&a.value, &b.value),
+        types::SECRET => decoded_eq::<Secret>(&a.value, &b.value),
         _ => false,
     }
 }

@@ -498,3 +498,61 @@ fn push_versions_are_dated() {
     assert_eq!(rfc3339(951_782_400 + 3_661), "2000-02-29T01:01:01Z");
     assert!(push_version(7).ends_with("Z/7"));
 }
+
+#[tokio::test]
+async fn sds_answers_the_secrets_asked_and_pushes_a_rotation() {
+    use envoy_types::pb::envoy::config::core::v3::{data_source, DataSource};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        secret, Secret, TlsCertificate,
+    };
+    // The certificate's bytes stand for its version.
+    let secret = |name: &str, version: &str| {
+        let s = Secret {
+            name: name.into(),
+            r#type: Some(secret::Type::TlsCertificate(TlsCertificate {
+                certificate_chain: Some(DataSource {
+                    specifier: Some(data_source::Specifier::InlineBytes(version.into())),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        };
+        (name.to_string(), any(types::SECRET, &s))
+    };
+    let generation = |version: &'static str, secrets: Vec<(String, Any)>| {
+        let mut xds = bookinfo().xds();
+        xds.secrets = secrets.into_iter().collect();
+        Generation::new(version, move |_| (xds.clone(), Vec::new()))
+    };
+    let (cp, addr) = start(generation(
+        "v1",
+        vec![secret("kubernetes://a", "1"), secret("kubernetes://b", "1")],
+    ))
+    .await;
+    let mut c = Client::connect(addr, node("gw-1", &[])).await;
+    c.send(
+        types::SECRET,
+        &["kubernetes://a", "kubernetes://missing"],
+        "",
+        "",
+    )
+    .await;
+    let r = c.recv().await;
+    assert_eq!(r.resources.len(), 1, "only the secret asked that exists");
+    assert_eq!(r.resources[0], secret("kubernetes://a", "1").1);
+    c.ack(&r, &["kubernetes://a", "kubernetes://missing"]).await;
+    c.silent().await;
+    // A rotated certificate is pushed; one nobody asked for is not.
+    cp.publish(generation(
+        "v2",
+        vec![secret("kubernetes://a", "2"), secret("kubernetes://b", "2")],
+    ));
+    let r = c.recv().await;
+    assert_eq!(
+        (r.type_url.as_str(), r.version_info.as_str()),
+        (types::SECRET, "v2")
+    );
+    assert_eq!(r.resources, [secret("kubernetes://a", "2").1]);
+    c.ack(&r, &["kubernetes://a", "kubernetes://missing"]).await;
+    c.silent().await;
+}

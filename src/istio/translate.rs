@@ -21,12 +21,28 @@ use super::{Config, Invalid, NodeInfo, Options, Xds};
 use crate::xds::types;
 
 /// The resources by type URL, then name, as proto-JSON (snake_case field names).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Clone, Default, PartialEq)]
 pub struct XdsJson {
     pub listeners: BTreeMap<String, Json>,
     pub routes: BTreeMap<String, Json>,
     pub clusters: BTreeMap<String, Json>,
     pub endpoints: BTreeMap<String, Json>,
+    /// SDS secrets. Key material: never log these.
+    pub secrets: BTreeMap<String, Json>,
+}
+
+impl std::fmt::Debug for XdsJson {
+    /// Names only: the secrets hold private keys, and the rest is too long to read this way.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = |m: &BTreeMap<String, Json>| m.keys().cloned().collect::<Vec<_>>();
+        f.debug_struct("XdsJson")
+            .field("listeners", &names(&self.listeners))
+            .field("routes", &names(&self.routes))
+            .field("clusters", &names(&self.clusters))
+            .field("endpoints", &names(&self.endpoints))
+            .field("secrets", &names(&self.secrets))
+            .finish()
+    }
 }
 
 pub fn translate(config: &Config, node: &NodeInfo, options: &Options) -> (Xds, Vec<Invalid>) {
@@ -40,6 +56,7 @@ pub fn translate(config: &Config, node: &NodeInfo, options: &Options) -> (Xds, V
         (&out.routes, &mut xds.routes, types::ROUTE),
         (&out.clusters, &mut xds.clusters, types::CLUSTER),
         (&out.endpoints, &mut xds.endpoints, types::ENDPOINT),
+        (&out.secrets, &mut xds.secrets, types::SECRET),
     ];
     for (from, to, type_url) in sections {
         for (name, value) in from {
@@ -459,6 +476,8 @@ struct Ctx<'a> {
     reg: Registry,
     /// DestinationRules by the fqdn of their host.
     rules: BTreeMap<String, (&'a Metadata, &'a DestinationRuleSpec)>,
+    /// Where the gateway runs: its credentialName secrets are read from this namespace.
+    proxy_namespace: Option<String>,
     bad: Vec<Invalid>,
 }
 
@@ -498,6 +517,7 @@ pub fn translate_json(
         options,
         reg,
         rules,
+        proxy_namespace: node.namespace.clone(),
         bad,
     };
     let mut out = XdsJson::default();
@@ -1017,11 +1037,228 @@ fn load_assignment(name: &str, eps: &[&Endpoint]) -> Json {
 /// One Gateway server as the gateway sees it.
 struct BoundServer<'a> {
     gateway: String, // namespace/name
+    gateway_name: String,
     gateway_ns: String,
+    /// The Gateway object and the server's index in it, for reports.
+    meta: &'a Metadata,
+    index: usize,
     number: u32,
+    /// Upper case, as istiod parses it.
+    protocol: String,
     hosts: Vec<(String, String)>, // (namespace filter, host)
     https_redirect: bool,
-    _server: &'a Server,
+    server: &'a Server,
+}
+
+/// istiod's HTTP protocols: one plaintext connection manager per port.
+fn is_http_protocol(p: &str) -> bool {
+    matches!(p, "HTTP" | "HTTP2" | "GRPC" | "GRPC-WEB" | "HTTP_PROXY")
+}
+
+/// The istio TLS mode of a server with `tls` (SIMPLE when unset, as the API defaults it).
+fn tls_mode(t: &ServerTls) -> String {
+    t.mode.as_deref().unwrap_or("SIMPLE").to_ascii_uppercase()
+}
+
+impl BoundServer<'_> {
+    fn tls(&self) -> Option<&ServerTls> {
+        self.server.tls.as_ref()
+    }
+
+    fn is_passthrough(&self) -> bool {
+        self.tls()
+            .is_some_and(|t| matches!(tls_mode(t).as_str(), "PASSTHROUGH" | "AUTO_PASSTHROUGH"))
+    }
+
+    /// istiod's `IsTLSServer`: TLS settings on a non-HTTP port (an HTTP server's `tls` only
+    /// carries httpsRedirect).
+    fn is_tls_server(&self) -> bool {
+        self.tls().is_some() && !is_http_protocol(&self.protocol)
+    }
+
+    /// istiod's `IsHTTPServer`: plaintext HTTP, or HTTPS terminated here.
+    fn is_http_server(&self) -> bool {
+        is_http_protocol(&self.protocol) || (self.protocol == "HTTPS" && !self.is_passthrough())
+    }
+
+    /// The RDS name istiod gives the server: `http.<listener port>` for plaintext HTTP,
+    /// `https.<server port>.<port name>.<gateway>.<namespace>` for terminated HTTPS, none
+    /// for the rest (TCP proxies have no routes).
+    fn route_name(&self, listen: u32) -> Option<String> {
+        if is_http_protocol(&self.protocol) {
+            Some(format!("http.{listen}"))
+        } else if self.protocol == "HTTPS" && !self.is_passthrough() {
+            Some(format!(
+                "https.{}.{}.{}.{}",
+                self.number,
+                self.server.port.name.as_deref().unwrap_or(""),
+                self.gateway_name,
+                self.gateway_ns
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// istiod's SNI hosts for the server: its hosts without namespace, deduplicated, sorted.
+    fn sni_hosts(&self) -> Vec<String> {
+        let set: BTreeSet<String> = self.hosts.iter().map(|(_, h)| h.clone()).collect();
+        set.into_iter().collect()
+    }
+
+    fn report(&self, what: String) -> Invalid {
+        invalid(
+            "Gateway",
+            self.meta,
+            format!("spec.servers[{}]{what}", self.index),
+        )
+    }
+
+    /// Whether a VirtualService's `gateways` entry names this server's Gateway.
+    fn named_by(&self, refs: &[String], vs_ns: &str) -> bool {
+        refs.iter().any(|g| {
+            let full = if g.contains('/') {
+                g.clone()
+            } else {
+                format!("{vs_ns}/{g}")
+            };
+            full == self.gateway
+        })
+    }
+}
+
+/// One filter chain before it becomes JSON: istiod's `filterChainOpts`.
+struct Chain {
+    sni_hosts: Vec<String>,
+    application_protocols: Vec<String>,
+    tls: Option<Json>,
+    filters: Vec<Json>,
+}
+
+impl Chain {
+    fn json(&self) -> Json {
+        let mut c = Map::new();
+        // istiod: a chain that matches everything has no filter_chain_match; "*" among the
+        // SNI hosts means any name.
+        let mut m = Map::new();
+        if !self.sni_hosts.is_empty() && !self.sni_hosts.iter().any(|h| h == "*") {
+            let mut names = self.sni_hosts.clone();
+            names.sort();
+            m.insert("server_names".into(), json!(names));
+        }
+        if !self.application_protocols.is_empty() {
+            m.insert(
+                "application_protocols".into(),
+                json!(self.application_protocols),
+            );
+        }
+        if !m.is_empty() {
+            c.insert("filter_chain_match".into(), Json::Object(m));
+        }
+        c.insert("filters".into(), json!(self.filters));
+        if let Some(tls) = &self.tls {
+            c.insert(
+                "transport_socket".into(),
+                json!({"name": "envoy.transport_sockets.tls", "typed_config": tls}),
+            );
+        }
+        Json::Object(c)
+    }
+
+    /// istiod adds the TLS inspector when a chain matches on SNI or offers ALPN.
+    fn needs_tls_inspector(&self) -> bool {
+        !self.sni_hosts.is_empty()
+            || self
+                .tls
+                .as_ref()
+                .and_then(|t| t.pointer("/common_tls_context/alpn_protocols"))
+                .and_then(Json::as_array)
+                .is_some_and(|a| !a.is_empty())
+    }
+}
+
+/// A Kubernetes Secret an SDS resource name refers to.
+struct SecretRef {
+    namespace: String,
+    name: String,
+    /// `-cacert`: the CA bundle, for client certificate validation.
+    ca: bool,
+    /// The server that named it, for the report when it is missing.
+    reported_by: Invalid,
+    /// Why istiod would not serve it (another namespace), if so.
+    refused: Option<String>,
+}
+
+/// istiod's SNI for AUTO_PASSTHROUGH chains: what a sidecar's mTLS cluster sends.
+const ISTIO_MTLS_ALPNS: [&str; 5] = [
+    "istio",
+    "istio-peer-exchange",
+    "istio-http/1.0",
+    "istio-http/1.1",
+    "istio-h2",
+];
+
+/// istiod's `ValidCipherSuites`: what BoringSSL knows; others are dropped (Envoy would NACK).
+const VALID_CIPHER_SUITES: [&str; 15] = [
+    "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "ECDHE-RSA-AES128-GCM-SHA256",
+    "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "ECDHE-RSA-AES256-GCM-SHA384",
+    "ECDHE-ECDSA-CHACHA20-POLY1305",
+    "ECDHE-RSA-CHACHA20-POLY1305",
+    "ECDHE-ECDSA-AES128-SHA",
+    "ECDHE-RSA-AES128-SHA",
+    "ECDHE-ECDSA-AES256-SHA",
+    "ECDHE-RSA-AES256-SHA",
+    "AES128-GCM-SHA256",
+    "AES256-GCM-SHA384",
+    "AES128-SHA",
+    "AES256-SHA",
+    "DES-CBC3-SHA",
+];
+
+/// istiod's SDS source for `credentialName` secrets: the ADS stream itself. No
+/// initial_fetch_timeout on purpose (istiod's choice): a missing secret must not block the
+/// whole listener forever, only its chain.
+fn credential_sds(name: &str) -> Json {
+    json!({"name": name, "sds_config": {"ads": {}, "resource_api_version": "V3"}})
+}
+
+/// istio-agent's SDS (the workload certificate `default`, the mesh root `ROOTCA`).
+fn agent_sds(name: &str) -> Json {
+    json!({"name": name, "sds_config": {"api_config_source": {"api_type": "GRPC",
+        "grpc_services": [{"envoy_grpc": {"cluster_name": "sds-grpc"}}],
+        "set_node_on_first_message_only": true, "transport_api_version": "V3"},
+        "initial_fetch_timeout": "0s", "resource_api_version": "V3"}})
+}
+
+/// `credentialName` as istiod names the SDS resource.
+fn credential_resource(name: &str) -> String {
+    if name.starts_with("kubernetes://") {
+        name.to_string()
+    } else {
+        format!("kubernetes://{name}")
+    }
+}
+
+fn exact_matchers(list: &[String]) -> Json {
+    Json::Array(list.iter().map(|s| json!({"exact": s})).collect())
+}
+
+/// istiod's TLS protocol enum to Envoy's; TLS_AUTO (the default) sets nothing.
+fn tls_version(v: &str, at: &str) -> Result<Option<&'static str>, String> {
+    Ok(match v.to_ascii_uppercase().as_str() {
+        "TLS_AUTO" | "" => None,
+        "TLSV1_0" => Some("TLSv1_0"),
+        "TLSV1_1" => Some("TLSv1_1"),
+        "TLSV1_2" => Some("TLSv1_2"),
+        "TLSV1_3" => Some("TLSv1_3"),
+        _ => {
+            return Err(format!(
+                "{at}: unknown TLS version '{v}' (TLS_AUTO, TLSV1_0, TLSV1_1, TLSV1_2, TLSV1_3)"
+            ))
+        }
+    })
 }
 
 impl Ctx<'_> {
@@ -1049,8 +1286,13 @@ impl Ctx<'_> {
                 Some((p.port, target))
             })
             .collect();
-        // Listener port -> servers on it.
+        // Listener port -> servers on it, merged as istiod merges them.
         let mut by_port: BTreeMap<u32, Vec<BoundServer>> = BTreeMap::new();
+        // Per listener port: the protocol of a plaintext first server, the TLS servers'
+        // hosts, and the route names in use.
+        let mut plaintext: BTreeMap<u32, String> = BTreeMap::new();
+        let mut tls_hosts: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+        let mut route_names: BTreeSet<String> = BTreeSet::new();
         for o in &config.objects {
             let Object::Gateway(m, gw) = o else { continue };
             if !selects(&gw.selector, &node.labels) {
@@ -1063,44 +1305,37 @@ impl Ctx<'_> {
                     .as_deref()
                     .unwrap_or("")
                     .to_ascii_uppercase();
+                let skip = |why: String| invalid("Gateway", m, format!("spec.servers[{i}]{why}"));
                 match protocol.as_str() {
-                    "HTTP" | "HTTP2" | "GRPC" | "GRPC-WEB" => {}
-                    "HTTPS" | "TLS" | "TCP" | "MONGO" | "REDIS" | "MYSQL" => {
-                        self.bad.push(invalid(
-                            "Gateway",
-                            m,
-                            format!(
-                                "spec.servers[{i}].port.protocol: {protocol} servers are not served by Portico's control plane yet (TLS and TCP come with the edge work); server skipped"
-                            ),
-                        ));
+                    "HTTP" | "HTTP2" | "GRPC" | "GRPC-WEB" | "HTTP_PROXY" | "HTTPS" | "TLS"
+                    | "TCP" => {}
+                    "MONGO" | "REDIS" | "MYSQL" => {
+                        self.bad.push(skip(format!(
+                            ".port.protocol: {protocol} servers (Envoy's {} filter) are not served by Portico's control plane; use TCP; server skipped",
+                            protocol.to_ascii_lowercase()
+                        )));
                         continue;
                     }
                     other => {
-                        self.bad.push(invalid(
-                            "Gateway",
-                            m,
-                            format!("spec.servers[{i}].port.protocol: unknown protocol '{other}'"),
-                        ));
+                        self.bad
+                            .push(skip(format!(".port.protocol: unknown protocol '{other}'")));
                         continue;
                     }
                 }
                 if s.hosts.is_empty() {
-                    self.bad.push(invalid(
-                        "Gateway",
-                        m,
-                        format!("spec.servers[{i}].hosts: at least one host is required"),
-                    ));
+                    self.bad
+                        .push(skip(".hosts: at least one host is required".into()));
                     continue;
                 }
                 if s.port.number == 0 || s.port.number > 65535 {
-                    self.bad.push(invalid(
-                        "Gateway",
-                        m,
-                        format!(
-                            "spec.servers[{i}].port.number: {} is not a port",
-                            s.port.number
-                        ),
-                    ));
+                    self.bad.push(skip(format!(
+                        ".port.number: {} is not a port",
+                        s.port.number
+                    )));
+                    continue;
+                }
+                if let Err(e) = check_server_tls(s, &protocol) {
+                    self.bad.push(skip(e));
                     continue;
                 }
                 let gateway_ns = ns(m).to_string();
@@ -1109,6 +1344,7 @@ impl Ctx<'_> {
                     .iter()
                     .map(|h| match h.split_once('/') {
                         Some((".", h)) => (gateway_ns.clone(), h.to_string()),
+                        Some(("*", h)) => ("*".to_string(), h.to_string()),
                         Some((n, h)) => (n.to_string(), h.to_string()),
                         None => ("*".to_string(), h.clone()),
                     })
@@ -1117,14 +1353,74 @@ impl Ctx<'_> {
                     .get(&s.port.number)
                     .copied()
                     .unwrap_or(s.port.number);
-                by_port.entry(listen).or_default().push(BoundServer {
+                let bound = BoundServer {
                     gateway: format!("{gateway_ns}/{}", m.name),
+                    gateway_name: m.name.clone(),
                     gateway_ns,
+                    meta: m,
+                    index: i,
                     number: s.port.number,
+                    protocol,
                     hosts,
                     https_redirect: s.tls.as_ref().is_some_and(|t| t.https_redirect),
-                    _server: s,
-                });
+                    server: s,
+                };
+                // istiod's mergeGateways, for servers without `bind`.
+                if bound.tls().is_some() {
+                    // Two TLS servers with one host would be two chains Envoy cannot tell
+                    // apart: the later one is dropped.
+                    let known = tls_hosts.entry(listen).or_default();
+                    let dups: Vec<&String> =
+                        s.hosts.iter().filter(|h| known.contains(*h)).collect();
+                    if !dups.is_empty() {
+                        self.bad.push(bound.report(format!(
+                            ": port {listen}: duplicate host names {dups:?} (another TLS server on the port has them); server skipped"
+                        )));
+                        continue;
+                    }
+                    known.extend(s.hosts.iter().cloned());
+                }
+                let route = bound.route_name(listen);
+                match by_port.get(&listen) {
+                    Some(_) => {
+                        if let Some(current) = plaintext.get(&listen) {
+                            if !(is_http_protocol(&bound.protocol) && is_http_protocol(current)) {
+                                self.bad.push(bound.report(format!(
+                                    ": port {listen} already serves plaintext {current}; a {} server cannot share it (istiod skips it too)",
+                                    bound.protocol
+                                )));
+                                continue;
+                            }
+                        } else {
+                            if bound.is_http_server() {
+                                let Some(route) = &route else { continue };
+                                if !route_names.insert(route.clone()) {
+                                    self.bad.push(bound.report(format!(
+                                        ".port.name: route {route} exists already (HTTPS servers on one port need distinct port names); server skipped"
+                                    )));
+                                    continue;
+                                }
+                            }
+                            if bound.tls().is_none() {
+                                self.bad.push(bound.report(format!(
+                                    ": port {listen} serves TLS; a server without tls settings cannot share it; server skipped"
+                                )));
+                                continue;
+                            }
+                        }
+                    }
+                    None => {
+                        if !bound.is_tls_server() {
+                            plaintext.insert(listen, bound.protocol.clone());
+                        }
+                        if bound.is_http_server() {
+                            if let Some(r) = &route {
+                                route_names.insert(r.clone());
+                            }
+                        }
+                    }
+                }
+                by_port.entry(listen).or_default().push(bound);
             }
         }
         let mut vss: Vec<(&Metadata, &VirtualServiceSpec)> = config
@@ -1155,64 +1451,755 @@ impl Ctx<'_> {
                     "spec.hosts: at least one host is required".into(),
                 ));
             }
-            if !vs.tcp.is_empty() || !vs.tls.is_empty() {
-                self.bad.push(invalid(
-                    "VirtualService",
-                    m,
-                    "spec.tcp/spec.tls: TCP and TLS routes are not served yet (they come with the edge work); the http routes are".into(),
-                ));
-            }
         }
+        let mut secrets: BTreeMap<String, SecretRef> = BTreeMap::new();
         for (port, servers) in &by_port {
-            let route_name = format!("http.{port}");
             let listener_name = format!("0.0.0.0_{port}");
+            let first_http = servers
+                .first()
+                .is_some_and(|s| is_http_protocol(&s.protocol));
+            if first_http {
+                let route_name = format!("http.{port}");
+                let stat_prefix = format!("outbound_{listener_name}");
+                let chain = Chain {
+                    sni_hosts: Vec::new(),
+                    application_protocols: Vec::new(),
+                    tls: None,
+                    filters: vec![hcm(&stat_prefix, &route_name)],
+                };
+                out.listeners.insert(
+                    listener_name.clone(),
+                    self.listener(&listener_name, *port, &[chain]),
+                );
+                let vhosts = self.virtual_hosts(servers, &vss);
+                out.routes.insert(
+                    route_name.clone(),
+                    route_config(&route_name, vhosts, servers),
+                );
+                continue;
+            }
+            let mut chains = Vec::new();
+            for server in servers {
+                self.server_chains(server, *port, &vss, &mut chains, &mut secrets, out);
+            }
+            if chains.is_empty() {
+                // istiod: "must have more than 0 chains"; the listener is left out.
+                if let Some(first) = servers.first() {
+                    self.bad.push(first.report(format!(
+                        ": listener {listener_name} has no filter chain (no VirtualService tcp/tls route matches its servers); left out, as istiod does"
+                    )));
+                }
+                continue;
+            }
             out.listeners.insert(
                 listener_name.clone(),
-                self.listener(&listener_name, *port, &route_name),
+                self.listener(&listener_name, *port, &chains),
             );
-            let vhosts = self.virtual_hosts(servers, &vss);
+        }
+        self.secrets(config, secrets, out);
+    }
+
+    /// The filter chains one server on a TLS or TCP port adds (istiod's
+    /// `buildGatewayTCPBasedFilterChains`), and the route configuration of an HTTPS server.
+    fn server_chains(
+        &mut self,
+        server: &BoundServer,
+        listen: u32,
+        vss: &[(&Metadata, &VirtualServiceSpec)],
+        chains: &mut Vec<Chain>,
+        secrets: &mut BTreeMap<String, SecretRef>,
+        out: &mut XdsJson,
+    ) {
+        let listener_name = format!("0.0.0.0_{listen}");
+        if server.is_http_server() {
+            // HTTPS terminated here: its own connection manager and route configuration.
+            let Some(route_name) = server.route_name(listen) else {
+                return;
+            };
+            let tls = match self.downstream_tls(server, false, secrets) {
+                Ok(t) => t,
+                Err(e) => {
+                    self.bad.push(server.report(e));
+                    return;
+                }
+            };
+            let stat_prefix = match server.server.name.as_deref() {
+                Some(n) if !n.is_empty() => n.to_string(),
+                _ => format!("outbound_{listener_name}"),
+            };
+            chains.push(Chain {
+                sni_hosts: server.sni_hosts(),
+                application_protocols: Vec::new(),
+                tls: Some(tls),
+                filters: vec![hcm(&stat_prefix, &route_name)],
+            });
+            let vhosts = self.virtual_hosts(std::slice::from_ref(server), vss);
             out.routes.insert(
                 route_name.clone(),
-                route_config(&route_name, vhosts, servers),
+                route_config(&route_name, vhosts, std::slice::from_ref(server)),
+            );
+            return;
+        }
+        let mode = server.tls().map(tls_mode);
+        match mode.as_deref() {
+            // Opaque TCP, or TLS terminated in front of a TCP proxy.
+            None | Some("SIMPLE" | "MUTUAL" | "OPTIONAL_MUTUAL" | "ISTIO_MUTUAL") => {
+                let Some(filters) = self.tcp_route_filters(server, vss) else {
+                    self.bad.push(server.report(format!(
+                        ": no VirtualService tcp route binds to this {} server; it gets no filter chain",
+                        server.protocol
+                    )));
+                    return;
+                };
+                let (sni_hosts, tls) = match mode {
+                    None => (Vec::new(), None),
+                    Some(_) => match self.downstream_tls(server, true, secrets) {
+                        Ok(t) => (server.sni_hosts(), Some(t)),
+                        Err(e) => {
+                            self.bad.push(server.report(e));
+                            return;
+                        }
+                    },
+                };
+                chains.push(Chain {
+                    sni_hosts,
+                    application_protocols: Vec::new(),
+                    tls,
+                    filters,
+                });
+            }
+            Some("PASSTHROUGH") => self.passthrough_chains(server, vss, chains),
+            Some("AUTO_PASSTHROUGH") => self.auto_passthrough_chains(server, chains),
+            Some(other) => self
+                .bad
+                .push(server.report(format!(".tls.mode: unknown mode '{other}'"))),
+        }
+    }
+
+    /// The VirtualServices bound to the server's Gateway whose hosts overlap the server's
+    /// (istiod's `pickMatchingGatewayHosts`).
+    fn bound_vss<'v>(
+        &self,
+        server: &BoundServer,
+        vss: &[(&'v Metadata, &'v VirtualServiceSpec)],
+    ) -> Vec<(&'v Metadata, &'v VirtualServiceSpec)> {
+        vss.iter()
+            .filter(|(m, vs)| {
+                let vs_ns = ns(m);
+                server.named_by(&vs.gateways, vs_ns)
+                    && vs.hosts.iter().any(|h| {
+                        let h = fqdn(h, vs_ns, self.options);
+                        server.hosts.iter().any(|(filter, sh)| {
+                            (filter == "*" || filter == vs_ns) && intersect(&h, sh).is_some()
+                        })
+                    })
+            })
+            .copied()
+            .collect()
+    }
+
+    /// The first `tcp` route of a bound VirtualService that matches the server (istiod
+    /// serves exactly one), as network filters.
+    fn tcp_route_filters(
+        &mut self,
+        server: &BoundServer,
+        vss: &[(&Metadata, &VirtualServiceSpec)],
+    ) -> Option<Vec<Json>> {
+        for (m, vs) in self.bound_vss(server, vss) {
+            let vs_ns = ns(m);
+            for (i, tcp) in vs.tcp.iter().enumerate() {
+                let matches = tcp.matches.is_empty()
+                    || tcp
+                        .matches
+                        .iter()
+                        .any(|lm| l4_match(lm.port, &lm.gateways, server, vs_ns));
+                if !matches || tcp.route.is_empty() {
+                    continue;
+                }
+                return match self.tcp_proxy(m, &tcp.route, server.number, &format!("spec.tcp[{i}]"))
+                {
+                    Ok(f) => Some(vec![f]),
+                    Err(e) => {
+                        self.bad.push(invalid("VirtualService", m, e));
+                        None
+                    }
+                };
+            }
+        }
+        None
+    }
+
+    /// One chain per matching `tls[].match[]` of the bound VirtualServices, by SNI.
+    fn passthrough_chains(
+        &mut self,
+        server: &BoundServer,
+        vss: &[(&Metadata, &VirtualServiceSpec)],
+        chains: &mut Vec<Chain>,
+    ) {
+        // SNI names already taken on this listener, by earlier servers' chains.
+        let mut taken: BTreeSet<String> = chains
+            .iter()
+            .flat_map(|c| c.sni_hosts.iter().cloned())
+            .collect();
+        for (m, vs) in self.bound_vss(server, vss) {
+            let vs_ns = ns(m);
+            for (i, tls) in vs.tls.iter().enumerate() {
+                if tls.route.is_empty() {
+                    continue;
+                }
+                for (j, tm) in tls.matches.iter().enumerate() {
+                    if !l4_match(tm.port, &tm.gateways, server, vs_ns) {
+                        continue;
+                    }
+                    let at = format!("spec.tls[{i}].match[{j}]");
+                    if tm.sni_hosts.is_empty() {
+                        self.bad.push(invalid(
+                            "VirtualService",
+                            m,
+                            format!("{at}.sniHosts: at least one SNI host is required"),
+                        ));
+                        continue;
+                    }
+                    let dups: Vec<&String> =
+                        tm.sni_hosts.iter().filter(|h| taken.contains(*h)).collect();
+                    if !dups.is_empty() {
+                        self.bad.push(invalid(
+                            "VirtualService",
+                            m,
+                            format!(
+                                "{at}.sniHosts: duplicate SNI host names {dups:?} on port {}; rule skipped, as istiod does",
+                                server.number
+                            ),
+                        ));
+                        continue;
+                    }
+                    let filter = match self.tcp_proxy(
+                        m,
+                        &tls.route,
+                        server.number,
+                        &format!("spec.tls[{i}]"),
+                    ) {
+                        Ok(f) => f,
+                        Err(e) => {
+                            self.bad.push(invalid("VirtualService", m, e));
+                            continue;
+                        }
+                    };
+                    taken.extend(tm.sni_hosts.iter().cloned());
+                    chains.push(Chain {
+                        sni_hosts: tm.sni_hosts.clone(),
+                        application_protocols: Vec::new(),
+                        tls: None,
+                        filters: vec![filter],
+                    });
+                }
+            }
+        }
+    }
+
+    /// AUTO_PASSTHROUGH: one chain per mesh service (and subset) the server's hosts cover,
+    /// matched on the SNI a sidecar's mTLS cluster sends (`outbound_.<port>_.<subset>_.<host>`).
+    fn auto_passthrough_chains(&mut self, server: &BoundServer, chains: &mut Vec<Chain>) {
+        let services: Vec<Service> = self
+            .reg
+            .services
+            .values()
+            // ServiceEntries are mesh-external by default: istiod leaves them out.
+            .filter(|s| {
+                s.resolution == Resolution::Eds
+                    && s.fqdn.ends_with(&format!(".svc.{}", self.options.domain))
+            })
+            .filter(|s| {
+                server
+                    .hosts
+                    .iter()
+                    .any(|(_, h)| h == "*" || intersect(&s.fqdn, h).as_deref() == Some(&s.fqdn))
+            })
+            .cloned()
+            .collect();
+        for svc in &services {
+            let rule = self.rules.get(&svc.fqdn).map(|(_, d)| *d);
+            for (port, _, _) in &svc.ports {
+                let mut subsets = vec![""];
+                if let Some(dr) = rule {
+                    subsets.extend(dr.subsets.iter().map(|s| s.name.as_str()));
+                }
+                for subset in subsets {
+                    let cluster = format!("outbound|{port}|{subset}|{}", svc.fqdn);
+                    let sni = format!("outbound_.{port}_.{subset}_.{}", svc.fqdn);
+                    let filter =
+                        tcp_proxy_json(&cluster, json!({"cluster": cluster}), rule, subset);
+                    chains.push(Chain {
+                        sni_hosts: vec![sni],
+                        application_protocols: ISTIO_MTLS_ALPNS
+                            .iter()
+                            .map(|s| s.to_string())
+                            .collect(),
+                        tls: None,
+                        filters: vec![filter],
+                    });
+                }
+            }
+        }
+    }
+
+    /// istiod's `buildOutboundNetworkFilters`: one destination is `cluster` with the cluster
+    /// as stat prefix; several are `weighted_clusters` (zero weights left out) with
+    /// `<VirtualService>.<namespace>` as stat prefix.
+    fn tcp_proxy(
+        &self,
+        m: &Metadata,
+        route: &[RouteDestination],
+        server_port: u32,
+        at: &str,
+    ) -> Result<Json, String> {
+        let vs_ns = ns(m);
+        for (k, d) in route.iter().enumerate() {
+            if d.destination.host.is_empty() {
+                return Err(format!("{at}.route[{k}].destination.host is required"));
+            }
+        }
+        let first = route
+            .first()
+            .ok_or_else(|| format!("{at}.route: at least one destination is required"))?;
+        let host = fqdn(&first.destination.host, vs_ns, self.options);
+        let rule = self.rules.get(&host).map(|(_, d)| *d);
+        if let [one] = route {
+            let cluster = self.destination_cluster(&one.destination, vs_ns, server_port);
+            let subset = one.destination.subset.as_deref().unwrap_or("");
+            return Ok(tcp_proxy_json(
+                &cluster,
+                json!({"cluster": cluster}),
+                rule,
+                subset,
+            ));
+        }
+        let clusters: Vec<Json> = route
+            .iter()
+            .filter(|d| d.weight.unwrap_or(0) > 0)
+            .map(|d| {
+                json!({"name": self.destination_cluster(&d.destination, vs_ns, server_port),
+                       "weight": d.weight.unwrap_or(0)})
+            })
+            .collect();
+        if clusters.is_empty() {
+            return Err(format!(
+                "{at}.route: with several destinations, weights are required and must not all be 0"
+            ));
+        }
+        let stat_prefix = format!("{}.{vs_ns}", m.name);
+        Ok(tcp_proxy_json(
+            &stat_prefix,
+            json!({"weighted_clusters": {"clusters": clusters}}),
+            rule,
+            "",
+        ))
+    }
+
+    /// istiod's `BuildListenerTLSContext` for a server that terminates TLS. `tcp`: the server
+    /// proxies TCP after the handshake (ISTIO_MUTUAL then offers Istio's peer-exchange ALPN).
+    /// The secrets the context names are recorded for SDS.
+    fn downstream_tls(
+        &self,
+        server: &BoundServer,
+        tcp: bool,
+        secrets: &mut BTreeMap<String, SecretRef>,
+    ) -> Result<Json, String> {
+        let Some(t) = server.tls() else {
+            return Err(".tls is required".into());
+        };
+        let mode = tls_mode(t);
+        let alpn: &[&str] = if mode == "ISTIO_MUTUAL" && tcp {
+            &["istio-peer-exchange", "h2", "http/1.1"]
+        } else {
+            &["h2", "http/1.1"]
+        };
+        let require = matches!(mode.as_str(), "MUTUAL" | "ISTIO_MUTUAL");
+        let validate = require || mode == "OPTIONAL_MUTUAL";
+        let mut common = Map::new();
+        common.insert("alpn_protocols".into(), json!(alpn));
+        let credential = t.credential_name.as_deref().filter(|c| !c.is_empty());
+        match (mode.as_str(), credential) {
+            ("ISTIO_MUTUAL", _) => {
+                common.insert(
+                    "tls_certificate_sds_secret_configs".into(),
+                    json!([agent_sds("default")]),
+                );
+                if validate {
+                    common.insert(
+                        "combined_validation_context".into(),
+                        json!({
+                            "default_validation_context": {"match_subject_alt_names": exact_matchers(&t.subject_alt_names)},
+                            "validation_context_sds_secret_config": agent_sds("ROOTCA")
+                        }),
+                    );
+                }
+            }
+            (_, Some(c)) => {
+                let cert = credential_resource(c);
+                common.insert(
+                    "tls_certificate_sds_secret_configs".into(),
+                    json!([credential_sds(&cert)]),
+                );
+                self.want_secret(server, &cert, false, secrets);
+                if validate {
+                    let ca = format!("{cert}-cacert");
+                    let mut dvc = Map::new();
+                    dvc.insert(
+                        "match_subject_alt_names".into(),
+                        exact_matchers(&t.subject_alt_names),
+                    );
+                    if !t.verify_certificate_spki.is_empty() {
+                        dvc.insert(
+                            "verify_certificate_spki".into(),
+                            json!(t.verify_certificate_spki),
+                        );
+                    }
+                    if !t.verify_certificate_hash.is_empty() {
+                        dvc.insert(
+                            "verify_certificate_hash".into(),
+                            json!(t.verify_certificate_hash),
+                        );
+                    }
+                    common.insert(
+                        "combined_validation_context".into(),
+                        json!({"default_validation_context": dvc,
+                               "validation_context_sds_secret_config": credential_sds(&ca)}),
+                    );
+                    self.want_secret(server, &ca, true, secrets);
+                } else if !t.subject_alt_names.is_empty() {
+                    common.insert(
+                        "validation_context".into(),
+                        json!({"match_subject_alt_names": exact_matchers(&t.subject_alt_names)}),
+                    );
+                }
+            }
+            (_, None) => {
+                // check_server_tls refused it already; kept as a guard.
+                return Err(".tls.credentialName is required".into());
+            }
+        }
+        if matches!(mode.as_str(), "SIMPLE" | "MUTUAL" | "OPTIONAL_MUTUAL") {
+            let mut params = Map::new();
+            if let Some(v) = &t.min_protocol_version {
+                if let Some(v) = tls_version(v, ".tls.minProtocolVersion")? {
+                    params.insert("tls_minimum_protocol_version".into(), json!(v));
+                }
+            }
+            if let Some(v) = &t.max_protocol_version {
+                if let Some(v) = tls_version(v, ".tls.maxProtocolVersion")? {
+                    params.insert("tls_maximum_protocol_version".into(), json!(v));
+                }
+            }
+            let suites = filter_cipher_suites(&t.cipher_suites);
+            if !suites.is_empty() {
+                params.insert("cipher_suites".into(), json!(suites));
+            }
+            if !t.ecdh_curves.is_empty() {
+                params.insert("ecdh_curves".into(), json!(t.ecdh_curves));
+            }
+            if !params.is_empty() {
+                common.insert("tls_params".into(), Json::Object(params));
+            }
+        }
+        Ok(json!({
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "common_tls_context": common,
+            "require_client_certificate": require
+        }))
+    }
+
+    /// Records that `resource` (an SDS name) is served to this gateway. Secrets are looked up
+    /// in the gateway's namespace, as istiod does; a reference to another namespace is refused
+    /// at SDS time as istiod refuses it (the chain still names it, and waits).
+    fn want_secret(
+        &self,
+        server: &BoundServer,
+        resource: &str,
+        ca: bool,
+        secrets: &mut BTreeMap<String, SecretRef>,
+    ) {
+        let proxy_ns = self
+            .proxy_namespace
+            .clone()
+            .unwrap_or_else(|| server.gateway_ns.clone());
+        let rest = resource.trim_start_matches("kubernetes://");
+        let (namespace, name) = match rest.split_once('/') {
+            Some((n, name)) => (n.to_string(), name.to_string()),
+            None => (proxy_ns.clone(), rest.to_string()),
+        };
+        let refused = (namespace != proxy_ns).then(|| {
+            format!(
+                "secret {namespace}/{name} is outside the gateway's namespace {proxy_ns}, which istiod does not serve"
+            )
+        });
+        secrets.entry(resource.to_string()).or_insert(SecretRef {
+            namespace,
+            name,
+            ca,
+            reported_by: server.report(String::new()),
+            refused,
+        });
+    }
+
+    /// The SDS secrets the listeners name, from the Kubernetes Secrets read (istiod's
+    /// `SecretGen`): `tls.crt`/`tls.key` or `cert`/`key` as a certificate, `ca.crt` or `cacert`
+    /// (of `<name>-cacert`, else of `<name>` itself) as a CA. A missing one is left out, so
+    /// the listener waits for it, and reported.
+    fn secrets(&mut self, config: &Config, wanted: BTreeMap<String, SecretRef>, out: &mut XdsJson) {
+        use base64::Engine;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        let find = |namespace: &str, name: &str| {
+            config.objects.iter().find_map(|o| match o {
+                Object::Secret(m, s) if ns(m) == namespace && m.name == name => Some(s),
+                _ => None,
+            })
+        };
+        for (resource, r) in wanted {
+            let mut missing = |why: String| {
+                let mut e = r.reported_by.clone();
+                e.reason = format!(
+                    "{}.tls.credentialName: {why}; the secret is left out of SDS, so the listener's chain waits for it (istiod does the same)",
+                    e.reason
+                );
+                self.bad.push(e);
+            };
+            if let Some(why) = &r.refused {
+                missing(why.clone());
+                continue;
+            }
+            if r.ca {
+                let stripped = r.name.strip_suffix("-cacert").unwrap_or(&r.name);
+                let Some(s) = find(&r.namespace, &r.name).or_else(|| find(&r.namespace, stripped))
+                else {
+                    missing(format!(
+                        "no Secret {}/{} (nor {}/{stripped}) for the CA",
+                        r.namespace, r.name, r.namespace
+                    ));
+                    continue;
+                };
+                let Some((ca, crl)) = s
+                    .get("cacert")
+                    .map(|c| (c, s.get("crl")))
+                    .or_else(|| s.get("ca.crt").map(|c| (c, s.get("ca.crl"))))
+                else {
+                    missing(format!(
+                        "Secret {}/{} has no 'cacert' or 'ca.crt' key",
+                        r.namespace, r.name
+                    ));
+                    continue;
+                };
+                let mut vc = Map::new();
+                vc.insert("trusted_ca".into(), json!({"inline_bytes": b64(ca)}));
+                if let Some(crl) = crl {
+                    vc.insert("crl".into(), json!({"inline_bytes": b64(crl)}));
+                }
+                out.secrets.insert(
+                    resource.clone(),
+                    json!({"name": resource, "validation_context": vc}),
+                );
+                continue;
+            }
+            let Some(s) = find(&r.namespace, &r.name) else {
+                missing(format!("no Secret {}/{}", r.namespace, r.name));
+                continue;
+            };
+            let pair = match (s.get("cert"), s.get("key")) {
+                (Some(c), Some(k)) => Some((c, k, None, s.get("crl"))),
+                _ => match (s.get("tls.crt"), s.get("tls.key")) {
+                    (Some(c), Some(k)) => Some((c, k, s.get("tls.ocsp-staple"), s.get("ca.crl"))),
+                    _ => None,
+                },
+            };
+            let Some((cert, key, staple, _crl)) = pair else {
+                missing(format!(
+                    "Secret {}/{} has neither 'tls.crt' and 'tls.key' nor 'cert' and 'key'",
+                    r.namespace, r.name
+                ));
+                continue;
+            };
+            let mut tc = Map::new();
+            tc.insert(
+                "certificate_chain".into(),
+                json!({"inline_bytes": b64(cert)}),
+            );
+            tc.insert("private_key".into(), json!({"inline_bytes": b64(key)}));
+            if let Some(st) = staple {
+                tc.insert("ocsp_staple".into(), json!({"inline_bytes": b64(st)}));
+            }
+            out.secrets.insert(
+                resource.clone(),
+                json!({"name": resource, "tls_certificate": tc}),
             );
         }
     }
 
-    fn listener(&self, name: &str, port: u32, route_name: &str) -> Json {
-        json!({
-            "name": name,
-            "address": {"socket_address": {"address": self.options.bind_address, "port_value": port}},
-            "filter_chains": [{
-                "filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": format!("outbound_{name}"),
-                        "rds": {"config_source": ads_source(), "route_config_name": route_name},
-                        "http_filters": [
-                            {"name": "envoy.filters.http.fault", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"}},
-                            {"name": "envoy.filters.http.cors", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}},
-                            {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
-                        ],
-                        "use_remote_address": true,
-                        "forward_client_cert_details": "SANITIZE_SET",
-                        "set_current_client_cert_details": {"subject": true, "dns": true, "uri": true},
-                        "upgrade_configs": [{"upgrade_type": "websocket"}],
-                        "stream_idle_timeout": "0s",
-                        "normalize_path": true,
-                        "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
-                        "request_id_extension": {"typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
-                            "use_request_id_for_trace_sampling": true
-                        }},
-                        "server_name": "istio-envoy"
-                    }
-                }]
-            }],
-            "traffic_direction": "OUTBOUND"
-        })
+    fn listener(&self, name: &str, port: u32, chains: &[Chain]) -> Json {
+        let mut l = Map::new();
+        l.insert("name".into(), json!(name));
+        l.insert(
+            "address".into(),
+            json!({"socket_address": {"address": self.options.bind_address, "port_value": port}}),
+        );
+        l.insert(
+            "filter_chains".into(),
+            Json::Array(chains.iter().map(Chain::json).collect()),
+        );
+        if chains.iter().any(Chain::needs_tls_inspector) {
+            l.insert(
+                "listener_filters".into(),
+                json!([{"name": "envoy.filters.listener.tls_inspector", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector",
+                    "initial_read_buffer_size": 512
+                }}]),
+            );
+        }
+        l.insert("traffic_direction".into(), json!("OUTBOUND"));
+        Json::Object(l)
     }
+}
 
+/// The connection manager istiod gives a gateway's HTTP and HTTPS chains.
+fn hcm(stat_prefix: &str, route_name: &str) -> Json {
+    json!({
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": stat_prefix,
+            "rds": {"config_source": ads_source(), "route_config_name": route_name},
+            "http_filters": [
+                {"name": "envoy.filters.http.fault", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"}},
+                {"name": "envoy.filters.http.cors", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}},
+                {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+            ],
+            "use_remote_address": true,
+            "forward_client_cert_details": "SANITIZE_SET",
+            "set_current_client_cert_details": {"subject": true, "dns": true, "uri": true},
+            "upgrade_configs": [{"upgrade_type": "websocket"}],
+            "stream_idle_timeout": "0s",
+            "normalize_path": true,
+            "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
+            "request_id_extension": {"typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
+                "use_request_id_for_trace_sampling": true
+            }},
+            "server_name": "istio-envoy"
+        }
+    })
+}
+
+/// What istiod's validation refuses in a server's TLS settings, and what this control plane
+/// cannot serve (certificates mounted as files are istio-agent's to serve).
+fn check_server_tls(s: &Server, protocol: &str) -> Result<(), String> {
+    let Some(t) = &s.tls else {
+        return if matches!(protocol, "HTTPS" | "TLS") {
+            Err(format!(".tls: a {protocol} server needs tls settings (istiod refuses it without); server skipped"))
+        } else {
+            Ok(())
+        };
+    };
+    if is_http_protocol(protocol) {
+        // An HTTP server's tls holds httpsRedirect; nothing there terminates TLS.
+        return Ok(());
+    }
+    let mode = tls_mode(t);
+    match mode.as_str() {
+        "PASSTHROUGH" | "AUTO_PASSTHROUGH" | "ISTIO_MUTUAL" => Ok(()),
+        "SIMPLE" | "MUTUAL" | "OPTIONAL_MUTUAL" => {
+            if t.credential_name.as_deref().is_some_and(|c| !c.is_empty()) {
+                Ok(())
+            } else if t.server_certificate.is_some() || t.private_key.is_some() {
+                Err(".tls.serverCertificate: certificates mounted as files are served by istio-agent, not by this control plane; use credentialName (a Kubernetes Secret); server skipped".into())
+            } else {
+                Err(format!(
+                    ".tls.credentialName: {mode} needs a credentialName; server skipped"
+                ))
+            }
+        }
+        other => Err(format!(".tls.mode: unknown mode '{other}'; server skipped")),
+    }
+}
+
+/// istiod's `l4SingleMatch` at a gateway: the port (0: any) and the gateways (none: any).
+fn l4_match(port: Option<u32>, gateways: &[String], server: &BoundServer, vs_ns: &str) -> bool {
+    port.is_none_or(|p| p == 0 || p == server.number)
+        && (gateways.is_empty() || server.named_by(gateways, vs_ns))
+}
+
+/// istiod's `FilterCipherSuites`: BoringSSL's names (and expressions starting with an operator)
+/// kept once each, in order; anything else would make Envoy NACK, so it is dropped.
+fn filter_cipher_suites(suites: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for s in suites {
+        let operator = s.chars().next().is_some_and(|c| !c.is_alphanumeric());
+        let valid =
+            s.is_empty() || s == "ALL" || operator || VALID_CIPHER_SUITES.contains(&s.as_str());
+        if valid && !out.contains(s) {
+            out.push(s.clone());
+        }
+    }
+    out
+}
+
+/// A tcp_proxy network filter as istiod builds it: the DestinationRule's TCP idle timeout and
+/// maximum connection duration, and source-IP hashing when the rule (or the subset) asks.
+fn tcp_proxy_json(
+    stat_prefix: &str,
+    target: Json,
+    rule: Option<&DestinationRuleSpec>,
+    subset: &str,
+) -> Json {
+    let mut p = Map::new();
+    p.insert(
+        "@type".into(),
+        json!("type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"),
+    );
+    p.insert("stat_prefix".into(), json!(stat_prefix));
+    if let Json::Object(t) = target {
+        p.extend(t);
+    }
+    let policy = rule.and_then(|r| r.traffic_policy.as_ref());
+    let tcp = policy
+        .and_then(|tp| tp.connection_pool.as_ref())
+        .and_then(|cp| cp.tcp.as_ref());
+    // A bad duration is reported with the DestinationRule's clusters.
+    if let Some(d) = tcp
+        .and_then(|t| t.idle_timeout.as_deref())
+        .and_then(|d| duration(d).ok())
+    {
+        p.insert("idle_timeout".into(), json!(d));
+    }
+    if let Some(d) = tcp
+        .and_then(|t| t.max_connection_duration.as_deref())
+        .and_then(|d| duration(d).ok())
+    {
+        p.insert("max_downstream_connection_duration".into(), json!(d));
+    }
+    let mut source_ip = policy
+        .and_then(|tp| tp.load_balancer.as_ref())
+        .and_then(|lb| lb.consistent_hash.as_ref())
+        .and_then(|ch| ch.use_source_ip)
+        .unwrap_or(false);
+    if let Some(s) = rule.and_then(|r| r.subsets.iter().find(|s| s.name == subset)) {
+        if let Some(lb) = s
+            .traffic_policy
+            .as_ref()
+            .and_then(|tp| tp.load_balancer.as_ref())
+        {
+            source_ip = lb
+                .consistent_hash
+                .as_ref()
+                .and_then(|ch| ch.use_source_ip)
+                .unwrap_or(false);
+        }
+    }
+    if source_ip {
+        p.insert("hash_policy".into(), json!([{"source_ip": {}}]));
+    }
+    json!({"name": "envoy.filters.network.tcp_proxy", "typed_config": p})
+}
+
+impl Ctx<'_> {
     fn virtual_hosts(
         &mut self,
         servers: &[BoundServer],
@@ -1375,7 +2362,6 @@ impl Ctx<'_> {
                 break;
             }
         }
-        let _ = &server.gateway_ns;
         routes
     }
 
@@ -1988,3 +2974,7 @@ fn cors(c: &CorsPolicy, at: &str) -> Result<Json, String> {
 #[cfg(test)]
 #[path = "translate_tests.rs"]
 mod translate_tests;
+
+#[cfg(test)]
+#[path = "translate_tls_tests.rs"]
+mod translate_tls_tests;

@@ -28,7 +28,7 @@ fn bookinfo() -> Config {
 }
 
 /// What the control plane serves must be what the data plane accepts, as one ADS stream
-/// delivers it: CDS, EDS, LDS, RDS.
+/// delivers it: CDS, EDS, LDS, RDS, SDS.
 pub(crate) fn accepted_by_portico(xds: &Xds) {
     use crate::xds::store::Store;
     use crate::xds::types::Kind;
@@ -38,6 +38,7 @@ pub(crate) fn accepted_by_portico(xds: &Xds) {
         (Kind::Endpoint, &xds.endpoints),
         (Kind::Listener, &xds.listeners),
         (Kind::Route, &xds.routes),
+        (Kind::Secret, &xds.secrets),
     ] {
         let resources: Vec<Any> = set.values().cloned().collect();
         match store.apply(kind, "1", &resources) {
