@@ -46,6 +46,10 @@ impl L4Connect for UpstreamTls {
         let Some(inet) = addr.as_inet() else {
             return Error::e_explain(ErrorType::ConnectError, "upstream TLS needs an IP address");
         };
+        let Some(config) = &self.config else {
+            // Envoy's words for a socket whose SDS secret has not arrived.
+            return Error::e_explain(TLS_FAILURE, "Secret is not supplied by SDS");
+        };
         let tcp = TcpStream::connect(inet).await.map_err(|e| {
             let kind = match e.kind() {
                 std::io::ErrorKind::ConnectionRefused => ErrorType::ConnectRefused,
@@ -59,7 +63,7 @@ impl L4Connect for UpstreamTls {
             Some(n) => n.clone(),
             None => ServerName::IpAddress(inet.ip().into()),
         };
-        let tls = tokio_rustls::TlsConnector::from(self.config.clone())
+        let tls = tokio_rustls::TlsConnector::from(config.clone())
             .connect(name, tcp)
             .await
             .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))?;

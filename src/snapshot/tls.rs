@@ -22,8 +22,8 @@ pub const TLS_INSPECTOR_TYPE: &str =
 #[derive(Debug, Clone)]
 pub enum CertSource {
     Inline(Arc<CertifiedKey>),
-    /// An SDS secret name, delivered on the ADS stream.
-    Sds(String),
+    /// An SDS secret, over ADS or from an SDS cluster.
+    Sds(super::sds::SdsRef),
 }
 
 /// The parts of a `DownstreamTlsContext` Portico applies.
@@ -301,24 +301,10 @@ impl DownstreamTls {
             ([one], []) => CertSource::Inline(
                 tls_certificate(one).map_err(|e| format!("tls_certificates[0]: {e}"))?,
             ),
-            ([], [sds]) => {
-                let ads = matches!(
-                    sds.sds_config
-                        .as_ref()
-                        .and_then(|s| s.config_source_specifier.as_ref()),
-                    Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
-                );
-                if sds.name.is_empty() {
-                    return Err("tls_certificate_sds_secret_configs[0]: name is required".into());
-                }
-                if !ads {
-                    return Err(
-                        "tls_certificate_sds_secret_configs[0].sds_config: only ads is supported"
-                            .into(),
-                    );
-                }
-                CertSource::Sds(sds.name.clone())
-            }
+            ([], [sds]) => CertSource::Sds(super::sds::SdsRef::parse(
+                sds,
+                "tls_certificate_sds_secret_configs[0]",
+            )?),
             ([], []) => {
                 return Err("No TLS certificates found for server context".into());
             }
@@ -381,8 +367,12 @@ impl DownstreamTls {
     }
 
     pub fn sds_name(&self) -> Option<&str> {
+        self.sds().map(|s| s.name.as_str())
+    }
+
+    pub fn sds(&self) -> Option<&super::sds::SdsRef> {
         match &self.cert {
-            CertSource::Sds(n) => Some(n),
+            CertSource::Sds(s) => Some(s),
             CertSource::Inline(_) => None,
         }
     }
