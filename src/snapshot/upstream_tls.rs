@@ -69,7 +69,7 @@ enum ValidationPart {
     /// `combined_validation_context`: the secret merged over the default, as Envoy merges it.
     Sds {
         secret: SdsRef,
-        default: tlspb::CertificateValidationContext,
+        default: Box<tlspb::CertificateValidationContext>,
     },
 }
 
@@ -82,6 +82,9 @@ struct Parts {
     cert: CertPart,
     validation: ValidationPart,
 }
+
+/// A socket built with its SDS secrets, and the secrets it was built from.
+pub type BuiltSocket = (Arc<UpstreamTls>, Vec<Arc<SecretDef>>);
 
 /// A secret as the store holds it: its translation and its encoding (the encoding counts
 /// for the socket's identity).
@@ -453,7 +456,7 @@ impl UpstreamTls {
             )),
             Some(V::ValidationContextSdsSecretConfig(sds)) => ValidationPart::Sds {
                 secret: sds_ref(sds, "validation_context_sds_secret_config")?,
-                default: Default::default(),
+                default: Box::default(),
             },
             Some(V::CombinedValidationContext(cv)) => {
                 let at = "common_tls_context.combined_validation_context";
@@ -499,7 +502,7 @@ impl UpstreamTls {
                         sds,
                         "combined_validation_context.validation_context_sds_secret_config",
                     )?,
-                    default: default.clone(),
+                    default: Box::new(default.clone()),
                 }
             }
             // The deprecated certificate provider fields.
@@ -633,10 +636,7 @@ impl UpstreamTls {
     /// The socket built with its SDS secrets and the secrets used; Ok(None) while one has not
     /// arrived. A secret of the wrong kind, or a validation secret that does not complete its
     /// context into a valid one, is an error naming it.
-    pub fn with_secrets(
-        &self,
-        lookup: &SecretLookup<'_>,
-    ) -> Result<Option<(Arc<UpstreamTls>, Vec<Arc<SecretDef>>)>, String> {
+    pub fn with_secrets(&self, lookup: &SecretLookup<'_>) -> Result<Option<BuiltSocket>, String> {
         let Some(parts) = &self.sds else {
             return Err("this socket needs no SDS secret".into());
         };

@@ -673,7 +673,6 @@ impl Secrets {
         Secrets(
             list.into_iter()
                 .map(|s| (SecretDef::translate(&s).expect("secret"), s.encode_to_vec()))
-                .map(|(d, b)| (d, b))
                 .collect(),
         )
     }

@@ -1347,7 +1347,7 @@ mod sds {
         let s = sds_push(&s, &[root("ROOTCA"), secret("unasked", None)]).expect("accepted");
         assert_eq!(names(&s.secrets), ["ROOTCA", "default"]);
         assert!(
-            s.versions.get(&Kind::Secret).is_none(),
+            !s.versions.contains_key(&Kind::Secret),
             "ADS versions untouched"
         );
         let first = snap(&s, &warming);
