@@ -1043,3 +1043,58 @@ async fn an_sds_cluster_missing_from_the_bootstrap() {
     let r = mesh.get("/", HOST, &[]).await;
     assert_eq!(r.backend(), Some("reviews"), "{r:?}");
 }
+
+/// Upstream SDS over the ADS stream (`sds_config: {ads: {}}`): the same ISTIO_MUTUAL socket,
+/// its cluster warming until both secrets have come, then reaching the mTLS pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_secrets_over_ads() {
+    let mesh_ca = Pki::new("cluster.local");
+    let backend = mtls_backend(
+        "reviews",
+        &mesh_ca.leaf_with_uris(&[], &[REVIEWS]),
+        &mesh_ca,
+    )
+    .await;
+    let mut ctx = istio_mutual(REVIEWS, "unused");
+    if let Some(c) = &mut ctx.common_tls_context {
+        c.tls_certificate_sds_secret_configs[0].sds_config = Some(ads_source());
+        if let Some(ValidationContextType::CombinedValidationContext(cv)) =
+            &mut c.validation_context_type
+        {
+            if let Some(s) = &mut cv.validation_context_sds_secret_config {
+                s.sds_config = Some(ads_source());
+            }
+        }
+    }
+    let addr = backend.addr;
+    let gateway = mesh_ca.leaf_with_uris(&[], &[GATEWAY]);
+    let mesh = Mesh::start(move |port| Snapshot {
+        routes: vec![route_config(
+            &route_name(port),
+            vec![vhost(
+                "h",
+                &[HOST],
+                vec![rt(prefix("/"), to_cluster("reviews"))],
+            )],
+        )],
+        clusters: vec![mesh_cluster("reviews", ctx)],
+        endpoints: vec![istio_endpoints("reviews", addr)],
+        secrets: vec![cert_secret("default", &gateway), root_secret(&mesh_ca)],
+        ..Default::default()
+    })
+    .await;
+    mesh.wait_backend("/", HOST, &[], "reviews").await;
+    let r = mesh.get("/", HOST, &[]).await;
+    assert_eq!(r.header("x-client-uri"), Some(GATEWAY), "{r:?}");
+    let asked: std::collections::BTreeSet<String> = mesh
+        .ads
+        .log()
+        .iter()
+        .filter(|q| q.type_url == SDS)
+        .flat_map(|q| q.resource_names.clone())
+        .collect();
+    assert!(
+        asked.contains("default") && asked.contains("ROOTCA"),
+        "{asked:?}"
+    );
+}
