@@ -317,10 +317,15 @@ const CLUSTER_RULE: Rule = Fields(&[
                                 "endpoint",
                                 Fields(&[(
                                     "address",
-                                    Fields(&[(
-                                        "socket_address",
-                                        Fields(&[("address", Accept), ("port_value", Accept)]),
-                                    )]),
+                                    Fields(&[
+                                        (
+                                            "socket_address",
+                                            Fields(&[("address", Accept), ("port_value", Accept)]),
+                                        ),
+                                        // Dialled by the ADS and SDS clients (istio-agent's
+                                        // xds-grpc and sds-grpc); not by the HTTP data path.
+                                        ("pipe", Accept),
+                                    ]),
                                 )]),
                             ),
                             ("load_balancing_weight", Accept),
@@ -536,8 +541,8 @@ fn check_endpoints(
             let Some(HostIdentifier::Endpoint(endpoint)) = &lb_endpoint.host_identifier else {
                 continue;
             };
-            // Pipes and internal addresses are warned about by the field walk, not rejected:
-            // istio-agent's sds-grpc and xds-grpc clusters use unix sockets.
+            // Pipes are for the ADS and SDS clients (istio-agent's sds-grpc and xds-grpc);
+            // internal addresses are warned about by the field walk.
             let Some(AddressKind::SocketAddress(sa)) =
                 endpoint.address.as_ref().and_then(|a| a.address.as_ref())
             else {
@@ -1246,8 +1251,6 @@ static_resources:
             msg("bootstrap_extensions"),
             msg("layered_runtime"),
             msg("overload_manager"),
-            // sds-grpc and xds-grpc both dial unix sockets: one warning for the path.
-            msg("static_resources.clusters[*].load_assignment.endpoints[*].lb_endpoints[*].endpoint.address.pipe"),
             msg("stats_config"),
             msg("tracing"),
         ];

@@ -30,25 +30,27 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
         .add_static(&sr.listeners, &sr.clusters)
         .map_err(ServerError::Static)?;
     if let Some(ads) = &b.ads {
-        ads_target(&store, &ads.cluster_name)?;
+        ads_target(b, &store, &ads.cluster_name)?;
     }
     Ok(store)
 }
 
-/// The ADS server's address; None when the cluster has no endpoint (valid config to Envoy,
-/// which then never receives any).
-fn ads_target(store: &Store, cluster: &str) -> Result<Option<(String, u16)>, ServerError> {
+/// The ADS server's address (a socket address or a unix socket); None when the cluster has
+/// no endpoint (valid config to Envoy, which then never receives any).
+fn ads_target(
+    b: &Bootstrap,
+    store: &Store,
+    cluster: &str,
+) -> Result<Option<crate::xds::grpc::GrpcTarget>, ServerError> {
     let err = |m: &str| ServerError::AdsCluster(cluster.to_string(), m.to_string());
     let c = store
         .clusters
         .get(cluster)
         .ok_or_else(|| err("not defined in static_resources.clusters"))?;
-    let spec = c
-        .value
-        .inline
-        .as_ref()
-        .ok_or_else(|| err("must be STATIC or STRICT_DNS"))?;
-    Ok(spec.endpoints.first().map(|e| (e.host.clone(), e.port)))
+    if c.value.inline.is_none() {
+        return Err(err("must be STATIC or STRICT_DNS"));
+    }
+    Ok(crate::xds::grpc::bootstrap_target(&b.proto, cluster))
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -75,12 +77,21 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
         };
         let listeners = ListenerManager::new(worker_handles, state.clone());
         let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners);
+        // SDS streams may dial any static cluster of the bootstrap.
+        let targets = b
+            .proto
+            .static_resources
+            .iter()
+            .flat_map(|s| s.clusters.iter())
+            .map(|c| (c.name.clone(), crate::xds::grpc::bootstrap_target(&b.proto, &c.name)))
+            .collect();
+        worker.sds = crate::xds::sds::SdsManager::new(b.proto.node.clone().unwrap_or_default(), targets);
         worker.commit(store.clone()).map_err(ServerError::Static)?;
         if let Some(l) = admin {
             tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
             tokio::spawn(crate::admin::serve(l, state.clone()));
         }
-        let ads = b.ads.as_ref().map(|a| ads_target(&store, &a.cluster_name)).transpose()?;
+        let ads = b.ads.as_ref().map(|a| ads_target(&b, &store, &a.cluster_name)).transpose()?;
         if let (Some(a), Some(None)) = (&b.ads, &ads) {
             tracing::error!(cluster = %a.cluster_name, "the ADS cluster has no endpoint: no dynamic config will arrive");
         }
@@ -95,7 +106,8 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
             // arrive, so never ready, as Envoy). The worker keeps the static listeners alive.
             _ => {
                 if ads.is_none() {
-                    state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                    worker.ads_ready = true;
+                    worker.update_ready();
                 }
                 tokio::spawn(async move {
                     loop {

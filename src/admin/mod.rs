@@ -309,6 +309,19 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             warming_since.entry(name).or_insert(item.last_updated);
         }
     }
+    // Clusters' sockets too, whichever source (ADS or an SDS cluster) the secret comes from.
+    for item in store.clusters.values() {
+        for r in item
+            .value
+            .transport
+            .sds_refs()
+            .filter(|r| !store.secrets.contains_key(&r.name))
+        {
+            warming_since
+                .entry(r.name.as_str())
+                .or_insert(item.last_updated);
+        }
+    }
     let warming: Vec<_> = warming_since
         .into_iter()
         .map(|(n, t)| {

@@ -203,6 +203,10 @@ impl L4Connect for EndpointTls {
         _relay_addr: &pingora_core::protocols::l4::socket::SocketAddr,
     ) -> Result<Stream> {
         let inet = self.addr;
+        let Some(config) = &self.tls.config else {
+            // Envoy's words for a socket whose SDS secret has not arrived.
+            return Error::e_explain(TLS_FAILURE, "Secret is not supplied by SDS");
+        };
         let tcp = TcpStream::connect(inet).await.map_err(|e| {
             let kind = match e.kind() {
                 std::io::ErrorKind::ConnectionRefused => ErrorType::ConnectRefused,
@@ -228,7 +232,7 @@ impl L4Connect for EndpointTls {
             Some(n) => n.clone(),
             None => ServerName::IpAddress(inet.ip().into()),
         };
-        let tls = tokio_rustls::TlsConnector::from(self.tls.config.clone())
+        let tls = tokio_rustls::TlsConnector::from(config.clone())
             .connect(name, tcp)
             .await
             .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))?;

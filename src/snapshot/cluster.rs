@@ -199,6 +199,9 @@ pub struct Cluster {
     pub transport: Vec<u16>,
     /// Per host, its TLS connection settings (None: plain text); empty without TLS.
     pub tls_hosts: Vec<Option<Arc<super::upstream_tls::EndpointTls>>>,
+    /// The sockets built with their SDS secrets; empty when the sockets need none, and then
+    /// `def.transport`'s are used as they are.
+    pub sockets: Arc<super::upstream_tls::Resolved>,
 }
 
 impl Cluster {
@@ -206,6 +209,16 @@ impl Cluster {
         def: Arc<ClusterDef>,
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
+    ) -> Cluster {
+        Cluster::with_sockets(def, endpoints, stats, Default::default())
+    }
+
+    /// `new`, with the sockets built from SDS secrets (see `TransportSockets::resolve`).
+    pub fn with_sockets(
+        def: Arc<ClusterDef>,
+        endpoints: Arc<LoadAssignment>,
+        stats: Arc<ClusterStats>,
+        sockets: Arc<super::upstream_tls::Resolved>,
     ) -> Cluster {
         let (hc_generation, hc) = match &def.health_check {
             Some(_) => (
@@ -270,7 +283,13 @@ impl Cluster {
                 .enumerate()
                 .map(|(i, h)| {
                     let socket = transport.get(i).map_or(0, |&s| usize::from(s));
-                    def.transport.get(socket).map(|t| {
+                    // The sockets built with their SDS secrets, when they need any.
+                    let tls = if sockets.sockets.is_empty() {
+                        def.transport.get(socket)
+                    } else {
+                        sockets.sockets.get(socket).and_then(Option::as_ref)
+                    };
+                    tls.map(|t| {
                         Arc::new(super::upstream_tls::EndpointTls::new(
                             t.clone(),
                             h.addr,
@@ -285,6 +304,7 @@ impl Cluster {
         Cluster {
             tls_hosts,
             transport,
+            sockets,
             hc,
             hc_generation,
             outlier,
@@ -503,8 +523,12 @@ impl ClusterDef {
                 return Err(err("load_assignment.cluster_name must not be empty".into()))
             }
             (_, Some(la)) => Some(
-                load_assignment_spec(la, kind != DiscoveryKind::Static)
-                    .map_err(|e| err(format!("load_assignment: {e}")))?,
+                load_assignment_spec(
+                    la,
+                    kind != DiscoveryKind::Static,
+                    kind == DiscoveryKind::Static,
+                )
+                .map_err(|e| err(format!("load_assignment: {e}")))?,
             ),
             (_, None) => Some(LoadAssignmentSpec::default()),
         };
@@ -1012,9 +1036,13 @@ fn health(status: i32) -> Health {
     }
 }
 
+/// `skip_pipes`: a static cluster's unix socket endpoints (istio-agent's `sds-grpc` and
+/// `xds-grpc`) are left out of its hosts: only the SDS and ADS clients dial them, from the
+/// bootstrap, and the HTTP data path cannot reach a pipe.
 fn load_assignment_spec(
     la: &epb::ClusterLoadAssignment,
     allow_hostnames: bool,
+    skip_pipes: bool,
 ) -> Result<LoadAssignmentSpec, String> {
     let mut spec = LoadAssignmentSpec::default();
     if let Some(p) = &la.policy {
@@ -1073,6 +1101,13 @@ fn load_assignment_spec(
                 Some(_) => return Err(format!("{at}: endpoint_name is not supported")),
                 None => return Err(format!("{at}: endpoint is required")),
             };
+            let pipe = matches!(
+                ep.address.as_ref().and_then(|a| a.address.as_ref()),
+                Some(corepb::address::Address::Pipe(_))
+            );
+            if pipe && skip_pipes {
+                continue;
+            }
             let (host, port) = socket_address(ep.address.as_ref())
                 .map_err(|e| format!("{at}.endpoint.address: {e}"))?;
             if !allow_hostnames && host.parse::<std::net::IpAddr>().is_err() {
@@ -1116,7 +1151,7 @@ impl LoadAssignment {
             ));
         }
         let at = |e| TranslateError::new(format!("endpoints '{}'", la.cluster_name), e);
-        let spec = load_assignment_spec(la, false).map_err(at)?;
+        let spec = load_assignment_spec(la, false, false).map_err(at)?;
         let mut out = LoadAssignment::from_resolved(&spec, |h| h.parse().ok());
         out.checks = super::health_check::endpoint_checks(la).map_err(at)?;
         Ok(out)

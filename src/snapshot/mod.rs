@@ -15,6 +15,7 @@ pub mod outlier;
 pub mod ratelimit;
 pub mod retry;
 pub mod route;
+pub mod sds;
 pub mod tcp_proxy;
 pub mod tls;
 pub mod upgrade;

@@ -24,8 +24,8 @@ pub const TLS_INSPECTOR_TYPE: &str =
 #[derive(Debug, Clone)]
 pub enum CertSource {
     Inline(Arc<CertifiedKey>),
-    /// An SDS secret name, delivered on the ADS stream.
-    Sds(String),
+    /// An SDS secret, over ADS or from an SDS cluster.
+    Sds(super::sds::SdsRef),
 }
 
 /// Where a chain's client-certificate validation comes from.
@@ -37,7 +37,7 @@ pub enum ClientValidation {
     /// `validation_context_sds_secret_config`, or a `combined_validation_context` whose
     /// default half is merged under the secret.
     Sds {
-        name: String,
+        sds: super::sds::SdsRef,
         default: Option<Box<tlspb::CertificateValidationContext>>,
     },
 }
@@ -310,7 +310,10 @@ impl DownstreamTls {
             ([one], []) => CertSource::Inline(
                 tls_certificate(one).map_err(|e| format!("tls_certificates[0]: {e}"))?,
             ),
-            ([], [sds]) => CertSource::Sds(sds_name(sds, "tls_certificate_sds_secret_configs[0]")?),
+            ([], [sds]) => CertSource::Sds(super::sds::SdsRef::parse(
+                sds,
+                "tls_certificate_sds_secret_configs[0]",
+            )?),
             ([], []) => {
                 return Err("No TLS certificates found for server context".into());
             }
@@ -404,34 +407,22 @@ impl DownstreamTls {
     }
 
     /// The SDS secrets the chain waits for: its certificate's and its validation context's.
-    pub fn sds_names(&self) -> impl Iterator<Item = &str> {
+    pub fn sds_refs(&self) -> impl Iterator<Item = &super::sds::SdsRef> {
         let cert = match &self.cert {
-            CertSource::Sds(n) => Some(n.as_str()),
+            CertSource::Sds(s) => Some(s),
             CertSource::Inline(_) => None,
         };
         let validation = match &self.validation {
-            ClientValidation::Sds { name, .. } => Some(name.as_str()),
+            ClientValidation::Sds { sds, .. } => Some(sds),
             _ => None,
         };
         cert.into_iter().chain(validation)
     }
-}
 
-/// An SDS secret reference's name, once its source is one Portico can read.
-fn sds_name(sds: &tlspb::SdsSecretConfig, at: &str) -> Result<String, String> {
-    let ads = matches!(
-        sds.sds_config
-            .as_ref()
-            .and_then(|s| s.config_source_specifier.as_ref()),
-        Some(corepb::config_source::ConfigSourceSpecifier::Ads(_))
-    );
-    if sds.name.is_empty() {
-        return Err(format!("{at}: name is required"));
+    /// The names of `sds_refs`.
+    pub fn sds_names(&self) -> impl Iterator<Item = &str> {
+        self.sds_refs().map(|r| r.name.as_str())
     }
-    if !ads {
-        return Err(format!("{at}.sds_config: only ads is supported"));
-    }
-    Ok(sds.name.clone())
 }
 
 /// The chain's client certificate validation, as configured.
@@ -445,7 +436,10 @@ fn client_validation(c: &tlspb::CommonTlsContext) -> Result<ClientValidation, St
                 .map_err(|e| format!("{at}.{e}"))?,
         )),
         Some(V::ValidationContextSdsSecretConfig(sds)) => ClientValidation::Sds {
-            name: sds_name(sds, &format!("{at}.validation_context_sds_secret_config"))?,
+            sds: super::sds::SdsRef::parse(
+                sds,
+                &format!("{at}.validation_context_sds_secret_config"),
+            )?,
             default: None,
         },
         Some(V::CombinedValidationContext(cv)) => {
@@ -463,7 +457,7 @@ fn client_validation(c: &tlspb::CommonTlsContext) -> Result<ClientValidation, St
                 ));
             }
             ClientValidation::Sds {
-                name: sds_name(
+                sds: super::sds::SdsRef::parse(
                     sds,
                     &format!(
                         "{at}.combined_validation_context.validation_context_sds_secret_config"

@@ -196,7 +196,7 @@ fn cipher_suites_rustls_lacks_are_left_out_and_unknown_ones_rejected() {
 }
 
 #[test]
-fn sds_certificates_need_ads() {
+fn sds_certificates_need_a_config_source() {
     let sds = |ads: bool| tlspb::CommonTlsContext {
         tls_certificate_sds_secret_configs: vec![tlspb::SdsSecretConfig {
             name: "kubernetes://bookinfo-cert".into(),
@@ -216,7 +216,7 @@ fn sds_certificates_need_ads() {
     );
     assert!(t.inline_config.is_none());
     let e = DownstreamTls::translate(&ctx(sds(false))).unwrap_err();
-    assert!(e.contains("only ads is supported"), "{e}");
+    assert!(e.contains("sds_config: is required"), "{e}");
 }
 
 #[test]

@@ -19,6 +19,8 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, SignatureScheme};
 
+use super::sds::SdsRef;
+use super::tls::SecretDef;
 #[cfg(test)]
 use super::validation::{dns_name_match, SanKind};
 #[cfg(test)]
@@ -37,13 +39,87 @@ pub const MATCH_KEY: &str = "envoy.transport_socket_match";
 pub struct UpstreamTls {
     /// `sni`; None sends no server name at all, as Envoy does for an empty `sni`.
     pub sni: Option<ServerName<'static>>,
-    pub config: Arc<rustls::ClientConfig>,
+    /// None while a secret it needs has not come over SDS: a connection then fails, as
+    /// Envoy's does for a socket whose secret is not supplied yet.
+    pub config: Option<Arc<rustls::ClientConfig>>,
     /// Keeps pingora's connection pool from mixing connections of different TLS settings
     /// (its reuse hash leaves out the custom connector): the hash of `identity`.
     pub group_key: u64,
-    /// The transport socket as configured plus every file it read: equal identities make
-    /// equal sockets, so an unchanged cluster compares equal across pushes.
+    /// The transport socket as configured plus every file and SDS secret it read: equal
+    /// identities make equal sockets, so an unchanged cluster compares equal across pushes,
+    /// and a rotated secret makes a socket whose connections are pooled apart.
     identity: Vec<u8>,
+    /// What comes over SDS, and everything else the config is built from once it is in.
+    sds: Option<Arc<Parts>>,
+}
+
+/// Where the client certificate comes from.
+#[derive(Debug)]
+enum CertPart {
+    None,
+    Inline(Arc<CertifiedKey>),
+    Sds(SdsRef),
+}
+
+/// Where the validation context comes from.
+#[derive(Debug)]
+enum ValidationPart {
+    Inline(Arc<Validator>),
+    /// `validation_context_sds_secret_config` (an empty default) or a
+    /// `combined_validation_context`: the secret merged over the default, as Envoy merges it.
+    Sds {
+        secret: SdsRef,
+        default: Box<tlspb::CertificateValidationContext>,
+    },
+}
+
+/// A socket's settings before its secrets: everything a `ClientConfig` is built from.
+#[derive(Debug)]
+struct Parts {
+    versions: Vec<&'static rustls::SupportedProtocolVersion>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+    alpn: Vec<Vec<u8>>,
+    cert: CertPart,
+    validation: ValidationPart,
+}
+
+/// A socket built with its SDS secrets, and the secrets it was built from.
+pub type BuiltSocket = (Arc<UpstreamTls>, Vec<Arc<SecretDef>>);
+
+/// A secret as the store holds it: its translation and its encoding (the encoding counts
+/// for the socket's identity).
+pub type SecretLookup<'a> = dyn Fn(&SdsRef) -> Option<(Arc<SecretDef>, &'a [u8])> + 'a;
+
+impl Parts {
+    fn build(
+        &self,
+        cert: Option<Arc<CertifiedKey>>,
+        validator: Arc<Validator>,
+    ) -> Result<Arc<rustls::ClientConfig>, String> {
+        let builder = rustls::ClientConfig::builder_with_provider(self.provider.clone())
+            .with_protocol_versions(&self.versions)
+            .map_err(|e| format!("common_tls_context.tls_params: {e}"))?
+            .dangerous()
+            .with_custom_certificate_verifier(validator);
+        let mut config = match cert {
+            Some(ck) => builder.with_client_cert_resolver(Arc::new(ClientCert(ck))),
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = self.alpn.clone();
+        Ok(Arc::new(config))
+    }
+
+    fn sds_refs(&self) -> impl Iterator<Item = &SdsRef> {
+        let cert = match &self.cert {
+            CertPart::Sds(r) => Some(r),
+            _ => None,
+        };
+        let validation = match &self.validation {
+            ValidationPart::Sds { secret, .. } => Some(secret),
+            ValidationPart::Inline(_) => None,
+        };
+        cert.into_iter().chain(validation)
+    }
 }
 
 impl PartialEq for UpstreamTls {
@@ -328,6 +404,18 @@ fn validator(
     })
 }
 
+fn no_validation() -> Validator {
+    Validator {
+        chain: None,
+        check: CertValidation::default(),
+        algorithms: rustls::crypto::ring::default_provider().signature_verification_algorithms,
+    }
+}
+
+fn sds_ref(c: &tlspb::SdsSecretConfig, field: &str) -> Result<SdsRef, String> {
+    SdsRef::parse(c, &format!("common_tls_context.{field}"))
+}
+
 impl UpstreamTls {
     /// `identity` holds the transport socket's encoding; the files read are appended.
     fn translate(
@@ -346,12 +434,6 @@ impl UpstreamTls {
         }
         let empty = tlspb::CommonTlsContext::default();
         let c = ctx.common_tls_context.as_ref().unwrap_or(&empty);
-        if !c.tls_certificate_sds_secret_configs.is_empty() {
-            return Err(
-                "common_tls_context.tls_certificate_sds_secret_configs is not supported yet for upstream TLS"
-                    .into(),
-            );
-        }
         if c.tls_certificate_provider_instance.is_some() || c.custom_handshaker.is_some() {
             return Err(
                 "common_tls_context: tls_certificate_provider_instance and custom_handshaker are not supported"
@@ -367,39 +449,74 @@ impl UpstreamTls {
             return Err("common_tls_context.key_log is not supported".into());
         }
         use tlspb::common_tls_context::ValidationContextType as V;
-        let validator = match &c.validation_context_type {
-            None => Validator {
-                chain: None,
-                check: CertValidation::default(),
-                algorithms: rustls::crypto::ring::default_provider()
-                    .signature_verification_algorithms,
+        let validation = match &c.validation_context_type {
+            None => ValidationPart::Inline(Arc::new(no_validation())),
+            Some(V::ValidationContext(vc)) => ValidationPart::Inline(Arc::new(
+                validator(vc, identity).map_err(|e| format!("common_tls_context.{e}"))?,
+            )),
+            Some(V::ValidationContextSdsSecretConfig(sds)) => ValidationPart::Sds {
+                secret: sds_ref(sds, "validation_context_sds_secret_config")?,
+                default: Box::default(),
             },
-            Some(V::ValidationContext(vc)) => {
-                validator(vc, identity).map_err(|e| format!("common_tls_context.{e}"))?
-            }
-            Some(V::ValidationContextSdsSecretConfig(_)) => {
-                return Err(
-                    "common_tls_context.validation_context_sds_secret_config is not supported yet for upstream TLS"
-                        .into(),
-                )
-            }
-            Some(V::CombinedValidationContext(_)) => {
-                return Err(
-                    "common_tls_context.combined_validation_context is not supported yet for upstream TLS"
-                        .into(),
-                )
+            Some(V::CombinedValidationContext(cv)) => {
+                let at = "common_tls_context.combined_validation_context";
+                #[allow(deprecated)]
+                if cv.validation_context_certificate_provider.is_some()
+                    || cv
+                        .validation_context_certificate_provider_instance
+                        .is_some()
+                {
+                    return Err(format!(
+                        "{at}: validation context certificate providers are not supported"
+                    ));
+                }
+                let Some(default) = &cv.default_validation_context else {
+                    return Err(format!("{at}.default_validation_context: is required"));
+                };
+                let Some(sds) = &cv.validation_context_sds_secret_config else {
+                    return Err(format!(
+                        "{at}.validation_context_sds_secret_config: is required"
+                    ));
+                };
+                // The default half alone must be valid apart from what the secret brings
+                // (the CA), so its own mistakes are refused with the cluster.
+                let mut alone = default.clone();
+                alone.match_typed_subject_alt_names.clear();
+                #[allow(deprecated)]
+                alone.match_subject_alt_names.clear();
+                CertValidation::parse(&alone, &mut Vec::new(), Side::Upstream)
+                    .map_err(|e| format!("{at}.default_{e}"))?;
+                let typed = default
+                    .match_typed_subject_alt_names
+                    .iter()
+                    .filter_map(|m| m.matcher.as_ref());
+                #[allow(deprecated)]
+                let untyped = default.match_subject_alt_names.iter();
+                for (i, m) in typed.chain(untyped).enumerate() {
+                    super::route::string_matcher(m).map_err(|e| {
+                        format!("{at}.default_validation_context: SAN matcher {i}: {e}")
+                    })?;
+                }
+                ValidationPart::Sds {
+                    secret: sds_ref(
+                        sds,
+                        "combined_validation_context.validation_context_sds_secret_config",
+                    )?,
+                    default: Box::new(default.clone()),
+                }
             }
             // The deprecated certificate provider fields.
-            Some(_) => {
-                return Err(
-                    "common_tls_context: validation context certificate providers are not supported"
-                        .into(),
-                )
-            }
+            Some(_) => return Err(
+                "common_tls_context: validation context certificate providers are not supported"
+                    .into(),
+            ),
         };
-        let client_cert = match c.tls_certificates.as_slice() {
-            [] => None,
-            [one] => {
+        let cert = match (
+            c.tls_certificates.as_slice(),
+            c.tls_certificate_sds_secret_configs.as_slice(),
+        ) {
+            ([], []) => CertPart::None,
+            ([one], []) => {
                 let mut cert = one.clone();
                 // The files' contents count for equality; the names are already in `identity`.
                 if let Some(d) = &one.certificate_chain {
@@ -422,14 +539,27 @@ impl UpstreamTls {
                         ..Default::default()
                     });
                 }
-                Some(
+                CertPart::Inline(
                     super::tls::tls_certificate(&cert)
                         .map_err(|e| format!("common_tls_context.tls_certificates[0]: {e}"))?,
                 )
             }
-            _ => {
+            ([], [sds]) => CertPart::Sds(sds_ref(sds, "tls_certificate_sds_secret_configs[0]")?),
+            ([_, ..], [_, ..]) => {
+                return Err(
+                    "common_tls_context: tls_certificates and tls_certificate_sds_secret_configs are exclusive"
+                        .into(),
+                )
+            }
+            ([_, _, ..], []) => {
                 return Err(
                     "common_tls_context.tls_certificates: Multiple TLS certificates are not supported for client contexts"
+                        .into(),
+                )
+            }
+            ([], [_, _, ..]) => {
+                return Err(
+                    "common_tls_context.tls_certificate_sds_secret_configs: Multiple TLS certificates are not supported for client contexts"
                         .into(),
                 )
             }
@@ -455,16 +585,7 @@ impl UpstreamTls {
                 );
             }
         }
-        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
-            .with_protocol_versions(&versions)
-            .map_err(|e| format!("common_tls_context.tls_params: {e}"))?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(validator));
-        let mut config = match client_cert {
-            Some(ck) => builder.with_client_cert_resolver(Arc::new(ClientCert(ck))),
-            None => builder.with_no_client_auth(),
-        };
-        config.alpn_protocols = if c.alpn_protocols.is_empty() {
+        let alpn = if c.alpn_protocols.is_empty() {
             vec![alpn_fallback.to_vec()]
         } else {
             c.alpn_protocols
@@ -476,13 +597,147 @@ impl UpstreamTls {
             "" => None,
             s => Some(ServerName::try_from(s.to_string()).map_err(|e| format!("sni '{s}': {e}"))?),
         };
+        let parts = Parts {
+            versions,
+            provider: Arc::new(provider),
+            alpn,
+            cert,
+            validation,
+        };
+        let needs_sds = parts.sds_refs().next().is_some();
+        let (config, sds) = if needs_sds {
+            (None, Some(Arc::new(parts)))
+        } else {
+            let cert = match &parts.cert {
+                CertPart::Inline(ck) => Some(ck.clone()),
+                CertPart::None | CertPart::Sds(_) => None,
+            };
+            let validator = match &parts.validation {
+                ValidationPart::Inline(v) => v.clone(),
+                ValidationPart::Sds { .. } => Arc::new(no_validation()),
+            };
+            (Some(parts.build(cert, validator)?), None)
+        };
         let group_key = xxhash_rust::xxh64::xxh64(identity, 0);
         Ok(UpstreamTls {
             sni,
-            config: Arc::new(config),
+            config,
             group_key,
             identity: std::mem::take(identity),
+            sds,
         })
+    }
+
+    /// The SDS secrets this socket is built from (none for a socket built at translation).
+    pub fn sds_refs(&self) -> impl Iterator<Item = &SdsRef> {
+        self.sds.iter().flat_map(|p| p.sds_refs())
+    }
+
+    /// The socket built with its SDS secrets and the secrets used; Ok(None) while one has not
+    /// arrived. A secret of the wrong kind, or a validation secret that does not complete its
+    /// context into a valid one, is an error naming it.
+    pub fn with_secrets(&self, lookup: &SecretLookup<'_>) -> Result<Option<BuiltSocket>, String> {
+        let Some(parts) = &self.sds else {
+            return Err("this socket needs no SDS secret".into());
+        };
+        let mut identity = self.identity.clone();
+        let mut used = Vec::with_capacity(2);
+        let mut fetch = |r: &SdsRef| -> Option<Arc<SecretDef>> {
+            let (def, bytes) = lookup(r)?;
+            identity.extend_from_slice(r.name.as_bytes());
+            identity.extend_from_slice(bytes);
+            used.push(def.clone());
+            Some(def)
+        };
+        let cert = match &parts.cert {
+            CertPart::None => None,
+            CertPart::Inline(ck) => Some(ck.clone()),
+            CertPart::Sds(r) => {
+                let Some(secret) = fetch(r) else {
+                    return Ok(None);
+                };
+                Some(secret.cert.clone().ok_or_else(|| {
+                    format!(
+                        "secret '{}' is used as a client certificate but holds no tls_certificate",
+                        r.name
+                    )
+                })?)
+            }
+        };
+        let validator = match &parts.validation {
+            ValidationPart::Inline(v) => v.clone(),
+            ValidationPart::Sds { secret, default } => {
+                let Some(s) = fetch(secret) else {
+                    return Ok(None);
+                };
+                let vc = s.validation.as_ref().ok_or_else(|| {
+                    format!(
+                        "secret '{}' is used as a validation context but holds no validation_context",
+                        secret.name
+                    )
+                })?;
+                let combined = super::validation::combine(default, vc);
+                Arc::new(validator(&combined, &mut Vec::new()).map_err(|e| {
+                    format!(
+                        "common_tls_context: the validation context completed by secret '{}': {e}",
+                        secret.name
+                    )
+                })?)
+            }
+        };
+        let config = parts.build(cert, validator)?;
+        Ok(Some((
+            Arc::new(UpstreamTls {
+                sni: self.sni.clone(),
+                config: Some(config),
+                group_key: xxhash_rust::xxh64::xxh64(&identity, 0),
+                identity,
+                sds: None,
+            }),
+            used,
+        )))
+    }
+}
+
+/// A cluster's sockets built with their SDS secrets: per socket index (see
+/// [`TransportSockets::get`]), and the secrets used, in order.
+#[derive(Debug, Default)]
+pub struct Resolved {
+    pub sockets: Vec<Option<Arc<UpstreamTls>>>,
+    pub secrets: Vec<Arc<SecretDef>>,
+}
+
+impl TransportSockets {
+    fn all(&self) -> impl Iterator<Item = Option<&Arc<UpstreamTls>>> {
+        std::iter::once(self.default.as_ref()).chain(self.matches.iter().map(|m| m.socket.as_ref()))
+    }
+
+    /// Whether a socket needs SDS secrets before it can connect.
+    pub fn needs_sds(&self) -> bool {
+        self.sds_refs().next().is_some()
+    }
+
+    pub fn sds_refs(&self) -> impl Iterator<Item = &SdsRef> {
+        self.all().flatten().flat_map(|s| s.sds_refs())
+    }
+
+    /// Every socket with its secrets; Ok(None) while one has not arrived (the cluster warms).
+    pub fn resolve(&self, lookup: &SecretLookup<'_>) -> Result<Option<Resolved>, String> {
+        let mut out = Resolved::default();
+        for socket in self.all() {
+            let built = match socket {
+                Some(s) if s.sds.is_some() => match s.with_secrets(lookup)? {
+                    Some((built, used)) => {
+                        out.secrets.extend(used);
+                        Some(built)
+                    }
+                    None => return Ok(None),
+                },
+                other => other.cloned(),
+            };
+            out.sockets.push(built);
+        }
+        Ok(Some(out))
     }
 }
 

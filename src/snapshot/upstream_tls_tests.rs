@@ -69,10 +69,16 @@ fn sni_empty_means_none_and_alpn_falls_back_to_the_cluster_protocol() {
     let t = translate(Default::default()).expect("ok");
     let s = t.default.expect("tls");
     assert!(s.sni.is_none());
-    assert_eq!(s.config.alpn_protocols, vec![b"http/1.1".to_vec()]);
+    assert_eq!(
+        s.config.as_ref().expect("built").alpn_protocols,
+        vec![b"http/1.1".to_vec()]
+    );
     let h2 = TransportSockets::translate(&cluster(tls(Default::default())), true).expect("ok");
     let s2 = h2.default.expect("tls");
-    assert_eq!(s2.config.alpn_protocols, vec![b"h2".to_vec()]);
+    assert_eq!(
+        s2.config.as_ref().expect("built").alpn_protocols,
+        vec![b"h2".to_vec()]
+    );
     // Different sockets never share pooled connections.
     assert_ne!(s.group_key, s2.group_key);
     let t = translate(tlspb::UpstreamTlsContext {
@@ -90,7 +96,7 @@ fn sni_empty_means_none_and_alpn_falls_back_to_the_cluster_protocol() {
         Some("api.example".into())
     );
     assert_eq!(
-        s.config.alpn_protocols,
+        s.config.as_ref().expect("built").alpn_protocols,
         vec![b"h2".to_vec(), b"http/1.1".to_vec()]
     );
 }
@@ -231,7 +237,7 @@ fn rejections_name_the_field() {
                 ..Default::default()
             }]
         }),
-        "tls_certificate_sds_secret_configs is not supported yet",
+        "common_tls_context.tls_certificate_sds_secret_configs[0].sds_config: is required",
     );
     rejected(
         common(&|c| {
@@ -241,7 +247,7 @@ fn rejections_name_the_field() {
                 ),
             )
         }),
-        "validation_context_sds_secret_config is not supported yet",
+        "common_tls_context.validation_context_sds_secret_config: name is required",
     );
     rejected(
         common(&|c| {
@@ -251,7 +257,7 @@ fn rejections_name_the_field() {
                 ),
             )
         }),
-        "combined_validation_context is not supported yet",
+        "common_tls_context.combined_validation_context.default_validation_context: is required",
     );
     rejected(
         common(&|c| c.tls_certificates = vec![Default::default(), Default::default()]),
@@ -342,6 +348,8 @@ fn versions_default_to_tls12_for_clients() {
     // provider's suites, so check the builder accepted TLS 1.2 alone.
     assert!(s
         .config
+        .as_ref()
+        .expect("built")
         .crypto_provider()
         .cipher_suites
         .iter()
@@ -562,4 +570,373 @@ fn the_validator_checks_the_chain_and_never_the_name() {
     assert!(!check(&with_san, &good), "SANs, not the SNI, decide");
     let named = leaf(&["api.example"], &ca, &ca_key);
     assert!(check(&with_san, &named));
+}
+
+// ---------------------------------------------------------------------------------------------
+// SDS: Istio's ISTIO_MUTUAL socket, from the sds-grpc cluster
+
+fn sds_grpc() -> corepb::ConfigSource {
+    corepb::ConfigSource {
+        config_source_specifier: Some(
+            corepb::config_source::ConfigSourceSpecifier::ApiConfigSource(
+                corepb::ApiConfigSource {
+                    api_type: corepb::api_config_source::ApiType::Grpc as i32,
+                    transport_api_version: corepb::ApiVersion::V3 as i32,
+                    set_node_on_first_message_only: true,
+                    grpc_services: vec![corepb::GrpcService {
+                        target_specifier: Some(corepb::grpc_service::TargetSpecifier::EnvoyGrpc(
+                            corepb::grpc_service::EnvoyGrpc {
+                                cluster_name: "sds-grpc".into(),
+                                ..Default::default()
+                            },
+                        )),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+            ),
+        ),
+        initial_fetch_timeout: Some(Default::default()),
+        resource_api_version: corepb::ApiVersion::V3 as i32,
+        ..Default::default()
+    }
+}
+
+/// What istiod sends for ISTIO_MUTUAL (the sidecar dumps in /work/shared/xds-data).
+fn istio_mutual(spiffe: &str) -> tlspb::UpstreamTlsContext {
+    #[allow(deprecated)]
+    let default = tlspb::CertificateValidationContext {
+        match_subject_alt_names: vec![exact(spiffe)],
+        ..Default::default()
+    };
+    tlspb::UpstreamTlsContext {
+        sni: "outbound_.9080_._.reviews.default.svc.cluster.local".into(),
+        common_tls_context: Some(tlspb::CommonTlsContext {
+            tls_params: Some(tlspb::TlsParameters {
+                tls_minimum_protocol_version: tlspb::tls_parameters::TlsProtocol::TlSv12 as i32,
+                tls_maximum_protocol_version: tlspb::tls_parameters::TlsProtocol::TlSv13 as i32,
+                ..Default::default()
+            }),
+            alpn_protocols: vec!["istio-peer-exchange".into(), "istio".into()],
+            tls_certificate_sds_secret_configs: vec![tlspb::SdsSecretConfig {
+                name: "default".into(),
+                sds_config: Some(sds_grpc()),
+            }],
+            validation_context_type: Some(
+                tlspb::common_tls_context::ValidationContextType::CombinedValidationContext(
+                    tlspb::common_tls_context::CombinedCertificateValidationContext {
+                        default_validation_context: Some(default),
+                        validation_context_sds_secret_config: Some(tlspb::SdsSecretConfig {
+                            name: "ROOTCA".into(),
+                            sds_config: Some(sds_grpc()),
+                        }),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn istio_cluster(ctx: tlspb::UpstreamTlsContext) -> cpb::Cluster {
+    let raw = corepb::TransportSocket {
+        name: "envoy.transport_sockets.raw_buffer".into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(Any {
+            type_url: RAW_BUFFER_TYPE.into(),
+            value: Vec::new(),
+        })),
+    };
+    cpb::Cluster {
+        name: "outbound|9080||reviews.default.svc.cluster.local".into(),
+        transport_socket_matches: vec![
+            cpb::cluster::TransportSocketMatch {
+                name: "tlsMode-istio".into(),
+                r#match: Some(label_struct(&[("tlsMode", "istio")])),
+                transport_socket: Some(tls(ctx)),
+            },
+            cpb::cluster::TransportSocketMatch {
+                name: "tlsMode-disabled".into(),
+                r#match: Some(Struct::default()),
+                transport_socket: Some(raw),
+            },
+        ],
+        ..Default::default()
+    }
+}
+
+struct Secrets(Vec<(SecretDef, Vec<u8>)>);
+
+impl Secrets {
+    fn new(list: Vec<tlspb::Secret>) -> Secrets {
+        Secrets(
+            list.into_iter()
+                .map(|s| (SecretDef::translate(&s).expect("secret"), s.encode_to_vec()))
+                .collect(),
+        )
+    }
+
+    fn resolve(&self, t: &TransportSockets) -> Result<Option<Resolved>, String> {
+        let defs: Vec<(Arc<SecretDef>, &[u8])> = self
+            .0
+            .iter()
+            .map(|(d, b)| {
+                (
+                    Arc::new(SecretDef {
+                        name: d.name.clone(),
+                        cert: d.cert.clone(),
+                        validation: d.validation.clone(),
+                    }),
+                    b.as_slice(),
+                )
+            })
+            .collect();
+        let lookup = |r: &SdsRef| {
+            defs.iter()
+                .find(|(d, _)| d.name == r.name)
+                .map(|(d, b)| (d.clone(), *b))
+        };
+        t.resolve(&lookup)
+    }
+}
+
+fn cert_secret(
+    name: &str,
+    ca: &rcgen::Certificate,
+    ca_key: &rcgen::KeyPair,
+    uri: &str,
+) -> tlspb::Secret {
+    let k = rcgen::KeyPair::generate().expect("key");
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    p.subject_alt_names.push(rcgen::SanType::URI(
+        rcgen::Ia5String::try_from(uri).expect("uri"),
+    ));
+    let c = p.signed_by(&k, ca, ca_key).expect("leaf");
+    tlspb::Secret {
+        name: name.into(),
+        r#type: Some(tlspb::secret::Type::TlsCertificate(tlspb::TlsCertificate {
+            certificate_chain: pem_source(&c.pem()),
+            private_key: pem_source(&k.serialize_pem()),
+            ..Default::default()
+        })),
+    }
+}
+
+fn root_secret(name: &str, ca: &rcgen::Certificate) -> tlspb::Secret {
+    tlspb::Secret {
+        name: name.into(),
+        r#type: Some(tlspb::secret::Type::ValidationContext(
+            tlspb::CertificateValidationContext {
+                trusted_ca: pem_source(&ca.pem()),
+                ..Default::default()
+            },
+        )),
+    }
+}
+
+const REVIEWS: &str = "spiffe://cluster.local/ns/default/sa/reviews";
+
+#[test]
+fn istio_mutual_is_accepted_and_waits_for_its_secrets() {
+    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false).expect("ok");
+    assert!(t.needs_sds());
+    let refs: Vec<(&str, &str)> = t
+        .sds_refs()
+        .map(|r| {
+            (
+                r.name.as_str(),
+                r.cluster().map_or("", |c| c.cluster.as_str()),
+            )
+        })
+        .collect();
+    assert_eq!(refs, [("default", "sds-grpc"), ("ROOTCA", "sds-grpc")]);
+    let s = t.matches[0].socket.as_ref().expect("tls");
+    assert!(
+        s.config.is_none(),
+        "nothing to connect with before the secrets"
+    );
+    assert_eq!(
+        s.sni.as_ref().map(|n| n.to_str().into_owned()).as_deref(),
+        Some("outbound_.9080_._.reviews.default.svc.cluster.local")
+    );
+    assert!(
+        t.matches[1].socket.is_none(),
+        "tlsMode-disabled is plain text"
+    );
+
+    let (ca, ca_key) = ca();
+    let default = cert_secret(
+        "default",
+        &ca,
+        &ca_key,
+        "spiffe://cluster.local/ns/default/sa/gw",
+    );
+    assert!(Secrets::new(vec![]).resolve(&t).expect("ok").is_none());
+    assert!(Secrets::new(vec![default.clone()])
+        .resolve(&t)
+        .expect("ok")
+        .is_none());
+    let both = Secrets::new(vec![default.clone(), root_secret("ROOTCA", &ca)]);
+    let r = both.resolve(&t).expect("ok").expect("built");
+    assert_eq!(r.sockets.len(), 3, "the default socket and both matches");
+    assert!(r.sockets[0].is_none() && r.sockets[2].is_none());
+    let built = r.sockets[1].as_ref().expect("tls");
+    let config = built.config.as_ref().expect("built");
+    assert_eq!(
+        config.alpn_protocols,
+        vec![b"istio-peer-exchange".to_vec(), b"istio".to_vec()]
+    );
+    assert!(config.client_auth_cert_resolver.has_certs());
+    assert_eq!(r.secrets.len(), 2);
+
+    // A rotated certificate makes a socket whose connections are pooled apart.
+    let rotated = cert_secret(
+        "default",
+        &ca,
+        &ca_key,
+        "spiffe://cluster.local/ns/default/sa/gw2",
+    );
+    let again = Secrets::new(vec![rotated, root_secret("ROOTCA", &ca)])
+        .resolve(&t)
+        .expect("ok")
+        .expect("built");
+    let again = again.sockets[1].as_ref().expect("tls");
+    assert_ne!(again.group_key, built.group_key);
+    assert_ne!(**again, **built);
+}
+
+#[test]
+fn the_combined_context_checks_the_secrets_ca_and_the_default_sans() {
+    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false).expect("ok");
+    let s = t.matches[0].socket.as_ref().expect("tls");
+    let Some(ValidationPart::Sds { default, secret }) = s.sds.as_ref().map(|p| &p.validation)
+    else {
+        panic!("a combined context");
+    };
+    assert_eq!(secret.name, "ROOTCA");
+    let (ca, ca_key) = ca();
+    let (rogue, rogue_key) = self::ca();
+    let root = SecretDef::translate(&root_secret("ROOTCA", &ca)).expect("root");
+    let v = validator(
+        &super::super::validation::combine(default, root.validation.as_deref().expect("vc")),
+        &mut Vec::new(),
+    )
+    .expect("validator");
+    let leaf = |uri: &str, issuer: &rcgen::Certificate, key: &rcgen::KeyPair| {
+        let k = rcgen::KeyPair::generate().expect("key");
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.subject_alt_names.push(rcgen::SanType::URI(
+            rcgen::Ia5String::try_from(uri).expect("uri"),
+        ));
+        p.signed_by(&k, issuer, key).expect("leaf").der().clone()
+    };
+    let name =
+        ServerName::try_from("outbound_.9080_._.reviews.default.svc.cluster.local").expect("name");
+    let ok = |c: &CertificateDer<'_>| {
+        v.verify_server_cert(c, &[], &name, &[], UnixTime::now())
+            .is_ok()
+    };
+    assert!(ok(&leaf(REVIEWS, &ca, &ca_key)));
+    assert!(
+        !ok(&leaf(
+            "spiffe://cluster.local/ns/default/sa/other",
+            &ca,
+            &ca_key
+        )),
+        "the default's SAN"
+    );
+    assert!(!ok(&leaf(REVIEWS, &rogue, &rogue_key)), "the secret's CA");
+}
+
+#[test]
+fn secrets_of_the_wrong_kind_or_an_incomplete_context_are_errors_naming_them() {
+    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false).expect("ok");
+    let (ca, ca_key) = ca();
+    let cert = cert_secret("default", &ca, &ca_key, "spiffe://x");
+    let e = Secrets::new(vec![
+        root_secret("default", &ca),
+        root_secret("ROOTCA", &ca),
+    ])
+    .resolve(&t)
+    .expect_err("a CA is no client certificate");
+    assert!(
+        e.contains("secret 'default' is used as a client certificate"),
+        "{e}"
+    );
+    let mut as_root = cert.clone();
+    as_root.name = "ROOTCA".into();
+    let e = Secrets::new(vec![cert.clone(), as_root])
+        .resolve(&t)
+        .expect_err("a certificate is no validation context");
+    assert!(
+        e.contains("secret 'ROOTCA' is used as a validation context"),
+        "{e}"
+    );
+    // A ROOTCA without a CA leaves the default's SAN matchers without one.
+    let empty = tlspb::Secret {
+        name: "ROOTCA".into(),
+        r#type: Some(tlspb::secret::Type::ValidationContext(Default::default())),
+    };
+    let e = Secrets::new(vec![cert, empty])
+        .resolve(&t)
+        .expect_err("SANs without a CA");
+    assert!(
+        e.contains("secret 'ROOTCA'") && e.contains("without trusted CA"),
+        "{e}"
+    );
+}
+
+#[test]
+fn sds_on_upstream_tls_rejections() {
+    let mut delta = istio_mutual(REVIEWS);
+    if let Some(c) = &mut delta.common_tls_context {
+        if let Some(corepb::config_source::ConfigSourceSpecifier::ApiConfigSource(a)) = c
+            .tls_certificate_sds_secret_configs[0]
+            .sds_config
+            .as_mut()
+            .and_then(|s| s.config_source_specifier.as_mut())
+        {
+            a.api_type = corepb::api_config_source::ApiType::DeltaGrpc as i32;
+        }
+    }
+    rejected(delta, "tls_certificate_sds_secret_configs[0].sds_config.api_config_source.api_type: DELTA_GRPC (incremental SDS) is not supported; use GRPC");
+    let mut two = istio_mutual(REVIEWS);
+    if let Some(c) = &mut two.common_tls_context {
+        let again = c.tls_certificate_sds_secret_configs[0].clone();
+        c.tls_certificate_sds_secret_configs.push(again);
+    }
+    rejected(
+        two,
+        "Multiple TLS certificates are not supported for client contexts",
+    );
+    let mut no_secret = istio_mutual(REVIEWS);
+    if let Some(tlspb::common_tls_context::ValidationContextType::CombinedValidationContext(cv)) =
+        no_secret
+            .common_tls_context
+            .as_mut()
+            .and_then(|c| c.validation_context_type.as_mut())
+    {
+        cv.validation_context_sds_secret_config = None;
+    }
+    rejected(
+        no_secret,
+        "combined_validation_context.validation_context_sds_secret_config: is required",
+    );
+    // Only the ADS-delivered or the gRPC cluster sources.
+    let mut bad_default = istio_mutual(REVIEWS);
+    if let Some(tlspb::common_tls_context::ValidationContextType::CombinedValidationContext(cv)) =
+        bad_default
+            .common_tls_context
+            .as_mut()
+            .and_then(|c| c.validation_context_type.as_mut())
+    {
+        if let Some(d) = &mut cv.default_validation_context {
+            d.crl = pem_source("x");
+        }
+    }
+    rejected(
+        bad_default,
+        "combined_validation_context.default_validation_context.crl is not supported",
+    );
 }

@@ -33,6 +33,12 @@ pub struct ConfigWorker {
     version: u64,
     /// The active health checkers; their results come back through `apply_health_changes`.
     pub health: crate::health::HealthManager,
+    /// The SDS streams to bootstrap clusters; their pushes come back through
+    /// `apply_sds_events`.
+    pub sds: super::sds::SdsManager,
+    /// Every subscribed ADS type was accepted once (true without ADS); `/ready` waits for
+    /// this and for the SDS clusters' initial fetch.
+    pub ads_ready: bool,
 }
 
 impl ConfigWorker {
@@ -43,6 +49,8 @@ impl ConfigWorker {
             listeners,
             version: 0,
             health: Default::default(),
+            sds: Default::default(),
+            ads_ready: false,
         }
     }
 
@@ -70,7 +78,38 @@ impl ConfigWorker {
         if all_clusters || self.health.is_checking() {
             self.health.reconcile(&self.store, stats);
         }
+        self.sds.reconcile(&self.store);
+        self.update_ready();
         Ok(())
+    }
+
+    /// Applies what the SDS streams received, answering each with its verdict.
+    pub fn apply_sds_events(&mut self) {
+        for event in self.sds.inbox.take() {
+            match event {
+                super::sds::Event::Push {
+                    source,
+                    version,
+                    resources,
+                    reply,
+                } => {
+                    let result = self
+                        .store
+                        .apply_sds(&source, &version, &resources)
+                        .and_then(|next| self.commit(next));
+                    let _ = reply.send(result.map_err(|e| e.join("; ")));
+                }
+                super::sds::Event::FetchTimeout(source) => self.sds.timed_out(&source),
+            }
+        }
+        self.update_ready();
+    }
+
+    /// Marks the gateway ready once ADS and the SDS clusters' initial fetch are done.
+    pub fn update_ready(&self) {
+        if self.ads_ready && self.sds.initial_fetch_done(&self.store) {
+            self.state.ready.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Rebuilds the clusters whose active health checks changed a host's health.
@@ -89,11 +128,13 @@ impl ConfigWorker {
     /// Waits `d`, applying health check results as they come.
     pub async fn sleep_applying_health(&mut self, d: Duration) {
         let changes = self.health.changes.clone();
+        let sds = self.sds.inbox.clone();
         let until = tokio::time::Instant::now() + d;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => return,
                 _ = changes.notify.notified() => self.apply_health_changes(),
+                _ = sds.notify.notified() => self.apply_sds_events(),
             }
         }
     }
@@ -168,8 +209,8 @@ struct Sub {
 pub struct AdsClient {
     worker: ConfigWorker,
     node: Node,
-    /// The ADS server: (host, port) of the bootstrap's xDS cluster.
-    target: (String, u16),
+    /// The ADS server: the bootstrap's xDS cluster's endpoint.
+    target: super::grpc::GrpcTarget,
     subs: BTreeMap<Kind, Sub>,
     lds: bool,
     cds: bool,
@@ -197,7 +238,7 @@ impl AdsClient {
     pub fn new(
         worker: ConfigWorker,
         node: Node,
-        target: (String, u16),
+        target: super::grpc::GrpcTarget,
         lds: bool,
         cds: bool,
     ) -> AdsClient {
@@ -256,15 +297,10 @@ impl AdsClient {
     }
 
     async fn stream_once(&mut self) -> StreamEnd {
-        let (host, port) = &self.target;
-        let uri = format!("http://{host}:{port}");
-        let endpoint = match tonic::transport::Endpoint::from_shared(uri.clone()) {
-            Ok(e) => e.connect_timeout(Duration::from_secs(5)).tcp_nodelay(true),
-            Err(e) => return StreamEnd::NoData(format!("invalid ADS address {uri}: {e}")),
-        };
-        let channel = match endpoint.connect().await {
+        let uri = self.target.to_string();
+        let channel = match super::grpc::connect(&self.target).await {
             Ok(c) => c,
-            Err(e) => return StreamEnd::NoData(format!("cannot connect to {uri}: {e}")),
+            Err(e) => return StreamEnd::NoData(e),
         };
         let mut client = AggregatedDiscoveryServiceClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE)
@@ -309,9 +345,11 @@ impl AdsClient {
         let mut dns = tokio::time::interval(DNS_REFRESH);
         dns.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let health = self.worker.health.changes.clone();
+        let sds = self.worker.sds.inbox.clone();
         loop {
             tokio::select! {
                 _ = health.notify.notified() => self.worker.apply_health_changes(),
+                _ = sds.notify.notified() => self.worker.apply_sds_events(),
                 msg = responses.message() => match msg {
                     Ok(Some(resp)) => {
                         got_data = true;
@@ -460,7 +498,7 @@ impl AdsClient {
         out
     }
 
-    fn update_readiness(&self) {
+    fn update_readiness(&mut self) {
         // Envoy's init waits for each secret a listener names, not just for an SDS answer,
         // until the secret's initial_fetch_timeout (15 s by default) lets it go on.
         let secrets_in = |s: &Sub| {
@@ -487,7 +525,8 @@ impl AdsClient {
             _ => true,
         };
         if Kind::ALL.iter().all(|k| !required(*k) || done(*k)) {
-            self.worker.state.ready.store(true, Ordering::Relaxed);
+            self.worker.ads_ready = true;
+            self.worker.update_ready();
         }
     }
 }

@@ -1,5 +1,7 @@
-//! The xDS side: the accepted-resource store and the ADS client that feeds it.
+//! The xDS side: the accepted-resource store and the ADS and SDS clients that feed it.
 
 pub mod client;
+pub mod grpc;
+pub mod sds;
 pub mod store;
 pub mod types;

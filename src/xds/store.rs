@@ -24,7 +24,9 @@ use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
+use crate::snapshot::sds::{SdsCluster, SdsRef, SdsSource};
 use crate::snapshot::tls::{CertSource, ClientValidation, DownstreamTls, SecretDef, TlsServer};
+use crate::snapshot::upstream_tls::Resolved;
 use crate::snapshot::{ActiveChain, ActiveListener, Snapshot, TranslateError};
 
 /// One accepted resource: the proto as received (encoded, for `/config_dump`) and its
@@ -62,6 +64,8 @@ pub struct Touched {
     pub endpoints: BTreeSet<String>,
     /// Clusters whose active health checks changed a host's health.
     pub health: BTreeSet<String>,
+    /// Secret names a push carried: the clusters built from them are rebuilt.
+    pub secrets: BTreeSet<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -70,12 +74,15 @@ pub struct Store {
     pub routes: Table<RouteConfiguration, RouteTable>,
     pub clusters: Table<ClusterProto, ClusterDef>,
     pub endpoints: Table<ClusterLoadAssignment, LoadAssignment>,
-    /// SDS secrets the listeners ask for.
+    /// SDS secrets the listeners and clusters ask for, over ADS or from SDS clusters (keyed
+    /// by name alone: see `snapshot::sds`).
     pub secrets: Table<SecretProto, SecretDef>,
     /// Endpoints of STATIC and DNS clusters, by cluster name (DNS ones filled by a resolver).
     pub resolved: imbl::OrdMap<String, Arc<LoadAssignment>>,
     /// EDS clusters by the ClusterLoadAssignment name they read; rebuilt when clusters change.
     pub eds_users: Arc<HashMap<String, Vec<String>>>,
+    /// Clusters by the SDS secret names their transport sockets are built from.
+    pub sds_users: Arc<HashMap<String, Vec<String>>>,
     /// Last accepted version per kind.
     pub versions: BTreeMap<Kind, String>,
     pub touched: Touched,
@@ -267,6 +274,11 @@ impl Store {
         self.touched.all_clusters = true;
         errors.extend(check_listener_addresses(&self.listeners));
         errors.extend(
+            self.check_sds_clusters(|_| true, |_| true)
+                .into_iter()
+                .map(|e| format!("static_resources: {e}")),
+        );
+        errors.extend(
             self.check_route_clusters(|_| true)
                 .into_iter()
                 .map(|e| format!("static_resources: {e}")),
@@ -295,12 +307,13 @@ impl Store {
                 errors.extend(check_listener_addresses(&next.listeners));
                 // Only listeners this push adds or changes are checked, as Envoy checks a route
                 // table when it is created.
-                errors.extend(next.check_route_clusters(|name| {
-                    match (self.listeners.get(name), next.listeners.get(name)) {
+                let changed =
+                    |name: &str| match (self.listeners.get(name), next.listeners.get(name)) {
                         (Some(old), Some(new)) => !Arc::ptr_eq(&old.value, &new.value),
                         _ => true,
-                    }
-                }));
+                    };
+                errors.extend(next.check_route_clusters(changed));
+                errors.extend(next.check_sds_clusters(changed, |_| false));
             }
             Kind::Route => {
                 let (routes, pushed) =
@@ -330,19 +343,19 @@ impl Store {
             Kind::Cluster => {
                 next.clusters =
                     apply_table(&self.clusters, kind, version, resources, now, &mut errors).0;
+                errors.extend(next.check_sds_clusters(
+                    |_| false,
+                    |name| match (self.clusters.get(name), next.clusters.get(name)) {
+                        (Some(old), Some(new)) => !Arc::ptr_eq(&old.value, &new.value),
+                        _ => true,
+                    },
+                ));
                 next.resolve_literal_endpoints();
                 next.index_eds_users();
                 next.touched.all_clusters = true;
             }
             Kind::Secret => {
-                let (secrets, pushed) =
-                    apply_table(&self.secrets, kind, version, resources, now, &mut errors);
-                next.secrets = secrets;
-                // Secrets nothing asks for are dropped, as Envoy ignores them.
-                let wanted = next.wanted_secrets();
-                for name in pushed.iter().filter(|n| !wanted.contains(*n)) {
-                    next.secrets.remove(name);
-                }
+                next.apply_secrets(&SdsSource::Ads, version, resources, now, &mut errors);
             }
             Kind::Endpoint => {
                 let (endpoints, pushed) =
@@ -368,8 +381,76 @@ impl Store {
         Ok(next)
     }
 
+    /// The candidate store after a push on the SDS stream to `source`'s cluster, or every
+    /// reason it is rejected. The stream keeps its own version; the store's versions are ADS's.
+    pub fn apply_sds(
+        &self,
+        source: &Arc<SdsCluster>,
+        version: &str,
+        resources: &[Any],
+    ) -> Result<Store, Vec<String>> {
+        let mut errors = Vec::new();
+        let mut next = self.clone();
+        next.apply_secrets(
+            &SdsSource::Cluster(source.clone()),
+            version,
+            resources,
+            SystemTime::now(),
+            &mut errors,
+        );
+        if errors.is_empty() {
+            Ok(next)
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// Secrets from `source`: those nobody asks of it are dropped, as Envoy ignores them, and
+    /// every cluster built from a pushed secret must build with it (Envoy refuses the secret
+    /// when its socket's update fails).
+    fn apply_secrets(
+        &mut self,
+        source: &SdsSource,
+        version: &str,
+        resources: &[Any],
+        now: SystemTime,
+        errors: &mut Vec<String>,
+    ) {
+        let (secrets, pushed) =
+            apply_table(&self.secrets, Kind::Secret, version, resources, now, errors);
+        self.secrets = secrets;
+        let wanted = self.wanted_from(source);
+        for name in pushed.iter().filter(|n| !wanted.contains(*n)) {
+            self.secrets.remove(name);
+        }
+        {
+            let lookup = self.secret_lookup();
+            for name in pushed.iter().filter(|n| wanted.contains(*n)) {
+                for c in self.sds_users.get(name).into_iter().flatten() {
+                    let Some(item) = self.clusters.get(c) else {
+                        continue;
+                    };
+                    if let Err(e) = item.value.transport.resolve(&lookup) {
+                        errors.push(format!("secret '{name}': cluster '{c}': {e}"));
+                    }
+                }
+            }
+        }
+        self.touched.secrets.extend(pushed);
+    }
+
+    /// The secrets as the upstream sockets read them: translation and encoding.
+    fn secret_lookup<'a>(&'a self) -> impl Fn(&SdsRef) -> Option<(Arc<SecretDef>, &'a [u8])> + 'a {
+        move |r: &SdsRef| {
+            self.secrets
+                .get(&r.name)
+                .map(|i| (i.value.clone(), i.proto.bytes()))
+        }
+    }
+
     fn index_eds_users(&mut self) {
         let mut users: HashMap<String, Vec<String>> = HashMap::new();
+        let mut sds: HashMap<String, Vec<String>> = HashMap::new();
         for (name, c) in self.clusters.iter() {
             if c.value.kind == DiscoveryKind::Eds {
                 users
@@ -377,8 +458,54 @@ impl Store {
                     .or_default()
                     .push(name.clone());
             }
+            for r in c.value.transport.sds_refs() {
+                let users = sds.entry(r.name.clone()).or_default();
+                if users.last() != Some(name) {
+                    users.push(name.clone());
+                }
+            }
         }
         self.eds_users = Arc::new(users);
+        self.sds_users = Arc::new(sds);
+    }
+
+    /// Every SDS secret the listeners (those `listener` selects) and clusters (`cluster`)
+    /// ask for from an SDS cluster must name a static cluster of the bootstrap, as Envoy
+    /// requires of a gRPC config source.
+    fn check_sds_clusters(
+        &self,
+        listener: impl Fn(&str) -> bool,
+        cluster: impl Fn(&str) -> bool,
+    ) -> Vec<String> {
+        let mut errors = Vec::new();
+        let mut check = |what: &str, name: &str, r: &SdsRef| {
+            let Some(c) = r.cluster() else {
+                return;
+            };
+            if !self.clusters.get(&c.cluster).is_some_and(|c| c.is_static) {
+                errors.push(format!(
+                    "{what} '{name}': secret '{}': sds_config: gRPC cluster '{}' is not a static cluster of the bootstrap",
+                    r.name, c.cluster
+                ));
+            }
+        };
+        for (name, l) in self.listeners.iter().filter(|(n, _)| listener(n)) {
+            for r in l
+                .value
+                .chains
+                .iter()
+                .filter_map(|c| c.tls.as_ref())
+                .flat_map(|t| t.sds_refs())
+            {
+                check("listener", name, r);
+            }
+        }
+        for (name, c) in self.clusters.iter().filter(|(n, _)| cluster(n)) {
+            for r in c.value.transport.sds_refs() {
+                check("cluster", name, r);
+            }
+        }
+        errors
     }
 
     /// Inline route tables (validate_clusters defaults to true for them) that name a cluster
@@ -413,14 +540,42 @@ impl Store {
             .collect()
     }
 
-    /// SDS secret names the listeners' TLS chains ask for.
-    pub fn wanted_secrets(&self) -> BTreeSet<String> {
-        self.listeners
+    /// Every SDS secret the listeners' TLS chains and the clusters' sockets ask for.
+    pub fn sds_refs(&self) -> impl Iterator<Item = &SdsRef> {
+        let listeners = self
+            .listeners
             .values()
             .flat_map(|l| l.value.chains.iter())
             .filter_map(|c| c.tls.as_ref())
-            .flat_map(|t| t.sds_names().map(str::to_string))
+            .flat_map(|t| t.sds_refs());
+        let clusters = self
+            .clusters
+            .values()
+            .flat_map(|c| c.value.transport.sds_refs());
+        listeners.chain(clusters)
+    }
+
+    /// SDS secret names asked for over ADS.
+    pub fn wanted_secrets(&self) -> BTreeSet<String> {
+        self.wanted_from(&SdsSource::Ads)
+    }
+
+    fn wanted_from(&self, source: &SdsSource) -> BTreeSet<String> {
+        self.sds_refs()
+            .filter(|r| &r.source == source)
+            .map(|r| r.name.clone())
             .collect()
+    }
+
+    /// SDS secret names asked for from each SDS cluster source.
+    pub fn wanted_sds(&self) -> BTreeMap<Arc<SdsCluster>, BTreeSet<String>> {
+        let mut out: BTreeMap<Arc<SdsCluster>, BTreeSet<String>> = BTreeMap::new();
+        for r in self.sds_refs() {
+            if let Some(c) = r.cluster() {
+                out.entry(c.clone()).or_default().insert(r.name.clone());
+            }
+        }
+        out
     }
 
     /// ClusterLoadAssignment names the EDS clusters ask for.
@@ -488,11 +643,11 @@ impl Store {
         for k in &stale {
             self.routes.remove(k);
         }
-        let secrets = self.wanted_secrets();
+        let secrets: BTreeSet<&str> = self.sds_refs().map(|r| r.name.as_str()).collect();
         let stale: Vec<String> = self
             .secrets
             .keys()
-            .filter(|k| !secrets.contains(*k))
+            .filter(|k| !secrets.contains(k.as_str()))
             .cloned()
             .collect();
         for k in &stale {
@@ -518,8 +673,43 @@ impl Store {
         version: u64,
         stats: &dyn Fn(&str) -> Arc<ClusterStats>,
     ) -> Snapshot {
+        let lookup = self.secret_lookup();
         let build = |name: &str, def: &Arc<ClusterDef>| {
             let mut endpoints = self.cluster_endpoints(name, def);
+            let old = prev.clusters.get(name);
+            // Sockets built from SDS secrets: the cluster warms until they are in, as Envoy
+            // warms a cluster on its secrets, and keeps the built ones while they are unchanged.
+            let sockets = if def.transport.needs_sds() {
+                let same = old.filter(|o| {
+                    Arc::ptr_eq(&o.def, def) && {
+                        let now: Vec<Option<Arc<SecretDef>>> = def
+                            .transport
+                            .sds_refs()
+                            .map(|r| lookup(r).map(|(d, _)| d))
+                            .collect();
+                        now.len() == o.sockets.secrets.len()
+                            && now
+                                .iter()
+                                .zip(&o.sockets.secrets)
+                                .all(|(a, b)| a.as_ref().is_some_and(|a| Arc::ptr_eq(a, b)))
+                    }
+                });
+                match same {
+                    Some(o) => Some(o.sockets.clone()),
+                    None => match def.transport.resolve(&lookup) {
+                        Ok(r) => r.map(Arc::new),
+                        Err(e) => {
+                            tracing::warn!(cluster = %name, "cannot build the TLS sockets: {e}");
+                            None
+                        }
+                    },
+                }
+            } else {
+                Some(no_sds_sockets())
+            };
+            if sockets.is_none() {
+                endpoints = None;
+            }
             // With health checks: warming until the first round is done, and rebuilt when a
             // check changes a host's health.
             let hc_generation = match &def.health_check {
@@ -532,18 +722,23 @@ impl Store {
                 }
                 None => 0,
             };
-            let old = prev.clusters.get(name);
-            match (endpoints, old) {
-                (Some(eps), Some(old))
+            match (endpoints, old, sockets) {
+                (Some(eps), Some(old), Some(sockets))
                     if Arc::ptr_eq(&old.def, def)
                         && Arc::ptr_eq(&old.endpoints, &eps)
-                        && old.hc_generation == hc_generation =>
+                        && old.hc_generation == hc_generation
+                        && Arc::ptr_eq(&old.sockets, &sockets) =>
                 {
                     Some(old.clone())
                 }
-                (Some(eps), _) => Some(Arc::new(Cluster::new(def.clone(), eps, stats(name)))),
-                (None, Some(old)) => Some(old.clone()),
-                (None, None) => None,
+                (Some(eps), _, Some(sockets)) => Some(Arc::new(Cluster::with_sockets(
+                    def.clone(),
+                    eps,
+                    stats(name),
+                    sockets,
+                ))),
+                (_, Some(old), _) => Some(old.clone()),
+                (_, None, _) => None,
             }
         };
         let clusters = if self.touched.all_clusters {
@@ -567,7 +762,12 @@ impl Store {
                     }
                 }
             }
-            for name in &self.touched.health {
+            let by_secret = self
+                .touched
+                .secrets
+                .iter()
+                .flat_map(|s| self.sds_users.get(s).into_iter().flatten());
+            for name in self.touched.health.iter().chain(by_secret) {
                 if let Some(item) = self.clusters.get(name) {
                     if let Some(c) = build(name, &item.value) {
                         clusters.insert(item.value.name.clone(), c);
@@ -671,7 +871,8 @@ impl Store {
         let mut secrets = Vec::new();
         let cert = match &t.cert {
             CertSource::Inline(ck) => ck.clone(),
-            CertSource::Sds(name) => {
+            CertSource::Sds(r) => {
+                let name = &r.name;
                 let secret = self.secrets.get(name)?.value.clone();
                 let cert = secret.cert.clone()?;
                 secrets.push(secret);
@@ -681,7 +882,8 @@ impl Store {
         let validation = match &t.validation {
             ClientValidation::None => None,
             ClientValidation::Inline(v) => Some(Ok(v.clone())),
-            ClientValidation::Sds { name, default } => {
+            ClientValidation::Sds { sds, default } => {
+                let name = &sds.name;
                 let secret = self.secrets.get(name)?.value.clone();
                 let vc = secret.validation.clone()?;
                 secrets.push(secret);
@@ -783,6 +985,13 @@ fn check_listener_addresses(listeners: &Table<ListenerProto, ListenerDef>) -> Ve
 #[cfg(test)]
 #[path = "store_tests.rs"]
 mod store_tests;
+
+/// The sockets of every cluster that needs no SDS secret: one shared value, so an unchanged
+/// cluster compares equal across pushes.
+fn no_sds_sockets() -> Arc<Resolved> {
+    static EMPTY: std::sync::OnceLock<Arc<Resolved>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| Arc::new(Resolved::default())).clone()
+}
 
 /// One shared empty table, so an unchanged tcp_proxy chain compares equal across pushes.
 fn empty_routes() -> Arc<RouteTable> {

@@ -1208,6 +1208,212 @@ mod sds {
         ));
     }
 
+    fn sds_grpc(cluster: &str) -> corepb::ConfigSource {
+        corepb::ConfigSource {
+            config_source_specifier: Some(
+                corepb::config_source::ConfigSourceSpecifier::ApiConfigSource(
+                    corepb::ApiConfigSource {
+                        api_type: corepb::api_config_source::ApiType::Grpc as i32,
+                        grpc_services: vec![corepb::GrpcService {
+                            target_specifier: Some(
+                                corepb::grpc_service::TargetSpecifier::EnvoyGrpc(
+                                    corepb::grpc_service::EnvoyGrpc {
+                                        cluster_name: cluster.into(),
+                                        ..Default::default()
+                                    },
+                                ),
+                            ),
+                            ..Default::default()
+                        }],
+                        ..Default::default()
+                    },
+                ),
+            ),
+            initial_fetch_timeout: Some(Default::default()),
+            ..Default::default()
+        }
+    }
+
+    /// An EDS cluster with Istio's ISTIO_MUTUAL socket: `default` and `ROOTCA` from `sds`.
+    fn mtls_cluster(name: &str, sds: &str) -> ClusterProto {
+        let mut c = eds_cluster(name, name);
+        let cfg = |n: &str| tlspb::SdsSecretConfig {
+            name: n.into(),
+            sds_config: Some(sds_grpc(sds)),
+        };
+        let ctx = tlspb::UpstreamTlsContext {
+            common_tls_context: Some(tlspb::CommonTlsContext {
+                tls_certificate_sds_secret_configs: vec![cfg("default")],
+                validation_context_type: Some(
+                    tlspb::common_tls_context::ValidationContextType::CombinedValidationContext(
+                        tlspb::common_tls_context::CombinedCertificateValidationContext {
+                            default_validation_context: Some(Default::default()),
+                            validation_context_sds_secret_config: Some(cfg("ROOTCA")),
+                            ..Default::default()
+                        },
+                    ),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        c.transport_socket = Some(corepb::TransportSocket {
+            name: "envoy.transport_sockets.tls".into(),
+            config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(any(
+                crate::snapshot::upstream_tls::UPSTREAM_TLS_TYPE,
+                &ctx,
+            ))),
+        });
+        c
+    }
+
+    fn root(name: &str) -> Any {
+        let k = rcgen::KeyPair::generate().expect("key");
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = p.self_signed(&k).expect("ca");
+        let s = tlspb::Secret {
+            name: name.into(),
+            r#type: Some(tlspb::secret::Type::ValidationContext(
+                tlspb::CertificateValidationContext {
+                    trusted_ca: Some(corepb::DataSource {
+                        specifier: Some(corepb::data_source::Specifier::InlineString(ca.pem())),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            )),
+        };
+        any(types::SECRET, &s)
+    }
+
+    /// The bootstrap's sds-grpc: a unix socket, as istio-agent's.
+    fn with_sds_grpc() -> Store {
+        let mut c = static_cluster("sds-grpc", DiscoveryType::Static, &[]);
+        if let Some(la) = &mut c.load_assignment {
+            la.endpoints = vec![epb::LocalityLbEndpoints {
+                lb_endpoints: vec![epb::LbEndpoint {
+                    host_identifier: Some(epb::lb_endpoint::HostIdentifier::Endpoint(
+                        epb::Endpoint {
+                            address: Some(corepb::Address {
+                                address: Some(corepb::address::Address::Pipe(corepb::Pipe {
+                                    path: "./var/run/secrets/workload-spiffe-uds/socket".into(),
+                                    mode: 0,
+                                })),
+                            }),
+                            ..Default::default()
+                        },
+                    )),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }];
+        }
+        let mut s = Store::default();
+        s.add_static(&[], &[c])
+            .expect("a pipe endpoint is accepted");
+        s
+    }
+
+    #[track_caller]
+    fn sds_push(s: &Store, resources: &[Any]) -> Result<Store, Vec<String>> {
+        let source = s.wanted_sds().into_keys().next().expect("an SDS source");
+        s.apply_sds(&source, "s1", resources)
+    }
+
+    #[test]
+    fn a_cluster_warms_until_its_sds_cluster_secrets_arrive_and_rebuilds_on_rotation() {
+        let s = push(
+            &with_sds_grpc(),
+            Kind::Cluster,
+            &cds(&[mtls_cluster("up", "sds-grpc")]),
+        );
+        let s = push(&s, Kind::Endpoint, &eds(&[cla("up", &[("10.0.0.1", 80)])]));
+        assert!(s.wanted_secrets().is_empty(), "nothing over ADS");
+        let wanted = s.wanted_sds();
+        let (source, asked) = wanted.iter().next().expect("one source");
+        assert_eq!(source.cluster, "sds-grpc");
+        assert_eq!(asked.iter().collect::<Vec<_>>(), ["ROOTCA", "default"]);
+        let warming = snap(&s, &Snapshot::default());
+        assert!(
+            !snap_clusters(&warming).contains(&"up"),
+            "no secrets: warming"
+        );
+        let s = sds_push(&s, &[secret("default", None)]).expect("accepted");
+        assert!(
+            !snap_clusters(&snap(&s, &warming)).contains(&"up"),
+            "one of two"
+        );
+        let s = sds_push(&s, &[root("ROOTCA"), secret("unasked", None)]).expect("accepted");
+        assert_eq!(names(&s.secrets), ["ROOTCA", "default"]);
+        assert!(
+            !s.versions.contains_key(&Kind::Secret),
+            "ADS versions untouched"
+        );
+        let first = snap(&s, &warming);
+        let up = first.clusters.get("up").expect("warm");
+        let tls = up.tls_for(0).expect("tls").tls.clone();
+        assert!(tls.config.is_some());
+        // An endpoint push keeps the built sockets.
+        let s = push(&s, Kind::Endpoint, &eds(&[cla("up", &[("10.0.0.2", 80)])]));
+        let second = snap(&s, &first);
+        let up2 = second.clusters.get("up").expect("warm");
+        assert!(Arc::ptr_eq(&up2.tls_for(0).expect("tls").tls, &tls));
+        // A rotated certificate: new sockets, pooled apart.
+        let s = sds_push(&s, &[secret("default", None)]).expect("accepted");
+        let third = snap(&s, &second);
+        let rotated = third
+            .clusters
+            .get("up")
+            .and_then(|c| c.tls_for(0))
+            .map(|t| t.tls.clone())
+            .expect("tls");
+        assert!(!Arc::ptr_eq(&rotated, &tls));
+        assert_ne!(rotated.group_key, tls.group_key);
+        // A bad one is refused by name; the store (so the sockets) stays as it was.
+        let errors = sds_push(&s, &[secret("default", Some("nope"))]).expect_err("bad key");
+        assert_eq!(
+            errors,
+            ["secret 'default': tls_certificate: private_key: no private key found"]
+        );
+        // A CA where the certificate belongs is refused too, naming the secret and cluster.
+        let errors = sds_push(&s, &[root("default")]).expect_err("wrong kind");
+        assert!(
+            errors[0].starts_with(
+                "secret 'default': cluster 'up': secret 'default' is used as a client certificate"
+            ),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn an_sds_cluster_missing_from_the_bootstrap_is_nacked_naming_it() {
+        let errors = nack(
+            &with_sds_grpc(),
+            Kind::Cluster,
+            &cds(&[mtls_cluster("up", "nope")]),
+        );
+        assert_eq!(
+            errors,
+            [
+                "cluster 'up': secret 'default': sds_config: gRPC cluster 'nope' is not a static cluster of the bootstrap",
+                "cluster 'up': secret 'ROOTCA': sds_config: gRPC cluster 'nope' is not a static cluster of the bootstrap",
+            ]
+        );
+        // A dynamic cluster of that name does not do either.
+        let s = push(
+            &with_sds_grpc(),
+            Kind::Cluster,
+            &cds(&[eds_cluster("nope", "nope")]),
+        );
+        let errors = nack(
+            &s,
+            Kind::Cluster,
+            &cds(&[eds_cluster("nope", "nope"), mtls_cluster("up", "nope")]),
+        );
+        assert_eq!(errors.len(), 2, "{errors:?}");
+    }
+
     #[test]
     fn a_bad_key_is_nacked_by_secret_name() {
         let s = push(

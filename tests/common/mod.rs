@@ -1044,15 +1044,18 @@ impl Gateway {
 
     /// As [`Gateway::start`], with node metadata LABELS.
     pub async fn start_labeled(ads_port: u16, labels: &[(&str, &str)]) -> Gateway {
+        Gateway::start_bootstrap(|admin_port| bootstrap_yaml_labeled(admin_port, ads_port, labels))
+            .await
+    }
+
+    /// Launches the gateway on the bootstrap `make` writes for the admin port it is given,
+    /// and waits for `/ready`.
+    pub async fn start_bootstrap(make: impl FnOnce(u16) -> String) -> Gateway {
         let bin = gateway_bin();
         let dir = TempDir::new("portico-it");
         let admin_port = free_port();
         let bootstrap = dir.path.join("bootstrap.yaml");
-        std::fs::write(
-            &bootstrap,
-            bootstrap_yaml_labeled(admin_port, ads_port, labels),
-        )
-        .expect("write bootstrap");
+        std::fs::write(&bootstrap, make(admin_port)).expect("write bootstrap");
         let stderr_path = dir.path.join("gateway.stderr");
         let stderr = std::fs::File::create(&stderr_path).expect("create stderr file");
         let mut cmd = Command::new(&bin);
