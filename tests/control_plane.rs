@@ -447,13 +447,42 @@ async fn https_get(
     sni: &str,
     path: &str,
 ) -> Result<(Vec<u8>, String), String> {
+    https_get_as(pki, port, sni, path, None).await
+}
+
+/// `https_get`, presenting `client` as the client certificate when given.
+async fn https_get_as(
+    pki: &Pki,
+    port: u16,
+    sni: &str,
+    path: &str,
+    client: Option<&Leaf>,
+) -> Result<(Vec<u8>, String), String> {
+    let connector = match client {
+        None => pki.client(),
+        Some(leaf) => {
+            let cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(pki.roots())
+            .with_client_auth_cert(
+                vec![rustls::pki_types::CertificateDer::from(leaf.der.clone())],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(
+                    rustls::pki_types::PrivatePkcs8KeyDer::from(leaf.key_der.clone()),
+                ),
+            )
+            .map_err(|e| e.to_string())?;
+            tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        }
+    };
     let run = async {
         let tcp = TcpStream::connect(("127.0.0.1", port))
             .await
             .map_err(|e| format!("connect: {e}"))?;
         let name = ServerName::try_from(sni.to_string()).map_err(|e| e.to_string())?;
-        let mut tls = pki
-            .client()
+        let mut tls = connector
             .connect(name, tcp)
             .await
             .map_err(|e| format!("handshake: {e}"))?;
@@ -554,6 +583,92 @@ spec:
         );
     }
     assert!(!log.contains("PRIVATE KEY"), "{log}");
+}
+
+#[tokio::test]
+async fn mutual_tls_with_the_ca_in_the_secret() {
+    let tmp = TempDir::new("portico-cp-mtls");
+    let dir = tmp.path.join("config");
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let pki = Pki::new("cp-mtls-ca");
+    let clients = Pki::new("cp-mtls-clients");
+    let server = pki.leaf(&["bank.example.com"]);
+    let client = clients.leaf_with_uris(&["client.example.com"], &["spiffe://td/ns/a/sa/good"]);
+    let other = clients.leaf_with_uris(&["client.example.com"], &["spiffe://td/ns/a/sa/bad"]);
+    let web = Backend::start("bank").await;
+    let port = free_port();
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    write(
+        &dir,
+        "gateway.yaml",
+        &format!(
+            r#"apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: {{ name: gw, namespace: default }}
+spec:
+  selector: {{ istio: ingressgateway }}
+  servers:
+  - port: {{ number: {port}, name: https, protocol: HTTPS }}
+    hosts: ["bank.example.com"]
+    tls:
+      mode: MUTUAL
+      credentialName: bank-cert
+      subjectAltNames: ["spiffe://td/ns/a/sa/good"]
+---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{ name: bank, namespace: default }}
+spec:
+  hosts: [bank.example.com]
+  gateways: [gw]
+  http:
+  - route:
+    - destination: {{ host: bank }}
+---
+apiVersion: v1
+kind: Secret
+metadata: {{ name: bank-cert, namespace: default }}
+type: Opaque
+data:
+  tls.crt: {}
+  tls.key: {}
+  ca.crt: {}
+{}"#,
+            b64(&server.cert),
+            b64(&server.key),
+            b64(&clients.ca_pem()),
+            service_at("bank", 80, "http", web.addr.port())
+        ),
+    );
+    let cp = ControlPlane::start(&dir, &tmp.path).await;
+    let _gw = Gateway::start_labeled(cp.port, &LABELS).await;
+    eventually(
+        "mTLS with the client CA from the Secret",
+        PROPAGATION,
+        || async {
+            match https_get_as(&pki, port, "bank.example.com", "/", Some(&client)).await {
+                Ok((_, resp)) if resp.contains("x-backend: bank") => Ok(()),
+                Ok((_, resp)) => Err(format!("unexpected: {resp}")),
+                Err(e) => Err(e),
+            }
+        },
+    )
+    .await;
+    // istiod sets SANITIZE_SET with the subject, URI and DNS SANs for a gateway.
+    let (_, resp) = https_get_as(&pki, port, "bank.example.com", "/", Some(&client))
+        .await
+        .expect("mTLS");
+    assert!(
+        resp.contains("x-echo-xfcc: hash=") && resp.contains("uri=spiffe://td/ns/a/sa/good"),
+        "{resp}"
+    );
+    for (what, who) in [("no certificate", None), ("the wrong SAN", Some(&other))] {
+        let r = https_get_as(&pki, port, "bank.example.com", "/", who).await;
+        assert!(
+            !r.as_ref().is_ok_and(|(_, resp)| resp.contains("x-backend")),
+            "{what}: {r:?}"
+        );
+    }
 }
 
 /// A TCP backend greeting each connection with `<name>\n` (over TLS when given a config),
