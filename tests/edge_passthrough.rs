@@ -716,3 +716,71 @@ async fn connect_timeout_and_odd_first_bytes() {
         "a malformed ClientHello: {outcome:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_terminated_in_front_of_tcp_proxy() {
+    use envoy_types::pb::envoy::config::core::v3::{data_source, DataSource, TransportSocket};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        CommonTlsContext, DownstreamTlsContext, TlsCertificate,
+    };
+    // Istio's `protocol: TLS` server with `tls.mode: SIMPLE` and tcp routes: the gateway
+    // holds the certificate, the backend speaks plain TCP.
+    let pki = Pki::new("terminating CA");
+    let leaf = pki.leaf(&["db.example.com"]);
+    let inline = |s: &str| {
+        Some(DataSource {
+            specifier: Some(data_source::Specifier::InlineString(s.to_string())),
+            ..Default::default()
+        })
+    };
+    let plain = TcpBackend::start("plain-db", None).await;
+    let mut snap = Snapshot::default();
+    cluster_at(&mut snap, "db", &[plain.addr]);
+    let mut chain = tcp_chain("db", &["db.example.com"], tcp_proxy("db_tls", "db"));
+    chain.transport_socket = Some(TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(
+            envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+                any(DownstreamTlsContext {
+                    common_tls_context: Some(CommonTlsContext {
+                        tls_certificates: vec![TlsCertificate {
+                            certificate_chain: inline(&leaf.cert),
+                            private_key: inline(&leaf.key),
+                            ..Default::default()
+                        }],
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+            ),
+        ),
+    });
+    let mesh = Mesh::start_raw(|port| {
+        let mut s = snap.clone();
+        s.listeners = vec![passthrough_listener(port, vec![chain.clone()], None)];
+        s
+    })
+    .await;
+    let port = mesh.port;
+    // The client verifies the gateway's certificate for the name, and talks to the backend.
+    let (line, mut s) = eventually(
+        "TLS to the gateway, TCP to the backend",
+        PROPAGATION,
+        || tls_session(&pki, port, "db.example.com"),
+    )
+    .await;
+    assert_eq!(line, "plain-db");
+    assert_eq!(
+        echo_round(&mut s, "select 1").await.as_deref(),
+        Ok("select 1")
+    );
+    assert_eq!(
+        s.get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.to_vec()),
+        Some(leaf.der.clone())
+    );
+    assert!(tcp_stat(&mesh.gw, "downstream_cx_total", "db_tls").await >= 1.0);
+}

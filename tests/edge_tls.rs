@@ -1650,3 +1650,45 @@ async fn pinned_client_certificates_over_h2() {
         1.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ecdh_curves_limit_the_key_exchange() {
+    let pki = Pki::new("portico test CA");
+    let leaf = pki.leaf(&["k.example.com"]);
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "k",
+                &[],
+                Some(inline_tls(
+                    &leaf,
+                    &[],
+                    Some(TlsParameters {
+                        ecdh_curves: vec!["P-384".into()],
+                        ..Default::default()
+                    }),
+                )),
+                "route-k",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-k", "k")],
+        ..Default::default()
+    })
+    .await;
+    // rustls offers X25519 first; the listener takes only P-384 (a HelloRetryRequest).
+    let r = wait_tls(&Client::new(&pki), mesh.port, "k.example.com").await;
+    assert_eq!(r.body, "k");
+    let prom = mesh.gw.prometheus().await;
+    let addr = format!("127.0.0.1_{}", mesh.port);
+    let p384: f64 = prom_samples(&prom, "envoy_listener_ssl_curves")
+        .into_iter()
+        .filter(|(l, _)| {
+            l.get("envoy_listener_address") == Some(&addr)
+                && l.get("envoy_ssl_curve").map(String::as_str) == Some("P-384")
+        })
+        .map(|(_, v)| v)
+        .sum();
+    assert!(p384 >= 1.0, "P-384 handshakes: {p384}");
+}

@@ -338,7 +338,29 @@ async fn serve_connection(
                     .get(&conns.listener)
                     .and_then(|l| l.def.matches.get(index).cloned());
                 let kept = chain_kept(conns.state.clone(), conns.listener.clone(), matched, proxy);
-                super::tcp::serve(tcp, peer, proxy, snap, s, shutdown, kept).await;
+                match &active.tls {
+                    // Istio's `tls.mode: SIMPLE` on a TLS server with tcp routes: the chain
+                    // terminates TLS and proxies the plaintext.
+                    Some(tls) => match super::tls::handshake(tcp, tls, Codec::Http1).await {
+                        Ok((session, _)) => {
+                            let c = session.get_ref().1;
+                            conns.stats.ssl.handshake_done(
+                                super::tls::cipher_name(c),
+                                super::tls::version_name(c),
+                                super::tls::curve_name(c),
+                            );
+                            if c.peer_certificates().is_none() {
+                                conns.stats.ssl.no_certificate.fetch_add(1, Relaxed);
+                            }
+                            super::tcp::serve(session, peer, proxy, snap, s, shutdown, kept).await;
+                        }
+                        Err(e) => {
+                            super::tls::count_failure(&conns.stats.ssl, &e);
+                            tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
+                        }
+                    },
+                    None => super::tcp::serve(tcp, peer, proxy, snap, s, shutdown, kept).await,
+                }
             }
             return;
         }

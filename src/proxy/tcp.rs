@@ -21,15 +21,17 @@ const DRAIN_TIME: Duration = Duration::from_secs(600);
 /// Serves one downstream connection on a tcp_proxy chain. `snap` is the snapshot the chain was
 /// picked from; it is let go once the upstream is connected. `kept` tells, when the listener
 /// stops, whether the new config still has this very chain (then the connection stays).
-pub async fn serve(
-    down: TcpStream,
+pub async fn serve<D>(
+    down: D,
     peer: SocketAddr,
     proxy: &TcpProxy,
     snap: Arc<Snapshot>,
     stats: &TcpStats,
     shutdown: watch::Receiver<bool>,
     kept: impl Fn() -> bool,
-) {
+) where
+    D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     stats.cx_total.fetch_add(1, Relaxed);
     let Some(up) = connect(proxy, &snap, stats, peer).await else {
         // Envoy closes the downstream connection without a byte when no upstream is reached.
@@ -84,18 +86,21 @@ async fn connect(
 /// Copies both ways. A FIN from one side becomes a write shutdown towards the other (Envoy's
 /// half-close); the connection ends once both directions have finished, on an error in
 /// either, or after `idle` without a byte either way.
-async fn pipe(
-    down: TcpStream,
+async fn pipe<D>(
+    down: D,
     up: TcpStream,
     idle: Option<Duration>,
     stats: &TcpStats,
     mut shutdown: watch::Receiver<bool>,
     kept: impl Fn() -> bool,
-) {
+) where
+    D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let start = Instant::now();
     // Milliseconds since `start` of the last byte moved, shared by both directions.
     let last = AtomicU64::new(0);
-    let (mut dr, mut dw) = down.into_split();
+    // Plain TCP or a TLS session the chain terminated.
+    let (mut dr, mut dw) = tokio::io::split(down);
     let (mut ur, mut uw) = up.into_split();
     let upstream = copy(&mut dr, &mut uw, &last, start, &stats.rx_bytes);
     let downstream = copy(&mut ur, &mut dw, &last, start, &stats.tx_bytes);

@@ -368,13 +368,6 @@ impl ChainDef {
                         )
                     }
                     TCP_PROXY_TYPE => {
-                        // Terminating TLS in front of tcp_proxy is not wired up yet: refused
-                        // rather than proxying ciphertext or plaintext by surprise.
-                        if tls.is_some() {
-                            return Err(format!(
-                                "{at}: tcp_proxy behind a TLS transport_socket is not supported"
-                            ));
-                        }
                         NetworkFilter::Tcp(
                             TcpProxy::from_any(any).map_err(|e| format!("{at}.filters[0]: {e}"))?,
                         )

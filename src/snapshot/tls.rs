@@ -55,6 +55,8 @@ pub struct DownstreamTls {
     /// TLS 1.2 suites when `cipher_suites` is set; TLS 1.3 suites are not configurable in
     /// Envoy either.
     pub tls12_suites: Option<Vec<rustls::SupportedCipherSuite>>,
+    /// `tls_params.ecdh_curves` (None: the defaults).
+    pub kx_groups: Option<Vec<&'static dyn rustls::crypto::SupportedKxGroup>>,
     /// Built here when the certificate is inline; SDS chains get theirs once the secret is in.
     pub inline_config: Option<Arc<TlsServer>>,
 }
@@ -229,6 +231,48 @@ pub fn protocol_versions(
     Ok(v)
 }
 
+/// The key exchange groups `tls_params.ecdh_curves` names, in order (None: rustls's
+/// defaults, which are BoringSSL's: X25519, P-256, P-384).
+pub fn kx_groups(
+    p: Option<&tlspb::TlsParameters>,
+) -> Result<Option<Vec<&'static dyn rustls::crypto::SupportedKxGroup>>, String> {
+    use rustls::crypto::ring::kx_group;
+    let Some(p) = p.filter(|p| !p.ecdh_curves.is_empty()) else {
+        return Ok(None);
+    };
+    let mut groups: Vec<&'static dyn rustls::crypto::SupportedKxGroup> = Vec::new();
+    let mut skipped = Vec::new();
+    for (i, name) in p.ecdh_curves.iter().enumerate() {
+        match name.as_str() {
+            "X25519" => groups.push(kx_group::X25519),
+            "P-256" => groups.push(kx_group::SECP256R1),
+            "P-384" => groups.push(kx_group::SECP384R1),
+            // BoringSSL has these; rustls with ring does not.
+            "P-224" | "P-521" | "X25519MLKEM768" | "X25519Kyber768Draft00" => {
+                skipped.push(name.clone())
+            }
+            _ => {
+                return Err(format!(
+                    "tls_params.ecdh_curves[{i}]: '{name}' is not a known curve"
+                ))
+            }
+        }
+    }
+    if groups.is_empty() {
+        return Err(format!(
+            "tls_params.ecdh_curves: none of {} is supported (X25519, P-256 and P-384 are)",
+            skipped.join(", ")
+        ));
+    }
+    if !skipped.is_empty() {
+        tracing::warn!(
+            "tls_params.ecdh_curves: {} not offered (rustls does not implement them)",
+            skipped.join(", ")
+        );
+    }
+    Ok(Some(groups))
+}
+
 /// The TLS 1.2 suites `tls_params.cipher_suites` names (None: rustls's defaults). TLS 1.3
 /// suites are not configurable in Envoy either.
 pub fn cipher_suites(
@@ -325,10 +369,8 @@ impl DownstreamTls {
         };
         let versions = protocol_versions(c.tls_params.as_ref(), 3)?;
         let tls12_suites = cipher_suites(c.tls_params.as_ref())?;
+        let kx_groups = kx_groups(c.tls_params.as_ref())?;
         if let Some(p) = &c.tls_params {
-            if !p.ecdh_curves.is_empty() {
-                return Err("tls_params.ecdh_curves is not supported".into());
-            }
             if !p.signature_algorithms.is_empty() {
                 return Err("tls_params.signature_algorithms is not supported".into());
             }
@@ -347,6 +389,7 @@ impl DownstreamTls {
                 .collect(),
             versions,
             tls12_suites,
+            kx_groups,
             inline_config: None,
         };
         match (&tls.cert, &tls.validation) {
@@ -380,6 +423,9 @@ impl DownstreamTls {
             .collect();
         let verifier = client_verifier(validation, self.require_client_cert)?;
         let mut p = rustls::crypto::ring::default_provider();
+        if let Some(groups) = &self.kx_groups {
+            p.kx_groups = groups.clone();
+        }
         if let Some(suites) = &self.tls12_suites {
             p.cipher_suites.retain(|s| {
                 s.version() == &rustls::version::TLS13

@@ -348,3 +348,28 @@ fn validation_secrets_are_checked_by_name() {
         "{e}"
     );
 }
+
+#[test]
+fn ecdh_curves_pick_the_groups_offered() {
+    let params = |curves: &[&str]| tlspb::TlsParameters {
+        ecdh_curves: curves.iter().map(|c| c.to_string()).collect(),
+        ..Default::default()
+    };
+    let g = kx_groups(Some(&params(&["P-256", "X25519MLKEM768", "X25519"])))
+        .expect("valid")
+        .expect("set");
+    let names: Vec<_> = g.iter().map(|g| g.name()).collect();
+    assert_eq!(
+        names,
+        [rustls::NamedGroup::secp256r1, rustls::NamedGroup::X25519]
+    );
+    assert!(kx_groups(None).expect("unset").is_none());
+    let e = kx_groups(Some(&params(&["P-521"])))
+        .err()
+        .expect("none usable");
+    assert!(e.contains("none of P-521"), "{e}");
+    let mut common = with_cert();
+    common.tls_params = Some(params(&["P-384"]));
+    let t = DownstreamTls::translate(&ctx(common)).expect("P-384 only");
+    assert!(t.inline_config.is_some());
+}

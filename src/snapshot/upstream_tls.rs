@@ -575,10 +575,12 @@ impl UpstreamTls {
                     || suites.iter().any(|x| x.suite() == s.suite())
             });
         }
+        if let Some(groups) = super::tls::kx_groups(c.tls_params.as_ref())
+            .map_err(|e| format!("common_tls_context.{e}"))?
+        {
+            provider.kx_groups = groups;
+        }
         if let Some(p) = &c.tls_params {
-            if !p.ecdh_curves.is_empty() {
-                return Err("common_tls_context.tls_params.ecdh_curves is not supported".into());
-            }
             if !p.signature_algorithms.is_empty() {
                 return Err(
                     "common_tls_context.tls_params.signature_algorithms is not supported".into(),

@@ -286,11 +286,11 @@ fn rejections_name_the_field() {
     rejected(
         common(&|c| {
             c.tls_params = Some(tlspb::TlsParameters {
-                ecdh_curves: vec!["X25519".into()],
+                ecdh_curves: vec!["secp256k1".into()],
                 ..Default::default()
             })
         }),
-        "tls_params.ecdh_curves is not supported",
+        "tls_params.ecdh_curves[0]: 'secp256k1' is not a known curve",
     );
     rejected(
         common(&|c| c.key_log = Some(Default::default())),
