@@ -364,9 +364,7 @@ fn ecdh_curves_pick_the_groups_offered() {
         [rustls::NamedGroup::secp256r1, rustls::NamedGroup::X25519]
     );
     assert!(kx_groups(None).expect("unset").is_none());
-    let e = kx_groups(Some(&params(&["P-521"])))
-        .err()
-        .expect("none usable");
+    let e = kx_groups(Some(&params(&["P-521"]))).expect_err("none usable");
     assert!(e.contains("none of P-521"), "{e}");
     let mut common = with_cert();
     common.tls_params = Some(params(&["P-384"]));
