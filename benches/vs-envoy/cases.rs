@@ -301,7 +301,7 @@ pub async fn churn(
     Ok(())
 }
 
-/// Case 6: HTTPS (TLS 1.3, an ECDSA P-256 certificate) with keep-alive, and with a new
+/// Case 8: HTTPS (TLS 1.3, an ECDSA P-256 certificate) with keep-alive, and with a new
 /// connection (so a full handshake) per request.
 pub async fn https(
     env: &Arc<Env>,
@@ -344,10 +344,10 @@ pub async fn https(
     let (e, o, u) = (env.clone(), opts.clone(), url.clone());
     let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
     let cpu1 = p.cpu_secs()?;
-    results.add("6 https rps, 50 conns keep-alive", who, r.rps);
+    results.add("8 https rps, 50 conns keep-alive", who, r.rps);
     if r.requests > 0.0 {
         results.add(
-            "6 https cpu per 100k requests (keep-alive)",
+            "8 https cpu per 100k requests (keep-alive)",
             who,
             (cpu1 - cpu0) / r.requests * 100_000.0,
         );
@@ -359,13 +359,13 @@ pub async fn https(
         .await?;
     let cpu1 = p.cpu_secs()?;
     results.add(
-        "6 https new-connection rps (handshakes/s), 20 conns",
+        "8 https new-connection rps (handshakes/s), 20 conns",
         who,
         r.rps,
     );
     if r.requests > 0.0 {
         results.add(
-            "6 https cpu per 100k requests (new connections)",
+            "8 https cpu per 100k requests (new connections)",
             who,
             (cpu1 - cpu0) / r.requests * 100_000.0,
         );

@@ -87,7 +87,8 @@ pub struct Env {
     pub envoy: PathBuf,
     pub wrk: PathBuf,
     pub h2load: PathBuf,
-    pub oha: PathBuf,
+    /// Only the latency case needs it (it takes minutes to build).
+    pub oha: Option<PathBuf>,
     pub nginx: PathBuf,
     pub dir: common::TempDir,
 }
@@ -134,7 +135,7 @@ impl Env {
             envoy,
             wrk: need("wrk", "apt-get install wrk")?,
             h2load: need("h2load", "apt-get install nghttp2-client")?,
-            oha: need("oha", "cargo install oha --locked")?,
+            oha: which("oha"),
             nginx: need("nginx", "apt-get install nginx")?,
             dir: common::TempDir::new("vs-envoy"),
         })
@@ -485,7 +486,11 @@ pub struct Latency {
 }
 
 pub fn oha(env: &Env, opts: &Opts, url: &str, rate: u32, secs: u64) -> Result<Latency, String> {
-    let out = on_cpu(opts.load_cpu, &env.oha)
+    let oha = env
+        .oha
+        .as_ref()
+        .ok_or("'oha' not found: cargo install oha --locked (or run scripts/bench-setup.sh)")?;
+    let out = on_cpu(opts.load_cpu, oha)
         .args([
             "-z",
             &format!("{secs}s"),
