@@ -372,5 +372,25 @@ pub async fn https(
     }
     results.error(format!("{who} https new connections"), r.errors);
     drop(p);
+
+    // TLS towards the backend instead: plain HTTP in, keep-alive TLS connections out.
+    let (admin, port) = (common::free_port(), common::free_port());
+    let boot = config::upstream_tls_bootstrap(admin, port, backend.tls_port);
+    let p = Running::start(env, opts, proxy, &boot, admin).await?;
+    let url = format!("http://127.0.0.1:{port}/");
+    check_serves(&url).await?;
+    let cpu0 = p.cpu_secs()?;
+    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+    let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
+    let cpu1 = p.cpu_secs()?;
+    results.add("8 https upstream rps, 50 conns keep-alive", who, r.rps);
+    if r.requests > 0.0 {
+        results.add(
+            "8 https upstream cpu per 100k requests",
+            who,
+            (cpu1 - cpu0) / r.requests * 100_000.0,
+        );
+    }
+    results.error(format!("{who} https upstream"), r.errors);
     Ok(())
 }

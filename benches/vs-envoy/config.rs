@@ -83,6 +83,23 @@ pub fn tls_bootstrap(admin: u16, listener: u16, backends: &[u16], cert: &str, ke
     plain.replacen("    filter_chains:\n    - filters:\n", &tls, 1)
 }
 
+/// The plain-text listener with the cluster speaking TLS to the backend (no certificate
+/// checks, as a cluster without a validation context; SNI set), as Istio's upstream TLS.
+pub fn upstream_tls_bootstrap(admin: u16, listener: u16, tls_port: u16) -> String {
+    let plain = static_bootstrap(admin, listener, 0, &[tls_port]);
+    plain.replacen(
+        "    type: STATIC\n",
+        r#"    type: STATIC
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        sni: backend.example
+"#,
+        1,
+    )
+}
+
 fn addrs(ports: &[u16]) -> Vec<SocketAddr> {
     ports
         .iter()

@@ -177,6 +177,8 @@ pub struct Nginx {
     pub ports: Vec<u16>,
     pub changed_port: u16,
     pub h2_port: u16,
+    /// HTTPS (TLS 1.2/1.3, HTTP/1.1), for the upstream TLS case.
+    pub tls_port: u16,
 }
 
 pub const BODY: &str = "hello from backend\n";
@@ -186,8 +188,16 @@ impl Nginx {
         let ports: Vec<u16> = (0..10).map(|_| common::free_port()).collect();
         let changed_port = common::free_port();
         let h2_port = common::free_port();
+        let tls_port = common::free_port();
         let dir = env.dir.path.join("nginx");
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        // A certificate for the TLS upstream case (ECDSA P-256, as the listener's).
+        let key = rcgen::KeyPair::generate().map_err(|e| format!("key: {e}"))?;
+        let cert = rcgen::CertificateParams::new(vec!["backend.example".to_string()])
+            .and_then(|p| p.self_signed(&key))
+            .map_err(|e| format!("certificate: {e}"))?;
+        std::fs::write(dir.join("backend.pem"), cert.pem()).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("backend.key"), key.serialize_pem()).map_err(|e| e.to_string())?;
         let d = dir.display();
         let listens: String = ports
             .iter()
@@ -216,6 +226,13 @@ http {{
     listen 127.0.0.1:{h2_port} http2;
     location / {{ return 200 "{body}"; }}
   }}
+  server {{
+    listen 127.0.0.1:{tls_port} ssl;
+    ssl_certificate {d}/backend.pem;
+    ssl_certificate_key {d}/backend.key;
+    ssl_protocols TLSv1.2 TLSv1.3;
+    location / {{ return 200 "{body}"; }}
+  }}
 }}
 "#,
             body = BODY.trim_end().to_string() + "\\n",
@@ -237,6 +254,7 @@ http {{
             ports,
             changed_port,
             h2_port,
+            tls_port,
         })
     }
 }
