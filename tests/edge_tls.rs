@@ -1274,6 +1274,28 @@ async fn mutual_tls_checks_the_client_and_sets_its_details() {
         handshakes + 3.0,
         "TLS connections, refused ones included"
     );
+    // curl agrees, when it is installed: served with the certificate, refused without.
+    let dir = TempDir::new("portico-curl-mtls");
+    let (cert, key) = (dir.path.join("client.pem"), dir.path.join("client.key"));
+    std::fs::write(&cert, &good.cert).expect("write cert");
+    std::fs::write(&key, &good.key).expect("write key");
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    if let Ok(out) = curl(
+        &pki,
+        mesh.port,
+        "mtls.example.com",
+        &["--cert", &cert, "--key", &key],
+    ) {
+        assert!(
+            out.contains("mtls-backend"),
+            "curl with a certificate: {out}"
+        );
+        let out = curl(&pki, mesh.port, "mtls.example.com", &[]).unwrap_or_default();
+        assert!(
+            !out.contains("mtls-backend"),
+            "curl without a certificate: {out}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
