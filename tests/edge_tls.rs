@@ -1132,6 +1132,29 @@ fn to_backend(name: &str) -> envoy_types::pb::envoy::config::route::v3::RouteCon
     )
 }
 
+/// A gateway with one mTLS chain (`ctx`) whose connection manager treats XFCC by `mode`
+/// and `details`, routing everything to `backend`.
+async fn mtls_mesh(
+    ctx: &DownstreamTlsContext,
+    mode: http_connection_manager::ForwardClientCertDetails,
+    details: Option<http_connection_manager::SetCurrentClientCertDetails>,
+    backend: &Backend,
+) -> Mesh {
+    Mesh::start_raw(|port| {
+        Snapshot {
+            listeners: vec![tls_listener(
+                port,
+                vec![xfcc_chain(mtls_transport(ctx.clone()), mode, details)],
+                None,
+            )],
+            routes: vec![to_backend(&backend.name)],
+            ..Default::default()
+        }
+        .with_backends(&[(backend.name.as_str(), backend)])
+    })
+    .await
+}
+
 fn xfcc_of(r: &TlsResp) -> Option<String> {
     r.headers
         .get("x-echo-xfcc")
@@ -1172,22 +1195,12 @@ async fn mutual_tls_checks_the_client_and_sets_its_details() {
         issuer: true,
         ..Default::default()
     };
-    let mesh = Mesh::start_raw(|port| {
-        Snapshot {
-            listeners: vec![tls_listener(
-                port,
-                vec![xfcc_chain(
-                    mtls_transport(ctx.clone()),
-                    ForwardClientCertDetails::SanitizeSet,
-                    Some(details),
-                )],
-                None,
-            )],
-            routes: vec![to_backend("mtls-backend")],
-            ..Default::default()
-        }
-        .with_backends(&[("mtls-backend", &backend)])
-    })
+    let mesh = mtls_mesh(
+        &ctx,
+        ForwardClientCertDetails::SanitizeSet,
+        Some(details),
+        &backend,
+    )
     .await;
     let ok = Client::new(&pki).cert(&good);
     let r = wait_tls(&ok, mesh.port, "mtls.example.com").await;
@@ -1246,6 +1259,26 @@ async fn mutual_tls_checks_the_client_and_sets_its_details() {
     assert_eq!(r.status, 200);
     // The listener's ssl.* stats say why each refused handshake failed, as Envoy's do.
     let addr = format!("127.0.0.1_{}", mesh.port);
+    // A refused handshake is counted when the gateway ends it, which may be just after the
+    // client has seen it fail.
+    eventually("the refusals counted", PROPAGATION, || async {
+        let prom = mesh.gw.prometheus().await;
+        let addr = format!("127.0.0.1_{}", mesh.port);
+        let got: f64 = [
+            "envoy_listener_ssl_fail_verify_no_cert",
+            "envoy_listener_ssl_fail_verify_san",
+            "envoy_listener_ssl_fail_verify_error",
+        ]
+        .iter()
+        .map(|m| prom_value(&prom, m, "envoy_listener_address", &addr))
+        .sum();
+        if got >= 3.0 {
+            Ok(())
+        } else {
+            Err(format!("{got} counted"))
+        }
+    })
+    .await;
     let prom = mesh.gw.prometheus().await;
     let stat = |name: &str| prom_value(&prom, name, "envoy_listener_address", &addr);
     for (name, want) in [
@@ -1319,22 +1352,12 @@ async fn optional_client_certificates_append_to_the_header() {
         }),
         ..Default::default()
     };
-    let mesh = Mesh::start_raw(|port| {
-        Snapshot {
-            listeners: vec![tls_listener(
-                port,
-                vec![xfcc_chain(
-                    mtls_transport(ctx.clone()),
-                    ForwardClientCertDetails::AppendForward,
-                    None,
-                )],
-                None,
-            )],
-            routes: vec![to_backend("opt-backend")],
-            ..Default::default()
-        }
-        .with_backends(&[("opt-backend", &backend)])
-    })
+    let mesh = mtls_mesh(
+        &ctx,
+        ForwardClientCertDetails::AppendForward,
+        None,
+        &backend,
+    )
     .await;
     const PRIOR: (&str, &str) = ("x-forwarded-client-cert", "By=spiffe://a;Hash=00");
     // Without a certificate the connection is plain TLS, and XFCC is dropped.
@@ -1571,22 +1594,12 @@ async fn a_required_certificate_without_a_validation_context() {
         }),
         ..Default::default()
     };
-    let mesh = Mesh::start_raw(|port| {
-        Snapshot {
-            listeners: vec![tls_listener(
-                port,
-                vec![xfcc_chain(
-                    mtls_transport(ctx.clone()),
-                    http_connection_manager::ForwardClientCertDetails::SanitizeSet,
-                    None,
-                )],
-                None,
-            )],
-            routes: vec![to_backend("req-backend")],
-            ..Default::default()
-        }
-        .with_backends(&[("req-backend", &backend)])
-    })
+    let mesh = mtls_mesh(
+        &ctx,
+        http_connection_manager::ForwardClientCertDetails::SanitizeSet,
+        None,
+        &backend,
+    )
     .await;
     let with = Client::new(&pki).cert(&any_client);
     // With nothing to check the certificate against, Envoy does not ask for one: clients
@@ -1629,22 +1642,12 @@ async fn pinned_client_certificates_over_h2() {
         }),
         ..Default::default()
     };
-    let mesh = Mesh::start_raw(|port| {
-        Snapshot {
-            listeners: vec![tls_listener(
-                port,
-                vec![xfcc_chain(
-                    mtls_transport(ctx.clone()),
-                    http_connection_manager::ForwardClientCertDetails::SanitizeSet,
-                    None,
-                )],
-                None,
-            )],
-            routes: vec![to_backend("pin-backend")],
-            ..Default::default()
-        }
-        .with_backends(&[("pin-backend", &backend)])
-    })
+    let mesh = mtls_mesh(
+        &ctx,
+        http_connection_manager::ForwardClientCertDetails::SanitizeSet,
+        None,
+        &backend,
+    )
     .await;
     let ok = Client::new(&pki).alpn(&["h2"]).cert(&pinned);
     let r = wait_tls(&ok, mesh.port, "pin.example.com").await;
@@ -1660,6 +1663,22 @@ async fn pinned_client_certificates_over_h2() {
         .get(mesh.port, "pin.example.com", "/")
         .await;
     assert!(r.is_err(), "a certificate that is not pinned was accepted");
+    // A refused handshake is counted when the gateway ends it, which may be just after the
+    // client has seen it fail.
+    eventually("the refusals counted", PROPAGATION, || async {
+        let prom = mesh.gw.prometheus().await;
+        let addr = format!("127.0.0.1_{}", mesh.port);
+        let got: f64 = ["envoy_listener_ssl_fail_verify_cert_hash"]
+            .iter()
+            .map(|m| prom_value(&prom, m, "envoy_listener_address", &addr))
+            .sum();
+        if got >= 1.0 {
+            Ok(())
+        } else {
+            Err(format!("{got} counted"))
+        }
+    })
+    .await;
     let prom = mesh.gw.prometheus().await;
     let addr = format!("127.0.0.1_{}", mesh.port);
     assert_eq!(

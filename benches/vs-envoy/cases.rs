@@ -50,6 +50,33 @@ pub async fn direct(
     Ok(())
 }
 
+/// One wrk run against `p`: its req/s under `rps_case` and the proxy's CPU seconds per 100k
+/// requests under `cpu_case`; socket errors and non-2xx answers are recorded as `what`.
+#[allow(clippy::too_many_arguments)]
+async fn wrk_with_cpu(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    p: &Running,
+    url: &str,
+    conns: u32,
+    extra: &'static [&'static str],
+    (rps_case, cpu_case, what): (&str, &str, &str),
+    results: &mut Results,
+) -> Result<(), String> {
+    let who = p.proxy.name();
+    let secs = opts.secs;
+    let cpu0 = p.cpu_secs()?;
+    let (e, o, u) = (env.clone(), opts.clone(), url.to_string());
+    let r = blocking(move || tools::wrk_with(&e, &o, &u, conns, secs, extra)).await?;
+    let cpu1 = p.cpu_secs()?;
+    results.add(rps_case, who, r.rps);
+    if r.requests > 0.0 {
+        results.add(cpu_case, who, (cpu1 - cpu0) / r.requests * 100_000.0);
+    }
+    results.error(format!("{who} {what}"), r.errors);
+    Ok(())
+}
+
 fn last(results: &Results, case: &str, who: &str) -> Option<f64> {
     results.by_case.get(case)?.get(who)?.last().copied()
 }
@@ -72,19 +99,12 @@ pub async fn basic(
     results.add("5 rss idle", who, p.rss_mib()?);
     let secs = opts.secs;
     if opts.wants("h1") {
-        let cpu0 = p.cpu_secs()?;
-        let (e, o, u) = (env.clone(), opts.clone(), url.clone());
-        let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
-        let cpu1 = p.cpu_secs()?;
-        results.add("1 h1 rps, 50 conns", who, r.rps);
-        if r.requests > 0.0 {
-            results.add(
-                "4 cpu per 100k requests (h1 run)",
-                who,
-                (cpu1 - cpu0) / r.requests * 100_000.0,
-            );
-        }
-        results.error(format!("{who} h1"), r.errors);
+        let cases = (
+            "1 h1 rps, 50 conns",
+            "4 cpu per 100k requests (h1 run)",
+            "h1",
+        );
+        wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await?;
     }
     if opts.wants("h2c") {
         let (e, o, u) = (env.clone(), opts.clone(), url.clone());
@@ -339,38 +359,19 @@ pub async fn https(
             probe.requests, probe.errors
         ));
     }
-    let secs = opts.secs;
-    let cpu0 = p.cpu_secs()?;
-    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
-    let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
-    let cpu1 = p.cpu_secs()?;
-    results.add("8 https rps, 50 conns keep-alive", who, r.rps);
-    if r.requests > 0.0 {
-        results.add(
-            "8 https cpu per 100k requests (keep-alive)",
-            who,
-            (cpu1 - cpu0) / r.requests * 100_000.0,
-        );
-    }
-    results.error(format!("{who} https keep-alive"), r.errors);
-    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
-    let cpu0 = p.cpu_secs()?;
-    let r = blocking(move || tools::wrk_with(&e, &o, &u, 20, secs, &["-H", "connection: close"]))
-        .await?;
-    let cpu1 = p.cpu_secs()?;
-    results.add(
-        "8 https new-connection rps (handshakes/s), 20 conns",
-        who,
-        r.rps,
+    let cases = (
+        "8 https rps, 50 conns keep-alive",
+        "8 https cpu per 100k requests (keep-alive)",
+        "https keep-alive",
     );
-    if r.requests > 0.0 {
-        results.add(
-            "8 https cpu per 100k requests (new connections)",
-            who,
-            (cpu1 - cpu0) / r.requests * 100_000.0,
-        );
-    }
-    results.error(format!("{who} https new connections"), r.errors);
+    wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await?;
+    let cases = (
+        "8 https new-connection rps (handshakes/s), 20 conns",
+        "8 https cpu per 100k requests (new connections)",
+        "https new connections",
+    );
+    let close: &[&str] = &["-H", "connection: close"];
+    wrk_with_cpu(env, opts, &p, &url, 20, close, cases, results).await?;
     drop(p);
 
     // TLS towards the backend instead: plain HTTP in, keep-alive TLS connections out.
@@ -379,18 +380,10 @@ pub async fn https(
     let p = Running::start(env, opts, proxy, &boot, admin).await?;
     let url = format!("http://127.0.0.1:{port}/");
     check_serves(&url).await?;
-    let cpu0 = p.cpu_secs()?;
-    let (e, o, u) = (env.clone(), opts.clone(), url.clone());
-    let r = blocking(move || tools::wrk(&e, &o, &u, 50, secs)).await?;
-    let cpu1 = p.cpu_secs()?;
-    results.add("8 https upstream rps, 50 conns keep-alive", who, r.rps);
-    if r.requests > 0.0 {
-        results.add(
-            "8 https upstream cpu per 100k requests",
-            who,
-            (cpu1 - cpu0) / r.requests * 100_000.0,
-        );
-    }
-    results.error(format!("{who} https upstream"), r.errors);
-    Ok(())
+    let cases = (
+        "8 https upstream rps, 50 conns keep-alive",
+        "8 https upstream cpu per 100k requests",
+        "https upstream",
+    );
+    wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await
 }

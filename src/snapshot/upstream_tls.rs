@@ -370,15 +370,7 @@ impl rustls::client::ResolvesClientCert for ClientCert {
     }
 }
 
-fn read(
-    d: Option<&corepb::DataSource>,
-    field: &str,
-    identity: &mut Vec<u8>,
-) -> Result<Vec<u8>, String> {
-    let bytes = super::tls::data_source(d, field)?;
-    identity.extend_from_slice(&bytes);
-    Ok(bytes)
-}
+use super::validation::read;
 
 fn validator(
     vc: &tlspb::CertificateValidationContext,

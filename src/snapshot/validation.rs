@@ -126,7 +126,8 @@ pub enum Refusal {
     Encoding,
 }
 
-fn read(
+/// A data source's bytes, appended to `identity` too (equal bytes make equal sockets).
+pub(crate) fn read(
     d: Option<&corepb::DataSource>,
     field: &str,
     identity: &mut Vec<u8>,
