@@ -1823,3 +1823,76 @@ async fn safe_regex_with_ignore_case_is_nacked() {
         );
     }
 }
+
+#[tokio::test]
+async fn require_tls_redirects_plain_requests_to_https() {
+    use envoy_types::pb::envoy::config::route::v3::virtual_host::TlsRequirementType;
+    let backend = Backend::start("secure").await;
+    let mesh = Mesh::start(|port| {
+        let mut all = vhost(
+            "all",
+            &["all.example", "all.example:8080"],
+            vec![rt(prefix("/"), to_cluster("secure"))],
+        );
+        all.require_tls = TlsRequirementType::All as i32;
+        let mut external = vhost(
+            "external",
+            &["ext.example"],
+            vec![rt(prefix("/"), to_cluster("secure"))],
+        );
+        external.require_tls = TlsRequirementType::ExternalOnly as i32;
+        Snapshot {
+            routes: vec![route_config(&route_name(port), vec![all, external])],
+            ..Default::default()
+        }
+        .with_backends(&[("secure", &backend)])
+    })
+    .await;
+    // Envoy answers from the virtual host, before any route: 301 to the same host (port
+    // kept) and path, query included, no body.
+    wait_raw(mesh.port, "/a/b?x=1", "all.example:8080", 301).await;
+    let r = raw_get(mesh.port, "/a/b?x=1", "all.example:8080", &[]).await;
+    assert_eq!(
+        r.header("location"),
+        Some("https://all.example:8080/a/b?x=1")
+    );
+    assert_eq!((r.header("content-length"), r.body.len()), (Some("0"), 0));
+    let r = raw(mesh.port, "POST", "/p", "all.example", &[], Some(b"abc")).await;
+    assert_eq!(
+        (r.status, r.header("location")),
+        (301, Some("https://all.example/p"))
+    );
+    // Without use_remote_address the client's x-forwarded-proto stands.
+    let https = [("x-forwarded-proto", "https")];
+    let r = raw_get(mesh.port, "/a", "all.example", &https).await;
+    assert_eq!((r.status, r.header("x-echo-xfp")), (200, Some("https")));
+    // EXTERNAL_ONLY: an external client cannot claim to be internal.
+    for claim in [&[][..], &[("x-envoy-internal", "true")][..]] {
+        let r = raw_get(mesh.port, "/z", "ext.example", claim).await;
+        assert_eq!(
+            (r.status, r.header("location")),
+            (301, Some("https://ext.example/z"))
+        );
+    }
+    // No virtual host: no redirect.
+    assert_eq!(
+        raw_get(mesh.port, "/n", "none.example", &[]).await.status,
+        404
+    );
+    // With use_remote_address, the gateway's own view of the connection decides.
+    let mut h = hcm(mesh.port);
+    h.use_remote_address = Some(BoolValue { value: true });
+    mesh.ads.set_listeners("2", &[listener_with(mesh.port, h)]);
+    mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    eventually(
+        "the client's https no longer trusted",
+        PROPAGATION,
+        || async {
+            match raw_get(mesh.port, "/a", "all.example", &https).await.status {
+                301 => Ok(()),
+                s => Err(format!("status {s}")),
+            }
+        },
+    )
+    .await;
+}

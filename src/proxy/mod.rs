@@ -1086,6 +1086,36 @@ impl Gateway {
         Ok(true)
     }
 
+    /// Whether the request's virtual host sends plain-text requests to https (`require_tls`),
+    /// by `x-forwarded-proto` as Envoy judges it.
+    fn needs_tls(
+        &self,
+        session: &Session,
+        listener: &ActiveChain,
+        hcm: &crate::snapshot::listener::Hcm,
+    ) -> bool {
+        use crate::snapshot::route::RequireTls;
+        let req = session.req_header();
+        let Some(vh) = listener.routes.vhost(&authority(req, listener)) else {
+            return false;
+        };
+        let https = req
+            .headers
+            .get(&X_FORWARDED_PROTO)
+            .is_some_and(|v| v.as_bytes() == b"https");
+        match vh.require_tls {
+            RequireTls::None => false,
+            RequireTls::All => !https,
+            RequireTls::ExternalOnly => {
+                let ip = session
+                    .client_addr()
+                    .and_then(|a| a.as_inet())
+                    .map(|a| a.ip());
+                !https && !is_internal_request(&req.headers, ip, hcm)
+            }
+        }
+    }
+
     async fn redirect(
         &self,
         session: &mut Session,
@@ -1418,6 +1448,35 @@ impl ProxyHttp for Gateway {
         // Envoy's connection manager settles x-forwarded-client-cert before routing, so route
         // matchers see what the upstream will.
         if let Some(hcm) = listener.def.hcm() {
+            // x-forwarded-proto is settled before routing too: `require_tls` and header
+            // matchers read it.
+            let req = session.req_header_mut();
+            if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
+                // The chain terminating TLS is what makes the connection https, as in Envoy.
+                let proto = if listener.def.tls.is_some() {
+                    "https"
+                } else {
+                    "http"
+                };
+                req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
+            }
+            if listener.routes.any_require_tls && self.needs_tls(session, &listener, hcm) {
+                let req = session.req_header();
+                let location = format!(
+                    "https://{}{}",
+                    raw_authority(req),
+                    req.uri.path_and_query().map_or("/", |p| p.as_str())
+                );
+                return self
+                    .local_reply(
+                        session,
+                        ctx,
+                        301,
+                        None,
+                        &[(http::header::LOCATION, location)],
+                    )
+                    .await;
+            }
             use crate::snapshot::listener::ForwardClientCert as F;
             // Only the modes that keep or write the header look at the certificate.
             let peer = match hcm.xfcc.mode {
@@ -1723,15 +1782,6 @@ impl ProxyHttp for Gateway {
             if edge {
                 req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
             }
-        }
-        if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
-            // The chain terminating TLS is what makes the connection https, as in Envoy.
-            let proto = if listener.def.tls.is_some() {
-                "https"
-            } else {
-                "http"
-            };
-            req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
         }
         let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {

@@ -22,6 +22,8 @@ use super::TranslateError;
 /// A compiled `RouteConfiguration`.
 #[derive(Debug)]
 pub struct RouteTable {
+    /// Some virtual host has `require_tls`: only then is the host looked up before routing.
+    pub any_require_tls: bool,
     pub name: String,
     pub vhosts: Vec<VirtualHost>,
     /// Exact domains (lowercase) to vhost index.
@@ -42,10 +44,23 @@ pub struct RouteTable {
 #[derive(Debug)]
 pub struct VirtualHost {
     pub name: String,
+    /// `require_tls`: plain-text requests get Envoy's 301 to `https://` instead of a route.
+    pub require_tls: RequireTls,
     pub routes: Vec<Route>,
     /// For long route lists: which routes can match a given path, so matching does not scan
     /// every route. `None` when the list is short enough to scan.
     pub index: Option<RouteIndex>,
+}
+
+/// A virtual host's `require_tls`, judged by `x-forwarded-proto` as the connection manager
+/// set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RequireTls {
+    #[default]
+    None,
+    /// Only requests not marked `x-envoy-internal`.
+    ExternalOnly,
+    All,
 }
 
 /// Candidate routes by path, in route order: case-sensitive prefix (and path-separated
@@ -654,6 +669,7 @@ impl RouteTable {
     /// A table without virtual hosts: what a tcp_proxy chain carries, since it routes nothing.
     pub fn empty() -> RouteTable {
         RouteTable {
+            any_require_tls: false,
             name: String::new(),
             vhosts: Vec::new(),
             exact: HashMap::new(),
@@ -771,8 +787,21 @@ impl RouteTable {
                 }
                 routes.push(route);
             }
+            use rpb::virtual_host::TlsRequirementType as T;
+            let require_tls = match T::try_from(vh.require_tls) {
+                Ok(T::None) => RequireTls::None,
+                Ok(T::ExternalOnly) => RequireTls::ExternalOnly,
+                Ok(T::All) => RequireTls::All,
+                Err(_) => {
+                    return Err(err(format!(
+                        "{vctx}: require_tls: unknown value {}",
+                        vh.require_tls
+                    )))
+                }
+            };
             vhosts.push(VirtualHost {
                 name: vh.name.clone(),
+                require_tls,
                 index: RouteIndex::build(&routes),
                 routes,
             });
@@ -781,6 +810,7 @@ impl RouteTable {
         suffixes.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
         prefixes.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
         Ok(RouteTable {
+            any_require_tls: vhosts.iter().any(|v| v.require_tls != RequireTls::None),
             name: rc.name.clone(),
             vhosts,
             exact,

@@ -1721,3 +1721,31 @@ fn route_upgrade_configs_are_kept_and_checked() {
     );
     assert!(text.contains("route 1"), "{text}");
 }
+
+#[test]
+fn require_tls_is_kept_per_virtual_host() {
+    let mut secure = vhost("secure", &["s.example"], vec![route(prefix("/"), to("c"))]);
+    secure.require_tls = rpb::virtual_host::TlsRequirementType::ExternalOnly as i32;
+    let plain = vhost("plain", &["p.example"], vec![route(prefix("/"), to("c"))]);
+    let t =
+        RouteTable::translate(&config("rc", vec![secure.clone(), plain.clone()])).expect("valid");
+    assert!(t.any_require_tls);
+    assert_eq!(
+        t.vhost("s.example").map(|v| v.require_tls),
+        Some(RequireTls::ExternalOnly)
+    );
+    assert_eq!(
+        t.vhost("p.example").map(|v| v.require_tls),
+        Some(RequireTls::None)
+    );
+    let t = RouteTable::translate(&config("rc", vec![plain])).expect("valid");
+    assert!(!t.any_require_tls);
+    secure.require_tls = 7;
+    let e = RouteTable::translate(&config("rc", vec![secure]))
+        .expect_err("unknown")
+        .to_string();
+    assert!(
+        e.contains("vhost 'secure': require_tls: unknown value 7"),
+        "{e}"
+    );
+}
