@@ -671,6 +671,60 @@ data:
     }
 }
 
+#[tokio::test]
+async fn https_redirect_sends_plain_http_to_https() {
+    let tmp = TempDir::new("portico-cp-redirect");
+    let dir = tmp.path.join("config");
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let web = Backend::start("web").await;
+    let port = free_port();
+    write(
+        &dir,
+        "gateway.yaml",
+        &format!(
+            r#"apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: {{ name: gw, namespace: default }}
+spec:
+  selector: {{ istio: ingressgateway }}
+  servers:
+  - port: {{ number: {port}, name: http, protocol: HTTP }}
+    hosts: ["shop.example.com"]
+    tls: {{ httpsRedirect: true }}
+---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{ name: shop, namespace: default }}
+spec:
+  hosts: [shop.example.com]
+  gateways: [gw]
+  http:
+  - route:
+    - destination: {{ host: web }}
+{}"#,
+            service_at("web", 80, "http", web.addr.port())
+        ),
+    );
+    let cp = ControlPlane::start(&dir, &tmp.path).await;
+    let _gw = Gateway::start_labeled(cp.port, &LABELS).await;
+    let req = b"GET /cart?id=7 HTTP/1.1\r\nhost: shop.example.com\r\nx-forwarded-proto: https\r\nconnection: close\r\n\r\n";
+    // istiod's gateway trusts only its own view of the connection (use_remote_address), so a
+    // client's x-forwarded-proto does not dodge the redirect.
+    let r = eventually("the redirect", PROPAGATION, || async {
+        let r = raw_http1(port, req, false).await;
+        if r.status == 301 {
+            Ok(r)
+        } else {
+            Err(format!("status {}", r.status))
+        }
+    })
+    .await;
+    assert_eq!(
+        r.header("location"),
+        Some("https://shop.example.com/cart?id=7")
+    );
+}
+
 /// A TCP backend greeting each connection with `<name>\n` (over TLS when given a config),
 /// then closing when the client does.
 async fn greeter(name: &str, tls: Option<rustls::ServerConfig>) -> std::net::SocketAddr {
