@@ -1733,3 +1733,44 @@ async fn ecdh_curves_limit_the_key_exchange() {
         .sum();
     assert!(p384 >= 1.0, "P-384 handshakes: {p384}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_sni_is_accepted_and_not_enforced_as_in_envoy() {
+    let pki = Pki::new("portico test CA");
+    // The IP SAN lets a client without SNI verify the certificate: only the SNI is missing.
+    let leaf = pki.leaf(&["sni.example.com", "127.0.0.1"]);
+    let ctx = DownstreamTlsContext {
+        require_sni: Some(envoy_types::pb::google::protobuf::BoolValue { value: true }),
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&leaf)],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "sni",
+                &[],
+                Some(mtls_transport(ctx.clone())),
+                "route-sni",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-sni", "sni")],
+        ..Default::default()
+    })
+    .await;
+    let client = Client::new(&pki);
+    assert_eq!(
+        wait_tls(&client, mesh.port, "sni.example.com").await.body,
+        "sni"
+    );
+    // Envoy 1.40 does not implement require_sni (its API hides it as not implemented).
+    let r = client
+        .get(mesh.port, "127.0.0.1", "/")
+        .await
+        .expect("served without SNI");
+    assert_eq!(r.body, "sni");
+}

@@ -332,9 +332,8 @@ impl DownstreamTls {
     }
 
     pub fn translate(ctx: &tlspb::DownstreamTlsContext) -> Result<DownstreamTls, String> {
-        if ctx.require_sni.as_ref().is_some_and(|b| b.value) {
-            return Err("require_sni is not supported".into());
-        }
+        // `require_sni` is accepted and not enforced: Envoy 1.40 does not implement it either
+        // (not-implemented-hide in its API; it serves clients without SNI).
         if ctx.ocsp_staple_policy != 0 {
             return Err("ocsp_staple_policy is not supported".into());
         }
