@@ -1774,3 +1774,174 @@ async fn require_sni_is_accepted_and_not_enforced_as_in_envoy() {
         .expect("served without SNI");
     assert_eq!(r.body, "sni");
 }
+
+/// The certificate a listener presents for `sni` (None: no SNI), whatever it is.
+async fn presented_cert(port: u16, sni: Option<&str>) -> Result<Vec<u8>, String> {
+    #[derive(Debug)]
+    struct AnyCert(rustls::crypto::WebPkiSupportedAlgorithms);
+    impl rustls::client::danger::ServerCertVerifier for AnyCert {
+        fn verify_server_cert(
+            &self,
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &[rustls::pki_types::CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: rustls::pki_types::UnixTime,
+        ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            m: &[u8],
+            c: &rustls::pki_types::CertificateDer<'_>,
+            d: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls12_signature(m, c, d, &self.0)
+        }
+        fn verify_tls13_signature(
+            &self,
+            m: &[u8],
+            c: &rustls::pki_types::CertificateDer<'_>,
+            d: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(m, c, d, &self.0)
+        }
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            self.0.supported_schemes()
+        }
+    }
+    let provider = rustls::crypto::ring::default_provider();
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(provider.clone()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCert(
+            provider.signature_verification_algorithms,
+        )))
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    // An IP address as the name: rustls then sends no SNI.
+    let name =
+        ServerName::try_from(sni.unwrap_or("127.0.0.1").to_string()).map_err(|e| e.to_string())?;
+    let tls = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| "timed out".to_string())?
+    .map_err(|e| e.to_string())?;
+    tls.get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .ok_or_else(|| "no certificate".to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_certificates_on_one_chain_are_chosen_by_sni() {
+    let pki = Pki::new("portico test CA");
+    let a = pki.leaf(&["a.example.com"]);
+    let b = pki.leaf(&["b.example.com", "*.wild.example.com"]);
+    // What Envoy Gateway renders for a listener with two certificateRefs: one chain, both.
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "both",
+                &[],
+                Some(transport(CommonTlsContext {
+                    tls_certificates: vec![tls_certificate(&a), tls_certificate(&b)],
+                    ..Default::default()
+                })),
+                "route-both",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-both", "both")],
+        ..Default::default()
+    })
+    .await;
+    let r = wait_tls(&Client::new(&pki), mesh.port, "b.example.com").await;
+    assert_eq!(r.peer_cert.as_deref(), Some(&b.der[..]));
+    for (sni, want, what) in [
+        (Some("a.example.com"), &a, "exact"),
+        (Some("b.example.com"), &b, "exact, second certificate"),
+        (Some("x.wild.example.com"), &b, "wildcard"),
+        (Some("c.example.com"), &a, "no match: the first"),
+        (None, &a, "no SNI: the first"),
+    ] {
+        let got = presented_cert(mesh.port, sni).await.expect(what);
+        assert!(got == want.der, "{what}: presented the other certificate");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateways_mutual_tls_shape_two_sds_certificates_and_a_ca() {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        common_tls_context::ValidationContextType, CertificateValidationContext,
+    };
+    let pki = Pki::new("portico test CA");
+    let clients = Pki::new("portico client CA");
+    let one = pki.leaf(&["one.example.com"]);
+    let two = pki.leaf(&["two.example.com"]);
+    let client = client_leaf(&clients, "c", "spiffe://td/c");
+    let sds = |name: &str| SdsSecretConfig {
+        name: name.into(),
+        sds_config: Some(ads_source()),
+    };
+    // mutual-tls.listeners.yaml in Envoy Gateway's goldens: secret-1, secret-2, ca-cert.
+    let ctx = DownstreamTlsContext {
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue {
+            value: true,
+        }),
+        common_tls_context: Some(CommonTlsContext {
+            alpn_protocols: alpn(&["h2", "http/1.1"]),
+            tls_certificate_sds_secret_configs: vec![sds("secret-1"), sds("secret-2")],
+            validation_context_type: Some(ValidationContextType::ValidationContextSdsSecretConfig(
+                sds("ca-cert"),
+            )),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let ca = Secret {
+        name: "ca-cert".into(),
+        r#type: Some(secret::Type::ValidationContext(
+            CertificateValidationContext {
+                trusted_ca: inline(&clients.ca_pem()),
+                ..Default::default()
+            },
+        )),
+    };
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![tls_listener(
+            port,
+            vec![chain(
+                "eg",
+                &[],
+                Some(mtls_transport(ctx.clone())),
+                "route-eg",
+            )],
+            None,
+        )],
+        routes: vec![answering("route-eg", "eg")],
+        secrets: vec![secret("secret-1", &one), secret("secret-2", &two), ca],
+        ..Default::default()
+    })
+    .await;
+    let c = Client::new(&pki).cert(&client);
+    for (sni, leaf) in [("one.example.com", &one), ("two.example.com", &two)] {
+        let r = wait_tls(&c, mesh.port, sni).await;
+        assert_eq!(
+            (r.body.as_str(), r.peer_cert.as_deref()),
+            ("eg", Some(&leaf.der[..]))
+        );
+    }
+    assert!(Client::new(&pki)
+        .get(mesh.port, "one.example.com", "/")
+        .await
+        .is_err());
+}

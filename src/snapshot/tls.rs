@@ -23,9 +23,10 @@ pub const TLS_INSPECTOR_TYPE: &str =
 /// Where a chain's certificate comes from.
 #[derive(Debug, Clone)]
 pub enum CertSource {
-    Inline(Arc<CertifiedKey>),
-    /// An SDS secret, over ADS or from an SDS cluster.
-    Sds(super::sds::SdsRef),
+    /// `tls_certificates`, in order (the first is the default).
+    Inline(Vec<Arc<CertifiedKey>>),
+    /// `tls_certificate_sds_secret_configs`, over ADS or from an SDS cluster, in order.
+    Sds(Vec<super::sds::SdsRef>),
 }
 
 /// Where a chain's client-certificate validation comes from.
@@ -350,20 +351,35 @@ impl DownstreamTls {
             c.tls_certificates.as_slice(),
             c.tls_certificate_sds_secret_configs.as_slice(),
         ) {
-            ([one], []) => CertSource::Inline(
-                tls_certificate(one).map_err(|e| format!("tls_certificates[0]: {e}"))?,
+            (inline, []) if !inline.is_empty() => CertSource::Inline(
+                inline
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        tls_certificate(c).map_err(|e| format!("tls_certificates[{i}]: {e}"))
+                    })
+                    .collect::<Result<_, _>>()?,
             ),
-            ([], [sds]) => CertSource::Sds(super::sds::SdsRef::parse(
-                sds,
-                "tls_certificate_sds_secret_configs[0]",
-            )?),
+            ([], sds) if !sds.is_empty() => CertSource::Sds(
+                sds.iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        super::sds::SdsRef::parse(
+                            c,
+                            &format!("tls_certificate_sds_secret_configs[{i}]"),
+                        )
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
             ([], []) => {
                 return Err("No TLS certificates found for server context".into());
             }
             _ => {
+                // Envoy's rule too.
                 return Err(
-                    "common_tls_context: more than one certificate is not supported yet".into(),
-                )
+                    "common_tls_context: tls_certificates and tls_certificate_sds_secret_configs may not be mixed"
+                        .into(),
+                );
             }
         };
         let versions = protocol_versions(c.tls_params.as_ref(), 3)?;
@@ -392,11 +408,11 @@ impl DownstreamTls {
             inline_config: None,
         };
         match (&tls.cert, &tls.validation) {
-            (CertSource::Inline(ck), ClientValidation::None) => {
-                tls.inline_config = Some(tls.server(ck.clone(), None)?);
+            (CertSource::Inline(certs), ClientValidation::None) => {
+                tls.inline_config = Some(tls.server(certs.clone(), None)?);
             }
-            (CertSource::Inline(ck), ClientValidation::Inline(v)) => {
-                tls.inline_config = Some(tls.server(ck.clone(), Some(v.clone()))?);
+            (CertSource::Inline(certs), ClientValidation::Inline(v)) => {
+                tls.inline_config = Some(tls.server(certs.clone(), Some(v.clone()))?);
             }
             _ => {}
         }
@@ -406,10 +422,18 @@ impl DownstreamTls {
     /// The handshake configs for `cert`, checking client certificates by `validation`.
     pub fn server(
         &self,
-        cert: Arc<CertifiedKey>,
+        certs: Vec<Arc<CertifiedKey>>,
         validation: Option<Arc<CertValidation>>,
     ) -> Result<Arc<TlsServer>, String> {
-        let local_uris: Arc<[String]> = cert
+        let resolver: Arc<dyn rustls::server::ResolvesServerCert> = match certs.as_slice() {
+            [one] => Arc::new(Fixed(one.clone())),
+            _ => Arc::new(BySni::new(&certs)?),
+        };
+        let Some(first) = certs.first() else {
+            return Err("No TLS certificates found for server context".into());
+        };
+        // `By=` names the default certificate's identity.
+        let local_uris: Arc<[String]> = first
             .end_entity_cert()
             .ok()
             .and_then(|der| super::validation::sans(der.as_ref()).ok())
@@ -439,7 +463,7 @@ impl DownstreamTls {
                 Some(v) => cfg.with_client_cert_verifier(v.clone()),
                 None => cfg.with_no_client_auth(),
             };
-            let mut cfg = cfg.with_cert_resolver(Arc::new(Fixed(cert.clone())));
+            let mut cfg = cfg.with_cert_resolver(resolver.clone());
             cfg.alpn_protocols = alpn;
             Ok(Arc::new(cfg))
         };
@@ -453,15 +477,15 @@ impl DownstreamTls {
 
     /// The SDS secrets the chain waits for: its certificate's and its validation context's.
     pub fn sds_refs(&self) -> impl Iterator<Item = &super::sds::SdsRef> {
-        let cert = match &self.cert {
-            CertSource::Sds(s) => Some(s),
-            CertSource::Inline(_) => None,
+        let cert: &[super::sds::SdsRef] = match &self.cert {
+            CertSource::Sds(s) => s,
+            CertSource::Inline(_) => &[],
         };
         let validation = match &self.validation {
             ClientValidation::Sds { sds, .. } => Some(sds),
             _ => None,
         };
-        cert.into_iter().chain(validation)
+        cert.iter().chain(validation)
     }
 
     /// The names of `sds_refs`.
@@ -650,6 +674,100 @@ struct Fixed(Arc<CertifiedKey>);
 impl rustls::server::ResolvesServerCert for Fixed {
     fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.0.clone())
+    }
+}
+
+/// Several certificates on one chain, chosen as Envoy chooses: the server name by exact then
+/// wildcard match against each certificate's DNS SANs (its CN without any), preferring an
+/// ECDSA certificate when the client can use one; without a match, the first certificate the
+/// client can use, else the first.
+#[derive(Debug)]
+struct BySni {
+    certs: Vec<(Arc<CertifiedKey>, bool)>,
+    exact: std::collections::HashMap<String, Vec<usize>>,
+    wildcard: std::collections::HashMap<String, Vec<usize>>,
+}
+
+impl BySni {
+    fn new(certs: &[Arc<CertifiedKey>]) -> Result<BySni, String> {
+        let mut out = BySni {
+            certs: Vec::with_capacity(certs.len()),
+            exact: Default::default(),
+            wildcard: Default::default(),
+        };
+        for (i, ck) in certs.iter().enumerate() {
+            let der = ck
+                .end_entity_cert()
+                .map_err(|e| format!("tls_certificates[{i}]: {e}"))?;
+            let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref())
+                .map_err(|e| format!("tls_certificates[{i}]: bad certificate: {e}"))?;
+            let ecdsa = cert.public_key().algorithm.algorithm
+                == x509_parser::oid_registry::OID_KEY_TYPE_EC_PUBLIC_KEY;
+            let mut names: Vec<String> = super::validation::sans(der.as_ref())
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|s| match s {
+                    super::validation::San::Dns(d) => Some(d.to_ascii_lowercase()),
+                    _ => None,
+                })
+                .collect();
+            if names.is_empty() {
+                names.extend(
+                    cert.subject()
+                        .iter_common_name()
+                        .filter_map(|cn| cn.as_str().ok())
+                        .map(str::to_ascii_lowercase),
+                );
+            }
+            for n in names {
+                let slot = match n.strip_prefix("*.") {
+                    Some(rest) => out.wildcard.entry(rest.to_string()).or_default(),
+                    None => out.exact.entry(n).or_default(),
+                };
+                if !slot.contains(&i) {
+                    slot.push(i);
+                }
+            }
+            out.certs.push((ck.clone(), ecdsa));
+        }
+        Ok(out)
+    }
+}
+
+impl rustls::server::ResolvesServerCert for BySni {
+    fn resolve(&self, hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        use rustls::SignatureScheme as S;
+        let ecdsa_ok = hello.signature_schemes().iter().any(|s| {
+            matches!(
+                s,
+                S::ECDSA_NISTP256_SHA256 | S::ECDSA_NISTP384_SHA384 | S::ECDSA_NISTP521_SHA512
+            )
+        });
+        let usable = |i: &&usize| self.certs.get(**i).is_some_and(|c| ecdsa_ok || !c.1);
+        let pick = |idx: &[usize]| {
+            // The client's kind first (ECDSA when it can), else the first for the name.
+            idx.iter()
+                .filter(usable)
+                .find(|i| self.certs.get(**i).is_some_and(|c| c.1 == ecdsa_ok))
+                .or_else(|| idx.iter().find(usable))
+                .or(idx.first())
+                .and_then(|i| self.certs.get(*i))
+                .map(|c| c.0.clone())
+        };
+        if let Some(sni) = hello.server_name().map(str::to_ascii_lowercase) {
+            if let Some(idx) = self.exact.get(&sni) {
+                return pick(idx);
+            }
+            if let Some(idx) = sni
+                .split_once('.')
+                .and_then(|(_, rest)| self.wildcard.get(rest))
+            {
+                return pick(idx);
+            }
+        }
+        let all: Vec<usize> = (0..self.certs.len()).collect();
+        let first_usable = all.iter().find(usable).or(all.first())?;
+        self.certs.get(*first_usable).map(|c| c.0.clone())
     }
 }
 

@@ -371,3 +371,28 @@ fn ecdh_curves_pick_the_groups_offered() {
     let t = DownstreamTls::translate(&ctx(common)).expect("P-384 only");
     assert!(t.inline_config.is_some());
 }
+
+#[test]
+fn several_certificates_translate_and_may_not_be_mixed() {
+    let (c1, k1) = cert("a.example.com");
+    let (c2, k2) = cert("b.example.com");
+    let mut common = tlspb::CommonTlsContext {
+        tls_certificates: vec![tls_cert(&c1, &k1), tls_cert(&c2, &k2)],
+        ..Default::default()
+    };
+    let t = DownstreamTls::translate(&ctx(common.clone())).expect("two certificates");
+    assert!(matches!(&t.cert, CertSource::Inline(v) if v.len() == 2));
+    assert!(t.inline_config.is_some());
+    common.tls_certificate_sds_secret_configs = vec![tlspb::SdsSecretConfig {
+        name: "s".into(),
+        sds_config: ads(),
+    }];
+    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    assert!(e.contains("may not be mixed"), "{e}");
+    let bad = tlspb::CommonTlsContext {
+        tls_certificates: vec![tls_cert(&c1, &k1), tls_cert(&c2, "garbage")],
+        ..Default::default()
+    };
+    let e = DownstreamTls::translate(&ctx(bad)).unwrap_err();
+    assert!(e.starts_with("tls_certificates[1]: private_key"), "{e}");
+}

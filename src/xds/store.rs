@@ -869,14 +869,16 @@ impl Store {
             return Some((inline.clone(), Vec::new()));
         }
         let mut secrets = Vec::new();
-        let cert = match &t.cert {
-            CertSource::Inline(ck) => ck.clone(),
-            CertSource::Sds(r) => {
-                let name = &r.name;
-                let secret = self.secrets.get(name)?.value.clone();
-                let cert = secret.cert.clone()?;
-                secrets.push(secret);
-                cert
+        let certs = match &t.cert {
+            CertSource::Inline(certs) => certs.clone(),
+            CertSource::Sds(refs) => {
+                let mut certs = Vec::with_capacity(refs.len());
+                for r in refs {
+                    let secret = self.secrets.get(&r.name)?.value.clone();
+                    certs.push(secret.cert.clone()?);
+                    secrets.push(secret);
+                }
+                certs
             }
         };
         let validation = match &t.validation {
@@ -915,7 +917,7 @@ impl Store {
                 }
             }
         };
-        match t.server(cert, validation) {
+        match t.server(certs, validation) {
             Ok(server) => Some((server, secrets)),
             Err(e) => {
                 tracing::warn!("cannot build the TLS config: {e}");
