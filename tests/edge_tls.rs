@@ -1945,3 +1945,103 @@ async fn envoy_gateways_mutual_tls_shape_two_sds_certificates_and_a_ca() {
         .await
         .is_err());
 }
+
+/// Two handshakes in a row with one client config (so one session cache); whether the second
+/// resumed the first's session.
+async fn resumes(pki: &Pki, port: u16, version: &'static rustls::SupportedProtocolVersion) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let cfg = Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&[version])
+        .expect("versions")
+        .with_root_certificates(pki.roots())
+        .with_no_client_auth(),
+    );
+    let mut kinds = Vec::new();
+    for _ in 0..2 {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let name = ServerName::try_from("r.example.com").expect("name");
+        let mut tls = tokio_rustls::TlsConnector::from(cfg.clone())
+            .connect(name, tcp)
+            .await
+            .expect("handshake");
+        // A request and its answer, so TLS 1.3 tickets (sent after the handshake) arrive.
+        tls.write_all(b"GET / HTTP/1.1\r\nhost: r.example.com\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut out = Vec::new();
+        let _ = tls.read_to_end(&mut out).await;
+        kinds.push(tls.get_ref().1.handshake_kind());
+    }
+    kinds[1] == Some(rustls::HandshakeKind::Resumed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_resumption_as_envoy_offers_it() {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::downstream_tls_context::SessionTicketKeysType;
+    let pki = Pki::new("portico test CA");
+    let leaf = pki.leaf(&["r.example.com"]);
+    let ctx = |stateless_off: bool, stateful_off: bool| DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&leaf)],
+            ..Default::default()
+        }),
+        session_ticket_keys_type: stateless_off.then_some(
+            SessionTicketKeysType::DisableStatelessSessionResumption(true),
+        ),
+        disable_stateful_session_resumption: stateful_off,
+        ..Default::default()
+    };
+    let listener = |port: u16, c: DownstreamTlsContext| {
+        tls_listener(
+            port,
+            vec![chain("r", &[], Some(mtls_transport(c)), "route-r")],
+            None,
+        )
+    };
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![listener(port, ctx(false, false))],
+        routes: vec![answering("route-r", "r")],
+        ..Default::default()
+    })
+    .await;
+    wait_tls(&Client::new(&pki), mesh.port, "r.example.com").await;
+    let mut seen = Vec::new();
+    for (i, (stateless_off, stateful_off)) in
+        [(false, false), (true, false), (false, true), (true, true)]
+            .into_iter()
+            .enumerate()
+    {
+        let v = format!("r{i}");
+        mesh.ads
+            .set_listeners(&v, &[listener(mesh.port, ctx(stateless_off, stateful_off))]);
+        mesh.ads.wait_for_ack(LDS, &v, PROPAGATION).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let t13 = resumes(&pki, mesh.port, &rustls::version::TLS13).await;
+        let t12 = resumes(&pki, mesh.port, &rustls::version::TLS12).await;
+        seen.push((stateless_off, stateful_off, t13, t12));
+    }
+    // What Envoy 1.40 does: TLS 1.3 resumes by tickets only, TLS 1.2 by tickets or the cache.
+    assert_eq!(
+        seen,
+        [
+            (false, false, true, true),
+            (true, false, false, true),
+            (false, true, true, true),
+            (true, true, false, false),
+        ],
+        "(stateless off, stateful off, TLS 1.3 resumed, TLS 1.2 resumed)"
+    );
+    let prom = mesh.gw.prometheus().await;
+    let reused = prom_value(
+        &prom,
+        "envoy_listener_ssl_session_reused",
+        "envoy_listener_address",
+        &format!("127.0.0.1_{}", mesh.port),
+    );
+    assert!(reused >= 5.0, "ssl.session_reused {reused}");
+}

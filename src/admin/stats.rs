@@ -150,6 +150,7 @@ pub struct SslStats {
     pub fail_verify_no_cert: AtomicU64,
     pub fail_verify_san: AtomicU64,
     pub fail_verify_cert_hash: AtomicU64,
+    pub session_reused: AtomicU64,
     /// (tag, value) -> count, for `ssl.ciphers.*`, `ssl.versions.*` and `ssl.curves.*`.
     negotiated: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
 }
@@ -349,6 +350,7 @@ impl Stats {
                     "ssl_fail_verify_cert_hash",
                     &s.ssl.fail_verify_cert_hash,
                 ),
+                ("counter", "ssl_session_reused", &s.ssl.session_reused),
             ] {
                 f.add(
                     kind,

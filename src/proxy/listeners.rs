@@ -343,15 +343,7 @@ async fn serve_connection(
                     // terminates TLS and proxies the plaintext.
                     Some(tls) => match super::tls::handshake(tcp, tls, Codec::Http1).await {
                         Ok((session, _)) => {
-                            let c = session.get_ref().1;
-                            conns.stats.ssl.handshake_done(
-                                super::tls::cipher_name(c),
-                                super::tls::version_name(c),
-                                super::tls::curve_name(c),
-                            );
-                            if c.peer_certificates().is_none() {
-                                conns.stats.ssl.no_certificate.fetch_add(1, Relaxed);
-                            }
+                            super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
                             super::tcp::serve(session, peer, proxy, snap, s, shutdown, kept).await;
                         }
                         Err(e) => {
@@ -383,23 +375,12 @@ async fn serve_connection(
                 .await
             {
                 Ok((session, alpn)) => {
-                    let ssl = &conns.stats.ssl;
                     let c = session.get_ref().1;
-                    ssl.handshake_done(
-                        super::tls::cipher_name(c),
-                        super::tls::version_name(c),
-                        super::tls::curve_name(c),
-                    );
-                    let client = match c.peer_certificates() {
-                        Some(chain) => {
-                            super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
-                                .and_then(|p| p.into_digest())
-                        }
-                        None => {
-                            ssl.no_certificate.fetch_add(1, Relaxed);
-                            None
-                        }
-                    };
+                    super::tls::count_handshake(&conns.stats.ssl, c);
+                    let client = c.peer_certificates().and_then(|chain| {
+                        super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
+                            .and_then(|p| p.into_digest())
+                    });
                     let mut d = super::io::Downstream::new_tls(session, peer, alpn);
                     if let Some(digest) = client {
                         use pingora_core::protocols::GetProxyDigest;

@@ -153,3 +153,15 @@ pub fn count_failure(ssl: &crate::admin::stats::SslStats, e: &std::io::Error) {
     };
     counter.fetch_add(1, Relaxed);
 }
+
+/// Counts a completed handshake in the listener's `ssl.*` stats, as Envoy does.
+pub fn count_handshake(ssl: &crate::admin::stats::SslStats, c: &rustls::ServerConnection) {
+    use std::sync::atomic::Ordering::Relaxed;
+    ssl.handshake_done(cipher_name(c), version_name(c), curve_name(c));
+    if c.peer_certificates().is_none() {
+        ssl.no_certificate.fetch_add(1, Relaxed);
+    }
+    if c.handshake_kind() == Some(rustls::HandshakeKind::Resumed) {
+        ssl.session_reused.fetch_add(1, Relaxed);
+    }
+}

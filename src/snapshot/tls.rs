@@ -50,6 +50,11 @@ pub struct DownstreamTls {
     pub validation: ClientValidation,
     /// `require_client_certificate`: a client without a certificate fails the handshake.
     pub require_client_cert: bool,
+    /// Session tickets (Envoy's default; `disable_stateless_session_resumption` turns them
+    /// off): the only way TLS 1.3 sessions resume in Envoy.
+    pub tickets: bool,
+    /// The TLS 1.2 session cache (`disable_stateful_session_resumption` turns it off).
+    pub session_cache: bool,
     /// Wire-format protocol names, in the configured preference order.
     pub alpn: Vec<Vec<u8>>,
     pub versions: Vec<&'static rustls::SupportedProtocolVersion>,
@@ -341,6 +346,18 @@ impl DownstreamTls {
         let empty = tlspb::CommonTlsContext::default();
         let c = ctx.common_tls_context.as_ref().unwrap_or(&empty);
         let validation = client_validation(c)?;
+        if matches!(
+            ctx.session_ticket_keys_type,
+            Some(
+                tlspb::downstream_tls_context::SessionTicketKeysType::SessionTicketKeys(_)
+                    | tlspb::downstream_tls_context::SessionTicketKeysType::SessionTicketKeysSdsSecretConfig(_)
+            )
+        ) {
+            // Envoy's ticket format is its own; tickets stay valid on this instance only.
+            tracing::warn!(
+                "session_ticket_keys: Portico issues tickets with keys of its own (not shared with other instances)"
+            );
+        }
         if c.tls_certificate_provider_instance.is_some() || c.custom_handshaker.is_some() {
             return Err(
                 "common_tls_context: tls_certificate_provider_instance and custom_handshaker are not supported"
@@ -397,6 +414,11 @@ impl DownstreamTls {
                 .require_client_certificate
                 .as_ref()
                 .is_some_and(|b| b.value),
+            tickets: !matches!(
+                ctx.session_ticket_keys_type,
+                Some(tlspb::downstream_tls_context::SessionTicketKeysType::DisableStatelessSessionResumption(true))
+            ),
+            session_cache: !ctx.disable_stateful_session_resumption,
             alpn: c
                 .alpn_protocols
                 .iter()
@@ -445,6 +467,15 @@ impl DownstreamTls {
             })
             .collect();
         let verifier = client_verifier(validation, self.require_client_cert)?;
+        // One ticket key set for both configs of the chain.
+        let ticketer = if self.tickets {
+            Some(
+                rustls::crypto::ring::Ticketer::new()
+                    .map_err(|e| format!("session tickets: {e}"))?,
+            )
+        } else {
+            None
+        };
         let mut p = rustls::crypto::ring::default_provider();
         if let Some(groups) = &self.kx_groups {
             p.kx_groups = groups.clone();
@@ -464,6 +495,14 @@ impl DownstreamTls {
                 None => cfg.with_no_client_auth(),
             };
             let mut cfg = cfg.with_cert_resolver(resolver.clone());
+            match &ticketer {
+                Some(t) => cfg.ticketer = t.clone(),
+                // Envoy resumes TLS 1.3 sessions only by tickets.
+                None => cfg.send_tls13_tickets = 0,
+            }
+            if !self.session_cache {
+                cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+            }
             cfg.alpn_protocols = alpn;
             Ok(Arc::new(cfg))
         };
