@@ -506,6 +506,36 @@ async fn https_get_as(
         .map_err(|_| "timed out".to_string())?
 }
 
+/// A Gateway with one server for shop.example.com on `port` (`protocol`, `tls` as a YAML
+/// flow mapping), a VirtualService sending it all to `web`, and `web`'s Service at
+/// 127.0.0.1:`web_port`.
+fn shop_config(port: u16, protocol: &str, tls: &str, web_port: u16) -> String {
+    let name = protocol.to_ascii_lowercase();
+    format!(
+        r#"apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: {{ name: gw, namespace: default }}
+spec:
+  selector: {{ istio: ingressgateway }}
+  servers:
+  - port: {{ number: {port}, name: {name}, protocol: {protocol} }}
+    hosts: ["shop.example.com"]
+    tls: {tls}
+---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{ name: shop, namespace: default }}
+spec:
+  hosts: [shop.example.com]
+  gateways: [gw]
+  http:
+  - route:
+    - destination: {{ host: web }}
+{}"#,
+        service_at("web", 80, "http", web_port)
+    )
+}
+
 #[tokio::test]
 async fn https_with_a_kubernetes_secret_follows_its_rotation() {
     let tmp = TempDir::new("portico-cp-https");
@@ -518,28 +548,11 @@ async fn https_with_a_kubernetes_secret_follows_its_rotation() {
     write(
         &dir,
         "gateway.yaml",
-        &format!(
-            r#"apiVersion: networking.istio.io/v1
-kind: Gateway
-metadata: {{ name: gw, namespace: default }}
-spec:
-  selector: {{ istio: ingressgateway }}
-  servers:
-  - port: {{ number: {port}, name: https, protocol: HTTPS }}
-    hosts: ["shop.example.com"]
-    tls: {{ mode: SIMPLE, credentialName: shop-cert }}
----
-apiVersion: networking.istio.io/v1
-kind: VirtualService
-metadata: {{ name: shop, namespace: default }}
-spec:
-  hosts: [shop.example.com]
-  gateways: [gw]
-  http:
-  - route:
-    - destination: {{ host: web }}
-{}"#,
-            service_at("web", 80, "http", web.addr.port())
+        &shop_config(
+            port,
+            "HTTPS",
+            "{ mode: SIMPLE, credentialName: shop-cert }",
+            web.addr.port(),
         ),
     );
     write(&dir, "secret.yaml", &tls_secret("shop-cert", &first));
@@ -681,29 +694,7 @@ async fn https_redirect_sends_plain_http_to_https() {
     write(
         &dir,
         "gateway.yaml",
-        &format!(
-            r#"apiVersion: networking.istio.io/v1
-kind: Gateway
-metadata: {{ name: gw, namespace: default }}
-spec:
-  selector: {{ istio: ingressgateway }}
-  servers:
-  - port: {{ number: {port}, name: http, protocol: HTTP }}
-    hosts: ["shop.example.com"]
-    tls: {{ httpsRedirect: true }}
----
-apiVersion: networking.istio.io/v1
-kind: VirtualService
-metadata: {{ name: shop, namespace: default }}
-spec:
-  hosts: [shop.example.com]
-  gateways: [gw]
-  http:
-  - route:
-    - destination: {{ host: web }}
-{}"#,
-            service_at("web", 80, "http", web.addr.port())
-        ),
+        &shop_config(port, "HTTP", "{ httpsRedirect: true }", web.addr.port()),
     );
     let cp = ControlPlane::start(&dir, &tmp.path).await;
     let _gw = Gateway::start_labeled(cp.port, &LABELS).await;
