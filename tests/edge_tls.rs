@@ -900,7 +900,9 @@ async fn client_cert_header_is_sanitized_unless_always_forwarded() {
         mesh.ads.set_listeners(&v, &[listener_with(mesh.port, h)]);
         mesh.ads.wait_for_ack(LDS, &v, PROPAGATION).await;
         eventually(&format!("{mode:?}"), PROPAGATION, || async {
-            let r = mesh.get("/", "h", &[XFCC]).await;
+            // A fresh connection each time: one kept alive may still be on the listener the
+            // push replaced, which Envoy drains slowly.
+            let r = get(&mesh.url("/"), Some("h"), &[XFCC]).await;
             let got = r.header("x-echo-xfcc").map(str::to_string);
             if r.status == 200 && got.is_some() == kept {
                 Ok(())
