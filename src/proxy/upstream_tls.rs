@@ -31,7 +31,7 @@ use pingora_core::protocols::l4::stream::Stream;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::oneshot;
 
@@ -246,39 +246,22 @@ impl L4Connect for EndpointTls {
 }
 
 /// Copies both ways until either side ends, then closes the other: an HTTP connection has
-/// nothing left to say once one side is gone.
+/// nothing left to say once one side is gone. (`tokio::io::copy` flushes whenever its reader
+/// has nothing more yet, so a relayed response never waits in its buffer.)
 async fn pump(local: UnixStream, tls: tokio_rustls::client::TlsStream<TcpStream>) {
     let (mut lr, mut lw) = tokio::io::split(local);
     let (mut tr, mut tw) = tokio::io::split(tls);
     let up = async {
-        let _ = copy(&mut lr, &mut tw).await;
+        let _ = tokio::io::copy(&mut lr, &mut tw).await;
         // close_notify, then the socket closes when the session drops.
         let _ = tw.shutdown().await;
     };
     let down = async {
-        let _ = copy(&mut tr, &mut lw).await;
+        let _ = tokio::io::copy(&mut tr, &mut lw).await;
         let _ = lw.shutdown().await;
     };
     tokio::select! {
         () = up => {}
         () = down => {}
-    }
-}
-
-/// `tokio::io::copy` with a flush after every read: a relayed response must not wait in a
-/// buffer for more bytes that may never come.
-async fn copy<R, W>(r: &mut R, w: &mut W) -> std::io::Result<()>
-where
-    R: tokio::io::AsyncRead + Unpin,
-    W: tokio::io::AsyncWrite + Unpin,
-{
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = r.read(&mut buf).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        w.write_all(&buf[..n]).await?;
-        w.flush().await?;
     }
 }

@@ -821,14 +821,19 @@ fn hosts_keep_their_match_metadata_and_clusters_pick_each_hosts_socket() {
     // Without matches every host uses the default socket, and no per-host table is kept.
     c.transport_socket_matches.clear();
     c.transport_socket = Some(socket("envoy.transport_sockets.tls", TLS_TYPE));
-    let cl = Cluster::new(
-        Arc::new(ok(&c)),
-        Arc::new(LoadAssignment::default()),
-        Default::default(),
-    );
+    let plain = LoadAssignment::translate(&epb::ClusterLoadAssignment {
+        cluster_name: "c".into(),
+        endpoints: vec![epb::LocalityLbEndpoints {
+            lb_endpoints: vec![ep(1), ep(2)],
+            ..Default::default()
+        }],
+        ..Default::default()
+    })
+    .expect("endpoints");
+    let cl = Cluster::new(Arc::new(ok(&c)), Arc::new(plain), Default::default());
     assert!(cl.transport.is_empty());
-    assert!(cl.tls_for(0).is_none(), "no such host");
-    assert!(cl.def.transport.default.is_some());
+    assert!(cl.tls_for(0).is_some() && cl.tls_for(1).is_some());
+    assert!(cl.tls_for(2).is_none(), "no such host");
 }
 
 #[test]

@@ -804,9 +804,8 @@ impl rustls::server::ResolvesServerCert for BySni {
                 return pick(idx);
             }
         }
-        let all: Vec<usize> = (0..self.certs.len()).collect();
-        let first_usable = all.iter().find(usable).or(all.first())?;
-        self.certs.get(*first_usable).map(|c| c.0.clone())
+        let first = (0..self.certs.len()).find(|i| usable(&i)).unwrap_or(0);
+        self.certs.get(first).map(|c| c.0.clone())
     }
 }
 
