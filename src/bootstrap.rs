@@ -94,6 +94,9 @@ pub struct AdsConfig {
     /// The static cluster the ADS stream connects to.
     pub cluster_name: String,
     pub set_node_on_first_message_only: bool,
+    /// `api_type: DELTA_GRPC` (incremental xDS, istio-agent's default since Istio 1.22)
+    /// rather than GRPC (state of the world).
+    pub delta: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -606,25 +609,23 @@ fn dynamic_resources(
         None => None,
         Some(config) => {
             let path = "dynamic_resources.ads_config";
-            match ApiType::try_from(config.api_type) {
-                Ok(ApiType::Grpc) => {}
-                Ok(ApiType::DeltaGrpc) => {
-                    return Err(invalid(
-                        format!("{path}.api_type"),
-                        "DELTA_GRPC (incremental xDS) is not supported yet; use GRPC",
-                    ))
-                }
+            let delta = match ApiType::try_from(config.api_type) {
+                Ok(ApiType::Grpc) => false,
+                Ok(ApiType::DeltaGrpc) => true,
                 // 0 is the deprecated placeholder value: the file did not say GRPC.
                 Ok(_) if config.api_type == 0 => {
                     return Err(invalid(
                         format!("{path}.api_type"),
-                        "api_type must be set to GRPC",
+                        "api_type must be set to GRPC or DELTA_GRPC",
                     ))
                 }
                 Ok(other) => {
                     return Err(invalid(
                         format!("{path}.api_type"),
-                        format!("{} is not supported for ADS; use GRPC", other.as_str_name()),
+                        format!(
+                            "{} is not supported for ADS; use GRPC or DELTA_GRPC",
+                            other.as_str_name()
+                        ),
                     ))
                 }
                 Err(_) => {
@@ -633,7 +634,7 @@ fn dynamic_resources(
                         format!("unknown api_type {}", config.api_type),
                     ))
                 }
-            }
+            };
             if config.transport_api_version == 1 {
                 return Err(invalid(
                     format!("{path}.transport_api_version"),
@@ -686,6 +687,7 @@ fn dynamic_resources(
             Some(AdsConfig {
                 cluster_name: cluster_name.clone(),
                 set_node_on_first_message_only: config.set_node_on_first_message_only,
+                delta,
             })
         }
     };
@@ -842,7 +844,8 @@ static_resources:
             b.ads,
             Some(AdsConfig {
                 cluster_name: "xds-grpc".into(),
-                set_node_on_first_message_only: true
+                set_node_on_first_message_only: true,
+                delta: false
             })
         );
         assert!(b.lds_via_ads && b.cds_via_ads);
@@ -1029,21 +1032,24 @@ static_resources:
     }
 
     #[test]
-    fn delta_and_rest_api_types_are_rejected() {
-        let err = yaml_err(&ADS_BASE.replace("api_type: GRPC", "api_type: DELTA_GRPC"));
-        assert_eq!(
-            err,
-            "dynamic_resources.ads_config.api_type: DELTA_GRPC (incremental xDS) is not supported yet; use GRPC"
-        );
+    fn delta_is_accepted_and_rest_api_types_are_rejected() {
+        let b = parse(
+            &ADS_BASE.replace("api_type: GRPC", "api_type: DELTA_GRPC"),
+            Format::Yaml,
+        )
+        .expect("DELTA_GRPC is accepted");
+        assert!(b.ads.as_ref().is_some_and(|a| a.delta));
+        let b = parse(ADS_BASE, Format::Yaml).expect("GRPC is accepted");
+        assert!(b.ads.as_ref().is_some_and(|a| !a.delta));
         let err = yaml_err(&ADS_BASE.replace("api_type: GRPC", "api_type: REST"));
         assert_eq!(
             err,
-            "dynamic_resources.ads_config.api_type: REST is not supported for ADS; use GRPC"
+            "dynamic_resources.ads_config.api_type: REST is not supported for ADS; use GRPC or DELTA_GRPC"
         );
         let err = yaml_err(&ADS_BASE.replace("    api_type: GRPC\n", ""));
         assert_eq!(
             err,
-            "dynamic_resources.ads_config.api_type: api_type must be set to GRPC"
+            "dynamic_resources.ads_config.api_type: api_type must be set to GRPC or DELTA_GRPC"
         );
     }
 
@@ -1219,7 +1225,8 @@ static_resources:
             b.ads,
             Some(AdsConfig {
                 cluster_name: "xds-grpc".into(),
-                set_node_on_first_message_only: true
+                set_node_on_first_message_only: true,
+                delta: false
             })
         );
         assert!(b.lds_via_ads && b.cds_via_ads);

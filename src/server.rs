@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
 use crate::proxy::listeners::ListenerManager;
-use crate::xds::client::{AdsClient, ConfigWorker};
+use crate::xds::client::{AdsClient, Api, ConfigWorker};
 use crate::xds::store::Store;
 use crate::State;
 
@@ -98,7 +98,8 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
         match ads {
             Some(Some(target)) => {
                 let node = b.proto.node.clone().unwrap_or_default();
-                let mut client = AdsClient::new(worker, node, target, b.lds_via_ads, b.cds_via_ads);
+                let api = if b.ads.as_ref().is_some_and(|a| a.delta) { Api::Delta } else { Api::Sotw };
+                let mut client = AdsClient::new(worker, node, target, api, b.lds_via_ads, b.cds_via_ads);
                 client.node_first_only = b.ads.as_ref().is_some_and(|a| a.set_node_on_first_message_only);
                 tokio::spawn(client.run());
             }

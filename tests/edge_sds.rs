@@ -132,6 +132,7 @@ impl SecretDiscoveryService for SdsService {
                                 response_nonce: q.response_nonce.clone(),
                                 resource_names: q.resource_names.clone(),
                                 error: q.error_detail.as_ref().map(|e| e.message.clone()),
+                                ..Default::default()
                             });
                             if q.resource_names != names {
                                 names = q.resource_names;

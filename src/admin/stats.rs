@@ -225,6 +225,9 @@ pub struct XdsCounters {
     pub lds: [IntCounter; 3],
     pub rds: [IntCounterVec; 3],
     pub eds: [IntCounterVec; 3],
+    /// Resources refused one by one (the rest of their response applied), by type
+    /// (`lds`, `rds`, `cds`, `eds`, `sds`). Envoy has no such counter; Portico's own name.
+    pub rejected_resources: IntCounterVec,
 }
 
 pub const ATTEMPT: usize = 0;
@@ -284,6 +287,7 @@ impl Stats {
                     "envoy_cluster_name",
                 )
             }),
+            rejected_resources: counter_vec(&registry, "portico_xds_rejected_resources", "type"),
         };
         Stats {
             clusters: Mutex::default(),

@@ -80,21 +80,20 @@ impl ListenerManager {
     /// Checks that every address not served yet can be bound, so a conflict NACKs the push.
     /// Like Envoy, a listener does not accept connections until it is warm, so the check
     /// binds and releases; `reconcile` binds for real when the listener becomes active.
-    pub fn prepare(&mut self, wanted: &BTreeMap<String, SocketAddr>) -> Result<(), Vec<String>> {
+    pub fn prepare(&mut self, wanted: &BTreeMap<String, SocketAddr>) -> Vec<(String, String)> {
         let mut errors = Vec::new();
         for (name, addr) in wanted {
             if self.bound.contains_key(addr) {
                 continue;
             }
             if let Err(e) = bind(*addr) {
-                errors.push(format!("listener '{name}': cannot bind {addr}: {e}"));
+                errors.push((
+                    name.clone(),
+                    format!("listener '{name}': cannot bind {addr}: {e}"),
+                ));
             }
         }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors)
-        }
+        errors
     }
 
     /// Starts accept loops for listeners that became active, stops removed ones, and closes

@@ -12,12 +12,14 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
 use envoy_types::pb::google::rpc::Status;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::store::Store;
+use super::store::{Applied, Incoming, Push, Rejected, Store};
 use super::types::Kind;
 use crate::admin::stats::{ATTEMPT, REJECTED, SUCCESS};
 use crate::proxy::listeners::ListenerManager;
@@ -54,10 +56,28 @@ impl ConfigWorker {
         }
     }
 
+    /// Commits a push applied resource by resource; a listener whose socket cannot be bound
+    /// is refused alone (keeping its last good version), as Envoy refuses it when it is added.
+    /// Returns every refused resource.
+    pub fn commit_applied(&mut self, applied: Applied) -> Result<Vec<Rejected>, Vec<String>> {
+        let Applied {
+            store: mut next,
+            mut rejected,
+        } = applied;
+        for (name, message) in self.listeners.prepare(&next.listener_addrs()) {
+            rejected.push(next.revert_listener(&self.store, &name, message));
+        }
+        self.commit(next)?;
+        Ok(rejected)
+    }
+
     /// Binds new listener sockets, then swaps in the snapshot built from `next`.
     pub fn commit(&mut self, next: Store) -> Result<(), Vec<String>> {
         let wanted = next.listener_addrs();
-        self.listeners.prepare(&wanted)?;
+        let failed = self.listeners.prepare(&wanted);
+        if !failed.is_empty() {
+            return Err(failed.into_iter().map(|(_, e)| e).collect());
+        }
         self.version += 1;
         let prev = self.state.snapshot.load_full();
         let stats = &self.state.stats;
@@ -96,8 +116,17 @@ impl ConfigWorker {
                     let result = self
                         .store
                         .apply_sds(&source, &version, &resources)
-                        .and_then(|next| self.commit(next));
-                    let _ = reply.send(result.map_err(|e| e.join("; ")));
+                        .and_then(|applied| self.commit_applied(applied));
+                    let result = match result {
+                        Ok(rejected) if rejected.is_empty() => Ok(()),
+                        Ok(rejected) => Err(rejected
+                            .into_iter()
+                            .map(|r| r.message)
+                            .collect::<Vec<_>>()
+                            .join("; ")),
+                        Err(e) => Err(e.join("; ")),
+                    };
+                    let _ = reply.send(result);
                 }
                 super::sds::Event::FetchTimeout(source) => self.sds.timed_out(&source),
             }
@@ -201,9 +230,30 @@ async fn resolve(def: &ClusterDef) -> LoadAssignment {
 
 #[derive(Debug, Default)]
 struct Sub {
+    /// Named kinds: the names subscribed to (in delta, the names the server was told of).
     names: BTreeSet<String>,
     nonce: String,
     acked: bool,
+}
+
+/// The two ADS protocols: state of the world (`GRPC`) and incremental (`DELTA_GRPC`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Sotw,
+    Delta,
+}
+
+/// A request on the stream, of either protocol.
+#[derive(Debug)]
+enum Outgoing {
+    Sotw(DiscoveryRequest),
+    Delta(DeltaDiscoveryRequest),
+}
+
+/// A response on the stream, of either protocol.
+enum Response {
+    Sotw(DiscoveryResponse),
+    Delta(DeltaDiscoveryResponse),
 }
 
 pub struct AdsClient {
@@ -211,13 +261,14 @@ pub struct AdsClient {
     node: Node,
     /// The ADS server: the bootstrap's xDS cluster's endpoint.
     target: super::grpc::GrpcTarget,
+    api: Api,
     subs: BTreeMap<Kind, Sub>,
     lds: bool,
     cds: bool,
     /// `ads_config.set_node_on_first_message_only`; Envoy sends the node on every request otherwise.
     pub node_first_only: bool,
     /// The CDS ACK held back until the clusters it brought have their endpoints.
-    pending_cds_ack: Option<(DiscoveryRequest, std::time::Instant)>,
+    pending_cds_ack: Option<(Outgoing, std::time::Instant)>,
     /// Since when readiness has waited for a listener's SDS secrets.
     secrets_wanted_since: std::cell::Cell<Option<std::time::Instant>>,
 }
@@ -234,11 +285,15 @@ const DNS_REFRESH: Duration = Duration::from_secs(5);
 const INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(15);
 const MAX_MESSAGE: usize = 512 * 1024 * 1024;
 
+type Responses =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Response, tonic::Status>> + Send>>;
+
 impl AdsClient {
     pub fn new(
         worker: ConfigWorker,
         node: Node,
         target: super::grpc::GrpcTarget,
+        api: Api,
         lds: bool,
         cds: bool,
     ) -> AdsClient {
@@ -246,6 +301,7 @@ impl AdsClient {
             worker,
             node,
             target,
+            api,
             subs: BTreeMap::new(),
             lds,
             cds,
@@ -276,6 +332,7 @@ impl AdsClient {
         }
     }
 
+    /// A state-of-the-world request: the subscription, the last accepted version and nonce.
     fn request(&self, kind: Kind, with_node: bool) -> DiscoveryRequest {
         let sub = self.subs.get(&kind);
         DiscoveryRequest {
@@ -296,22 +353,49 @@ impl AdsClient {
         }
     }
 
-    async fn stream_once(&mut self) -> StreamEnd {
-        let uri = self.target.to_string();
-        let channel = match super::grpc::connect(&self.target).await {
-            Ok(c) => c,
-            Err(e) => return StreamEnd::NoData(e),
-        };
-        let mut client = AggregatedDiscoveryServiceClient::new(channel)
-            .max_decoding_message_size(MAX_MESSAGE)
-            .max_encoding_message_size(MAX_MESSAGE);
-        let (tx, rx) = mpsc::channel::<DiscoveryRequest>(64);
-        // Fresh nonces per stream: the server has forgotten the old ones.
-        self.pending_cds_ack = None;
-        for sub in self.subs.values_mut() {
-            sub.nonce.clear();
+    /// A delta request with no subscription change: an ACK, or a NACK with `error`.
+    fn delta_ack(&self, kind: Kind, error: Option<String>) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            node: (!self.node_first_only).then(|| self.node.clone()),
+            type_url: kind.type_url().to_string(),
+            response_nonce: self
+                .subs
+                .get(&kind)
+                .map(|s| s.nonce.clone())
+                .unwrap_or_default(),
+            error_detail: error.map(nack_status),
+            ..Default::default()
         }
-        let mut first = true;
+    }
+
+    /// The first delta request of a kind on a new stream: every name subscribed to (none for
+    /// the wildcard LDS and CDS) and the version of each resource already held, so the server
+    /// sends only what changed while the stream was down, and removals.
+    fn delta_initial(&self, kind: Kind, with_node: bool) -> DeltaDiscoveryRequest {
+        let names = self.subs.get(&kind).map(|s| &s.names);
+        let wanted = |n: &str| kind.is_wildcard() || names.is_some_and(|s| s.contains(n));
+        DeltaDiscoveryRequest {
+            node: (with_node || !self.node_first_only).then(|| self.node.clone()),
+            type_url: kind.type_url().to_string(),
+            resource_names_subscribe: if kind.is_wildcard() {
+                Vec::new()
+            } else {
+                names
+                    .map(|s| s.iter().cloned().collect())
+                    .unwrap_or_default()
+            },
+            initial_resource_versions: self
+                .worker
+                .store
+                .dynamic_versions(kind)
+                .filter(|(n, _)| wanted(n))
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn first_requests(&mut self) -> Vec<Outgoing> {
         let mut initial = Vec::new();
         if self.cds {
             self.subs.entry(Kind::Cluster).or_default();
@@ -326,21 +410,73 @@ impl AdsClient {
                 initial.push(kind);
             }
         }
-        for kind in initial {
-            let req = self.request(kind, first);
-            first = false;
+        initial
+            .into_iter()
+            .enumerate()
+            .map(|(i, kind)| match self.api {
+                Api::Sotw => Outgoing::Sotw(self.request(kind, i == 0)),
+                Api::Delta => Outgoing::Delta(self.delta_initial(kind, i == 0)),
+            })
+            .collect()
+    }
+
+    async fn open(&mut self, rx: mpsc::Receiver<Outgoing>) -> Result<Responses, String> {
+        use futures::StreamExt;
+        let channel = super::grpc::connect(&self.target).await?;
+        let mut client = AggregatedDiscoveryServiceClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        let requests = ReceiverStream::new(rx);
+        let failed = |s: tonic::Status| format!("ADS call failed: {}", s.message());
+        Ok(match self.api {
+            Api::Sotw => {
+                let out = requests.filter_map(|o| async move {
+                    match o {
+                        Outgoing::Sotw(r) => Some(r),
+                        Outgoing::Delta(_) => None,
+                    }
+                });
+                let s = client
+                    .stream_aggregated_resources(out)
+                    .await
+                    .map_err(failed)?;
+                Box::pin(s.into_inner().map(|r| r.map(Response::Sotw)))
+            }
+            Api::Delta => {
+                let out = requests.filter_map(|o| async move {
+                    match o {
+                        Outgoing::Delta(r) => Some(r),
+                        Outgoing::Sotw(_) => None,
+                    }
+                });
+                let s = client
+                    .delta_aggregated_resources(out)
+                    .await
+                    .map_err(failed)?;
+                Box::pin(s.into_inner().map(|r| r.map(Response::Delta)))
+            }
+        })
+    }
+
+    async fn stream_once(&mut self) -> StreamEnd {
+        use futures::StreamExt;
+        let uri = self.target.to_string();
+        let (tx, rx) = mpsc::channel::<Outgoing>(64);
+        // Fresh nonces per stream: the server has forgotten the old ones.
+        self.pending_cds_ack = None;
+        for sub in self.subs.values_mut() {
+            sub.nonce.clear();
+        }
+        for req in self.first_requests() {
             if tx.send(req).await.is_err() {
                 return StreamEnd::NoData("request channel closed".into());
             }
         }
-        let mut responses = match client
-            .stream_aggregated_resources(ReceiverStream::new(rx))
-            .await
-        {
-            Ok(r) => r.into_inner(),
-            Err(s) => return StreamEnd::NoData(format!("ADS call failed: {}", s.message())),
+        let mut responses = match self.open(rx).await {
+            Ok(r) => r,
+            Err(e) => return StreamEnd::NoData(e),
         };
-        tracing::info!("ADS stream open to {uri}");
+        tracing::info!(api = ?self.api, "ADS stream open to {uri}");
         let mut got_data = false;
         let mut dns = tokio::time::interval(DNS_REFRESH);
         dns.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -350,20 +486,24 @@ impl AdsClient {
             tokio::select! {
                 _ = health.notify.notified() => self.worker.apply_health_changes(),
                 _ = sds.notify.notified() => self.worker.apply_sds_events(),
-                msg = responses.message() => match msg {
-                    Ok(Some(resp)) => {
+                msg = responses.next() => match msg {
+                    Some(Ok(resp)) => {
                         got_data = true;
-                        for req in self.handle(resp) {
+                        let out = match resp {
+                            Response::Sotw(r) => self.handle(r),
+                            Response::Delta(r) => self.handle_delta(r),
+                        };
+                        for req in out {
                             if tx.send(req).await.is_err() {
                                 return StreamEnd::AfterData("request channel closed".into());
                             }
                         }
                     }
-                    Ok(None) => {
+                    None => {
                         let why = "server closed the stream".to_string();
                         return if got_data { StreamEnd::AfterData(why) } else { StreamEnd::NoData(why) };
                     }
-                    Err(s) => {
+                    Some(Err(s)) => {
                         let why = format!("{}: {}", s.code(), s.message());
                         return if got_data { StreamEnd::AfterData(why) } else { StreamEnd::NoData(why) };
                     }
@@ -391,13 +531,9 @@ impl AdsClient {
         }
     }
 
-    /// Applies one response; returns the requests to send (the ACK or NACK, then any
-    /// subscription changes it caused).
-    fn handle(&mut self, resp: DiscoveryResponse) -> Vec<DiscoveryRequest> {
-        let Some(kind) = Kind::from_type_url(&resp.type_url) else {
-            tracing::warn!(type_url = %resp.type_url, "ignoring response of a type Portico did not subscribe to");
-            return Vec::new();
-        };
+    /// Applies a push resource by resource and commits what was accepted. Ok: ACK; Err: the
+    /// NACK's message, naming every refused resource (those accepted are applied all the same).
+    fn apply(&mut self, kind: Kind, push: Push<'_>, names: &[String]) -> Result<(), String> {
         let state = self.worker.state.clone();
         let counters = &state.stats.xds;
         let bump = |outcome: usize, names: &[String]| match kind {
@@ -412,6 +548,114 @@ impl AdsClient {
             // Envoy's sds.<name>.* counters are not kept yet.
             Kind::Secret => {}
         };
+        bump(ATTEMPT, names);
+        let started = std::time::Instant::now();
+        let outcome = match self.worker.store.update(kind, push) {
+            Err(whole) => Err(whole.join("; ")),
+            Ok(applied) => self
+                .worker
+                .commit_applied(applied)
+                .map_err(|e| e.join("; ")),
+        };
+        match outcome {
+            Ok(rejected) if rejected.is_empty() => {
+                bump(SUCCESS, names);
+                tracing::debug!(
+                    kind = kind.short(),
+                    apply_us = started.elapsed().as_micros() as u64,
+                    "accepted"
+                );
+                Ok(())
+            }
+            Ok(rejected) => {
+                counters
+                    .rejected_resources
+                    .with_label_values(&[kind.short()])
+                    .inc_by(rejected.len() as u64);
+                let (bad, good): (Vec<String>, Vec<String>) = names
+                    .iter()
+                    .cloned()
+                    .partition(|n| rejected.iter().any(|r| &r.name == n));
+                // Named kinds count per resource; LDS and CDS count the response.
+                if !kind.is_wildcard() {
+                    bump(SUCCESS, &good);
+                }
+                bump(REJECTED, &bad);
+                let message = rejected
+                    .iter()
+                    .map(|r| r.message.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                tracing::warn!(
+                    kind = kind.short(),
+                    refused = rejected.len(),
+                    "resources rejected, the rest applied: {message}"
+                );
+                Err(message)
+            }
+            Err(message) => {
+                bump(REJECTED, names);
+                tracing::warn!(kind = kind.short(), "response rejected: {message}");
+                Err(message)
+            }
+        }
+    }
+
+    /// The named kinds whose wanted names changed after a listener or cluster push, with the
+    /// new set; the subscription is updated to it.
+    fn resubscribe(&mut self, kind: Kind) -> Vec<(Kind, BTreeSet<String>, BTreeSet<String>)> {
+        // Only listeners and clusters decide which routes, endpoints and secrets are wanted.
+        if !kind.is_wildcard() {
+            return Vec::new();
+        }
+        let wanted = [
+            (Kind::Endpoint, self.worker.store.wanted_endpoints()),
+            (Kind::Route, self.worker.store.wanted_routes()),
+            (Kind::Secret, self.worker.store.wanted_secrets()),
+        ];
+        let mut out = Vec::new();
+        for (k, names) in wanted {
+            let sub = self.subs.entry(k).or_default();
+            if sub.names != names {
+                let old = std::mem::replace(&mut sub.names, names);
+                out.push((k, old, sub.names.clone()));
+            }
+        }
+        out
+    }
+
+    /// After an ACK of a push: holds a CDS ACK back while new clusters warm (as Envoy, which
+    /// ACKs new clusters once their endpoints are in), and releases it once they are warm.
+    fn ack_or_hold(&mut self, kind: Kind, ack: Outgoing, out: &mut Vec<Outgoing>) {
+        if kind == Kind::Cluster {
+            // A newer CDS response supersedes an ACK still waiting for endpoints.
+            self.pending_cds_ack = None;
+        }
+        if kind == Kind::Cluster && self.worker.store.has_warming_clusters() {
+            self.pending_cds_ack = Some((ack, std::time::Instant::now()));
+        } else {
+            if let Some(s) = self.subs.get_mut(&kind) {
+                s.acked = true;
+            }
+            out.insert(0, ack);
+        }
+        if self.pending_cds_ack.is_some() && !self.worker.store.has_warming_clusters() {
+            if let Some((cds_ack, _)) = self.pending_cds_ack.take() {
+                if let Some(s) = self.subs.get_mut(&Kind::Cluster) {
+                    s.acked = true;
+                }
+                out.push(cds_ack);
+            }
+        }
+    }
+
+    /// Applies one state-of-the-world response; returns the requests to send (the ACK or
+    /// NACK, then any subscription changes it caused).
+    fn handle(&mut self, resp: DiscoveryResponse) -> Vec<Outgoing> {
+        let Some(kind) = Kind::from_type_url(&resp.type_url) else {
+            tracing::warn!(type_url = %resp.type_url, "ignoring response of a type Portico did not subscribe to");
+            return Vec::new();
+        };
         // As Envoy, a named resource's counters move only when the response carries it.
         let names: Vec<String> = if kind.is_wildcard() {
             Vec::new()
@@ -422,77 +666,85 @@ impl AdsClient {
                 .map(|r| r.name)
                 .collect()
         };
-        bump(ATTEMPT, &names);
-        let started = std::time::Instant::now();
-        let result = self
-            .worker
-            .store
-            .apply(kind, &resp.version_info, &resp.resources)
-            .and_then(|next| self.worker.commit(next));
+        let push = Push::Sotw {
+            version: &resp.version_info,
+            resources: &resp.resources,
+        };
+        let result = self.apply(kind, push, &names);
         self.subs.entry(kind).or_default().nonce = resp.nonce.clone();
-        let mut out = Vec::new();
+        // The subscriptions follow what was accepted, NACK or not.
+        let mut out: Vec<Outgoing> = self
+            .resubscribe(kind)
+            .into_iter()
+            .map(|(k, _, _)| Outgoing::Sotw(self.request(k, false)))
+            .collect();
         match result {
             Ok(()) => {
-                bump(SUCCESS, &names);
-                tracing::debug!(
-                    kind = kind.short(),
-                    version = %resp.version_info,
-                    resources = resp.resources.len(),
-                    apply_us = started.elapsed().as_micros() as u64,
-                    "accepted"
-                );
-                let ack = self.request(kind, false);
-                if kind == Kind::Cluster {
-                    // A newer CDS response supersedes an ACK still waiting for endpoints.
-                    self.pending_cds_ack = None;
-                }
-                // Only listeners and clusters decide which routes and endpoints are wanted.
-                let wanted = if kind.is_wildcard() {
-                    vec![
-                        (Kind::Endpoint, self.worker.store.wanted_endpoints()),
-                        (Kind::Route, self.worker.store.wanted_routes()),
-                        (Kind::Secret, self.worker.store.wanted_secrets()),
-                    ]
-                } else {
-                    Vec::new()
-                };
-                for (k, names) in wanted {
-                    let sub = self.subs.entry(k).or_default();
-                    if sub.names != names {
-                        sub.names = names;
-                        out.push(self.request(k, false));
-                    }
-                }
-                if kind == Kind::Cluster && self.worker.store.has_warming_clusters() {
-                    // Like Envoy, ACK new clusters once they are warm (their endpoints arrived).
-                    self.pending_cds_ack = Some((ack, std::time::Instant::now()));
-                } else {
-                    if let Some(s) = self.subs.get_mut(&kind) {
-                        s.acked = true;
-                    }
-                    out.insert(0, ack);
-                }
-                if self.pending_cds_ack.is_some() && !self.worker.store.has_warming_clusters() {
-                    if let Some((cds_ack, _)) = self.pending_cds_ack.take() {
-                        if let Some(s) = self.subs.get_mut(&Kind::Cluster) {
-                            s.acked = true;
-                        }
-                        out.push(cds_ack);
-                    }
-                }
+                let ack = Outgoing::Sotw(self.request(kind, false));
+                self.ack_or_hold(kind, ack, &mut out);
             }
-            Err(errors) => {
-                bump(REJECTED, &names);
-                let message = errors.join("; ");
-                tracing::warn!(kind = kind.short(), version = %resp.version_info, "rejected: {message}");
+            Err(message) => {
                 let mut nack = self.request(kind, false);
-                nack.error_detail = Some(Status {
-                    code: tonic::Code::InvalidArgument as i32,
-                    message,
-                    details: Vec::new(),
-                });
-                out.push(nack);
+                nack.error_detail = Some(nack_status(message));
+                out.insert(0, Outgoing::Sotw(nack));
             }
+        }
+        self.update_readiness();
+        out
+    }
+
+    /// Applies one delta response: what it adds or changes, resource by resource, and the
+    /// listeners and clusters it removes. Returns the ACK or NACK, then any subscription
+    /// changes (subscribe/unsubscribe by name).
+    fn handle_delta(&mut self, resp: DeltaDiscoveryResponse) -> Vec<Outgoing> {
+        let Some(kind) = Kind::from_type_url(&resp.type_url) else {
+            tracing::warn!(type_url = %resp.type_url, "ignoring response of a type Portico did not subscribe to");
+            return Vec::new();
+        };
+        // A resource without a body only refreshes a TTL, which Portico does not keep.
+        let items: Vec<Incoming> = resp
+            .resources
+            .iter()
+            .filter_map(|r| {
+                r.resource.as_ref().map(|any| Incoming {
+                    any,
+                    version: &r.version,
+                })
+            })
+            .collect();
+        let names: Vec<String> = if kind.is_wildcard() {
+            Vec::new()
+        } else {
+            resp.resources.iter().map(|r| r.name.clone()).collect()
+        };
+        let mut removed = resp.removed_resources.clone();
+        removed.extend(resp.removed_resource_names.iter().map(|r| r.name.clone()));
+        let push = Push::Delta {
+            system_version: &resp.system_version_info,
+            resources: items,
+            removed: &removed,
+        };
+        let result = self.apply(kind, push, &names);
+        self.subs.entry(kind).or_default().nonce = resp.nonce.clone();
+        let mut out: Vec<Outgoing> = self
+            .resubscribe(kind)
+            .into_iter()
+            .map(|(k, old, new)| {
+                Outgoing::Delta(DeltaDiscoveryRequest {
+                    node: (!self.node_first_only).then(|| self.node.clone()),
+                    type_url: k.type_url().to_string(),
+                    resource_names_subscribe: new.difference(&old).cloned().collect(),
+                    resource_names_unsubscribe: old.difference(&new).cloned().collect(),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        match result {
+            Ok(()) => {
+                let ack = Outgoing::Delta(self.delta_ack(kind, None));
+                self.ack_or_hold(kind, ack, &mut out);
+            }
+            Err(message) => out.insert(0, Outgoing::Delta(self.delta_ack(kind, Some(message)))),
         }
         self.update_readiness();
         out
@@ -528,6 +780,14 @@ impl AdsClient {
             self.worker.ads_ready = true;
             self.worker.update_ready();
         }
+    }
+}
+
+fn nack_status(message: String) -> Status {
+    Status {
+        code: tonic::Code::InvalidArgument as i32,
+        message,
+        details: Vec::new(),
     }
 }
 

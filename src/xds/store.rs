@@ -85,6 +85,8 @@ pub struct Store {
     pub sds_users: Arc<HashMap<String, Vec<String>>>,
     /// Last accepted version per kind.
     pub versions: BTreeMap<Kind, String>,
+    /// Resources whose last update was refused, by kind and name, until one is accepted.
+    pub failures: imbl::OrdMap<(Kind, String), Arc<Failure>>,
     pub touched: Touched,
 }
 
@@ -151,89 +153,257 @@ impl Translate for ClusterLoadAssignment {
     }
 }
 
-/// Decodes and translates a push into a new table. Wildcard kinds replace every non-static
-/// entry; named kinds update the entries they carry.
+/// One resource of a push and the version it arrived with: the response's `version_info` in
+/// state of the world, the resource's own `version` in delta.
+#[derive(Debug, Clone, Copy)]
+pub struct Incoming<'a> {
+    pub any: &'a Any,
+    pub version: &'a str,
+}
+
+/// A response as the store takes it.
+#[derive(Debug, Clone)]
+pub enum Push<'a> {
+    /// State of the world: for LDS and CDS the whole set, so a name it lacks is removed.
+    Sotw {
+        version: &'a str,
+        resources: &'a [Any],
+    },
+    /// Incremental: the resources that changed and the names removed. As Envoy, removals are
+    /// honoured for listeners and clusters and ignored for route configurations, endpoints
+    /// and secrets (their users decide when they go).
+    Delta {
+        system_version: &'a str,
+        resources: Vec<Incoming<'a>>,
+        removed: &'a [String],
+    },
+}
+
+/// A resource refused on its own; the rest of its response was applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejected {
+    pub kind: Kind,
+    pub name: String,
+    /// The reason, naming the resource and the field.
+    pub message: String,
+    /// The resource as it arrived, for `/config_dump`'s `error_state`.
+    pub config: Option<Any>,
+    pub version: String,
+}
+
+/// A push applied resource by resource: the new store and what it refused.
+#[derive(Debug)]
+pub struct Applied {
+    pub store: Store,
+    pub rejected: Vec<Rejected>,
+}
+
+impl Applied {
+    /// The NACK's message: every refusal, in the order of the response.
+    pub fn message(&self) -> Option<String> {
+        (!self.rejected.is_empty()).then(|| {
+            self.rejected
+                .iter()
+                .map(|r| r.message.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+}
+
+/// The last refusal of a resource that has not been accepted since: `/config_dump` shows it
+/// as Envoy's `error_state`.
+#[derive(Debug)]
+pub struct Failure {
+    pub message: String,
+    pub version: String,
+    pub at: SystemTime,
+    pub config: Option<Any>,
+}
+
+/// Which resources of the kind a push removes besides the ones it carries.
+enum Removal<'a> {
+    /// State-of-the-world LDS and CDS: every dynamic resource the response does not name.
+    Unnamed,
+    /// Delta LDS and CDS: the names in `removed_resources`.
+    Names(&'a [String]),
+    None,
+}
+
+/// Applies a push to a table, resource by resource. A response that cannot be decoded, or
+/// that names a listener or cluster twice, is refused whole (`Err`), as Envoy refuses it;
+/// otherwise each resource that fails to translate is refused alone, keeping its previous
+/// version, and reported in `rejected`. Returns the new table and the names the response held.
 fn apply_table<P: Translate>(
     old: &Table<P, P::Out>,
     kind: Kind,
-    version: &str,
-    resources: &[Any],
+    items: &[Incoming<'_>],
+    removal: Removal<'_>,
     now: SystemTime,
-    errors: &mut Vec<String>,
-) -> (Table<P, P::Out>, BTreeSet<String>) {
-    let mut next: Table<P, P::Out> = if kind.is_wildcard() {
-        old.iter()
-            .filter(|(_, i)| i.is_static)
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect()
-    } else {
-        old.clone()
-    };
-    let version: Arc<str> = Arc::from(version);
-    let mut seen = BTreeSet::new();
-    for (i, any) in resources.iter().enumerate() {
-        let decoded = types::payload(any, P::URL).and_then(|bytes| {
+    rejected: &mut Vec<Rejected>,
+) -> Result<(Table<P, P::Out>, BTreeSet<String>), Vec<String>> {
+    let what = kind.noun();
+    let mut whole = Vec::new();
+    let mut decoded = Vec::with_capacity(items.len());
+    for (i, inc) in items.iter().enumerate() {
+        let d = types::payload(inc.any, P::URL).and_then(|bytes| {
             P::decode(&*bytes)
                 .map(|p| (p, bytes))
                 .map_err(|e| format!("cannot decode {}: {e}", P::URL))
         });
-        let (proto, bytes) = match decoded {
-            Ok(p) => p,
-            Err(e) => {
-                errors.push(format!("resource {i}: {e}"));
-                continue;
+        match d {
+            Ok((proto, bytes)) => decoded.push((proto, bytes, inc.version)),
+            Err(e) => whole.push(format!("resource {i}: {e}")),
+        }
+    }
+    let mut seen = BTreeSet::new();
+    for (proto, ..) in &decoded {
+        let name = proto.name();
+        // Envoy rejects a repeated listener or cluster, but keeps the first of a repeated
+        // route configuration or load assignment without complaint.
+        if !seen.insert(name.to_string()) && kind.is_wildcard() {
+            whole.push(format!(
+                "{what} '{name}': duplicate {what} name in one response"
+            ));
+        }
+    }
+    if !whole.is_empty() {
+        return Err(whole);
+    }
+    let mut next = old.clone();
+    match removal {
+        Removal::Unnamed => {
+            let stale: Vec<String> = old
+                .iter()
+                .filter(|(k, i)| !i.is_static && !seen.contains(*k))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in &stale {
+                next.remove(k);
             }
-        };
+        }
+        Removal::Names(names) => {
+            for n in names {
+                if next.get(n).is_some_and(|i| !i.is_static) {
+                    next.remove(n);
+                }
+            }
+        }
+        Removal::None => {}
+    }
+    let mut done = BTreeSet::new();
+    for (proto, bytes, version) in decoded {
         let name = proto.name().to_string();
-        let what = match kind {
-            Kind::Listener => "listener",
-            Kind::Route => "route",
-            Kind::Cluster => "cluster",
-            Kind::Endpoint => "endpoints",
-            Kind::Secret => "secret",
-        };
-        if !seen.insert(name.clone()) {
-            // Envoy rejects a repeated listener or cluster, but keeps the first of a repeated
-            // route configuration or load assignment without complaint.
-            if kind.is_wildcard() {
-                errors.push(format!(
-                    "{what} '{name}': duplicate {what} name in one response"
-                ));
-            }
+        if !done.insert(name.clone()) {
             continue;
         }
+        let refuse = |message: String| Rejected {
+            kind,
+            name: name.clone(),
+            message,
+            config: Some(Any {
+                type_url: P::URL.to_string(),
+                value: bytes.to_vec(),
+            }),
+            version: version.to_string(),
+        };
         match old.get(&name) {
             Some(prev) if prev.is_static => {
-                errors.push(format!(
+                rejected.push(refuse(format!(
                     "{what} '{name}': a static resource from the bootstrap cannot be replaced by xDS"
-                ));
+                )));
                 continue;
             }
             // The same bytes are the same resource; a re-encoding that differs only costs a
             // translation.
-            Some(prev) if prev.proto.bytes() == &*bytes => {
-                next.insert(name, prev.clone());
-                continue;
-            }
+            Some(prev) if prev.proto.bytes() == &*bytes => continue,
             _ => {}
         }
         match proto.translate() {
             Ok(value) => {
                 next.insert(
-                    name,
+                    name.clone(),
                     Item {
                         proto: Raw::from_bytes(&bytes),
                         value: Arc::new(value),
-                        version: version.clone(),
+                        version: Arc::from(version),
                         last_updated: now,
                         is_static: false,
                     },
                 );
             }
-            Err(e) => errors.push(e.to_string()),
+            Err(e) => rejected.push(refuse(e.to_string())),
         }
     }
-    (next, seen)
+    Ok((next, seen))
+}
+
+/// Puts back the previous version of `name` (or removes it if it is new) after a check of the
+/// whole store refused it, and returns the refused resource as it arrived.
+fn revert<P: prost::Message + prost::Name + Default, T>(
+    next: &mut Table<P, T>,
+    old: &Table<P, T>,
+    name: &str,
+) -> Option<(Any, String)> {
+    let refused = next
+        .get(name)
+        .map(|i| (i.proto.to_any(), i.version.to_string()));
+    match old.get(name) {
+        Some(prev) => {
+            next.insert(name.to_string(), prev.clone());
+        }
+        None => {
+            next.remove(name);
+        }
+    }
+    refused
+}
+
+impl Rejected {
+    fn after_check(
+        kind: Kind,
+        name: String,
+        message: String,
+        refused: Option<(Any, String)>,
+    ) -> Rejected {
+        let (config, version) = match refused {
+            Some((a, v)) => (Some(a), v),
+            None => (None, String::new()),
+        };
+        Rejected {
+            kind,
+            name,
+            message,
+            config,
+            version,
+        }
+    }
+}
+
+/// Check failures grouped by resource, each resource's reasons joined, in name order.
+fn by_name(failed: Vec<(String, String)>) -> BTreeMap<String, String> {
+    let mut out: BTreeMap<String, String> = BTreeMap::new();
+    for (name, message) in failed {
+        match out.get_mut(&name) {
+            Some(m) => {
+                m.push_str("; ");
+                m.push_str(&message);
+            }
+            None => {
+                out.insert(name, message);
+            }
+        }
+    }
+    out
+}
+
+/// Whether this push added or changed `name` in the table.
+fn changed<P, T>(old: &Table<P, T>, next: &Table<P, T>, name: &str) -> bool {
+    match (old.get(name), next.get(name)) {
+        (Some(o), Some(n)) => !Arc::ptr_eq(&o.value, &n.value),
+        (None, Some(_)) => true,
+        _ => false,
+    }
 }
 
 impl Store {
@@ -272,16 +442,17 @@ impl Store {
         self.resolve_literal_endpoints();
         self.index_eds_users();
         self.touched.all_clusters = true;
-        errors.extend(check_listener_addresses(&self.listeners));
+        let all = |_: &str| true;
+        let failed = [
+            self.check_listener_addresses(&all),
+            self.check_sds_clusters(all, all),
+            self.check_route_clusters(&all),
+        ];
         errors.extend(
-            self.check_sds_clusters(|_| true, |_| true)
+            failed
                 .into_iter()
-                .map(|e| format!("static_resources: {e}")),
-        );
-        errors.extend(
-            self.check_route_clusters(|_| true)
-                .into_iter()
-                .map(|e| format!("static_resources: {e}")),
+                .flatten()
+                .map(|(_, e)| format!("static_resources: {e}")),
         );
         if errors.is_empty() {
             Ok(())
@@ -290,34 +461,85 @@ impl Store {
         }
     }
 
-    /// The candidate store after a push, or every reason it is rejected.
+    /// The candidate store after a state-of-the-world push, or every reason it is rejected:
+    /// all or nothing, for callers that want a push to be good as a whole (tests, tools).
+    /// The ADS client uses [`Store::update`], which applies what it can.
     pub fn apply(
         &self,
         kind: Kind,
         version: &str,
         resources: &[Any],
     ) -> Result<Store, Vec<String>> {
-        let mut errors = Vec::new();
+        let applied = self.update(kind, Push::Sotw { version, resources })?;
+        if applied.rejected.is_empty() {
+            Ok(applied.store)
+        } else {
+            Err(applied.rejected.into_iter().map(|r| r.message).collect())
+        }
+    }
+
+    /// Applies a push as Envoy does, resource by resource: every resource that translates and
+    /// passes its checks is applied, each one that does not is refused alone (keeping its last
+    /// good version) and listed in `rejected`. `Err` is a response Envoy refuses whole (a
+    /// resource that does not decode, a listener or cluster named twice): nothing is applied.
+    pub fn update(&self, kind: Kind, push: Push<'_>) -> Result<Applied, Vec<String>> {
+        let (version, items, removal) = match push {
+            Push::Sotw { version, resources } => (
+                version,
+                resources
+                    .iter()
+                    .map(|any| Incoming { any, version })
+                    .collect::<Vec<_>>(),
+                if kind.is_wildcard() {
+                    Removal::Unnamed
+                } else {
+                    Removal::None
+                },
+            ),
+            Push::Delta {
+                system_version,
+                resources,
+                removed,
+            } => (
+                system_version,
+                resources,
+                if kind.is_wildcard() {
+                    Removal::Names(removed)
+                } else {
+                    Removal::None
+                },
+            ),
+        };
+        let mut rejected = Vec::new();
         let now = SystemTime::now();
         let mut next = self.clone();
-        match kind {
+        let seen = match kind {
             Kind::Listener => {
-                next.listeners =
-                    apply_table(&self.listeners, kind, version, resources, now, &mut errors).0;
-                errors.extend(check_listener_addresses(&next.listeners));
-                // Only listeners this push adds or changes are checked, as Envoy checks a route
-                // table when it is created.
-                let changed =
-                    |name: &str| match (self.listeners.get(name), next.listeners.get(name)) {
-                        (Some(old), Some(new)) => !Arc::ptr_eq(&old.value, &new.value),
-                        _ => true,
-                    };
-                errors.extend(next.check_route_clusters(changed));
-                errors.extend(next.check_sds_clusters(changed, |_| false));
+                let (table, seen) =
+                    apply_table(&self.listeners, kind, &items, removal, now, &mut rejected)?;
+                next.listeners = table;
+                // Only listeners this push adds or changes are checked, as Envoy checks a
+                // listener when it is added or updated; a failing one keeps its old version.
+                type Check = fn(&Store, &dyn Fn(&str) -> bool) -> Vec<(String, String)>;
+                let checks: [Check; 3] = [
+                    |s, changed| s.check_listener_addresses(changed),
+                    |s, changed| s.check_route_clusters(changed),
+                    |s, changed| s.check_sds_clusters(changed, |_| false),
+                ];
+                for check in checks {
+                    let failed = check(&next, &|name| {
+                        changed(&self.listeners, &next.listeners, name)
+                    });
+                    for (name, message) in by_name(failed) {
+                        let refused = revert(&mut next.listeners, &self.listeners, &name);
+                        rejected.push(Rejected::after_check(kind, name, message, refused));
+                    }
+                }
+                seen
             }
             Kind::Route => {
                 let (routes, pushed) =
-                    apply_table(&self.routes, kind, version, resources, now, &mut errors);
+                    apply_table(&self.routes, kind, &items, removal, now, &mut rejected)?;
                 next.routes = routes;
                 // Route tables nothing asks for are dropped, as Envoy ignores them.
                 let wanted = next.wanted_routes();
@@ -328,101 +550,159 @@ impl Store {
                     let Some(item) = next.routes.get(name) else {
                         continue;
                     };
-                    let changed = self
-                        .routes
-                        .get(name)
-                        .is_none_or(|old| !Arc::ptr_eq(&old.value, &item.value));
-                    if changed && item.value.validate_clusters == Some(true) {
-                        errors.extend(
-                            item.value
-                                .unknown_clusters(|c| next.clusters.contains_key(c)),
-                        );
+                    if !changed(&self.routes, &next.routes, name)
+                        || item.value.validate_clusters != Some(true)
+                    {
+                        continue;
+                    }
+                    let unknown = item
+                        .value
+                        .unknown_clusters(|c| next.clusters.contains_key(c));
+                    if !unknown.is_empty() {
+                        let refused = revert(&mut next.routes, &self.routes, name);
+                        rejected.push(Rejected::after_check(
+                            kind,
+                            name.clone(),
+                            unknown.join("; "),
+                            refused,
+                        ));
                     }
                 }
+                pushed
             }
             Kind::Cluster => {
-                next.clusters =
-                    apply_table(&self.clusters, kind, version, resources, now, &mut errors).0;
-                errors.extend(next.check_sds_clusters(
+                let (table, seen) =
+                    apply_table(&self.clusters, kind, &items, removal, now, &mut rejected)?;
+                next.clusters = table;
+                let failed = next.check_sds_clusters(
                     |_| false,
-                    |name| match (self.clusters.get(name), next.clusters.get(name)) {
-                        (Some(old), Some(new)) => !Arc::ptr_eq(&old.value, &new.value),
-                        _ => true,
-                    },
-                ));
+                    |name| changed(&self.clusters, &next.clusters, name),
+                );
+                for (name, message) in by_name(failed) {
+                    let refused = revert(&mut next.clusters, &self.clusters, &name);
+                    rejected.push(Rejected::after_check(kind, name, message, refused));
+                }
                 next.resolve_literal_endpoints();
                 next.index_eds_users();
                 next.touched.all_clusters = true;
+                seen
             }
-            Kind::Secret => {
-                next.apply_secrets(&SdsSource::Ads, version, resources, now, &mut errors);
-            }
+            Kind::Secret => next.apply_secrets(&SdsSource::Ads, &items, now, &mut rejected)?,
             Kind::Endpoint => {
                 let (endpoints, pushed) =
-                    apply_table(&self.endpoints, kind, version, resources, now, &mut errors);
+                    apply_table(&self.endpoints, kind, &items, removal, now, &mut rejected)?;
                 next.endpoints = endpoints;
-                for name in pushed {
-                    if next.eds_users.contains_key(&name) {
-                        next.touched.endpoints.insert(name);
+                for name in &pushed {
+                    if next.eds_users.contains_key(name) {
+                        next.touched.endpoints.insert(name.clone());
                     } else {
                         // Envoy drops assignments for clusters it does not have.
-                        next.endpoints.remove(&name);
+                        next.endpoints.remove(name);
                     }
                 }
+                pushed
             }
+        };
+        if rejected.is_empty() {
+            next.versions.insert(kind, version.to_string());
         }
-        if !errors.is_empty() {
-            return Err(errors);
-        }
-        next.versions.insert(kind, version.to_string());
         if kind.is_wildcard() {
             next.collect_garbage();
         }
-        Ok(next)
+        next.record_failures(kind, &seen, &rejected, now);
+        Ok(Applied {
+            store: next,
+            rejected,
+        })
     }
 
-    /// The candidate store after a push on the SDS stream to `source`'s cluster, or every
-    /// reason it is rejected. The stream keeps its own version; the store's versions are ADS's.
+    /// Keeps the last refusal of each resource until it is accepted or goes away.
+    fn record_failures(
+        &mut self,
+        kind: Kind,
+        seen: &BTreeSet<String>,
+        rejected: &[Rejected],
+        now: SystemTime,
+    ) {
+        let still_there = |s: &Store, name: &str| match kind {
+            Kind::Listener => s.listeners.contains_key(name),
+            Kind::Cluster => s.clusters.contains_key(name),
+            Kind::Route => s.routes.contains_key(name),
+            Kind::Endpoint => s.endpoints.contains_key(name),
+            Kind::Secret => s.secrets.contains_key(name),
+        };
+        let stale: Vec<(Kind, String)> = self
+            .failures
+            .keys()
+            .filter(|(k, name)| {
+                *k == kind
+                    && (seen.contains(name) || (kind.is_wildcard() && !still_there(self, name)))
+            })
+            .cloned()
+            .collect();
+        for key in &stale {
+            self.failures.remove(key);
+        }
+        for r in rejected {
+            self.failures.insert(
+                (kind, r.name.clone()),
+                Arc::new(Failure {
+                    message: r.message.clone(),
+                    version: r.version.clone(),
+                    at: now,
+                    config: r.config.clone(),
+                }),
+            );
+        }
+    }
+
+    /// The store after a push on the SDS stream to `source`'s cluster, applied secret by
+    /// secret. The stream keeps its own version; the store's versions are ADS's.
     pub fn apply_sds(
         &self,
         source: &Arc<SdsCluster>,
         version: &str,
         resources: &[Any],
-    ) -> Result<Store, Vec<String>> {
-        let mut errors = Vec::new();
+    ) -> Result<Applied, Vec<String>> {
+        let mut rejected = Vec::new();
         let mut next = self.clone();
-        next.apply_secrets(
+        let now = SystemTime::now();
+        let items: Vec<Incoming> = resources
+            .iter()
+            .map(|any| Incoming { any, version })
+            .collect();
+        let seen = next.apply_secrets(
             &SdsSource::Cluster(source.clone()),
-            version,
-            resources,
-            SystemTime::now(),
-            &mut errors,
-        );
-        if errors.is_empty() {
-            Ok(next)
-        } else {
-            Err(errors)
-        }
+            &items,
+            now,
+            &mut rejected,
+        )?;
+        next.record_failures(Kind::Secret, &seen, &rejected, now);
+        Ok(Applied {
+            store: next,
+            rejected,
+        })
     }
 
     /// Secrets from `source`: those nobody asks of it are dropped, as Envoy ignores them, and
     /// every cluster built from a pushed secret must build with it (Envoy refuses the secret
-    /// when its socket's update fails).
+    /// when its socket's update fails). Returns the names pushed.
     fn apply_secrets(
         &mut self,
         source: &SdsSource,
-        version: &str,
-        resources: &[Any],
+        items: &[Incoming<'_>],
         now: SystemTime,
-        errors: &mut Vec<String>,
-    ) {
+        rejected: &mut Vec<Rejected>,
+    ) -> Result<BTreeSet<String>, Vec<String>> {
+        let old = self.secrets.clone();
         let (secrets, pushed) =
-            apply_table(&self.secrets, Kind::Secret, version, resources, now, errors);
+            apply_table(&old, Kind::Secret, items, Removal::None, now, rejected)?;
         self.secrets = secrets;
         let wanted = self.wanted_from(source);
         for name in pushed.iter().filter(|n| !wanted.contains(*n)) {
             self.secrets.remove(name);
         }
+        let mut failed = Vec::new();
         {
             let lookup = self.secret_lookup();
             for name in pushed.iter().filter(|n| wanted.contains(*n)) {
@@ -431,12 +711,35 @@ impl Store {
                         continue;
                     };
                     if let Err(e) = item.value.transport.resolve(&lookup) {
-                        errors.push(format!("secret '{name}': cluster '{c}': {e}"));
+                        failed.push((name.clone(), format!("secret '{name}': cluster '{c}': {e}")));
                     }
                 }
             }
         }
-        self.touched.secrets.extend(pushed);
+        for (name, message) in by_name(failed) {
+            let refused = revert(&mut self.secrets, &old, &name);
+            rejected.push(Rejected::after_check(Kind::Secret, name, message, refused));
+        }
+        self.touched.secrets.extend(pushed.iter().cloned());
+        Ok(pushed)
+    }
+
+    /// Puts back the last good version of listener `name` (or leaves it out if it is new),
+    /// for a listener whose socket cannot be bound; returns the refusal to report.
+    pub fn revert_listener(&mut self, old: &Store, name: &str, message: String) -> Rejected {
+        let refused = revert(&mut self.listeners, &old.listeners, name);
+        let rejected = Rejected::after_check(Kind::Listener, name.to_string(), message, refused);
+        self.record_failures(
+            Kind::Listener,
+            &BTreeSet::new(),
+            std::slice::from_ref(&rejected),
+            SystemTime::now(),
+        );
+        self.versions.remove(&Kind::Listener);
+        if let Some(v) = old.versions.get(&Kind::Listener) {
+            self.versions.insert(Kind::Listener, v.clone());
+        }
+        rejected
     }
 
     /// The secrets as the upstream sockets read them: translation and encoding.
@@ -471,22 +774,22 @@ impl Store {
 
     /// Every SDS secret the listeners (those `listener` selects) and clusters (`cluster`)
     /// ask for from an SDS cluster must name a static cluster of the bootstrap, as Envoy
-    /// requires of a gRPC config source.
+    /// requires of a gRPC config source. Returns (resource name, reason) pairs.
     fn check_sds_clusters(
         &self,
         listener: impl Fn(&str) -> bool,
         cluster: impl Fn(&str) -> bool,
-    ) -> Vec<String> {
+    ) -> Vec<(String, String)> {
         let mut errors = Vec::new();
         let mut check = |what: &str, name: &str, r: &SdsRef| {
             let Some(c) = r.cluster() else {
                 return;
             };
             if !self.clusters.get(&c.cluster).is_some_and(|c| c.is_static) {
-                errors.push(format!(
+                errors.push((name.to_string(), format!(
                     "{what} '{name}': secret '{}': sds_config: gRPC cluster '{}' is not a static cluster of the bootstrap",
                     r.name, c.cluster
-                ));
+                )));
             }
         };
         for (name, l) in self.listeners.iter().filter(|(n, _)| listener(n)) {
@@ -510,7 +813,7 @@ impl Store {
 
     /// Inline route tables (validate_clusters defaults to true for them) that name a cluster
     /// the store does not have, for the listeners `check` selects.
-    fn check_route_clusters(&self, check: impl Fn(&str) -> bool) -> Vec<String> {
+    fn check_route_clusters(&self, check: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
         let mut errors = Vec::new();
         for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
             for chain in &l.value.chains {
@@ -519,13 +822,58 @@ impl Store {
                         errors.extend(
                             t.unknown_clusters(|c| self.clusters.contains_key(c))
                                 .into_iter()
-                                .map(|e| format!("listener '{name}': {e}")),
+                                .map(|e| (name.clone(), format!("listener '{name}': {e}"))),
                         );
                     }
                 }
             }
         }
         errors
+    }
+
+    /// Listeners `check` selects whose address another listener already has. The ones it
+    /// does not select hold their addresses first, so a push's new listener is the one
+    /// refused, as Envoy refuses the listener it is adding.
+    fn check_listener_addresses(&self, check: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        let mut by_addr: BTreeMap<SocketAddr, &str> = BTreeMap::new();
+        for (name, l) in self.listeners.iter().filter(|(n, _)| !check(n)) {
+            by_addr.insert(l.value.addr, name);
+        }
+        let mut errors = Vec::new();
+        for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
+            match by_addr.get(&l.value.addr) {
+                Some(other) => errors.push((
+                    name.clone(),
+                    format!(
+                        "listener '{name}': duplicate address {} as listener '{other}'",
+                        l.value.addr
+                    ),
+                )),
+                None => {
+                    by_addr.insert(l.value.addr, name);
+                }
+            }
+        }
+        errors
+    }
+
+    /// (name, version) of every resource of `kind` that xDS delivered: what a delta stream
+    /// reports as `initial_resource_versions` when it reconnects.
+    pub fn dynamic_versions(&self, kind: Kind) -> Box<dyn Iterator<Item = (&str, &str)> + '_> {
+        fn of<P, T>(t: &Table<P, T>) -> Box<dyn Iterator<Item = (&str, &str)> + '_> {
+            Box::new(
+                t.iter()
+                    .filter(|(_, i)| !i.is_static)
+                    .map(|(n, i)| (n.as_str(), &*i.version)),
+            )
+        }
+        match kind {
+            Kind::Listener => of(&self.listeners),
+            Kind::Route => of(&self.routes),
+            Kind::Cluster => of(&self.clusters),
+            Kind::Endpoint => of(&self.endpoints),
+            Kind::Secret => of(&self.secrets),
+        }
     }
 
     /// Route configuration names the listeners ask for.
@@ -971,19 +1319,6 @@ fn static_item<P: prost::Message + prost::Name + Default, T>(
     }
 }
 
-fn check_listener_addresses(listeners: &Table<ListenerProto, ListenerDef>) -> Vec<String> {
-    let mut by_addr: BTreeMap<SocketAddr, &str> = BTreeMap::new();
-    let mut errors = Vec::new();
-    for (name, l) in listeners.iter() {
-        if let Some(other) = by_addr.insert(l.value.addr, name) {
-            errors.push(format!(
-                "listener '{name}': duplicate address {} as listener '{other}'",
-                l.value.addr
-            ));
-        }
-    }
-    errors
-}
 #[cfg(test)]
 #[path = "store_tests.rs"]
 mod store_tests;

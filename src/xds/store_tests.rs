@@ -1318,7 +1318,11 @@ mod sds {
     #[track_caller]
     fn sds_push(s: &Store, resources: &[Any]) -> Result<Store, Vec<String>> {
         let source = s.wanted_sds().into_keys().next().expect("an SDS source");
-        s.apply_sds(&source, "s1", resources)
+        let applied = s.apply_sds(&source, "s1", resources)?;
+        match applied.message() {
+            None => Ok(applied.store),
+            Some(_) => Err(applied.rejected.into_iter().map(|r| r.message).collect()),
+        }
     }
 
     #[test]
@@ -1393,11 +1397,12 @@ mod sds {
             Kind::Cluster,
             &cds(&[mtls_cluster("up", "nope")]),
         );
+        // One refusal of the cluster, with both reasons.
         assert_eq!(
             errors,
             [
-                "cluster 'up': secret 'default': sds_config: gRPC cluster 'nope' is not a static cluster of the bootstrap",
-                "cluster 'up': secret 'ROOTCA': sds_config: gRPC cluster 'nope' is not a static cluster of the bootstrap",
+                "cluster 'up': secret 'default': sds_config: gRPC cluster 'nope' is not a static cluster of the bootstrap; \
+                 cluster 'up': secret 'ROOTCA': sds_config: gRPC cluster 'nope' is not a static cluster of the bootstrap",
             ]
         );
         // A dynamic cluster of that name does not do either.
@@ -1411,7 +1416,11 @@ mod sds {
             Kind::Cluster,
             &cds(&[eds_cluster("nope", "nope"), mtls_cluster("up", "nope")]),
         );
-        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("cluster 'up': secret 'default'"),
+            "{errors:?}"
+        );
     }
 
     #[test]
@@ -1468,4 +1477,278 @@ fn tcp_proxy_listeners_serve_without_routes_or_their_cluster() {
     let s = push(&s, Kind::Listener, &lds(&[tcp]));
     let second = snap(&s, &first);
     assert!(Arc::ptr_eq(&second.listeners["tcp"].chains[0], chain));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envoy's acceptance, resource by resource, in state of the world and delta
+
+mod per_resource {
+    use super::*;
+
+    fn sotw<'a>(version: &'a str, resources: &'a [Any]) -> Push<'a> {
+        Push::Sotw { version, resources }
+    }
+
+    fn delta<'a>(resources: &'a [(Any, &'a str)], removed: &'a [String]) -> Push<'a> {
+        Push::Delta {
+            system_version: "sys",
+            resources: resources
+                .iter()
+                .map(|(any, version)| Incoming { any, version })
+                .collect(),
+            removed,
+        }
+    }
+
+    fn bad_listener(name: &str, port: u32) -> ListenerProto {
+        let mut l = listener(name, port, "r");
+        l.filter_chains.clear();
+        l
+    }
+
+    #[test]
+    fn a_bad_listener_is_refused_alone_and_the_rest_of_the_push_applies() {
+        let s = push(
+            &Store::default(),
+            Kind::Listener,
+            &lds(&[listener("old", 1, "r"), listener("kept", 2, "r")]),
+        );
+        // 'kept' changes badly: its last good version stays; 'new' arrives; 'old' is gone.
+        let a = s
+            .update(
+                Kind::Listener,
+                sotw(
+                    "v2",
+                    &lds(&[bad_listener("kept", 2), listener("new", 3, "r")]),
+                ),
+            )
+            .expect("decodes");
+        assert_eq!(names(&a.store.listeners), ["kept", "new"]);
+        assert!(Arc::ptr_eq(
+            &a.store.listeners["kept"].value,
+            &s.listeners["kept"].value
+        ));
+        assert_eq!(&*a.store.listeners["new"].version, "v2");
+        assert_eq!(a.rejected.len(), 1);
+        assert_eq!(a.rejected[0].name, "kept");
+        assert_eq!(
+            a.message().as_deref(),
+            Some("listener 'kept': no filter chains specified")
+        );
+        // The NACK carries the last version accepted whole.
+        assert_eq!(
+            a.store.versions.get(&Kind::Listener),
+            s.versions.get(&Kind::Listener)
+        );
+        let f = &a.store.failures[&(Kind::Listener, "kept".to_string())];
+        assert_eq!(f.message, "listener 'kept': no filter chains specified");
+        assert_eq!(f.version, "v2");
+        assert!(f.config.is_some());
+        // Accepted later: the failure is forgotten.
+        let b = a
+            .store
+            .update(
+                Kind::Listener,
+                sotw("v3", &lds(&[listener("kept", 2, "r")])),
+            )
+            .expect("decodes");
+        assert!(b.rejected.is_empty());
+        assert!(b.store.failures.is_empty());
+        assert_eq!(b.store.versions[&Kind::Listener], "v3");
+    }
+
+    #[test]
+    fn a_new_bad_resource_is_left_out_and_its_failure_goes_when_it_does() {
+        let a = Store::default()
+            .update(
+                Kind::Cluster,
+                sotw(
+                    "v1",
+                    &cds(&[eds_cluster("good", ""), {
+                        let mut c = eds_cluster("bad", "");
+                        c.eds_cluster_config = None;
+                        c
+                    }]),
+                ),
+            )
+            .expect("decodes");
+        assert_eq!(names(&a.store.clusters), ["good"]);
+        assert_eq!(a.rejected.len(), 1);
+        assert!(a
+            .store
+            .failures
+            .contains_key(&(Kind::Cluster, "bad".into())));
+        // A push that no longer names it clears its failure.
+        let b = a
+            .store
+            .update(Kind::Cluster, sotw("v2", &cds(&[eds_cluster("good", "")])))
+            .expect("decodes");
+        assert!(b.store.failures.is_empty());
+    }
+
+    #[test]
+    fn an_undecodable_resource_or_a_duplicate_listener_refuses_the_whole_response() {
+        let s = push(
+            &Store::default(),
+            Kind::Listener,
+            &lds(&[listener("a", 1, "r")]),
+        );
+        let garbage = Any {
+            type_url: types::LISTENER.into(),
+            value: vec![0xff, 0xff, 0xff],
+        };
+        let mut resources = lds(&[listener("b", 2, "r")]);
+        resources.push(garbage);
+        let errs = s
+            .update(Kind::Listener, sotw("v2", &resources))
+            .expect_err("refused whole");
+        assert!(errs[0].starts_with("resource 1: cannot decode"), "{errs:?}");
+        let errs = s
+            .update(
+                Kind::Listener,
+                sotw("v2", &lds(&[listener("b", 2, "r"), listener("b", 3, "r")])),
+            )
+            .expect_err("refused whole");
+        assert_eq!(
+            errs,
+            ["listener 'b': duplicate listener name in one response"]
+        );
+    }
+
+    #[test]
+    fn a_new_listener_on_a_taken_address_is_refused_not_the_one_holding_it() {
+        let s = push(
+            &Store::default(),
+            Kind::Listener,
+            &lds(&[listener("z", 1, "r")]),
+        );
+        let a = s
+            .update(
+                Kind::Listener,
+                sotw("v2", &lds(&[listener("z", 1, "r"), listener("a", 1, "r")])),
+            )
+            .expect("decodes");
+        assert_eq!(names(&a.store.listeners), ["z"]);
+        assert_eq!(
+            a.message().as_deref(),
+            Some("listener 'a': duplicate address 127.0.0.1:1 as listener 'z'")
+        );
+    }
+
+    #[test]
+    fn a_route_config_naming_an_unknown_cluster_is_refused_alone() {
+        let s = push(
+            &Store::default(),
+            Kind::Cluster,
+            &cds(&[eds_cluster("c", "")]),
+        );
+        let s = push(
+            &s,
+            Kind::Listener,
+            &lds(&[listener("a", 1, "ra"), listener("b", 2, "rb")]),
+        );
+        let mut strict = route_config("rb", "missing");
+        strict.validate_clusters =
+            Some(envoy_types::pb::google::protobuf::BoolValue { value: true });
+        let a = s
+            .update(
+                Kind::Route,
+                sotw("v1", &rds(&[route_config("ra", "c"), strict])),
+            )
+            .expect("decodes");
+        assert_eq!(names(&a.store.routes), ["ra"]);
+        assert_eq!(a.rejected.len(), 1);
+        assert_eq!(a.rejected[0].name, "rb");
+    }
+
+    #[test]
+    fn delta_adds_and_changes_only_what_it_carries_and_removes_by_name() {
+        let s = push(
+            &Store::default(),
+            Kind::Cluster,
+            &cds(&[eds_cluster("a", ""), eds_cluster("b", "")]),
+        );
+        let before_a = s.clusters["a"].value.clone();
+        let c = any(types::CLUSTER, &eds_cluster("c", ""));
+        let a = s
+            .update(Kind::Cluster, delta(&[(c, "hash-c")], &[]))
+            .expect("decodes");
+        assert!(a.rejected.is_empty());
+        assert_eq!(names(&a.store.clusters), ["a", "b", "c"]);
+        assert!(Arc::ptr_eq(&before_a, &a.store.clusters["a"].value));
+        // Per-resource versions, and the system version as the type's.
+        assert_eq!(&*a.store.clusters["c"].version, "hash-c");
+        assert_eq!(&*a.store.clusters["a"].version, "v");
+        assert_eq!(a.store.versions[&Kind::Cluster], "sys");
+        let removed = vec!["b".to_string(), "never-had".to_string()];
+        let b = a
+            .store
+            .update(Kind::Cluster, delta(&[], &removed))
+            .expect("decodes");
+        assert_eq!(names(&b.store.clusters), ["a", "c"]);
+        let versions: Vec<(&str, &str)> = b.store.dynamic_versions(Kind::Cluster).collect();
+        assert_eq!(versions, [("a", "v"), ("c", "hash-c")]);
+    }
+
+    #[test]
+    fn delta_removals_of_routes_and_endpoints_are_ignored_as_envoy_ignores_them() {
+        let s = full_store();
+        let removed = vec!["r".to_string()];
+        let a = s
+            .update(Kind::Route, delta(&[], &removed))
+            .expect("decodes");
+        assert_eq!(names(&a.store.routes), ["r"]);
+        let removed = vec!["c".to_string()];
+        let a = s
+            .update(Kind::Endpoint, delta(&[], &removed))
+            .expect("decodes");
+        assert_eq!(names(&a.store.endpoints), ["c"]);
+    }
+
+    #[test]
+    fn delta_cannot_remove_a_static_resource() {
+        let mut s = Store::default();
+        s.add_static(
+            &[],
+            &[static_cluster(
+                "xds",
+                DiscoveryType::Static,
+                &[("127.0.0.1", 1)],
+            )],
+        )
+        .expect("static");
+        let removed = vec!["xds".to_string()];
+        let a = s
+            .update(Kind::Cluster, delta(&[], &removed))
+            .expect("decodes");
+        assert_eq!(names(&a.store.clusters), ["xds"]);
+    }
+
+    #[test]
+    fn a_refused_delta_update_of_an_existing_cluster_keeps_the_last_good_one() {
+        let s = push(
+            &Store::default(),
+            Kind::Cluster,
+            &cds(&[eds_cluster("a", "")]),
+        );
+        let mut bad = eds_cluster("a", "");
+        bad.eds_cluster_config = None;
+        let good = any(types::CLUSTER, &eds_cluster("b", ""));
+        let a = s
+            .update(
+                Kind::Cluster,
+                delta(&[(any(types::CLUSTER, &bad), "2"), (good, "2")], &[]),
+            )
+            .expect("decodes");
+        assert_eq!(names(&a.store.clusters), ["a", "b"]);
+        assert!(Arc::ptr_eq(
+            &s.clusters["a"].value,
+            &a.store.clusters["a"].value
+        ));
+        assert_eq!(a.rejected.len(), 1);
+        assert_eq!(
+            a.store.versions.get(&Kind::Cluster),
+            s.versions.get(&Kind::Cluster)
+        );
+    }
 }

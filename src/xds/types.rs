@@ -56,6 +56,17 @@ impl Kind {
         }
     }
 
+    /// How errors name a resource of this kind.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Kind::Listener => "listener",
+            Kind::Route => "route",
+            Kind::Cluster => "cluster",
+            Kind::Endpoint => "endpoints",
+            Kind::Secret => "secret",
+        }
+    }
+
     pub fn index(self) -> usize {
         self as usize
     }

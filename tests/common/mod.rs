@@ -488,15 +488,23 @@ impl Snapshot {
 // ---------------------------------------------------------------------------
 
 /// One DiscoveryRequest as the gateway sent it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct LoggedRequest {
     pub node_id: Option<String>,
     pub node_cluster: Option<String>,
     pub type_url: String,
+    /// SotW: the request's version_info. Delta: the system_version_info of the response its
+    /// nonce answers (so an ACK names the version it accepts either way).
     pub version_info: String,
     pub response_nonce: String,
+    /// SotW: the names subscribed to. Delta: the names the request subscribes to.
     pub resource_names: Vec<String>,
     pub error: Option<String>,
+    /// Delta only: the names the request unsubscribes from.
+    pub unsubscribe: Vec<String>,
+    /// Delta only: the resources (name -> version) the client already has, on a new stream.
+    pub initial_versions: std::collections::BTreeMap<String, String>,
+    pub delta: bool,
 }
 
 impl LoggedRequest {
@@ -827,11 +835,17 @@ impl AggregatedDiscoveryService for AdsService {
 
     async fn delta_aggregated_resources(
         &self,
-        _request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+        request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<tonic::Response<DeltaStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented(
-            "test ADS server is state-of-the-world only",
-        ))
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(delta_stream(
+            self.shared.clone(),
+            request.into_inner(),
+            tx,
+            self.generation.subscribe(),
+            self.shutdown.clone(),
+        ));
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
@@ -873,6 +887,9 @@ async fn ads_stream(
                     response_nonce: req.response_nonce.clone(),
                     resource_names: req.resource_names.clone(),
                     error: req.error_detail.as_ref().map(|e| e.message.clone()),
+                    unsubscribe: Vec::new(),
+                    initial_versions: Default::default(),
+                    delta: false,
                 });
                 if req.error_detail.is_some() {
                     // A NACK: keep serving the same config, the gateway keeps its last good one.
@@ -960,6 +977,175 @@ async fn send(
 }
 
 // ---------------------------------------------------------------------------
+// In-process ADS server (incremental)
+// ---------------------------------------------------------------------------
+
+/// Per-stream, per-type delta state: what the client subscribed to and what it holds.
+#[derive(Default)]
+struct DeltaSub {
+    /// LDS and CDS: everything, whatever was named.
+    wildcard: bool,
+    names: BTreeSet<String>,
+    /// name -> version the client has (sent by us, or reported on a new stream).
+    has: HashMap<String, String>,
+    /// nonce -> system version of each response sent, for the log.
+    sent: HashMap<String, String>,
+}
+
+type DeltaTx = mpsc::Sender<Result<DeltaDiscoveryResponse, tonic::Status>>;
+
+/// A resource's delta version: a digest of its bytes, so only changed resources are sent.
+fn delta_version(a: &Any) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    a.value.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+async fn delta_stream(
+    shared: Arc<Shared>,
+    mut inbound: tonic::Streaming<DeltaDiscoveryRequest>,
+    tx: DeltaTx,
+    mut generation: watch::Receiver<u64>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut subs: HashMap<String, DeltaSub> = HashMap::new();
+    let mut nonce_seq: u64 = 0;
+    loop {
+        tokio::select! {
+            () = stopped(&mut shutdown) => {
+                let _ = tx.send(Err(tonic::Status::unavailable("ADS server stopping"))).await;
+                return;
+            }
+            msg = inbound.message() => {
+                let req = match msg {
+                    Ok(Some(req)) => req,
+                    _ => return,
+                };
+                let first = !subs.contains_key(&req.type_url);
+                let sub = subs.entry(req.type_url.clone()).or_default();
+                shared.log.lock().expect("ads log lock").push(LoggedRequest {
+                    node_id: req.node.as_ref().map(|n| n.id.clone()),
+                    node_cluster: req.node.as_ref().map(|n| n.cluster.clone()),
+                    type_url: req.type_url.clone(),
+                    version_info: sub.sent.get(&req.response_nonce).cloned().unwrap_or_default(),
+                    response_nonce: req.response_nonce.clone(),
+                    resource_names: req.resource_names_subscribe.clone(),
+                    error: req.error_detail.as_ref().map(|e| e.message.clone()),
+                    unsubscribe: req.resource_names_unsubscribe.clone(),
+                    initial_versions: req.initial_resource_versions.clone().into_iter().collect(),
+                    delta: true,
+                });
+                if req.error_detail.is_some() {
+                    // A NACK: keep serving the same config, the gateway keeps its last good one.
+                    continue;
+                }
+                if first {
+                    sub.wildcard = req.type_url == LDS || req.type_url == CDS;
+                    sub.has = req.initial_resource_versions.clone().into_iter().collect();
+                }
+                let changed = !req.resource_names_subscribe.is_empty()
+                    || !req.resource_names_unsubscribe.is_empty();
+                for n in &req.resource_names_subscribe {
+                    if n == "*" {
+                        sub.wildcard = true;
+                    } else {
+                        sub.names.insert(n.clone());
+                    }
+                }
+                for n in &req.resource_names_unsubscribe {
+                    sub.names.remove(n);
+                    // The client drops what it unsubscribed from.
+                    sub.has.remove(n);
+                }
+                if (first || changed)
+                    && !send_delta(&shared, &req.type_url, sub, &mut nonce_seq, &tx, first).await
+                {
+                    return;
+                }
+            }
+            changed = generation.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                for type_url in PUSH_ORDER {
+                    let Some(sub) = subs.get_mut(type_url) else { continue };
+                    if !send_delta(&shared, type_url, sub, &mut nonce_seq, &tx, false).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sends what changed of `type_url` since the client's state: new or changed resources it is
+/// subscribed to and removals. Sends nothing when nothing changed, unless `always` (the first
+/// request of a type is answered even when empty). Returns false when the stream is gone.
+async fn send_delta(
+    shared: &Shared,
+    type_url: &str,
+    sub: &mut DeltaSub,
+    nonce_seq: &mut u64,
+    tx: &DeltaTx,
+    always: bool,
+) -> bool {
+    let Some(state) = shared
+        .config
+        .lock()
+        .expect("ads config lock")
+        .get(type_url)
+        .cloned()
+    else {
+        return true;
+    };
+    let wanted = |n: &str| sub.wildcard || sub.names.contains(n);
+    let mut resources = Vec::new();
+    let mut present = BTreeSet::new();
+    for (name, any) in &state.resources {
+        if !wanted(name) {
+            continue;
+        }
+        present.insert(name.clone());
+        let version = delta_version(any);
+        if sub.has.get(name) == Some(&version) {
+            continue;
+        }
+        sub.has.insert(name.clone(), version.clone());
+        resources.push(envoy_types::pb::envoy::service::discovery::v3::Resource {
+            name: name.clone(),
+            version,
+            resource: Some(any.clone()),
+            ..Default::default()
+        });
+    }
+    let removed: Vec<String> = sub
+        .has
+        .keys()
+        .filter(|n| !present.contains(*n))
+        .cloned()
+        .collect();
+    for n in &removed {
+        sub.has.remove(n);
+    }
+    if resources.is_empty() && removed.is_empty() && !always {
+        return true;
+    }
+    *nonce_seq += 1;
+    let nonce = format!("d{nonce_seq}");
+    sub.sent.insert(nonce.clone(), state.version.clone());
+    let resp = DeltaDiscoveryResponse {
+        system_version_info: state.version,
+        resources,
+        type_url: type_url.to_string(),
+        removed_resources: removed,
+        nonce,
+        ..Default::default()
+    };
+    tx.send(Ok(resp)).await.is_ok()
+}
+
+// ---------------------------------------------------------------------------
 // Gateway process
 // ---------------------------------------------------------------------------
 
@@ -976,6 +1162,24 @@ pub fn is_envoy(bin: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// The ADS protocol the suite's gateways speak: GRPC (state of the world), or DELTA_GRPC when
+/// `PORTICO_TEST_XDS=delta`, so the whole suite can run over incremental xDS too.
+pub fn ads_api_type() -> &'static str {
+    match std::env::var("PORTICO_TEST_XDS").as_deref() {
+        Ok("delta") => "DELTA_GRPC",
+        _ => "GRPC",
+    }
+}
+
+/// The bootstrap of [`bootstrap_yaml`] with the ADS protocol chosen by the test.
+pub fn bootstrap_yaml_api(admin_port: u16, ads_port: u16, api_type: &str) -> String {
+    bootstrap_yaml(admin_port, ads_port).replacen(
+        &format!("api_type: {}", ads_api_type()),
+        &format!("api_type: {api_type}"),
+        1,
+    )
+}
+
 pub fn bootstrap_yaml(admin_port: u16, ads_port: u16) -> String {
     bootstrap_yaml_labeled(admin_port, ads_port, &[])
 }
@@ -983,6 +1187,7 @@ pub fn bootstrap_yaml(admin_port: u16, ads_port: u16) -> String {
 /// The bootstrap with node metadata LABELS, as istio-agent writes them: a control plane
 /// selects Gateways by them.
 pub fn bootstrap_yaml_labeled(admin_port: u16, ads_port: u16, labels: &[(&str, &str)]) -> String {
+    let api_type = ads_api_type();
     let metadata = if labels.is_empty() {
         String::new()
     } else {
@@ -1001,7 +1206,7 @@ pub fn bootstrap_yaml_labeled(admin_port: u16, ads_port: u16, labels: &[(&str, &
     socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
 dynamic_resources:
   ads_config:
-    api_type: GRPC
+    api_type: {api_type}
     transport_api_version: V3
     grpc_services:
     - envoy_grpc: {{ cluster_name: xds-grpc }}
