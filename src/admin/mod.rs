@@ -199,6 +199,26 @@ fn redacted_secret(
     envoy_types::util::pack_any(secret)
 }
 
+/// Envoy's `UpdateFailureState` for a resource whose last update was refused.
+fn error_state(kind: crate::xds::types::Kind, f: &crate::xds::store::Failure) -> serde_json::Value {
+    use crate::xds::types::{Kind, Raw};
+    let mut v = serde_json::json!({
+        "last_update_attempt": stamp(f.at),
+        "details": f.message,
+        "version_info": f.version,
+    });
+    let config = match (&f.config, kind) {
+        // A refused secret is shown with its private key redacted, as an accepted one is.
+        (Some(c), Kind::Secret) => Some(render(&redacted_secret(&Raw::from_bytes(&c.value)))),
+        (Some(c), _) => Some(render(c)),
+        (None, _) => None,
+    };
+    if let Some(c) = config {
+        v["failed_configuration"] = c;
+    }
+    v
+}
+
 /// `/config_dump` in Envoy's shape: the bootstrap, then clusters, listeners, routes (and
 /// endpoints with `include_eds`), each split into static and dynamic.
 pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value, String> {
@@ -224,13 +244,24 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             static_clusters
                 .push(json!({ "cluster": cluster, "last_updated": stamp(item.last_updated) }));
         } else {
-            dynamic_clusters.push(json!({
+            let mut entry = json!({
                 "version_info": &*item.version,
                 "cluster": cluster,
                 "last_updated": stamp(item.last_updated),
-            }));
+            });
+            if let Some(f) = store
+                .failures
+                .get(&(Kind::Cluster, item.value.name.to_string()))
+            {
+                entry["error_state"] = error_state(Kind::Cluster, f);
+            }
+            dynamic_clusters.push(entry);
         }
     }
+    // Refused clusters that have no good version: their error alone.
+    dynamic_clusters.extend(refused_only(&store, Kind::Cluster, |n| {
+        store.clusters.contains_key(n)
+    }));
     configs.push(json!({
         "@type": admin::ClustersConfigDump::type_url(),
         "version_info": version(Kind::Cluster),
@@ -258,8 +289,22 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             } else {
                 "warming_state"
             };
-            dynamic_listeners.push(json!({ "name": name, key: st }));
+            let mut entry = json!({ "name": name, key: st });
+            if let Some(f) = store.failures.get(&(Kind::Listener, name.clone())) {
+                entry["error_state"] = error_state(Kind::Listener, f);
+            }
+            dynamic_listeners.push(entry);
         }
+    }
+    // As Envoy: a listener refused before any version was accepted is listed by name with
+    // its error alone.
+    for ((_, name), f) in store
+        .failures
+        .iter()
+        .filter(|((k, n), _)| *k == Kind::Listener && !store.listeners.contains_key(n))
+    {
+        dynamic_listeners
+            .push(json!({ "name": name, "error_state": error_state(Kind::Listener, f) }));
     }
     configs.push(json!({
         "@type": admin::ListenersConfigDump::type_url(),
@@ -267,34 +312,55 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
         "static_listeners": static_listeners,
         "dynamic_listeners": dynamic_listeners,
     }));
-    let routes: Vec<_> = store
+    let mut routes: Vec<_> = store
         .routes
-        .values()
-        .map(|item| {
-            json!({
+        .iter()
+        .map(|(name, item)| {
+            let mut entry = json!({
                 "version_info": &*item.version,
                 "route_config": render(&item.proto.to_any()),
                 "last_updated": stamp(item.last_updated),
-            })
+            });
+            if let Some(f) = store.failures.get(&(Kind::Route, name.clone())) {
+                entry["error_state"] = error_state(Kind::Route, f);
+            }
+            entry
         })
         .collect();
+    routes.extend(refused_only(&store, Kind::Route, |n| {
+        store.routes.contains_key(n)
+    }));
     configs.push(json!({
         "@type": admin::RoutesConfigDump::type_url(),
         "dynamic_route_configs": routes,
     }));
     // Envoy lists a subscribed secret that has not arrived as warming.
-    let secrets: Vec<_> = store
+    let mut secrets: Vec<_> = store
         .secrets
         .values()
         .map(|item| {
-            json!({
+            let mut entry = json!({
                 "name": item.value.name,
                 "version_info": &*item.version,
                 "last_updated": stamp(item.last_updated),
                 "secret": render(&redacted_secret(&item.proto)),
-            })
+            });
+            if let Some(f) = store
+                .failures
+                .get(&(Kind::Secret, item.value.name.to_string()))
+            {
+                entry["error_state"] = error_state(Kind::Secret, f);
+            }
+            entry
         })
         .collect();
+    for ((_, name), f) in store
+        .failures
+        .iter()
+        .filter(|((k, n), _)| *k == Kind::Secret && !store.secrets.contains_key(n))
+    {
+        secrets.push(json!({ "name": name, "error_state": error_state(Kind::Secret, f) }));
+    }
     // As Envoy: named, "uninitialized", stamped when the listener asking for it arrived.
     let mut warming_since: std::collections::BTreeMap<&str, SystemTime> = Default::default();
     for item in store.listeners.values() {
@@ -344,23 +410,44 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
         }));
     }
     if include_eds {
-        let eps: Vec<_> = store
+        let mut eps: Vec<_> = store
             .endpoints
-            .values()
-            .map(|item| {
-                json!({
+            .iter()
+            .map(|(name, item)| {
+                let mut entry = json!({
                     "version_info": &*item.version,
                     "endpoint_config": render(&item.proto.to_any()),
                     "last_updated": stamp(item.last_updated),
-                })
+                });
+                if let Some(f) = store.failures.get(&(Kind::Endpoint, name.clone())) {
+                    entry["error_state"] = error_state(Kind::Endpoint, f);
+                }
+                entry
             })
             .collect();
+        eps.extend(refused_only(&store, Kind::Endpoint, |n| {
+            store.endpoints.contains_key(n)
+        }));
         configs.push(json!({
             "@type": admin::EndpointsConfigDump::type_url(),
             "dynamic_endpoint_configs": eps,
         }));
     }
     Ok(json!({ "configs": configs }))
+}
+
+/// Entries for refused resources of `kind` that have no accepted version (`has` is false):
+/// Envoy's dynamic config entries with only `error_state`.
+fn refused_only<'a>(
+    store: &'a crate::xds::store::Store,
+    kind: crate::xds::types::Kind,
+    has: impl Fn(&str) -> bool + 'a,
+) -> impl Iterator<Item = serde_json::Value> + 'a {
+    store
+        .failures
+        .iter()
+        .filter(move |((k, n), _)| *k == kind && !has(n))
+        .map(move |(_, f)| serde_json::json!({ "error_state": error_state(kind, f) }))
 }
 
 pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {

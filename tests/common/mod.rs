@@ -1457,10 +1457,17 @@ impl Mesh {
 
     /// Like `start`, but `build` supplies the listener on the given port itself.
     pub async fn start_raw(build: impl FnOnce(u16) -> Snapshot) -> Mesh {
+        Mesh::start_api(ads_api_type(), build).await
+    }
+
+    /// Like `start_raw`, with the ADS protocol given: `GRPC` or `DELTA_GRPC`.
+    pub async fn start_api(api_type: &str, build: impl FnOnce(u16) -> Snapshot) -> Mesh {
         let port = free_port();
         let snapshot = build(port);
         let ads = AdsServer::start_any("1", &snapshot).await;
-        let gw = Gateway::start(ads.port).await;
+        let ads_port = ads.port;
+        let gw =
+            Gateway::start_bootstrap(|admin| bootstrap_yaml_api(admin, ads_port, api_type)).await;
         Mesh {
             ads,
             gw,
