@@ -6,12 +6,12 @@ COPY Cargo.toml Cargo.lock build.rs ./
 COPY src ./src
 COPY benches ./benches
 COPY gateway-examples ./gateway-examples
-RUN cargo build --release --locked --bin portico
+RUN cargo build --profile dist --locked --bin portico
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 1337 --home-dir /nonexistent --shell /usr/sbin/nologin portico
-COPY --from=build /src/target/release/portico /usr/local/bin/portico
+COPY --from=build /src/target/dist/portico /usr/local/bin/portico
 COPY --from=build /src/gateway-examples /etc/portico/examples
 USER 1337
 # 8080: example HTTP listener; 15000: admin (/ready, /stats/prometheus, /config_dump).

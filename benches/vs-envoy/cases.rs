@@ -205,9 +205,123 @@ async fn start_on_ads(
     proxy: Proxy,
     ads: &AdsServer,
 ) -> Result<Running, String> {
+    start_on_ads_api(env, opts, proxy, ads, "GRPC").await
+}
+
+/// As [`start_on_ads`], over `api_type` (`GRPC` or `DELTA_GRPC`).
+async fn start_on_ads_api(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    proxy: Proxy,
+    ads: &AdsServer,
+    api_type: &str,
+) -> Result<Running, String> {
     let admin = common::free_port();
-    let boot = common::bootstrap_yaml(admin, ads.port);
+    let boot = common::bootstrap_yaml_api(admin, ads.port, api_type);
     Running::start(env, opts, proxy, &boot, admin).await
+}
+
+/// The last cluster's assignment with its first endpoint on `port`.
+fn moved_endpoint(
+    big: &common::Snapshot,
+    port: u16,
+) -> Result<envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment, String> {
+    let mut cla = big.endpoints.last().cloned().ok_or("no endpoints")?;
+    let ep = cla.endpoints[0]
+        .lb_endpoints
+        .first_mut()
+        .ok_or("no endpoint")?;
+    ep.host_identifier = Some(
+        envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier::Endpoint(
+            envoy_types::pb::envoy::config::endpoint::v3::Endpoint {
+                address: Some(common::socket_addr("127.0.0.1", port)),
+                ..Default::default()
+            },
+        ),
+    );
+    Ok(cla)
+}
+
+/// Case 9: one small change in a large config over state of the world and over delta. Per
+/// update: the time from the push to traffic, the bytes the control plane sent, and the
+/// proxy's CPU (averaged over `UPDATES` updates, each awaited by its ACK with no traffic, so
+/// the CPU is the update's alone). The changes: one endpoint of one cluster (EDS), and one
+/// field of one cluster (CDS, which state of the world sends whole).
+pub async fn xds_updates(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    const UPDATES: u32 = 10;
+    let n = opts.scale;
+    let who = proxy.name();
+    for (api, label) in [("GRPC", "sotw"), ("DELTA_GRPC", "delta")] {
+        let port = common::free_port();
+        let big = config::scale_snapshot(port, n, &backend.ports);
+        let ads = AdsServer::start_any("1", &big).await;
+        let p = start_on_ads_api(env, opts, proxy, &ads, api).await?;
+        let client = HttpClient::new();
+        let last_url = format!("http://127.0.0.1:{port}/svc{}/x", n - 1);
+        until_body(&client, &last_url, BODY, Duration::from_secs(300)).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        let t0 = Instant::now();
+        ads.set_endpoints("e0", &[moved_endpoint(&big, backend.changed_port)?]);
+        until_body(&client, &last_url, "changed\n", Duration::from_secs(60)).await?;
+        results.add(
+            &format!("9 {label}: one-endpoint change in {n} clusters -> traffic"),
+            who,
+            t0.elapsed().as_secs_f64() * 1000.0,
+        );
+
+        let mut measure = |what: &str, bytes: u64, cpu: f64| {
+            results.add(
+                &format!("9 {label}: bytes on the wire per {what}"),
+                who,
+                bytes as f64 / f64::from(UPDATES),
+            );
+            results.add(
+                &format!("9 {label}: proxy cpu-ms per {what}"),
+                who,
+                cpu * 1000.0 / f64::from(UPDATES),
+            );
+        };
+        let (bytes0, cpu0) = (ads.sent_bytes(), p.cpu_secs()?);
+        for i in 1..=UPDATES {
+            let to = if i % 2 == 0 { backend.changed_port } else { backend.ports[0] };
+            let version = format!("e{i}");
+            ads.set_endpoints(&version, &[moved_endpoint(&big, to)?]);
+            ads.wait_for_ack(common::EDS, &version, Duration::from_secs(60)).await;
+        }
+        measure(
+            "one-endpoint update",
+            ads.sent_bytes() - bytes0,
+            p.cpu_secs()? - cpu0,
+        );
+
+        let (bytes0, cpu0) = (ads.sent_bytes(), p.cpu_secs()?);
+        let mut clusters = big.clusters.clone();
+        for i in 1..=UPDATES {
+            if let Some(c) = clusters.last_mut() {
+                c.connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+                    seconds: 1 + i64::from(i),
+                    nanos: 0,
+                });
+            }
+            let version = format!("c{i}");
+            ads.set_clusters(&version, &clusters);
+            ads.wait_for_ack(common::CDS, &version, Duration::from_secs(60)).await;
+        }
+        measure(
+            "one-cluster update",
+            ads.sent_bytes() - bytes0,
+            p.cpu_secs()? - cpu0,
+        );
+        drop(p);
+    }
+    Ok(())
 }
 
 /// Cases 5 (loaded memory) and 6 (config at scale), over ADS.

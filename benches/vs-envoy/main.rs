@@ -90,6 +90,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
             if opts.wants("churn") {
                 cases::churn(&env, &opts, &backend, proxy, &mut results).await?;
             }
+            if opts.wants("delta") {
+                cases::xds_updates(&env, &opts, &backend, proxy, &mut results).await?;
+            }
         }
     }
     let table = tools::table(&results);

@@ -53,7 +53,7 @@ impl Opts {
                 other => {
                     return Err(format!(
                         "unknown argument '{other}' (--rounds N --secs N --scale N \
-                         --cases all|h1,h2c,latency,https,routes,scale,churn --proxy-cpu N --load-cpu N \
+                         --cases all|h1,h2c,latency,https,routes,scale,churn,delta --proxy-cpu N --load-cpu N \
                          --proxy-log LEVEL)"
                     ))
                 }
@@ -131,7 +131,11 @@ impl Env {
             }
         };
         Ok(Env {
-            portico: PathBuf::from(env!("CARGO_BIN_EXE_portico")),
+            // PORTICO_BIN compares another build (say target/release/portico) with the same
+            // harness; by default the bench profile's (the image's) build.
+            portico: std::env::var_os("PORTICO_BIN")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_portico"))),
             envoy,
             wrk: need("wrk", "apt-get install wrk")?,
             h2load: need("h2load", "apt-get install nghttp2-client")?,
@@ -581,7 +585,11 @@ pub struct Results {
 
 /// How a case is read: its unit and whether more is better.
 pub fn describe(case: &str) -> (&'static str, bool) {
-    if case.contains("ratio") {
+    if case.contains("bytes") {
+        ("bytes", false)
+    } else if case.contains("cpu-ms") {
+        ("cpu-ms", false)
+    } else if case.contains("ratio") {
         ("x", true)
     } else if case.contains("latency") {
         ("ms", false)

@@ -86,6 +86,9 @@ impl ConfigWorker {
         self.listeners.reconcile(&snap);
         let mut next = next;
         let all_clusters = next.touched.all_clusters;
+        // Which SDS secrets are wanted only changes with listeners or clusters: an EDS push
+        // into ten thousand clusters must not walk them all.
+        let refs_changed = all_clusters || !next.listeners.ptr_eq(&self.store.listeners);
         if all_clusters {
             stats.retain_clusters(|n| next.clusters.contains_key(n));
         }
@@ -98,7 +101,9 @@ impl ConfigWorker {
         if all_clusters || self.health.is_checking() {
             self.health.reconcile(&self.store, stats);
         }
-        self.sds.reconcile(&self.store);
+        if refs_changed {
+            self.sds.reconcile(&self.store);
+        }
         self.update_ready();
         Ok(())
     }

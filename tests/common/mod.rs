@@ -524,6 +524,8 @@ struct TypeState {
 struct Shared {
     config: Mutex<HashMap<String, TypeState>>,
     log: Mutex<Vec<LoggedRequest>>,
+    /// Encoded bytes of every response sent, both protocols: what went on the wire.
+    sent_bytes: AtomicU64,
 }
 
 /// Order in which a multi-type change is pushed: clusters and endpoints before
@@ -726,6 +728,11 @@ impl AdsServer {
 
     pub fn log(&self) -> Vec<LoggedRequest> {
         self.shared.log.lock().expect("ads log lock").clone()
+    }
+
+    /// Encoded bytes of every response sent so far, on all streams.
+    pub fn sent_bytes(&self) -> u64 {
+        self.shared.sent_bytes.load(Ordering::Relaxed)
     }
 
     fn log_tail(&self) -> String {
@@ -973,6 +980,9 @@ async fn send(
         nonce,
         ..Default::default()
     };
+    shared
+        .sent_bytes
+        .fetch_add(resp.encoded_len() as u64, Ordering::Relaxed);
     tx.send(Ok(resp)).await.is_ok()
 }
 
@@ -1142,6 +1152,9 @@ async fn send_delta(
         nonce,
         ..Default::default()
     };
+    shared
+        .sent_bytes
+        .fetch_add(resp.encoded_len() as u64, Ordering::Relaxed);
     tx.send(Ok(resp)).await.is_ok()
 }
 
