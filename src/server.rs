@@ -112,7 +112,7 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
                 }
                 tokio::spawn(async move {
                     loop {
-                        worker.refresh_dns().await;
+                        worker.start_dns_refresh();
                         worker.sleep_applying_health(Duration::from_secs(5)).await;
                     }
                 });

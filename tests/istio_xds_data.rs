@@ -230,7 +230,7 @@ fn envoy_gateway_goldens_translate_or_are_refused_by_name() {
 
 mod common;
 
-use common::{Backend, Gateway, Snapshot, AdsServer};
+use common::{AdsServer, Backend, Gateway, Snapshot};
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 
 /// The dynamic route configuration of a gateway dump, decoded.
@@ -248,18 +248,17 @@ fn gateway_routes(rel: &str) -> RouteConfiguration {
     let (routes, undecodable) = resources(&dump, "route_config", types::ROUTE);
     assert_eq!(undecodable, 0, "{rel}");
     let [rc] = routes.as_slice() else {
-        panic!("{rel}: one dynamic route configuration expected, got {}", routes.len());
+        panic!(
+            "{rel}: one dynamic route configuration expected, got {}",
+            routes.len()
+        );
     };
     prost::Message::decode(rc.value.as_slice()).expect("route configuration decodes")
 }
 
 /// Serves `rc` on a gateway speaking `api_type`, each cluster it names backed by a backend of
 /// that name, and checks where each (host, path) goes: `Some(cluster)` or `None` for a 404.
-async fn route_as_istiod_meant(
-    rel: &str,
-    api_type: &str,
-    cases: &[(&str, &str, Option<&str>)],
-) {
+async fn route_as_istiod_meant(rel: &str, api_type: &str, cases: &[(&str, &str, Option<&str>)]) {
     let rc = gateway_routes(rel);
     let port = common::free_port();
     let mut clusters: Vec<String> = Vec::new();
@@ -296,18 +295,27 @@ async fn route_as_istiod_meant(
     .with_backends(&pairs);
     let ads = AdsServer::start_any("1", &snapshot).await;
     let ads_port = ads.port;
-    let _gw = Gateway::start_bootstrap(|admin| common::bootstrap_yaml_api(admin, ads_port, api_type))
-        .await;
+    let _gw =
+        Gateway::start_bootstrap(|admin| common::bootstrap_yaml_api(admin, ads_port, api_type))
+            .await;
     for (host, path, want) in cases {
         let url = format!("http://127.0.0.1:{port}{path}");
-        common::eventually(&format!("{rel}: {host}{path} over {api_type}"), common::PROPAGATION, || async {
-            let r = common::get(&url, Some(host), &[]).await;
-            match (want, r.status, r.backend()) {
-                (Some(c), 200, Some(b)) if b == *c => Ok(()),
-                (None, 404, _) => Ok(()),
-                _ => Err(format!("want {want:?}, got {} from {:?}", r.status, r.backend())),
-            }
-        })
+        common::eventually(
+            &format!("{rel}: {host}{path} over {api_type}"),
+            common::PROPAGATION,
+            || async {
+                let r = common::get(&url, Some(host), &[]).await;
+                match (want, r.status, r.backend()) {
+                    (Some(c), 200, Some(b)) if b == *c => Ok(()),
+                    (None, 404, _) => Ok(()),
+                    _ => Err(format!(
+                        "want {want:?}, got {} from {:?}",
+                        r.status,
+                        r.backend()
+                    )),
+                }
+            },
+        )
         .await;
     }
 }
@@ -373,9 +381,15 @@ use portico::xds::store::{Incoming, Push};
 /// the refusal and the reason it is documented (README, "What istiod sends").
 const DOCUMENTED: &[(&str, &str)] = &[
     // Envoy 1.40 refuses it too: "no argument for repetition operator: *".
-    ("invalid regex '*.example.com'", "Envoy Gateway's CORS golden holds a regex RE2 refuses"),
+    (
+        "invalid regex '*.example.com'",
+        "Envoy Gateway's CORS golden holds a regex RE2 refuses",
+    ),
     // Envoy 1.40 refuses a name-only predicate: the 2022 dumps predate istiod's typed_config.
-    ("with type URL ''", "istiod before 2023 named retry predicates without a typed_config"),
+    (
+        "with type URL ''",
+        "istiod before 2023 named retry predicates without a typed_config",
+    ),
 ];
 
 fn documented(reason: &str) -> bool {
@@ -392,10 +406,26 @@ struct Dump {
 
 const KINDS: [(Kind, &str, &str); 5] = [
     (Kind::Cluster, "cluster", "envoy.config.cluster.v3.Cluster"),
-    (Kind::Endpoint, "endpoint_config", "envoy.config.endpoint.v3.ClusterLoadAssignment"),
-    (Kind::Listener, "listener", "envoy.config.listener.v3.Listener"),
-    (Kind::Route, "route_config", "envoy.config.route.v3.RouteConfiguration"),
-    (Kind::Secret, "secret", "envoy.extensions.transport_sockets.tls.v3.Secret"),
+    (
+        Kind::Endpoint,
+        "endpoint_config",
+        "envoy.config.endpoint.v3.ClusterLoadAssignment",
+    ),
+    (
+        Kind::Listener,
+        "listener",
+        "envoy.config.listener.v3.Listener",
+    ),
+    (
+        Kind::Route,
+        "route_config",
+        "envoy.config.route.v3.RouteConfiguration",
+    ),
+    (
+        Kind::Secret,
+        "secret",
+        "envoy.extensions.transport_sockets.tls.v3.Secret",
+    ),
 ];
 
 /// Every `key` entry of type `full` below `v`, with the nearest `version_info` above it.

@@ -366,3 +366,90 @@ async fn one_bad_resource_is_refused_alone_over_delta() {
 async fn one_bad_resource_is_refused_alone_over_sotw() {
     one_bad_resource_is_refused_alone(SOTW).await;
 }
+
+/// The bootstrap istio-agent wrote for the Istio 1.18 proxy of the dump in shared/xds-data, as
+/// 1.22+ writes it (`api_type: DELTA_GRPC`), with its xDS socket, admin and static listeners
+/// moved to this test's places: the gateway comes up ready on it and routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_agent_bootstrap_over_delta_on_the_xds_unix_socket() {
+    let a = Backend::start("a").await;
+    let port = free_port();
+    let dir = TempDir::new("istio-agent");
+    let socket = dir.path.join("XDS");
+    let snapshot = Snapshot {
+        listeners: vec![l(port)],
+        routes: vec![routes(port, &[("/", "a")])],
+        ..Default::default()
+    }
+    .with_backends(&[("a", &a)]);
+    let ads = AdsServer::start_unix(&socket, "1", &snapshot).await;
+
+    let dump_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|p| {
+            p.join(
+                "shared/xds-data/istio-sidecar/deathstarbench_istio1.18.2_sidecar_config_dump.json",
+            )
+        })
+        .find(|p| p.exists())
+        .expect("shared/xds-data beside the repo");
+    let dump: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dump_path).expect("dump")).expect("json");
+    let mut boot = dump["configs"]
+        .as_array()
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c["@type"] == "type.googleapis.com/envoy.admin.v3.BootstrapConfigDump")
+        })
+        .map(|c| c["bootstrap"].clone())
+        .expect("the dump holds the bootstrap");
+    boot["dynamic_resources"]["ads_config"]["api_type"] = "DELTA_GRPC".into();
+    // istio-agent's own listeners (prometheus 15090, readiness 15021) on free loopback ports.
+    for l in boot["static_resources"]["listeners"]
+        .as_array_mut()
+        .expect("static listeners")
+    {
+        l["address"]["socket_address"] =
+            serde_json::json!({"address": "127.0.0.1", "port_value": free_port()});
+    }
+    for c in boot["static_resources"]["clusters"]
+        .as_array_mut()
+        .expect("static clusters")
+    {
+        if c["name"] == "xds-grpc" {
+            let ep =
+                &mut c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"];
+            assert!(
+                ep["pipe"].is_object(),
+                "istio-agent serves xDS on a unix socket: {ep}"
+            );
+            ep["pipe"]["path"] = socket.display().to_string().into();
+        }
+    }
+    let _gw = Gateway::start_bootstrap(|admin_port| {
+        boot["admin"]["address"]["socket_address"] =
+            serde_json::json!({"address": "127.0.0.1", "port_value": admin_port});
+        // JSON is YAML: both gateways read it as the .yaml file the harness writes.
+        serde_json::to_string_pretty(&boot).expect("bootstrap json")
+    })
+    .await;
+    let url = format!("http://127.0.0.1:{port}/");
+    eventually(
+        "routed over delta from istio-agent's socket",
+        PROPAGATION,
+        || async {
+            let r = get(&url, Some(HOST), &[]).await;
+            (r.backend() == Some("a"))
+                .then_some(())
+                .ok_or(format!("{r:?}"))
+        },
+    )
+    .await;
+    assert!(
+        ads.log().iter().all(|r| r.delta),
+        "every request was a delta one"
+    );
+    // set_node_on_first_message_only: the node only on the stream's first request.
+    let with_node = ads.log().iter().filter(|r| r.node_id.is_some()).count();
+    assert_eq!(with_node, 1, "{:?}", ads.log());
+}

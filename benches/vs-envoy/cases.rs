@@ -290,10 +290,15 @@ pub async fn xds_updates(
         };
         let (bytes0, cpu0) = (ads.sent_bytes(), p.cpu_secs()?);
         for i in 1..=UPDATES {
-            let to = if i % 2 == 0 { backend.changed_port } else { backend.ports[0] };
+            let to = if i % 2 == 0 {
+                backend.changed_port
+            } else {
+                backend.ports[0]
+            };
             let version = format!("e{i}");
             ads.set_endpoints(&version, &[moved_endpoint(&big, to)?]);
-            ads.wait_for_ack(common::EDS, &version, Duration::from_secs(60)).await;
+            ads.wait_for_ack(common::EDS, &version, Duration::from_secs(60))
+                .await;
         }
         measure(
             "one-endpoint update",
@@ -312,7 +317,8 @@ pub async fn xds_updates(
             }
             let version = format!("c{i}");
             ads.set_clusters(&version, &clusters);
-            ads.wait_for_ack(common::CDS, &version, Duration::from_secs(60)).await;
+            ads.wait_for_ack(common::CDS, &version, Duration::from_secs(60))
+                .await;
         }
         measure(
             "one-cluster update",

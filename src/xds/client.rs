@@ -41,6 +41,16 @@ pub struct ConfigWorker {
     /// Every subscribed ADS type was accepted once (true without ADS); `/ready` waits for
     /// this and for the SDS clusters' initial fetch.
     pub ads_ready: bool,
+    /// The DNS clusters' resolutions, made off the xDS loop.
+    dns: Arc<DnsInbox>,
+}
+
+/// Where a round of DNS resolution leaves its results.
+#[derive(Default)]
+struct DnsInbox {
+    results: std::sync::Mutex<Option<Vec<(Arc<ClusterDef>, LoadAssignment)>>>,
+    notify: tokio::sync::Notify,
+    running: std::sync::atomic::AtomicBool,
 }
 
 impl ConfigWorker {
@@ -53,6 +63,7 @@ impl ConfigWorker {
             health: Default::default(),
             sds: Default::default(),
             ads_ready: false,
+            dns: Default::default(),
         }
     }
 
@@ -163,26 +174,63 @@ impl ConfigWorker {
     pub async fn sleep_applying_health(&mut self, d: Duration) {
         let changes = self.health.changes.clone();
         let sds = self.sds.inbox.clone();
+        let dns = self.dns.clone();
         let until = tokio::time::Instant::now() + d;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => return,
                 _ = changes.notify.notified() => self.apply_health_changes(),
                 _ = sds.notify.notified() => self.apply_sds_events(),
+                _ = dns.notify.notified() => self.apply_dns(),
             }
         }
     }
 
-    /// Resolves DNS clusters' hostnames and commits the result if it changed.
-    pub async fn refresh_dns(&mut self) {
-        let defs = self.store.dns_clusters();
-        if defs.is_empty() {
+    /// Starts resolving the DNS clusters' hostnames in a task of its own, unless a round is
+    /// already under way; `apply_dns` commits what it finds. Lookups never hold up the xDS
+    /// stream: a slow or failing resolver (istio-agent's bootstrap names a zipkin cluster
+    /// that often does not resolve) must not delay a push.
+    pub fn start_dns_refresh(&self) {
+        if self.dns.running.swap(true, Ordering::AcqRel) {
             return;
         }
+        let defs = self.store.dns_clusters();
+        if defs.is_empty() {
+            self.dns.running.store(false, Ordering::Release);
+            return;
+        }
+        let inbox = self.dns.clone();
+        tokio::spawn(async move {
+            let mut out = Vec::with_capacity(defs.len());
+            for def in defs {
+                let la = resolve(&def).await;
+                out.push((def, la));
+            }
+            if let Ok(mut r) = inbox.results.lock() {
+                *r = Some(out);
+            }
+            inbox.notify.notify_one();
+        });
+    }
+
+    /// Commits the last round of DNS results where they changed a cluster's hosts.
+    pub fn apply_dns(&mut self) {
+        let Some(results) = self.dns.results.lock().ok().and_then(|mut r| r.take()) else {
+            return;
+        };
+        self.dns.running.store(false, Ordering::Release);
         let mut next = Store::clone(&self.store);
         let mut changed = false;
-        for def in defs {
-            let la = resolve(&def).await;
+        for (def, la) in results {
+            // A cluster replaced or removed while its names were being resolved is left to
+            // the next round.
+            let current = next
+                .clusters
+                .get(def.name.as_ref())
+                .is_some_and(|c| Arc::ptr_eq(&c.value, &def));
+            if !current {
+                continue;
+            }
             let same = next.resolved.get(def.name.as_ref()).is_some_and(|old| {
                 old.hosts.len() == la.hosts.len()
                     && old
@@ -332,8 +380,8 @@ impl AdsClient {
                 .min(BACKOFF_CAP);
             let delay = window.mul_f64(0.5 + fastrand::f64() * 0.5);
             attempt = attempt.saturating_add(1);
+            self.worker.start_dns_refresh();
             self.worker.sleep_applying_health(delay).await;
-            self.worker.refresh_dns().await;
         }
     }
 
@@ -487,6 +535,7 @@ impl AdsClient {
         dns.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let health = self.worker.health.changes.clone();
         let sds = self.worker.sds.inbox.clone();
+        let dns_done = self.worker.dns.clone();
         loop {
             tokio::select! {
                 _ = health.notify.notified() => self.worker.apply_health_changes(),
@@ -513,8 +562,9 @@ impl AdsClient {
                         return if got_data { StreamEnd::AfterData(why) } else { StreamEnd::NoData(why) };
                     }
                 },
+                _ = dns_done.notify.notified() => self.worker.apply_dns(),
                 _ = dns.tick() => {
-                    self.worker.refresh_dns().await;
+                    self.worker.start_dns_refresh();
                     self.update_readiness();
                     // Envoy's initial_fetch_timeout: stop waiting for endpoints after 15 s.
                     let expired = self

@@ -589,6 +589,45 @@ impl AdsServer {
         server
     }
 
+    /// Serves `snapshot` on a unix socket at `path`, as istio-agent serves xDS to its proxy
+    /// (`./etc/istio/proxy/XDS`). `port` is 0.
+    pub async fn start_unix(path: &Path, version: &str, snapshot: &Snapshot) -> AdsServer {
+        let (generation, _) = watch::channel(0u64);
+        let (shutdown, _) = watch::channel(false);
+        let mut server = AdsServer {
+            port: 0,
+            shared: Arc::new(Shared::default()),
+            generation,
+            shutdown,
+            task: None,
+        };
+        server.store_snapshot(version, snapshot);
+        let listener = tokio::net::UnixListener::bind(path)
+            .unwrap_or_else(|e| panic!("ads: cannot bind {}: {e}", path.display()));
+        let incoming = futures::stream::unfold(listener, |l| async move {
+            let conn = l.accept().await.map(|(s, _)| s);
+            Some((conn, l))
+        });
+        let svc = AdsService {
+            shared: server.shared.clone(),
+            generation: server.generation.clone(),
+            shutdown: server.shutdown.subscribe(),
+        };
+        let mut stop = server.shutdown.subscribe();
+        server.task = Some(tokio::spawn(async move {
+            let res = tonic::transport::Server::builder()
+                .add_service(AggregatedDiscoveryServiceServer::new(svc))
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = res {
+                eprintln!("ads: server error: {e}");
+            }
+        }));
+        server
+    }
+
     /// Starts on a fresh port.
     pub async fn start_any(version: &str, snapshot: &Snapshot) -> AdsServer {
         AdsServer::start(free_port(), version, snapshot).await
