@@ -237,6 +237,8 @@ use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 fn gateway_routes(rel: &str) -> RouteConfiguration {
     let _pool = portico::protojson::pool().expect("descriptor pool");
     let mut dump = load(rel);
+    // The 2022 dumps' retry predicates as istiod writes them since (with their typed_config).
+    add_predicate_types(&mut dump);
     // Only what RDS delivered: the static ones are istio-agent's own (stats, readiness).
     if let Some(configs) = dump.get_mut("configs").and_then(Value::as_array_mut) {
         for c in configs {
