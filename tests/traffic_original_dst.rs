@@ -3,8 +3,9 @@
 //! malformed header (no listener filter restores the connection's destination) answers 503
 //! `no healthy upstream` with `upstream_cx_none_healthy` (and `original_dst_host_invalid`)
 //! counted. istiod's shapes (PassthroughCluster, BlackHoleCluster) are ACKed; a cluster with
-//! `upstream_bind_config` connects from its source address. Runs against Envoy too
-//! (PORTICO_GATEWAY_BIN).
+//! `upstream_bind_config` connects from its source address, and one with istiod's
+//! `use_downstream_protocol_config` speaks HTTP/2 upstream to HTTP/2 clients only. Runs against
+//! Envoy too (PORTICO_GATEWAY_BIN).
 
 mod common;
 
@@ -173,7 +174,8 @@ async fn mesh(clusters: Vec<Cluster>, routes: Vec<(&str, &str)>) -> Mesh {
     let mesh = Mesh::start(|port| Snapshot {
         routes: vec![route_config(
             &route_name(port),
-            vec![vhost("od", &[HOST], routes)],
+            // With the port too, for HTTP/2 clients, whose authority carries it.
+            vec![vhost("od", &[HOST, &format!("{HOST}:{port}")], routes)],
         )],
         clusters,
         ..Default::default()
@@ -329,5 +331,89 @@ async fn upstream_bind_config_sets_the_source_address() {
         (r.status, r.header("x-peer")),
         (200, Some("127.0.0.1")),
         "{r:?}"
+    );
+}
+
+/// A backend speaking HTTP/1.1 and h2c (told apart by the HTTP/2 preface), answering with the
+/// request's HTTP version in `x-version`.
+async fn either_protocol() -> SocketAddr {
+    use std::convert::Infallible;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((sock, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let resp = http::Response::builder()
+                            .header("x-backend", "either")
+                            .header("x-version", format!("{:?}", req.version()))
+                            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"ok")))
+                            .expect("response");
+                        Ok::<_, Infallible>(resp)
+                    },
+                );
+                let mut preface = [0u8; 3];
+                let h2 = matches!(sock.peek(&mut preface).await, Ok(3) if &preface == b"PRI");
+                let io = hyper_util::rt::TokioIo::new(sock);
+                if h2 {
+                    let _ = hyper::server::conn::http2::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(io, service)
+                    .await;
+                } else {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn use_downstream_protocol_config_speaks_the_clients_protocol() {
+    let backend = either_protocol().await;
+    let mut c = istio_passthrough();
+    c.name = "client-protocol".into();
+    c.lb_config = use_header("", None).map(cluster::LbConfig::OriginalDstLbConfig);
+    let mesh = mesh(vec![c], vec![("/", "client-protocol")]).await;
+    let target = backend.to_string();
+    let r = mesh
+        .get("/", HOST, &[("x-envoy-original-dst-host", &target)])
+        .await;
+    assert_eq!(
+        (r.status, r.header("x-version")),
+        (200, Some("HTTP/1.1")),
+        "{r:?}"
+    );
+    // HTTP/2 has no Host header: the URL's authority names the virtual host.
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .resolve(HOST, SocketAddr::from(([127, 0, 0, 1], mesh.port)))
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("h2c client");
+    let r = h2
+        .get(format!("http://{HOST}:{}/", mesh.port))
+        .header("x-envoy-original-dst-host", &target)
+        .send()
+        .await
+        .expect("h2c request");
+    assert_eq!(r.version(), http::Version::HTTP_2);
+    assert_eq!(
+        (
+            r.status().as_u16(),
+            r.headers().get("x-version").and_then(|v| v.to_str().ok())
+        ),
+        (200, Some("HTTP/2.0"))
     );
 }
