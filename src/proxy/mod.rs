@@ -672,7 +672,14 @@ impl Gateway {
         }
         if !ctx.retry_slot {
             let active = cluster.stats.retry_active.fetch_add(1, Relaxed);
-            if active >= u64::from(cluster.def.max_retries) {
+            let max = match &cluster.def.retry_budget {
+                Some(b) => b.max(
+                    cluster.stats.rq_active.load(Relaxed)
+                        + cluster.stats.rq_pending_active.load(Relaxed),
+                ),
+                None => u64::from(cluster.def.max_retries),
+            };
+            if active >= max {
                 cluster.stats.retry_active.fetch_sub(1, Relaxed);
                 cluster.stats.rq_retry_overflow.fetch_add(1, Relaxed);
                 return false;

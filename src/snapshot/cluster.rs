@@ -99,6 +99,8 @@ pub struct ClusterDef {
     pub dns_family: DnsFamily,
     /// Circuit breaker on concurrent retries (default priority `max_retries`, Envoy: 3).
     pub max_retries: u32,
+    /// `retry_budget`: replaces `max_retries` with a share of the requests in flight.
+    pub retry_budget: Option<RetryBudget>,
     /// The other default-priority circuit breakers (Envoy: 1024 each).
     pub max_connections: u32,
     pub max_pending_requests: u32,
@@ -121,6 +123,22 @@ pub struct ClusterDef {
     pub downstream_protocol: bool,
     /// `upstream_bind_config`: the local address upstream connections bind.
     pub bind: Option<Bind>,
+}
+
+/// A circuit breaker's `retry_budget`: concurrent retries may be `percent` of the active and
+/// pending requests, and never fewer than `min_concurrency` (Envoy's defaults: 20 %, 3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryBudget {
+    pub percent: f64,
+    pub min_concurrency: u32,
+}
+
+impl RetryBudget {
+    /// The concurrent retries allowed with `in_flight` active plus pending requests.
+    pub fn max(&self, in_flight: u64) -> u64 {
+        // Envoy truncates the share to a whole number before taking the floor into account.
+        ((self.percent / 100.0 * in_flight as f64) as u64).max(u64::from(self.min_concurrency))
+    }
 }
 
 /// `upstream_bind_config`: the source address, and the extra ones of other IP families.
@@ -743,6 +761,39 @@ impl ClusterDef {
                 .iter()
                 .find(|t| t.priority == corepb::RoutingPriority::Default as i32)
         });
+        let retry_budget = match thresholds.and_then(|t| t.retry_budget.as_ref()) {
+            Some(b) => {
+                let percent = b.budget_percent.as_ref().map_or(20.0, |p| p.value);
+                if !(0.0..=100.0).contains(&percent) {
+                    return Err(err(format!(
+                        "circuit_breakers.thresholds.retry_budget.budget_percent {percent} must be in [0, 100]"
+                    )));
+                }
+                let interval = match &b.budget_interval {
+                    Some(d) => duration(d).map_err(|e| {
+                        err(format!(
+                            "circuit_breakers.thresholds.retry_budget.budget_interval: {e}"
+                        ))
+                    })?,
+                    None => Duration::ZERO,
+                };
+                if !interval.is_zero() {
+                    // Counting the requests started within a window: not implemented.
+                    return Err(err(
+                        "circuit_breakers.thresholds.retry_budget.budget_interval is not supported yet"
+                            .into(),
+                    ));
+                }
+                Some(RetryBudget {
+                    percent,
+                    min_concurrency: b.min_retry_concurrency.as_ref().map_or(3, |v| v.value),
+                })
+            }
+            None => None,
+        };
+        // `track_remaining` (remaining_* gauges) and `max_connection_pools` (pool bookkeeping)
+        // cannot change where a request goes. Only the DEFAULT priority is read: HIGH applies
+        // to routes of that priority alone.
         let limit = |f: fn(&cpb::circuit_breakers::Thresholds) -> Option<u32>, default| {
             thresholds.and_then(f).unwrap_or(default)
         };
@@ -781,6 +832,7 @@ impl ClusterDef {
             tcp_keepalive,
             outlier,
             max_retries: limit(|t| t.max_retries.as_ref().map(|v| v.value), 3),
+            retry_budget,
             max_connections: limit(|t| t.max_connections.as_ref().map(|v| v.value), 1024),
             max_pending_requests: limit(|t| t.max_pending_requests.as_ref().map(|v| v.value), 1024),
             max_requests: limit(|t| t.max_requests.as_ref().map(|v| v.value), 1024),
@@ -1037,12 +1089,6 @@ fn accepted_fields(c: &cpb::Cluster) -> Result<(), String> {
             c.common_lb_config
                 .as_ref()
                 .is_some_and(|l| l.ignore_new_hosts_until_first_hc),
-        ),
-        (
-            "circuit_breakers.thresholds.retry_budget",
-            c.circuit_breakers
-                .as_ref()
-                .is_some_and(|cb| cb.thresholds.iter().any(|t| t.retry_budget.is_some())),
         ),
         (
             "typed_dns_resolver_config (other than the system's resolver)",

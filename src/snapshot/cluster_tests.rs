@@ -136,6 +136,7 @@ fn defaults() {
             http2: false,
             h2_max_streams: i32::MAX as u32,
             max_retries: 3,
+            retry_budget: None,
             max_connections: 1024,
             max_pending_requests: 1024,
             max_requests: 1024,
@@ -563,22 +564,63 @@ fn istio_telemetry_filters_are_accepted_and_others_refused() {
 }
 
 #[test]
+fn retry_budget_replaces_max_retries() {
+    use cpb::circuit_breakers::thresholds::RetryBudget as Pb;
+    let with = |b: Pb| {
+        let mut c = cluster("c");
+        c.circuit_breakers = Some(cpb::CircuitBreakers {
+            thresholds: vec![cpb::circuit_breakers::Thresholds {
+                retry_budget: Some(b),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        c
+    };
+    // istiod's DestinationRule retryBudget with its defaults, as Envoy's.
+    let b = ok(&with(Pb::default())).retry_budget.expect("budget");
+    assert_eq!(
+        b,
+        RetryBudget {
+            percent: 20.0,
+            min_concurrency: 3
+        }
+    );
+    assert_eq!(b.max(0), 3);
+    assert_eq!(b.max(19), 3);
+    assert_eq!(b.max(24), 4, "20 % of 24 truncated");
+    let b = ok(&with(Pb {
+        budget_percent: Some(Percent { value: 50.0 }),
+        min_retry_concurrency: Some(UInt32Value { value: 0 }),
+        budget_interval: Some(PbDuration::default()),
+    }))
+    .retry_budget
+    .expect("budget");
+    assert_eq!((b.max(1), b.max(10)), (0, 5));
+    rejected(
+        &with(Pb {
+            budget_percent: Some(Percent { value: 101.0 }),
+            ..Default::default()
+        }),
+        "retry_budget.budget_percent 101 must be in [0, 100]",
+    );
+    rejected(
+        &with(Pb {
+            budget_interval: Some(PbDuration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            ..Default::default()
+        }),
+        "retry_budget.budget_interval is not supported yet",
+    );
+}
+
+#[test]
 fn fields_that_would_change_routing_are_refused() {
     let mut c = cluster("c");
     c.lb_subset_config = Some(Default::default());
     rejected(&c, "lb_subset_config is not supported yet");
-    let mut c = cluster("c");
-    c.circuit_breakers = Some(cpb::CircuitBreakers {
-        thresholds: vec![cpb::circuit_breakers::Thresholds {
-            retry_budget: Some(Default::default()),
-            ..Default::default()
-        }],
-        ..Default::default()
-    });
-    rejected(
-        &c,
-        "circuit_breakers.thresholds.retry_budget is not supported yet",
-    );
     let mut c = cluster("c");
     c.common_lb_config = Some(CommonLbConfig {
         ignore_new_hosts_until_first_hc: true,
