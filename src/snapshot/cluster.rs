@@ -734,6 +734,15 @@ impl ClusterDef {
             .filter(|d| !d.is_zero()),
             None => Some(Duration::from_secs(3600)),
         };
+        // `max_connection_duration` (istiod's DestinationRule maxConnectionDuration) only
+        // retires upstream connections sooner, and `max_headers_count`/`max_response_headers_kb`
+        // bound what an upstream may answer: accepted, the hosts chosen are the same.
+        // `max_stream_duration` would end upstream requests: refused until it is implemented.
+        if common.is_some_and(|o| o.max_stream_duration.is_some()) {
+            return Err(err(
+                "common_http_protocol_options.max_stream_duration is not supported yet".into(),
+            ));
+        }
         #[allow(deprecated)]
         let max_requests_per_connection = common
             .and_then(|o| o.max_requests_per_connection.as_ref())
