@@ -42,6 +42,7 @@ const REQUIRED_MESSAGES: &[&str] = &[
     "google.protobuf.StringValue",
     "udpa.type.v1.TypedStruct",
     "xds.type.v3.TypedStruct",
+    "envoy.tcp.metadataexchange.config.MetadataExchange",
 ];
 
 fn main() {
@@ -246,6 +247,10 @@ fn prepare(source: &Path, shipped: &[u8]) -> Vec<u8> {
     .collect();
     pool.add_file_descriptor_protos(typed_structs)
         .unwrap_or_else(|e| fail(&format!("cannot add TypedStruct: {e}")));
+    if pool.get_file_by_name(METADATA_EXCHANGE_FILE).is_none() {
+        pool.add_file_descriptor_proto(metadata_exchange_file())
+            .unwrap_or_else(|e| fail(&format!("cannot add MetadataExchange: {e}")));
+    }
 
     let missing: Vec<&str> = REQUIRED_MESSAGES
         .iter()
@@ -310,6 +315,32 @@ fn typed_struct_file(file: &str, package: &str) -> FileDescriptorProto {
                     Some(".google.protobuf.Struct"),
                 ),
             ],
+            ..Default::default()
+        }],
+        syntax: Some("proto3".to_owned()),
+        ..Default::default()
+    }
+}
+
+const METADATA_EXCHANGE_FILE: &str = "envoy/tcp/metadataexchange/config/metadata_exchange.proto";
+
+/// istio/proxy's `envoy.tcp.metadataexchange.config.MetadataExchange` (one field, `protocol`):
+/// istiod puts it, unwrapped, on the `istio.metadata_exchange` filter of every cluster it sends
+/// Istio 1.18 and earlier proxies, so their config dumps do not decode without it.
+fn metadata_exchange_file() -> FileDescriptorProto {
+    FileDescriptorProto {
+        name: Some(METADATA_EXCHANGE_FILE.to_owned()),
+        package: Some("envoy.tcp.metadataexchange.config".to_owned()),
+        message_type: vec![DescriptorProto {
+            name: Some("MetadataExchange".to_owned()),
+            field: vec![FieldDescriptorProto {
+                name: Some("protocol".to_owned()),
+                json_name: Some("protocol".to_owned()),
+                number: Some(1),
+                label: Some(Label::Optional as i32),
+                r#type: Some(Type::String as i32),
+                ..Default::default()
+            }],
             ..Default::default()
         }],
         syntax: Some("proto3".to_owned()),

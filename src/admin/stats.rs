@@ -82,6 +82,10 @@ pub struct ClusterStats {
     pub healthy_since: crate::snapshot::load::HealthySince,
     /// Picks that found their priority level in panic.
     pub lb_healthy_panic: AtomicU64,
+    /// Requests for which the balancer found no host (Envoy's 503 `no healthy upstream`).
+    pub cx_none_healthy: AtomicU64,
+    /// ORIGINAL_DST: requests whose host header was not `ip:port`.
+    pub original_dst_host_invalid: AtomicU64,
     pub health: crate::snapshot::health_check::HealthHosts,
 }
 
@@ -465,6 +469,8 @@ impl Stats {
                 ("upstream_rq_active_overflow", &s.rq_active_overflow),
                 ("upstream_cx_overflow", &s.cx_overflow),
                 ("lb_healthy_panic", &s.lb_healthy_panic),
+                ("upstream_cx_none_healthy", &s.cx_none_healthy),
+                ("original_dst_host_invalid", &s.original_dst_host_invalid),
                 (
                     "outlier_detection_ejections_enforced_total",
                     &s.outlier.ejections_enforced_total,

@@ -133,6 +133,9 @@ pub struct Ctx {
     upgrade: bool,
     /// The upstream answered an upgrade without switching: Envoy relays the head only.
     discard_body: bool,
+    /// This attempt speaks HTTP/2 upstream (the cluster's protocol, or the client's under
+    /// `use_downstream_protocol_config`).
+    upstream_h2: bool,
 }
 
 /// The timeouts that can end a wait for the upstream, each answered as Envoy answers it.
@@ -191,6 +194,14 @@ fn grpc_timeout_value(d: std::time::Duration) -> String {
 /// Envoy's internal-request rule: with `use_remote_address` the request must carry no XFF and
 /// come from an internal peer; without it XFF must hold exactly one address, an internal one.
 /// Internal ranges come only from `internal_address_config` (Envoy 1.40 has none by default).
+/// The connection's original destination when a listener filter restored it (Envoy's
+/// `localAddressRestored`: the original_dst or proxy_protocol listener filter); ORIGINAL_DST
+/// clusters fall back to it without a host header. Portico runs neither filter, so the
+/// address a connection was accepted on never counts, as in Envoy without them.
+fn restored_local(_session: &Session) -> Option<SocketAddr> {
+    None
+}
+
 fn is_internal_request(
     headers: &http::HeaderMap,
     peer: Option<std::net::IpAddr>,
@@ -661,7 +672,14 @@ impl Gateway {
         }
         if !ctx.retry_slot {
             let active = cluster.stats.retry_active.fetch_add(1, Relaxed);
-            if active >= u64::from(cluster.def.max_retries) {
+            let max = match &cluster.def.retry_budget {
+                Some(b) => b.max(
+                    cluster.stats.rq_active.load(Relaxed)
+                        + cluster.stats.rq_pending_active.load(Relaxed),
+                ),
+                None => u64::from(cluster.def.max_retries),
+            };
+            if active >= max {
                 cluster.stats.retry_active.fetch_sub(1, Relaxed);
                 cluster.stats.rq_retry_overflow.fetch_add(1, Relaxed);
                 return false;
@@ -688,7 +706,7 @@ impl Gateway {
             return Error::e_explain(OVERFLOW, "max_requests circuit breaker open");
         }
         // HTTP/2 multiplexes requests: only max_requests limits them.
-        if def.http2 {
+        if ctx.upstream_h2 {
             return Ok(());
         }
         let max = u64::from(def.max_connections);
@@ -827,7 +845,12 @@ impl Gateway {
             let Some(cluster) = snap.clusters.get(name.as_ref()).cloned() else {
                 continue;
             };
-            let Some((idx, addr)) = cluster.pick() else {
+            // A shadow to an ORIGINAL_DST cluster goes where its copy of the headers says.
+            let picked = match &cluster.def.original_dst {
+                Some(od) => cluster.pick_original_dst(od, &headers, None),
+                None => cluster.pick(),
+            };
+            let Some((idx, addr)) = picked else {
                 continue;
             };
             let mut headers = headers.clone();
@@ -870,6 +893,12 @@ impl Gateway {
         let wait = policy.backoff(ctx.attempts - 1, fastrand::u64(..));
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
+        }
+        if cluster.def.original_dst.is_some() {
+            // The request still names the same host: Envoy's retry asks the original-dst
+            // balancer again and gets it back, whatever the retry host predicates say.
+            cluster.stats.start();
+            return Ok(());
         }
         ctx.tried.push(ctx.host_index);
         // A hashing cluster keeps the request's hash (a new random one without it) and, as
@@ -1613,7 +1642,9 @@ impl ProxyHttp for Gateway {
             // Envoy's cluster_not_found_response_code default.
             return self.local_reply(session, ctx, 503, None, &[]).await;
         };
-        let picked = if cluster.hashes() {
+        let picked = if let Some(od) = &cluster.def.original_dst {
+            cluster.pick_original_dst(od, &session.req_header().headers, restored_local(session))
+        } else if cluster.hashes() {
             let hash = request_hash(session, &listener, fwd, &mut ctx.set_cookies);
             ctx.request_hash = hash;
             cluster.pick_hashed(hash)
@@ -1622,6 +1653,7 @@ impl ProxyHttp for Gateway {
         };
         let Some((idx, addr)) = picked else {
             // Envoy counts the code (upstream_rq_503), though no upstream request started.
+            cluster.stats.cx_none_healthy.fetch_add(1, Relaxed);
             cluster.stats.record_code(503);
             return self
                 .local_reply(
@@ -1824,18 +1856,29 @@ impl ProxyHttp for Gateway {
         Ok(false)
     }
 
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         ctx.attempts += 1;
         if ctx.attempts > 1 {
             self.next_attempt(ctx).await?;
         }
+        // use_downstream_protocol_config: HTTP/2 upstream for an HTTP/2 client.
+        ctx.upstream_h2 = ctx.cluster.as_ref().is_some_and(|c| {
+            c.def.http2 || (c.def.downstream_protocol && session.as_downstream().is_http2())
+        });
         if !ctx.cx_slot {
             self.take_connection_slot(ctx).await?;
         }
         let (Some(addr), Some(cluster)) = (ctx.peer, &ctx.cluster) else {
             return Error::e_explain(ErrorType::InternalError, "no upstream chosen");
         };
-        let tls = cluster.tls_for(ctx.host_index);
+        // An ORIGINAL_DST host is named by the request, so its TLS settings are made for it.
+        let named_tls;
+        let tls = if cluster.def.original_dst.is_some() {
+            named_tls = cluster.original_dst_tls(addr);
+            named_tls.as_ref()
+        } else {
+            cluster.tls_for(ctx.host_index)
+        };
         let mut peer = match tls {
             Some(tls) => upstream_tls::peer(tls, cluster.def.connect_timeout)?,
             None => HttpPeer::new(addr, false, String::new()),
@@ -1857,7 +1900,20 @@ impl ProxyHttp for Gateway {
             .min_by_key(|(d, _)| *d);
         peer.options.read_timeout = first.map(|(d, _)| d);
         ctx.timeout_kind = first.map_or(TimeoutKind::Route, |(_, kind)| kind);
-        if cluster.def.http2 {
+        // A TLS connection binds in the relay's connector (`EndpointTls::bind`).
+        if let (Some(b), None) = (&cluster.def.bind, tls) {
+            use std::hash::{Hash, Hasher};
+            let from = b.for_peer(addr);
+            let mut bind = pingora_core::connectors::l4::BindTo::default();
+            bind.addr = Some(from);
+            peer.options.bind_to = Some(bind);
+            // pingora's pool key leaves out the bind address: keep connections from different
+            // sources apart.
+            let mut h = std::hash::DefaultHasher::new();
+            from.hash(&mut h);
+            peer.group_key = h.finish();
+        }
+        if ctx.upstream_h2 {
             peer.options.set_http_version(2, 2);
             // pingora's default of one stream per connection would open a connection per
             // concurrent request; Envoy multiplexes them.
@@ -1884,7 +1940,7 @@ impl ProxyHttp for Gateway {
         let limit = ctx
             .cluster
             .as_ref()
-            .filter(|c| !c.def.http2)
+            .filter(|_| !ctx.upstream_h2)
             .and_then(|c| c.def.max_requests_per_connection);
         #[cfg(unix)]
         if let (Some(max), true) = (limit, fd >= 0) {

@@ -196,6 +196,22 @@ fn remove_stale(base: &std::path::Path) {
     }
 }
 
+/// A TCP connection to `addr`, from `bind` when the cluster has `upstream_bind_config`.
+async fn connect_tcp(
+    addr: std::net::SocketAddr,
+    bind: Option<std::net::SocketAddr>,
+) -> std::io::Result<TcpStream> {
+    let Some(bind) = bind else {
+        return TcpStream::connect(addr).await;
+    };
+    let socket = match addr {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.bind(bind)?;
+    socket.connect(addr).await
+}
+
 #[async_trait]
 impl L4Connect for EndpointTls {
     async fn connect(
@@ -207,7 +223,7 @@ impl L4Connect for EndpointTls {
             // Envoy's words for a socket whose SDS secret has not arrived.
             return Error::e_explain(TLS_FAILURE, "Secret is not supplied by SDS");
         };
-        let tcp = TcpStream::connect(inet).await.map_err(|e| {
+        let tcp = connect_tcp(inet, self.bind).await.map_err(|e| {
             let kind = match e.kind() {
                 std::io::ErrorKind::ConnectionRefused => ErrorType::ConnectRefused,
                 _ => ErrorType::ConnectError,

@@ -20,6 +20,60 @@ pub enum DiscoveryKind {
     StrictDns,
     LogicalDns,
     Eds,
+    /// ORIGINAL_DST: no endpoints; each request names its host (see `OriginalDst`).
+    OriginalDst,
+}
+
+/// An ORIGINAL_DST cluster's `original_dst_lb_config`, as Envoy's original_dst cluster reads
+/// it: the host is the request's header when `use_http_header` is set, else the downstream
+/// connection's local address when a listener filter restored it; with neither, no host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OriginalDst {
+    /// `use_http_header`: the header naming the host (`x-envoy-original-dst-host` unless
+    /// `http_header_name` says otherwise); only its first value counts.
+    pub header: Option<http::HeaderName>,
+    /// `upstream_port_override`: the port used whatever the header or connection says.
+    pub port_override: Option<u16>,
+}
+
+impl OriginalDst {
+    /// The host for a request: the header (only its first value, as Envoy reads an untrusted
+    /// header), else `restored` (the connection's original destination, when a listener filter
+    /// restored it). An unparsable header falls through to `restored`, as in Envoy.
+    pub fn host(
+        &self,
+        headers: &http::HeaderMap,
+        restored: Option<SocketAddr>,
+    ) -> (Option<SocketAddr>, bool) {
+        let mut invalid = false;
+        let from_header = self.header.as_ref().and_then(|name| {
+            let v = headers.get(name)?;
+            let parsed = parse_ip_port(v.as_bytes());
+            invalid = parsed.is_none();
+            parsed
+        });
+        let host = from_header.or(restored).map(|mut a| {
+            if let Some(p) = self.port_override {
+                a.set_port(p);
+            }
+            a
+        });
+        (host, invalid)
+    }
+}
+
+/// `ip:port` or `[ipv6]:port`, as Envoy's `parseInternetAddressAndPortNoThrow`: no names, a
+/// port is required.
+fn parse_ip_port(v: &[u8]) -> Option<SocketAddr> {
+    let s = std::str::from_utf8(v).ok()?;
+    let (ip, port) = s.rsplit_once(':')?;
+    let ip = match ip.strip_prefix('[') {
+        Some(rest) => std::net::IpAddr::V6(rest.strip_suffix(']')?.parse().ok()?),
+        None => std::net::IpAddr::V4(ip.parse().ok()?),
+    };
+    // Envoy reads the port with absl::SimpleAtoi into a 64-bit integer, then checks the range.
+    let port: u64 = port.parse().ok()?;
+    Some(SocketAddr::new(ip, u16::try_from(port).ok()?))
 }
 
 /// A cluster as CDS (or the bootstrap) defined it, without endpoints.
@@ -45,6 +99,8 @@ pub struct ClusterDef {
     pub dns_family: DnsFamily,
     /// Circuit breaker on concurrent retries (default priority `max_retries`, Envoy: 3).
     pub max_retries: u32,
+    /// `retry_budget`: replaces `max_retries` with a share of the requests in flight.
+    pub retry_budget: Option<RetryBudget>,
     /// The other default-priority circuit breakers (Envoy: 1024 each).
     pub max_connections: u32,
     pub max_pending_requests: u32,
@@ -61,6 +117,47 @@ pub struct ClusterDef {
     pub health_check: Option<Arc<super::health_check::HealthCheckConfig>>,
     /// `transport_socket` and `transport_socket_matches`.
     pub transport: super::upstream_tls::TransportSockets,
+    /// ORIGINAL_DST clusters: how a request names its host.
+    pub original_dst: Option<OriginalDst>,
+    /// `use_downstream_protocol_config`: HTTP/2 upstream for HTTP/2 clients, else HTTP/1.1.
+    pub downstream_protocol: bool,
+    /// `upstream_bind_config`: the local address upstream connections bind.
+    pub bind: Option<Bind>,
+}
+
+/// A circuit breaker's `retry_budget`: concurrent retries may be `percent` of the active and
+/// pending requests, and never fewer than `min_concurrency` (Envoy's defaults: 20 %, 3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryBudget {
+    pub percent: f64,
+    pub min_concurrency: u32,
+}
+
+impl RetryBudget {
+    /// The concurrent retries allowed with `in_flight` active plus pending requests.
+    pub fn max(&self, in_flight: u64) -> u64 {
+        // Envoy truncates the share to a whole number before taking the floor into account.
+        ((self.percent / 100.0 * in_flight as f64) as u64).max(u64::from(self.min_concurrency))
+    }
+}
+
+/// `upstream_bind_config`: the source address, and the extra ones of other IP families.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bind {
+    pub source: SocketAddr,
+    pub extra: Vec<SocketAddr>,
+}
+
+impl Bind {
+    /// Envoy binds the source address of the upstream's IP family when the config has one,
+    /// else `source_address` (and the connect then fails, as in Envoy).
+    pub fn for_peer(&self, peer: SocketAddr) -> SocketAddr {
+        std::iter::once(&self.source)
+            .chain(&self.extra)
+            .find(|a| a.is_ipv4() == peer.is_ipv4())
+            .copied()
+            .unwrap_or(self.source)
+    }
 }
 
 /// What a cluster's load-balancer config says beyond the policy itself.
@@ -260,7 +357,12 @@ impl Cluster {
             },
             &make,
         );
-        let active = endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
+        let mut active: Vec<AtomicU32> =
+            endpoints.hosts.iter().map(|_| AtomicU32::new(0)).collect();
+        if def.original_dst.is_some() {
+            // The one slot the hosts requests name share (ORIGINAL_DST clusters have no others).
+            active.push(AtomicU32::new(0));
+        }
         let outlier = if def.outlier.is_some() {
             let addrs: Vec<SocketAddr> = hosts.iter().map(|h| h.addr).collect();
             stats.outlier.resolve(&addrs)
@@ -290,10 +392,11 @@ impl Cluster {
                         sockets.sockets.get(socket).and_then(Option::as_ref)
                     };
                     tls.map(|t| {
-                        Arc::new(super::upstream_tls::EndpointTls::new(
+                        Arc::new(super::upstream_tls::EndpointTls::with_bind(
                             t.clone(),
                             h.addr,
                             def.tcp_keepalive,
+                            def.bind.as_ref().map(|b| b.for_peer(h.addr)),
                         ))
                     })
                 })
@@ -400,6 +503,46 @@ impl Cluster {
         Some((i, self.endpoints.hosts[i].addr))
     }
 
+    /// The host an ORIGINAL_DST cluster's request names (see `OriginalDst::host`), and the
+    /// slot in `active` all such hosts share; counts `original_dst_host_invalid` as Envoy does.
+    pub fn pick_original_dst(
+        &self,
+        od: &OriginalDst,
+        headers: &http::HeaderMap,
+        restored: Option<SocketAddr>,
+    ) -> Option<(usize, SocketAddr)> {
+        let (host, invalid) = od.host(headers, restored);
+        if invalid {
+            self.stats
+                .original_dst_host_invalid
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Some((self.endpoints.hosts.len(), host?))
+    }
+
+    /// The TLS settings for a host an ORIGINAL_DST request named: the socket a host without
+    /// metadata gets (Envoy's dynamic hosts have none); None for plain text.
+    pub fn original_dst_tls(
+        &self,
+        addr: SocketAddr,
+    ) -> Option<Arc<super::upstream_tls::EndpointTls>> {
+        if !self.def.transport.any_tls() {
+            return None;
+        }
+        let socket = self.def.transport.pick(None);
+        let tls = if self.sockets.sockets.is_empty() {
+            self.def.transport.get(socket)
+        } else {
+            self.sockets.sockets.get(socket).and_then(Option::as_ref)
+        }?;
+        Some(Arc::new(super::upstream_tls::EndpointTls::with_bind(
+            tls.clone(),
+            addr,
+            self.def.tcp_keepalive,
+            self.def.bind.as_ref().map(|b| b.for_peer(addr)),
+        )))
+    }
+
     /// The TLS settings host `i` connects with; None for plain text.
     pub fn tls_for(&self, i: usize) -> Option<&Arc<super::upstream_tls::EndpointTls>> {
         self.tls_hosts.get(i)?.as_ref()
@@ -432,9 +575,7 @@ impl ClusterDef {
                 Ok(DT::StrictDns) => DiscoveryKind::StrictDns,
                 Ok(DT::LogicalDns) => DiscoveryKind::LogicalDns,
                 Ok(DT::Eds) => DiscoveryKind::Eds,
-                Ok(DT::OriginalDst) => {
-                    return Err(err("type ORIGINAL_DST is not supported".into()))
-                }
+                Ok(DT::OriginalDst) => DiscoveryKind::OriginalDst,
                 Err(_) => return Err(err(format!("type: unknown discovery type {t}"))),
             },
             Some(CDT::ClusterType(ct)) => {
@@ -442,7 +583,14 @@ impl ClusterDef {
             }
         };
         let mut lb = LbOptions::default();
+        let original_dst = match kind {
+            DiscoveryKind::OriginalDst => Some(original_dst(c).map_err(err)?),
+            _ => None,
+        };
         let policy = match &c.load_balancing_policy {
+            // The cluster provides the host: Envoy's original-dst balancer has nothing to
+            // balance, so the policy and `common_lb_config` cannot matter.
+            _ if original_dst.is_some() => Policy::RoundRobin,
             // Envoy uses the first policy in the list that it knows; so does Portico.
             Some(lbp) => lbp
                 .policies
@@ -532,6 +680,12 @@ impl ClusterDef {
             ),
             (_, None) => Some(LoadAssignmentSpec::default()),
         };
+        // Envoy's own checks, in its order: the policy first, then the load assignment.
+        if kind == DiscoveryKind::OriginalDst && c.load_assignment.is_some() {
+            return Err(err(
+                "ORIGINAL_DST clusters must have no load assignment configured".into(),
+            ));
+        }
         if kind == DiscoveryKind::LogicalDns {
             let one = c.load_assignment.as_ref().is_some_and(|la| {
                 la.endpoints.len() == 1 && la.endpoints[0].lb_endpoints.len() == 1
@@ -556,7 +710,11 @@ impl ClusterDef {
                 _ => None,
             }
         });
-        let http2 = h2_options.is_some();
+        let downstream_protocol = downstream_protocol(options.as_ref()).map_err(err)?;
+        let h2_options = h2_options.or(downstream_protocol);
+        let downstream_protocol = downstream_protocol.is_some();
+        // With use_downstream_protocol_config the protocol is chosen per request.
+        let http2 = h2_options.is_some() && !downstream_protocol;
         // Envoy's default is 2^31 - 1: in practice the server's SETTINGS decide.
         let h2_max_streams = h2_options
             .and_then(|o| o.max_concurrent_streams.as_ref())
@@ -576,6 +734,15 @@ impl ClusterDef {
             .filter(|d| !d.is_zero()),
             None => Some(Duration::from_secs(3600)),
         };
+        // `max_connection_duration` (istiod's DestinationRule maxConnectionDuration) only
+        // retires upstream connections sooner, and `max_headers_count`/`max_response_headers_kb`
+        // bound what an upstream may answer: accepted, the hosts chosen are the same.
+        // `max_stream_duration` would end upstream requests: refused until it is implemented.
+        if common.is_some_and(|o| o.max_stream_duration.is_some()) {
+            return Err(err(
+                "common_http_protocol_options.max_stream_duration is not supported yet".into(),
+            ));
+        }
         #[allow(deprecated)]
         let max_requests_per_connection = common
             .and_then(|o| o.max_requests_per_connection.as_ref())
@@ -603,6 +770,39 @@ impl ClusterDef {
                 .iter()
                 .find(|t| t.priority == corepb::RoutingPriority::Default as i32)
         });
+        let retry_budget = match thresholds.and_then(|t| t.retry_budget.as_ref()) {
+            Some(b) => {
+                let percent = b.budget_percent.as_ref().map_or(20.0, |p| p.value);
+                if !(0.0..=100.0).contains(&percent) {
+                    return Err(err(format!(
+                        "circuit_breakers.thresholds.retry_budget.budget_percent {percent} must be in [0, 100]"
+                    )));
+                }
+                let interval = match &b.budget_interval {
+                    Some(d) => duration(d).map_err(|e| {
+                        err(format!(
+                            "circuit_breakers.thresholds.retry_budget.budget_interval: {e}"
+                        ))
+                    })?,
+                    None => Duration::ZERO,
+                };
+                if !interval.is_zero() {
+                    // Counting the requests started within a window: not implemented.
+                    return Err(err(
+                        "circuit_breakers.thresholds.retry_budget.budget_interval is not supported yet"
+                            .into(),
+                    ));
+                }
+                Some(RetryBudget {
+                    percent,
+                    min_concurrency: b.min_retry_concurrency.as_ref().map_or(3, |v| v.value),
+                })
+            }
+            None => None,
+        };
+        // `track_remaining` (remaining_* gauges) and `max_connection_pools` (pool bookkeeping)
+        // cannot change where a request goes. Only the DEFAULT priority is read: HIGH applies
+        // to routes of that priority alone.
         let limit = |f: fn(&cpb::circuit_breakers::Thresholds) -> Option<u32>, default| {
             thresholds.and_then(f).unwrap_or(default)
         };
@@ -618,7 +818,22 @@ impl ClusterDef {
         }
         // After the protocol: Envoy offers it by ALPN when the socket lists no protocols.
         let transport = super::upstream_tls::TransportSockets::translate(c, http2).map_err(err)?;
+        if downstream_protocol && transport.alpn_fallback_used() {
+            return Err(err(format!(
+                "typed_extension_protocol_options['{HTTP_PROTOCOL_OPTIONS}'].use_downstream_protocol_config \
+                 with a TLS transport socket without alpn_protocols is not supported (the ALPN \
+                 offered would depend on the request)"
+            )));
+        }
+        let bind = match &c.upstream_bind_config {
+            Some(b) => Some(bind_config(b).map_err(|e| err(format!("upstream_bind_config: {e}")))?),
+            None => None,
+        };
+        accepted_fields(c).map_err(err)?;
         Ok(ClusterDef {
+            original_dst,
+            downstream_protocol,
+            bind,
             transport,
             health_check,
             idle_timeout,
@@ -626,6 +841,7 @@ impl ClusterDef {
             tcp_keepalive,
             outlier,
             max_retries: limit(|t| t.max_retries.as_ref().map(|v| v.value), 3),
+            retry_budget,
             max_connections: limit(|t| t.max_connections.as_ref().map(|v| v.value), 1024),
             max_pending_requests: limit(|t| t.max_pending_requests.as_ref().map(|v| v.value), 1024),
             max_requests: limit(|t| t.max_requests.as_ref().map(|v| v.value), 1024),
@@ -642,6 +858,280 @@ impl ClusterDef {
             h2_max_streams,
         })
     }
+}
+
+/// `original_dst_lb_config` and the checks Envoy's original_dst cluster factory makes.
+fn original_dst(c: &cpb::Cluster) -> Result<OriginalDst, String> {
+    use cpb::cluster::LbPolicy;
+    if c.lb_policy != LbPolicy::ClusterProvided as i32 {
+        let name = LbPolicy::try_from(c.lb_policy).map_or("unknown", |p| p.as_str_name());
+        return Err(format!(
+            "lb_policy {name} is not valid for cluster type ORIGINAL_DST: only CLUSTER_PROVIDED is allowed"
+        ));
+    }
+    if let Some(d) = &c.cleanup_interval {
+        // Portico keeps no host map to sweep: a request's host lives for that request, and the
+        // connection pool closes idle connections (idle_timeout). Only Envoy's proto rule is
+        // checked.
+        if duration(d)
+            .map_err(|e| format!("cleanup_interval: {e}"))?
+            .is_zero()
+        {
+            return Err("cleanup_interval must be greater than 0s".into());
+        }
+    }
+    let cfg = match &c.lb_config {
+        Some(cpb::cluster::LbConfig::OriginalDstLbConfig(o)) => Some(o),
+        _ => None,
+    };
+    let use_header = cfg.is_some_and(|o| o.use_http_header);
+    let name = cfg.map_or("", |o| o.http_header_name.as_str());
+    if !use_header && !name.is_empty() {
+        return Err(format!(
+            "original_dst_lb_config: invalid config http_header_name={name} and use_http_header is false. Set use_http_header to true if http_header_name is desired."
+        ));
+    }
+    let header = match (use_header, name) {
+        (false, _) => None,
+        (true, "") => Some(http::HeaderName::from_static("x-envoy-original-dst-host")),
+        (true, n) => Some(
+            http::HeaderName::from_bytes(n.to_ascii_lowercase().as_bytes()).map_err(|_| {
+                format!("original_dst_lb_config.http_header_name '{n}' is not a valid header name")
+            })?,
+        ),
+    };
+    let port_override = match cfg.and_then(|o| o.upstream_port_override.as_ref()) {
+        Some(p) => Some(u16::try_from(p.value).map_err(|_| {
+            format!(
+                "original_dst_lb_config.upstream_port_override {} must be at most 65535",
+                p.value
+            )
+        })?),
+        None => None,
+    };
+    // `metadata_key` (and the `envoy.network.transport_socket.original_dst_address` filter
+    // state) name the host from dynamic metadata; no filter Portico runs sets either, so the
+    // lookup finds nothing and Envoy goes on to the header as Portico does. istiod sets it on
+    // the ambient `connect_originate` cluster, reached only through an internal listener.
+    Ok(OriginalDst {
+        header,
+        port_override,
+    })
+}
+
+/// `use_downstream_protocol_config`: its HTTP/2 options when it has them (HTTP/2 clients
+/// then get an HTTP/2 upstream); `auto_config` is refused.
+fn downstream_protocol(
+    options: Option<&envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
+) -> Result<Option<&corepb::Http2ProtocolOptions>, String> {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::UpstreamProtocolOptions as U;
+    let at = format!("typed_extension_protocol_options['{HTTP_PROTOCOL_OPTIONS}']");
+    let Some(o) = options else {
+        return Ok(None);
+    };
+    // The rest of the extension: none is set by istiod; each changes what a request does.
+    let unsupported = [
+        ("http_filters", !o.http_filters.is_empty()),
+        (
+            "header_validation_config",
+            o.header_validation_config.is_some(),
+        ),
+        ("outlier_detection", o.outlier_detection.is_some()),
+        (
+            "request_mirror_policies",
+            !o.request_mirror_policies.is_empty(),
+        ),
+        ("hash_policy", !o.hash_policy.is_empty()),
+        ("retry_policy", o.retry_policy.is_some()),
+    ];
+    if let Some((field, _)) = unsupported.iter().find(|(_, set)| *set) {
+        return Err(format!("{at}.{field} is not supported yet"));
+    }
+    if let Some(u) = &o.upstream_http_protocol_options {
+        if u.auto_sni || u.auto_san_validation || !u.override_auto_sni_header.is_empty() {
+            return Err(format!(
+                "{at}.upstream_http_protocol_options: auto_sni and auto_san_validation are not supported yet"
+            ));
+        }
+    }
+    match &o.upstream_protocol_options {
+        Some(U::UseDownstreamProtocolConfig(d)) => Ok(d.http2_protocol_options.as_ref()),
+        Some(U::AutoConfig(_)) => Err(format!(
+            "{at}.auto_config is not supported yet (the upstream protocol would come from ALPN); use explicit_http_config or use_downstream_protocol_config"
+        )),
+        _ => Ok(None),
+    }
+}
+
+/// `upstream_bind_config`: a source address (and extra ones per IP family) Portico binds
+/// before connecting; the rest of Envoy's bind options are refused.
+fn bind_config(b: &corepb::BindConfig) -> Result<Bind, String> {
+    let ip = |sa: &corepb::SocketAddress, at: &str| -> Result<SocketAddr, String> {
+        let addr = corepb::Address {
+            address: Some(corepb::address::Address::SocketAddress(sa.clone())),
+        };
+        let (host, port) = socket_address(Some(&addr)).map_err(|e| format!("{at}: {e}"))?;
+        let ip: std::net::IpAddr = host
+            .parse()
+            .map_err(|_| format!("{at}: malformed IP address: {host}"))?;
+        Ok(SocketAddr::new(ip, port))
+    };
+    if b.freebind.as_ref().is_some_and(|f| f.value) {
+        return Err("freebind is not supported".into());
+    }
+    if !b.socket_options.is_empty() {
+        return Err("socket_options are not supported".into());
+    }
+    if b.local_address_selector.is_some() {
+        return Err("local_address_selector is not supported".into());
+    }
+    let Some(source) = &b.source_address else {
+        return Err("source_address is required".into());
+    };
+    let source = ip(source, "source_address")?;
+    let mut extra = Vec::new();
+    for (i, e) in b.extra_source_addresses.iter().enumerate() {
+        let at = format!("extra_source_addresses[{i}]");
+        if e.socket_options.is_some() {
+            return Err(format!("{at}.socket_options are not supported"));
+        }
+        let Some(a) = &e.address else {
+            return Err(format!("{at}.address is required"));
+        };
+        extra.push(ip(a, &format!("{at}.address"))?);
+    }
+    #[allow(deprecated)]
+    for (i, a) in b.additional_source_addresses.iter().enumerate() {
+        extra.push(ip(a, &format!("additional_source_addresses[{i}]"))?);
+    }
+    // Envoy: at most one extra address, of the other IP family than source_address.
+    if extra.len() > 1 || extra.iter().any(|a| a.is_ipv4() == source.is_ipv4()) {
+        return Err(
+            "extra_source_addresses: at most one, of the other IP family than source_address"
+                .into(),
+        );
+    }
+    Ok(Bind { source, extra })
+}
+
+/// Istio's upstream network filters: both only observe the connection for telemetry.
+const ISTIO_CLUSTER_FILTERS: &[&str] = &[
+    // `istio.metadata_exchange`: exchanges peer metadata in-band only on a connection whose
+    // ALPN is `istio-peer-exchange`; otherwise it passes bytes through untouched.
+    "envoy.tcp.metadataexchange.config.MetadataExchange",
+    // `upstream_hbone_peer_metadata`: acts only when the host is the ambient
+    // `connect_originate` internal listener, which Portico refuses.
+    "envoy.extensions.network_filters.peer_metadata.UpstreamConfig",
+];
+
+/// `udpa.type.v1.TypedStruct` / `xds.type.v3.TypedStruct`: a config named by its type URL.
+#[derive(Clone, PartialEq, prost::Message)]
+struct TypedStruct {
+    #[prost(string, tag = "1")]
+    type_url: String,
+}
+
+/// The config type of an `Any` (its full name), looking through a TypedStruct: istiod wraps
+/// Istio's filter configs in one.
+fn config_type(any: &envoy_types::pb::google::protobuf::Any) -> String {
+    use prost::Message;
+    let name = |url: &str| url.rsplit('/').next().unwrap_or_default().to_string();
+    let outer = name(&any.type_url);
+    if outer == "udpa.type.v1.TypedStruct" || outer == "xds.type.v3.TypedStruct" {
+        if let Ok(t) = TypedStruct::decode(any.value.as_slice()) {
+            return name(&t.type_url);
+        }
+    }
+    outer
+}
+
+/// c-ares (istiod's choice, with `udp_max_queries`) and getaddrinfo answer from the system's
+/// resolver configuration, as Portico's lookups do; c-ares given its own name servers does not.
+fn system_resolver(t: &corepb::TypedExtensionConfig) -> bool {
+    use envoy_types::pb::envoy::extensions::network::dns_resolver::cares::v3::CaresDnsResolverConfig;
+    use prost::Message;
+    let Some(any) = &t.typed_config else {
+        return false;
+    };
+    match config_type(any).as_str() {
+        "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig" => {
+            CaresDnsResolverConfig::decode(any.value.as_slice())
+                .is_ok_and(|c| c.resolvers.is_empty())
+        }
+        "envoy.extensions.network.dns_resolver.getaddrinfo.v3.GetAddrInfoDnsResolverConfig" => true,
+        _ => false,
+    }
+}
+
+/// Fields Portico accepts without acting on them, each because it cannot change where a
+/// request goes or whether it is allowed (the comment says why), and the fields it refuses.
+#[allow(deprecated)]
+fn accepted_fields(c: &cpb::Cluster) -> Result<(), String> {
+    for (i, f) in c.filters.iter().enumerate() {
+        let kind = f.typed_config.as_ref().map(config_type).unwrap_or_default();
+        if !ISTIO_CLUSTER_FILTERS.contains(&kind.as_str()) {
+            // Envoy's words for an extension it has no factory for.
+            return Err(format!(
+                "filters[{i}]: didn't find a registered implementation for '{}' with type URL: '{kind}'",
+                f.name
+            ));
+        }
+    }
+    let refused = [
+        ("lb_subset_config", c.lb_subset_config.is_some()),
+        ("upstream_config", c.upstream_config.is_some()),
+        ("queuing_policies", c.queuing_policies.is_some()),
+        // Where names resolve: Portico uses the system resolver.
+        ("dns_resolvers", !c.dns_resolvers.is_empty()),
+        (
+            "dns_resolution_config.resolvers",
+            c.dns_resolution_config
+                .as_ref()
+                .is_some_and(|d| !d.resolvers.is_empty()),
+        ),
+        (
+            "protocol_selection USE_DOWNSTREAM_PROTOCOL (use use_downstream_protocol_config)",
+            c.protocol_selection != 0,
+        ),
+        (
+            "common_lb_config.ignore_new_hosts_until_first_hc",
+            c.common_lb_config
+                .as_ref()
+                .is_some_and(|l| l.ignore_new_hosts_until_first_hc),
+        ),
+        (
+            "typed_dns_resolver_config (other than the system's resolver)",
+            c.typed_dns_resolver_config
+                .as_ref()
+                .is_some_and(|t| !system_resolver(t)),
+        ),
+    ];
+    if let Some((field, _)) = refused.iter().find(|(_, set)| *set) {
+        return Err(format!("{field} is not supported yet"));
+    }
+    if let Some(d) = &c.dns_refresh_rate {
+        // Envoy's proto rule; Portico re-resolves every DNS cluster every 5 s (Envoy's
+        // default rate), so a rate (or `respect_dns_ttl`, `dns_jitter`,
+        // `dns_failure_refresh_rate`) only changes how soon a DNS change is seen, never which
+        // addresses a cluster gets.
+        if duration(d).map_err(|e| format!("dns_refresh_rate: {e}"))? < Duration::from_millis(1) {
+            return Err("dns_refresh_rate must be at least 1ms".into());
+        }
+    }
+    // Accepted, deliberately:
+    // - metadata: read only by filters and telemetry (Istio's `istio` service labels); no
+    //   routing decision of Portico's reads cluster metadata.
+    // - alt_stat_name, stats_matcher, track_cluster_stats, track_timeout_budgets: stats only.
+    // - common_lb_config.zone_aware_lb_config: needs the bootstrap's local cluster, which
+    //   Portico does not have; Envoy without one does no zone-aware routing either.
+    //   override_host_status: read only by host-override (stateful session), which Portico
+    //   does not run. update_merge_window, close_connections_on_host_set_change: timing and
+    //   connection lifecycle.
+    // - per_connection_buffer_limit_bytes (and its watermark timeout), preconnect_policy,
+    //   connection_pool_per_downstream_connection, close_connections_on_host_health_failure,
+    //   ignore_health_on_host_removal, wait_for_warm_on_init, use_tcp_for_dns_lookups,
+    //   lrs_server: buffering, pooling, start-up and reporting; the host chosen is the same.
+    Ok(())
 }
 
 /// A typed load-balancing policy Portico implements, by its config type; `Some(Err)` when the
@@ -1101,6 +1591,20 @@ fn load_assignment_spec(
                 Some(_) => return Err(format!("{at}: endpoint_name is not supported")),
                 None => return Err(format!("{at}: endpoint is required")),
             };
+            if let Some(corepb::address::Address::EnvoyInternalAddress(i)) =
+                ep.address.as_ref().and_then(|a| a.address.as_ref())
+            {
+                // istiod's ambient endpoints (HBONE through `connect_originate`).
+                let name = match &i.address_name_specifier {
+                    Some(
+                        corepb::envoy_internal_address::AddressNameSpecifier::ServerListenerName(n),
+                    ) => n.as_str(),
+                    None => "",
+                };
+                return Err(format!(
+                    "{at}.endpoint.address: envoy_internal_address '{name}': internal listeners (ambient HBONE) are not supported"
+                ));
+            }
             let pipe = matches!(
                 ep.address.as_ref().and_then(|a| a.address.as_ref()),
                 Some(corepb::address::Address::Pipe(_))

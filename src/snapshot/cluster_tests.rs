@@ -136,6 +136,7 @@ fn defaults() {
             http2: false,
             h2_max_streams: i32::MAX as u32,
             max_retries: 3,
+            retry_budget: None,
             max_connections: 1024,
             max_pending_requests: 1024,
             max_requests: 1024,
@@ -146,6 +147,9 @@ fn defaults() {
             tcp_keepalive: None,
             health_check: None,
             transport: Default::default(),
+            original_dst: None,
+            downstream_protocol: false,
+            bind: None,
         }
     );
 }
@@ -167,12 +171,602 @@ fn discovery_types() {
     assert_eq!(eds.inline, None);
 }
 
+// ---------------------------------------------------------------------------------------------
+// ORIGINAL_DST
+
+fn original_dst_cluster(lb: Option<cpb::cluster::OriginalDstLbConfig>) -> cpb::Cluster {
+    cpb::Cluster {
+        lb_policy: LbPolicy::ClusterProvided as i32,
+        lb_config: lb.map(cpb::cluster::LbConfig::OriginalDstLbConfig),
+        ..typed("od", DT::OriginalDst)
+    }
+}
+
+fn header_config(name: &str, port: Option<u32>) -> Option<cpb::cluster::OriginalDstLbConfig> {
+    Some(cpb::cluster::OriginalDstLbConfig {
+        use_http_header: true,
+        http_header_name: name.into(),
+        upstream_port_override: port.map(|value| UInt32Value { value }),
+        ..Default::default()
+    })
+}
+
 #[test]
-fn original_dst_is_rejected() {
-    rejected(
-        &typed("c", DT::OriginalDst),
-        "type ORIGINAL_DST is not supported",
+fn original_dst_clusters_translate() {
+    let d = ok(&original_dst_cluster(None));
+    assert_eq!(d.kind, DiscoveryKind::OriginalDst);
+    // No endpoints to wait for: the cluster is ready at once, as a STATIC one.
+    assert_eq!(d.inline, Some(LoadAssignmentSpec::default()));
+    assert_eq!(
+        d.original_dst,
+        Some(OriginalDst {
+            header: None,
+            port_override: None
+        })
     );
+    let d = ok(&original_dst_cluster(header_config("", None)));
+    assert_eq!(
+        d.original_dst
+            .and_then(|o| o.header)
+            .as_ref()
+            .map(|h| h.as_str()),
+        Some("x-envoy-original-dst-host")
+    );
+    let d = ok(&original_dst_cluster(header_config("X-Target", Some(8080))));
+    let od = d.original_dst.expect("original dst");
+    assert_eq!(od.header.as_ref().map(|h| h.as_str()), Some("x-target"));
+    assert_eq!(od.port_override, Some(8080));
+}
+
+#[test]
+fn original_dst_checks_are_envoys() {
+    let mut c = original_dst_cluster(None);
+    c.lb_policy = LbPolicy::RoundRobin as i32;
+    rejected(
+        &c,
+        "lb_policy ROUND_ROBIN is not valid for cluster type ORIGINAL_DST",
+    );
+    let c = with_inline(original_dst_cluster(None), cla("od", vec![]));
+    rejected(
+        &c,
+        "ORIGINAL_DST clusters must have no load assignment configured",
+    );
+    let mut lb = header_config("x-target", None);
+    if let Some(l) = lb.as_mut() {
+        l.use_http_header = false;
+    }
+    rejected(
+        &original_dst_cluster(lb),
+        "invalid config http_header_name=x-target and use_http_header is false",
+    );
+    rejected(
+        &original_dst_cluster(header_config("", Some(70000))),
+        "upstream_port_override 70000 must be at most 65535",
+    );
+    rejected(
+        &original_dst_cluster(header_config("bad header", None)),
+        "http_header_name 'bad header' is not a valid header name",
+    );
+    let mut c = original_dst_cluster(None);
+    c.cleanup_interval = Some(PbDuration::default());
+    rejected(&c, "cleanup_interval must be greater than 0s");
+    // istiod's inbound clusters: the longest interval there is.
+    c.cleanup_interval = Some(PbDuration {
+        seconds: 315_576_000_000,
+        nanos: 0,
+    });
+    ok(&c);
+}
+
+#[test]
+fn original_dst_host_comes_from_the_header_as_envoy_parses_it() {
+    let od = OriginalDst {
+        header: Some(http::HeaderName::from_static("x-envoy-original-dst-host")),
+        port_override: None,
+    };
+    let with = |v: &str| {
+        let mut h = http::HeaderMap::new();
+        h.insert("x-envoy-original-dst-host", v.parse().expect("value"));
+        h
+    };
+    let addr = |s: &str| s.parse::<SocketAddr>().expect("addr");
+    assert_eq!(
+        od.host(&with("10.1.2.3:8080"), None),
+        (Some(addr("10.1.2.3:8080")), false)
+    );
+    assert_eq!(
+        od.host(&with("[::1]:80"), None),
+        (Some(addr("[::1]:80")), false)
+    );
+    for bad in [
+        "10.1.2.3",
+        "name:80",
+        "10.1.2.3:65536",
+        "::1:80",
+        "[::1]",
+        "",
+        "010.1.2.3:80",
+    ] {
+        assert_eq!(od.host(&with(bad), None), (None, true), "{bad}");
+    }
+    // Missing: not invalid; and a restored destination is used when the header fails.
+    let restored = Some(addr("10.9.9.9:443"));
+    assert_eq!(od.host(&http::HeaderMap::new(), None), (None, false));
+    assert_eq!(
+        od.host(&http::HeaderMap::new(), restored),
+        (restored, false)
+    );
+    assert_eq!(od.host(&with("bogus"), restored), (restored, true));
+    // Only the first value counts.
+    let mut two = with("10.0.0.1:1");
+    two.append(
+        "x-envoy-original-dst-host",
+        "10.0.0.2:2".parse().expect("value"),
+    );
+    assert_eq!(od.host(&two, None).0, Some(addr("10.0.0.1:1")));
+    // upstream_port_override applies to whatever named the host.
+    let od = OriginalDst {
+        port_override: Some(9),
+        ..od
+    };
+    assert_eq!(
+        od.host(&with("10.1.2.3:8080"), None).0,
+        Some(addr("10.1.2.3:9"))
+    );
+    assert_eq!(
+        od.host(&http::HeaderMap::new(), restored).0,
+        Some(addr("10.9.9.9:9"))
+    );
+    // Without use_http_header the header counts for nothing.
+    let od = OriginalDst {
+        header: None,
+        port_override: None,
+    };
+    assert_eq!(od.host(&with("10.1.2.3:8080"), None), (None, false));
+}
+
+#[test]
+fn original_dst_picks_share_one_slot_and_count_invalid_headers() {
+    let def = Arc::new(ok(&original_dst_cluster(header_config("", None))));
+    let c = Cluster::new(
+        def.clone(),
+        Arc::new(LoadAssignment::default()),
+        Arc::new(ClusterStats::default()),
+    );
+    assert_eq!(c.active.len(), 1);
+    assert_eq!(c.pick(), None, "the ordinary balancer has no host");
+    let od = def.original_dst.as_ref().expect("original dst");
+    let mut h = http::HeaderMap::new();
+    h.insert(
+        "x-envoy-original-dst-host",
+        "127.0.0.1:80".parse().expect("v"),
+    );
+    assert_eq!(
+        c.pick_original_dst(od, &h, None),
+        Some((0, "127.0.0.1:80".parse().expect("addr")))
+    );
+    h.insert("x-envoy-original-dst-host", "nope".parse().expect("v"));
+    assert_eq!(c.pick_original_dst(od, &h, None), None);
+    assert_eq!(c.pick_original_dst(od, &http::HeaderMap::new(), None), None);
+    assert_eq!(
+        c.stats
+            .original_dst_host_invalid
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert!(c
+        .original_dst_tls("127.0.0.1:80".parse().expect("addr"))
+        .is_none());
+}
+
+#[test]
+fn original_dst_with_tls_builds_a_socket_per_named_host() {
+    let mut c = original_dst_cluster(header_config("", None));
+    c.transport_socket = Some(socket("tls", TLS_TYPE));
+    let c = Cluster::new(
+        Arc::new(ok(&c)),
+        Arc::new(LoadAssignment::default()),
+        Arc::new(ClusterStats::default()),
+    );
+    let addr: SocketAddr = "127.0.0.1:15008".parse().expect("addr");
+    let tls = c.original_dst_tls(addr).expect("TLS");
+    assert_eq!(tls.addr, addr);
+}
+
+#[test]
+fn black_hole_cluster_has_no_host() {
+    // istiod's BlackHoleCluster: STATIC, no load assignment, ROUND_ROBIN.
+    let mut c = typed("BlackHoleCluster", DT::Static);
+    c.connect_timeout = Some(PbDuration {
+        seconds: 10,
+        nanos: 0,
+    });
+    let def = ok(&c);
+    assert_eq!(def.inline, Some(LoadAssignmentSpec::default()));
+    let cluster = Cluster::new(
+        Arc::new(def),
+        Arc::new(LoadAssignment::default()),
+        Arc::new(ClusterStats::default()),
+    );
+    assert_eq!(cluster.pick(), None);
+    assert_eq!(cluster.pick_hashed(Some(1)), None);
+    assert_eq!(cluster.healthy_count(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fields istiod sets
+
+#[test]
+fn upstream_bind_config_picks_the_source_of_the_peers_family() {
+    let sa = |a: &str| corepb::SocketAddress {
+        address: a.into(),
+        port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(0)),
+        ..Default::default()
+    };
+    let mut c = cluster("c");
+    // istiod's inbound passthrough on a dual-stack pod.
+    c.upstream_bind_config = Some(corepb::BindConfig {
+        source_address: Some(sa("127.0.0.6")),
+        extra_source_addresses: vec![corepb::ExtraSourceAddress {
+            address: Some(sa("::6")),
+            socket_options: None,
+        }],
+        ..Default::default()
+    });
+    let bind = ok(&c).bind.expect("bind");
+    let v4: SocketAddr = "10.0.0.1:80".parse().expect("addr");
+    let v6: SocketAddr = "[fd00::1]:80".parse().expect("addr");
+    assert_eq!(bind.for_peer(v4), "127.0.0.6:0".parse().expect("addr"));
+    assert_eq!(bind.for_peer(v6), "[::6]:0".parse().expect("addr"));
+
+    let mut same = c.clone();
+    if let Some(b) = same.upstream_bind_config.as_mut() {
+        b.extra_source_addresses[0].address = Some(sa("127.0.0.7"));
+    }
+    rejected(
+        &same,
+        "upstream_bind_config: extra_source_addresses: at most one",
+    );
+    let mut free = c.clone();
+    if let Some(b) = free.upstream_bind_config.as_mut() {
+        b.freebind = Some(envoy_types::pb::google::protobuf::BoolValue { value: true });
+    }
+    rejected(&free, "upstream_bind_config: freebind is not supported");
+    let mut name = c.clone();
+    if let Some(b) = name.upstream_bind_config.as_mut() {
+        b.source_address = Some(sa("localhost"));
+    }
+    rejected(
+        &name,
+        "upstream_bind_config: source_address: malformed IP address",
+    );
+    let mut none = c;
+    if let Some(b) = none.upstream_bind_config.as_mut() {
+        b.source_address = None;
+        b.extra_source_addresses.clear();
+    }
+    rejected(&none, "upstream_bind_config: source_address is required");
+}
+
+fn with_options(mut c: cpb::Cluster, o: HttpProtocolOptions) -> cpb::Cluster {
+    c.typed_extension_protocol_options.insert(
+        HPO_KEY.into(),
+        Any {
+            type_url: format!("type.googleapis.com/{HPO_KEY}"),
+            value: o.encode_to_vec(),
+        },
+    );
+    c
+}
+
+#[test]
+fn use_downstream_protocol_config_follows_the_client() {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::UseDownstreamHttpConfig;
+    let downstream = |h2: bool| HttpProtocolOptions {
+        upstream_protocol_options: Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(
+            UseDownstreamHttpConfig {
+                http_protocol_options: Some(Default::default()),
+                http2_protocol_options: h2.then(Default::default),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    };
+    let d = ok(&with_options(cluster("c"), downstream(true)));
+    assert!(d.downstream_protocol && !d.http2);
+    // Without HTTP/2 options every request goes upstream as HTTP/1.1.
+    let d = ok(&with_options(cluster("c"), downstream(false)));
+    assert!(!d.downstream_protocol && !d.http2);
+    // The ALPN a socket without its own list offers would depend on the request.
+    let mut tls = with_options(cluster("c"), downstream(true));
+    tls.transport_socket = Some(socket("tls", TLS_TYPE));
+    rejected(
+        &tls,
+        "use_downstream_protocol_config with a TLS transport socket without alpn_protocols",
+    );
+    let auto = HttpProtocolOptions {
+        upstream_protocol_options: Some(UpstreamProtocolOptions::AutoConfig(Default::default())),
+        ..Default::default()
+    };
+    rejected(
+        &with_options(cluster("c"), auto),
+        "auto_config is not supported yet",
+    );
+    let retry = HttpProtocolOptions {
+        retry_policy: Some(Default::default()),
+        ..Default::default()
+    };
+    rejected(
+        &with_options(cluster("c"), retry),
+        "retry_policy is not supported yet",
+    );
+}
+
+fn filter(name: &str, any: Any) -> cpb::Filter {
+    cpb::Filter {
+        name: name.into(),
+        typed_config: Some(any),
+        ..Default::default()
+    }
+}
+
+/// A TypedStruct naming `type_url`, as istiod wraps Istio's filter configs.
+fn typed_struct(type_url: &str) -> Any {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Ts {
+        #[prost(string, tag = "1")]
+        type_url: String,
+    }
+    Any {
+        type_url: "type.googleapis.com/udpa.type.v1.TypedStruct".into(),
+        value: Ts {
+            type_url: type_url.into(),
+        }
+        .encode_to_vec(),
+    }
+}
+
+#[test]
+fn istio_telemetry_filters_are_accepted_and_others_refused() {
+    let mx = "type.googleapis.com/envoy.tcp.metadataexchange.config.MetadataExchange";
+    let mut c = cluster("c");
+    c.filters = vec![
+        // Istio 1.18: the config itself ("protocol: istio-peer-exchange").
+        filter(
+            "istio.metadata_exchange",
+            Any {
+                type_url: mx.into(),
+                value: b"\x0a\x13istio-peer-exchange".to_vec(),
+            },
+        ),
+        // istiod today: wrapped in a TypedStruct.
+        filter("istio.metadata_exchange", typed_struct(mx)),
+        filter(
+            "upstream_hbone_peer_metadata",
+            typed_struct(
+                "type.googleapis.com/envoy.extensions.network_filters.peer_metadata.UpstreamConfig",
+            ),
+        ),
+    ];
+    ok(&c);
+    c.filters.push(filter(
+        "my.filter",
+        Any {
+            type_url: "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
+                .into(),
+            value: vec![],
+        },
+    ));
+    rejected(
+        &c,
+        "filters[3]: didn't find a registered implementation for 'my.filter' with type URL: 'envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy'",
+    );
+}
+
+#[test]
+fn retry_budget_replaces_max_retries() {
+    use cpb::circuit_breakers::thresholds::RetryBudget as Pb;
+    let with = |b: Pb| {
+        let mut c = cluster("c");
+        c.circuit_breakers = Some(cpb::CircuitBreakers {
+            thresholds: vec![cpb::circuit_breakers::Thresholds {
+                retry_budget: Some(b),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        c
+    };
+    // istiod's DestinationRule retryBudget with its defaults, as Envoy's.
+    let b = ok(&with(Pb::default())).retry_budget.expect("budget");
+    assert_eq!(
+        b,
+        RetryBudget {
+            percent: 20.0,
+            min_concurrency: 3
+        }
+    );
+    assert_eq!(b.max(0), 3);
+    assert_eq!(b.max(19), 3);
+    assert_eq!(b.max(24), 4, "20 % of 24 truncated");
+    let b = ok(&with(Pb {
+        budget_percent: Some(Percent { value: 50.0 }),
+        min_retry_concurrency: Some(UInt32Value { value: 0 }),
+        budget_interval: Some(PbDuration::default()),
+    }))
+    .retry_budget
+    .expect("budget");
+    assert_eq!((b.max(1), b.max(10)), (0, 5));
+    rejected(
+        &with(Pb {
+            budget_percent: Some(Percent { value: 101.0 }),
+            ..Default::default()
+        }),
+        "retry_budget.budget_percent 101 must be in [0, 100]",
+    );
+    rejected(
+        &with(Pb {
+            budget_interval: Some(PbDuration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            ..Default::default()
+        }),
+        "retry_budget.budget_interval is not supported yet",
+    );
+}
+
+#[test]
+fn fields_that_would_change_routing_are_refused() {
+    let mut c = cluster("c");
+    c.lb_subset_config = Some(Default::default());
+    rejected(&c, "lb_subset_config is not supported yet");
+    let mut c = cluster("c");
+    c.common_lb_config = Some(CommonLbConfig {
+        ignore_new_hosts_until_first_hc: true,
+        ..Default::default()
+    });
+    rejected(
+        &c,
+        "common_lb_config.ignore_new_hosts_until_first_hc is not supported yet",
+    );
+    let mut c = typed("c", DT::StrictDns);
+    #[allow(deprecated)]
+    {
+        c.dns_resolvers = vec![sock("10.0.0.53", 53)];
+    }
+    rejected(&c, "dns_resolvers is not supported yet");
+    let mut c = typed("c", DT::StrictDns);
+    #[allow(deprecated)]
+    {
+        c.dns_refresh_rate = Some(PbDuration::default());
+    }
+    rejected(&c, "dns_refresh_rate must be at least 1ms");
+}
+
+#[test]
+fn istiod_dns_settings_are_accepted() {
+    use envoy_types::pb::envoy::extensions::network::dns_resolver::cares::v3::CaresDnsResolverConfig;
+    let mut c = with_inline(
+        typed("c", DT::StrictDns),
+        cla(
+            "c",
+            vec![locality(0, vec![lb_endpoint("zipkin.istio-system", 9411)])],
+        ),
+    );
+    #[allow(deprecated)]
+    {
+        c.dns_refresh_rate = Some(PbDuration {
+            seconds: 60,
+            nanos: 0,
+        });
+        c.respect_dns_ttl = true;
+        c.dns_jitter = Some(PbDuration::default());
+    }
+    c.dns_lookup_family = cpb::cluster::DnsLookupFamily::V4Only as i32;
+    let cares = |resolvers: Vec<corepb::Address>| {
+        corepb::TypedExtensionConfig {
+        name: "envoy.network.dns_resolver.cares".into(),
+        typed_config: Some(Any {
+            type_url: "type.googleapis.com/envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig".into(),
+            value: CaresDnsResolverConfig {
+                udp_max_queries: Some(UInt32Value { value: 100 }),
+                resolvers,
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        }),
+    }
+    };
+    c.typed_dns_resolver_config = Some(cares(vec![]));
+    assert_eq!(ok(&c).dns_family, DnsFamily::V4Only);
+    c.typed_dns_resolver_config = Some(cares(vec![sock("10.0.0.53", 53)]));
+    rejected(
+        &c,
+        "typed_dns_resolver_config (other than the system's resolver) is not supported yet",
+    );
+}
+
+#[test]
+fn ambient_internal_addresses_are_refused_with_the_reason() {
+    let mut ep = lb_endpoint("10.0.0.1", 80);
+    if let Some(epb::lb_endpoint::HostIdentifier::Endpoint(e)) = ep.host_identifier.as_mut() {
+        e.address = Some(corepb::Address {
+            address: Some(corepb::address::Address::EnvoyInternalAddress(
+                corepb::EnvoyInternalAddress {
+                    address_name_specifier: Some(
+                        corepb::envoy_internal_address::AddressNameSpecifier::ServerListenerName(
+                            "connect_originate".into(),
+                        ),
+                    ),
+                    endpoint_id: "10.0.0.1:80".into(),
+                },
+            )),
+        });
+    }
+    let e = LoadAssignment::translate(&cla("c", vec![locality(0, vec![ep])])).expect_err("refused");
+    assert!(
+        e.to_string().contains(
+            "endpoints[0].lb_endpoints[0].endpoint.address: envoy_internal_address 'connect_originate': internal listeners (ambient HBONE) are not supported"
+        ),
+        "{e}"
+    );
+    let mut c = cluster("c");
+    c.transport_socket = Some(socket(
+        "internal_upstream",
+        "type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport",
+    ));
+    rejected(
+        &c,
+        "'internal_upstream': internal listeners (ambient HBONE) are not supported",
+    );
+}
+
+/// Every cluster of a real Istio 1.18 sidecar's config dump (`shared/xds-data`): all of them
+/// translate, ORIGINAL_DST (passthrough, inbound, headless services) included.
+#[test]
+fn istio_1_18_dump_clusters_translate() {
+    // One decoded descriptor pool for every conversion in this test.
+    let _pool = crate::protojson::pool().expect("descriptor pool");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|a| a.join("shared/xds-data"))
+        .find(|p| p.is_dir());
+    let Some(path) = std::env::var_os("PORTICO_SHARED_DIR")
+        .map(|d| std::path::PathBuf::from(d).join("xds-data"))
+        .or(root)
+        .map(|d| d.join("istio-sidecar/deathstarbench_istio1.18.2_sidecar_config_dump.json"))
+    else {
+        panic!("shared/xds-data is needed (the shared/ folder beside the repo)");
+    };
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let dump: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let mut kinds = std::collections::BTreeMap::new();
+    let mut total = 0;
+    for section in dump["configs"].as_array().expect("configs") {
+        for key in [
+            "static_clusters",
+            "dynamic_active_clusters",
+            "dynamic_warming_clusters",
+        ] {
+            for entry in section[key].as_array().into_iter().flatten() {
+                let mut body = entry["cluster"].clone();
+                if let Some(o) = body.as_object_mut() {
+                    o.remove("@type");
+                }
+                let c: cpb::Cluster =
+                    crate::protojson::from_json("envoy.config.cluster.v3.Cluster", &body)
+                        .unwrap_or_else(|e| panic!("{}: {e}", body["name"]));
+                let def = ClusterDef::translate(&c)
+                    .unwrap_or_else(|e| panic!("istiod's cluster was refused: {e}"));
+                *kinds.entry(format!("{:?}", def.kind)).or_insert(0) += 1;
+                total += 1;
+            }
+        }
+    }
+    assert_eq!(total, 143);
+    assert_eq!(kinds.get("Eds"), Some(&122));
+    assert_eq!(kinds.get("OriginalDst"), Some(&15));
 }
 
 #[test]

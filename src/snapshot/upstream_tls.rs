@@ -45,6 +45,8 @@ pub struct UpstreamTls {
     /// Keeps pingora's connection pool from mixing connections of different TLS settings
     /// (its reuse hash leaves out the custom connector): the hash of `identity`.
     pub group_key: u64,
+    /// The socket has no `alpn_protocols`: it offers the cluster's protocol (Envoy's fallback).
+    pub alpn_fallback: bool,
     /// The transport socket as configured plus every file and SDS secret it read: equal
     /// identities make equal sockets, so an unchanged cluster compares equal across pushes,
     /// and a rotated secret makes a socket whose connections are pooled apart.
@@ -227,6 +229,11 @@ impl TransportSockets {
         Ok(TransportSockets { default, matches })
     }
 
+    /// Whether a TLS socket offers the cluster's protocol by ALPN for want of its own list.
+    pub fn alpn_fallback_used(&self) -> bool {
+        self.all().flatten().any(|t| t.alpn_fallback)
+    }
+
     pub fn any_tls(&self) -> bool {
         self.default.is_some() || self.matches.iter().any(|m| m.socket.is_some())
     }
@@ -262,6 +269,10 @@ impl TransportSockets {
     }
 }
 
+/// istiod's ambient sockets: connections to an internal listener (`connect_originate`).
+const INTERNAL_UPSTREAM_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport";
+
 /// A transport socket: None for raw buffer, else the TLS socket.
 fn socket(
     ts: &corepb::TransportSocket,
@@ -279,6 +290,10 @@ fn socket(
                 .map(|t| Some(Arc::new(t)))
                 .map_err(|e| format!("'{}': {e}", ts.name))
         }
+        Some(ConfigType::TypedConfig(a)) if a.type_url == INTERNAL_UPSTREAM_TYPE => Err(format!(
+            "'{}': internal listeners (ambient HBONE) are not supported",
+            ts.name
+        )),
         Some(ConfigType::TypedConfig(a)) => Err(format!(
             "'{}': typed_config {} is not supported",
             ts.name, a.type_url
@@ -579,7 +594,8 @@ impl UpstreamTls {
                 );
             }
         }
-        let alpn = if c.alpn_protocols.is_empty() {
+        let alpn_fallback_used = c.alpn_protocols.is_empty();
+        let alpn = if alpn_fallback_used {
             vec![alpn_fallback.to_vec()]
         } else {
             c.alpn_protocols
@@ -614,6 +630,7 @@ impl UpstreamTls {
         };
         let group_key = xxhash_rust::xxh64::xxh64(identity, 0);
         Ok(UpstreamTls {
+            alpn_fallback: alpn_fallback_used,
             sni,
             config,
             group_key,
@@ -682,6 +699,7 @@ impl UpstreamTls {
         let config = parts.build(cert, validator)?;
         Ok(Some((
             Arc::new(UpstreamTls {
+                alpn_fallback: self.alpn_fallback,
                 sni: self.sni.clone(),
                 config: Some(config),
                 group_key: xxhash_rust::xxh64::xxh64(&identity, 0),
@@ -750,6 +768,8 @@ pub struct EndpointTls {
     pub group_key: u64,
     /// The cluster's `tcp_keepalive`, set on the TCP connection under the session.
     pub keepalive: Option<super::cluster::TcpKeepalive>,
+    /// The cluster's `upstream_bind_config`: the local address bound before connecting.
+    pub bind: Option<std::net::SocketAddr>,
 }
 
 impl EndpointTls {
@@ -758,13 +778,26 @@ impl EndpointTls {
         addr: std::net::SocketAddr,
         keepalive: Option<super::cluster::TcpKeepalive>,
     ) -> EndpointTls {
+        EndpointTls::with_bind(tls, addr, keepalive, None)
+    }
+
+    pub fn with_bind(
+        tls: Arc<UpstreamTls>,
+        addr: std::net::SocketAddr,
+        keepalive: Option<super::cluster::TcpKeepalive>,
+        bind: Option<std::net::SocketAddr>,
+    ) -> EndpointTls {
         let mut key = tls.group_key.to_le_bytes().to_vec();
         key.extend_from_slice(addr.to_string().as_bytes());
+        if let Some(b) = bind {
+            key.extend_from_slice(b.to_string().as_bytes());
+        }
         EndpointTls {
             group_key: xxhash_rust::xxh64::xxh64(&key, 1),
             tls,
             addr,
             keepalive,
+            bind,
         }
     }
 }
