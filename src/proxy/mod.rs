@@ -1455,6 +1455,29 @@ impl ProxyHttp for Gateway {
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             return self.local_reply(session, ctx, status, body, &[]).await;
         }
+        if let Some(hcm) = listener.def.hcm() {
+            use crate::snapshot::listener::Underscores;
+            if hcm.underscores != Underscores::Allow {
+                let req = session.req_header();
+                if req.headers.keys().any(|k| k.as_str().contains('_')) {
+                    if hcm.underscores == Underscores::Reject {
+                        // Envoy's codec refuses the request and closes the connection.
+                        session.set_keepalive(None);
+                        return self.local_reply(session, ctx, 400, None, &[]).await;
+                    }
+                    let names: Vec<HeaderName> = req
+                        .headers
+                        .keys()
+                        .filter(|k| k.as_str().contains('_'))
+                        .cloned()
+                        .collect();
+                    let req = session.req_header_mut();
+                    for n in names {
+                        req.remove_header(&n);
+                    }
+                }
+            }
+        }
         // Envoy normalizes :path before any filter or route sees it.
         if let Some(hcm) = listener.def.hcm().filter(|h| h.path.is_active()) {
             let req = session.req_header();
@@ -2445,6 +2468,7 @@ mod tests {
             xfcc: Default::default(),
             path: Default::default(),
             alpn: None,
+            underscores: Default::default(),
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

@@ -218,6 +218,20 @@ pub struct Hcm {
     pub path: PathNormalization,
     /// `istio.alpn`: the ALPN offered upstream over TLS instead of the cluster's.
     pub alpn: Option<Arc<AlpnOverride>>,
+    /// `common_http_protocol_options.headers_with_underscores_action` (Envoy Gateway sets
+    /// REJECT_REQUEST).
+    pub underscores: Underscores,
+}
+
+/// What the codec does with a request header whose name holds `_`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Underscores {
+    #[default]
+    Allow,
+    /// 400, and the connection closes (Envoy's HTTP/1 codec).
+    Reject,
+    /// The header is removed.
+    Drop,
 }
 
 /// The connection manager's path normalization, applied to `:path` before any filter or route
@@ -839,7 +853,22 @@ impl Hcm {
             merge_slashes: h.merge_slashes,
             escaped_slashes,
         };
+        let underscores = match h
+            .common_http_protocol_options
+            .as_ref()
+            .map_or(0, |o| o.headers_with_underscores_action)
+        {
+            0 => Underscores::Allow,
+            1 => Underscores::Reject,
+            2 => Underscores::Drop,
+            other => {
+                return Err(format!(
+                    "common_http_protocol_options.headers_with_underscores_action: unknown value {other}"
+                ))
+            }
+        };
         Ok(Hcm {
+            underscores,
             path,
             alpn,
             upgrades,
@@ -893,13 +922,9 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     {
         return Err("http2_protocol_options.allow_connect: extended CONNECT (WebSocket over HTTP/2) is not supported".into());
     }
-    if let Some(o) = &h.common_http_protocol_options {
-        if o.headers_with_underscores_action != 0 {
-            return Err("common_http_protocol_options.headers_with_underscores_action: only ALLOW is supported".into());
-        }
-        // idle_timeout and max_connection_duration close idle or old downstream connections;
-        // max_requests_per_connection likewise: connection hygiene, not routing.
-    }
+    // common_http_protocol_options: idle_timeout and max_connection_duration close idle or
+    // old downstream connections, max_requests_per_connection likewise: connection hygiene,
+    // not routing (max_stream_duration and headers_with_underscores_action are read above).
     if let Some(r) = &h.request_id_extension {
         let t = r
             .typed_config

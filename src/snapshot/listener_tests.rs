@@ -1427,6 +1427,19 @@ fn hcm_fields_that_would_change_requests_are_refused() {
     });
     h.proxy_100_continue = true;
     ok(&listener_with(&h));
+    // Envoy Gateway's REJECT_REQUEST.
+    let mut h = base_hcm();
+    h.common_http_protocol_options = Some(corepb::HttpProtocolOptions {
+        headers_with_underscores_action: 1,
+        ..Default::default()
+    });
+    assert_eq!(
+        ok(&listener_with(&h)).chains[0]
+            .hcm()
+            .expect("hcm")
+            .underscores,
+        Underscores::Reject
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
