@@ -247,10 +247,12 @@ fn prepare(source: &Path, shipped: &[u8]) -> Vec<u8> {
     .collect();
     pool.add_file_descriptor_protos(typed_structs)
         .unwrap_or_else(|e| fail(&format!("cannot add TypedStruct: {e}")));
-    if pool.get_file_by_name(METADATA_EXCHANGE_FILE).is_none() {
-        pool.add_file_descriptor_proto(metadata_exchange_file())
-            .unwrap_or_else(|e| fail(&format!("cannot add MetadataExchange: {e}")));
-    }
+    let istio: Vec<FileDescriptorProto> = istio_listener_filter_files()
+        .into_iter()
+        .filter(|f| pool.get_file_by_name(f.name()).is_none())
+        .collect();
+    pool.add_file_descriptor_protos(istio)
+        .unwrap_or_else(|e| fail(&format!("cannot add Istio's listener filter types: {e}")));
 
     let missing: Vec<&str> = REQUIRED_MESSAGES
         .iter()
@@ -322,30 +324,339 @@ fn typed_struct_file(file: &str, package: &str) -> FileDescriptorProto {
     }
 }
 
-const METADATA_EXCHANGE_FILE: &str = "envoy/tcp/metadataexchange/config/metadata_exchange.proto";
-
-/// istio/proxy's `envoy.tcp.metadataexchange.config.MetadataExchange` (one field, `protocol`):
-/// istiod puts it, unwrapped, on the `istio.metadata_exchange` filter of every cluster it sends
-/// Istio 1.18 and earlier proxies, so their config dumps do not decode without it.
-fn metadata_exchange_file() -> FileDescriptorProto {
-    FileDescriptorProto {
-        name: Some(METADATA_EXCHANGE_FILE.to_owned()),
-        package: Some("envoy.tcp.metadataexchange.config".to_owned()),
-        message_type: vec![DescriptorProto {
-            name: Some("MetadataExchange".to_owned()),
-            field: vec![FieldDescriptorProto {
-                name: Some("protocol".to_owned()),
-                json_name: Some("protocol".to_owned()),
-                number: Some(1),
-                label: Some(Label::Optional as i32),
-                r#type: Some(Type::String as i32),
-                ..Default::default()
-            }],
+/// Istio's own listener and HTTP filter configs, which istiod puts inside `Any` on gateway and
+/// sidecar listeners and which envoy-types does not ship: without them a listener holding one
+/// cannot be read from proto-JSON (config dumps, bootstraps). Field numbers and names are
+/// istio/proxy's (`source/extensions/filters/http/istio_stats/config.proto`,
+/// `.../http/peer_metadata/config.proto`,
+/// `.../network/metadata_exchange/config/metadata_exchange.proto`) and istio/api's
+/// (`envoy/config/filter/http/alpn/v2alpha1/config.proto`). Only messages and fields; options
+/// and comments are left out.
+fn istio_listener_filter_files() -> Vec<FileDescriptorProto> {
+    use prost_reflect::prost_types::{
+        EnumDescriptorProto, EnumValueDescriptorProto, MessageOptions, OneofDescriptorProto,
+    };
+    fn f(
+        name: &str,
+        number: i32,
+        label: Label,
+        kind: Type,
+        type_name: Option<&str>,
+    ) -> FieldDescriptorProto {
+        FieldDescriptorProto {
+            name: Some(name.to_owned()),
+            json_name: Some(json_name(name)),
+            number: Some(number),
+            label: Some(label as i32),
+            r#type: Some(kind as i32),
+            type_name: type_name.map(str::to_owned),
             ..Default::default()
-        }],
-        syntax: Some("proto3".to_owned()),
-        ..Default::default()
+        }
     }
+    fn json_name(name: &str) -> String {
+        let mut out = String::new();
+        let mut upper = false;
+        for c in name.chars() {
+            if c == '_' {
+                upper = true;
+            } else if upper {
+                out.extend(c.to_uppercase());
+                upper = false;
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+    fn message(name: &str, field: Vec<FieldDescriptorProto>) -> DescriptorProto {
+        DescriptorProto {
+            name: Some(name.to_owned()),
+            field,
+            ..Default::default()
+        }
+    }
+    fn enumeration(name: &str, values: &[(&str, i32)]) -> EnumDescriptorProto {
+        EnumDescriptorProto {
+            name: Some(name.to_owned()),
+            value: values
+                .iter()
+                .map(|(n, v)| EnumValueDescriptorProto {
+                    name: Some((*n).to_owned()),
+                    number: Some(*v),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+    fn oneof_member(mut fd: FieldDescriptorProto, index: i32) -> FieldDescriptorProto {
+        fd.oneof_index = Some(index);
+        fd
+    }
+    fn file(
+        name: &str,
+        package: &str,
+        dependency: &[&str],
+        message_type: Vec<DescriptorProto>,
+        enum_type: Vec<EnumDescriptorProto>,
+    ) -> FileDescriptorProto {
+        FileDescriptorProto {
+            name: Some(name.to_owned()),
+            package: Some(package.to_owned()),
+            dependency: dependency.iter().map(|d| (*d).to_owned()).collect(),
+            message_type,
+            enum_type,
+            syntax: Some("proto3".to_owned()),
+            ..Default::default()
+        }
+    }
+    use Label::{Optional as One, Repeated as Many};
+
+    // istio.stats: `stats.PluginConfig`.
+    let mut dimensions_entry = message(
+        "DimensionsEntry",
+        vec![
+            f("key", 1, One, Type::String, None),
+            f("value", 2, One, Type::String, None),
+        ],
+    );
+    dimensions_entry.options = Some(MessageOptions {
+        map_entry: Some(true),
+        ..Default::default()
+    });
+    let mut metric_config = message(
+        "MetricConfig",
+        vec![
+            f(
+                "dimensions",
+                1,
+                Many,
+                Type::Message,
+                Some(".stats.MetricConfig.DimensionsEntry"),
+            ),
+            f("name", 2, One, Type::String, None),
+            f("tags_to_remove", 3, Many, Type::String, None),
+            f("match", 4, One, Type::String, None),
+            f("drop", 5, One, Type::Bool, None),
+        ],
+    );
+    metric_config.nested_type = vec![dimensions_entry];
+    let duration = Some(".google.protobuf.Duration");
+    let stats = file(
+        "istio/stats/config.proto",
+        "stats",
+        &["google/protobuf/duration.proto"],
+        vec![
+            metric_config,
+            message(
+                "MetricDefinition",
+                vec![
+                    f("name", 1, One, Type::String, None),
+                    f("value", 2, One, Type::String, None),
+                    f("type", 3, One, Type::Enum, Some(".stats.MetricType")),
+                ],
+            ),
+            message(
+                "PluginConfig",
+                vec![
+                    f("disable_host_header_fallback", 6, One, Type::Bool, None),
+                    f("tcp_reporting_duration", 7, One, Type::Message, duration),
+                    f(
+                        "metrics",
+                        8,
+                        Many,
+                        Type::Message,
+                        Some(".stats.MetricConfig"),
+                    ),
+                    f(
+                        "definitions",
+                        9,
+                        Many,
+                        Type::Message,
+                        Some(".stats.MetricDefinition"),
+                    ),
+                    f("reporter", 10, One, Type::Enum, Some(".stats.Reporter")),
+                    f("rotation_interval", 11, One, Type::Message, duration),
+                    f(
+                        "graceful_deletion_interval",
+                        12,
+                        One,
+                        Type::Message,
+                        duration,
+                    ),
+                ],
+            ),
+        ],
+        vec![
+            enumeration(
+                "MetricType",
+                &[("COUNTER", 0), ("GAUGE", 1), ("HISTOGRAM", 2)],
+            ),
+            enumeration("Reporter", &[("UNSPECIFIED", 0), ("SERVER_GATEWAY", 1)]),
+        ],
+    );
+
+    // istio.metadata_exchange (network): `envoy.tcp.metadataexchange.config.MetadataExchange`.
+    let mx = file(
+        "envoy/tcp/metadataexchange/config/metadata_exchange.proto",
+        "envoy.tcp.metadataexchange.config",
+        &[],
+        vec![message(
+            "MetadataExchange",
+            vec![
+                f("protocol", 1, One, Type::String, None),
+                f("enable_discovery", 2, One, Type::Bool, None),
+                f("additional_labels", 3, Many, Type::String, None),
+            ],
+        )],
+        vec![],
+    );
+
+    // istio.metadata_exchange (HTTP, 1.22+): `io.istio.http.peer_metadata.Config`.
+    let pm = ".io.istio.http.peer_metadata.Config";
+    let mut discovery = message(
+        "DiscoveryMethod",
+        vec![
+            oneof_member(
+                f(
+                    "baggage",
+                    1,
+                    One,
+                    Type::Message,
+                    Some(&format!("{pm}.Baggage")),
+                ),
+                0,
+            ),
+            oneof_member(
+                f(
+                    "workload_discovery",
+                    2,
+                    One,
+                    Type::Message,
+                    Some(&format!("{pm}.WorkloadDiscovery")),
+                ),
+                0,
+            ),
+            oneof_member(
+                f(
+                    "istio_headers",
+                    3,
+                    One,
+                    Type::Message,
+                    Some(&format!("{pm}.IstioHeaders")),
+                ),
+                0,
+            ),
+        ],
+    );
+    discovery.oneof_decl = vec![OneofDescriptorProto {
+        name: Some("method_specifier".to_owned()),
+        ..Default::default()
+    }];
+    let mut propagation = message(
+        "PropagationMethod",
+        vec![oneof_member(
+            f(
+                "istio_headers",
+                1,
+                One,
+                Type::Message,
+                Some(&format!("{pm}.IstioHeaders")),
+            ),
+            0,
+        )],
+    );
+    propagation.oneof_decl = discovery.oneof_decl.clone();
+    let mut config = message(
+        "Config",
+        vec![
+            f(
+                "downstream_discovery",
+                1,
+                Many,
+                Type::Message,
+                Some(&format!("{pm}.DiscoveryMethod")),
+            ),
+            f(
+                "upstream_discovery",
+                2,
+                Many,
+                Type::Message,
+                Some(&format!("{pm}.DiscoveryMethod")),
+            ),
+            f(
+                "downstream_propagation",
+                3,
+                Many,
+                Type::Message,
+                Some(&format!("{pm}.PropagationMethod")),
+            ),
+            f(
+                "upstream_propagation",
+                4,
+                Many,
+                Type::Message,
+                Some(&format!("{pm}.PropagationMethod")),
+            ),
+            f("shared_with_upstream", 5, One, Type::Bool, None),
+            f("additional_labels", 6, Many, Type::String, None),
+        ],
+    );
+    config.nested_type = vec![
+        message("Baggage", vec![]),
+        message("WorkloadDiscovery", vec![]),
+        message(
+            "IstioHeaders",
+            vec![f("skip_external_clusters", 1, One, Type::Bool, None)],
+        ),
+        discovery,
+        propagation,
+    ];
+    let peer_metadata = file(
+        "istio/peer_metadata/config.proto",
+        "io.istio.http.peer_metadata",
+        &[],
+        vec![config],
+        vec![],
+    );
+
+    // istio.alpn: `istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig`.
+    let alpn_pkg = ".istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig";
+    let mut filter_config = message(
+        "FilterConfig",
+        vec![f(
+            "alpn_override",
+            1,
+            Many,
+            Type::Message,
+            Some(&format!("{alpn_pkg}.AlpnOverride")),
+        )],
+    );
+    filter_config.nested_type = vec![message(
+        "AlpnOverride",
+        vec![
+            f(
+                "upstream_protocol",
+                1,
+                One,
+                Type::Enum,
+                Some(&format!("{alpn_pkg}.Protocol")),
+            ),
+            f("alpn_override", 2, Many, Type::String, None),
+        ],
+    )];
+    filter_config.enum_type = vec![enumeration(
+        "Protocol",
+        &[("HTTP10", 0), ("HTTP11", 1), ("HTTP2", 2)],
+    )];
+    let alpn = file(
+        "envoy/config/filter/http/alpn/v2alpha1/config.proto",
+        "istio.envoy.config.filter.http.alpn.v2alpha1",
+        &[],
+        vec![filter_config],
+        vec![],
+    );
+    vec![stats, mx, peer_metadata, alpn]
 }
 
 fn fail(msg: &str) -> ! {

@@ -114,6 +114,14 @@ impl Downstream {
         }
     }
 
+    /// The local address requests see (`%DOWNSTREAM_LOCAL_ADDRESS%`, the cookie hash) when a
+    /// PROXY header restored one; None leaves the socket's.
+    pub fn set_local_addr(&self, local: Option<std::net::SocketAddr>) {
+        if let (Some(addr), Some(d)) = (local, &self.socket_digest) {
+            let _ = d.local_addr.set(Some(addr.into()));
+        }
+    }
+
     /// Sends what is buffered; the buffer is empty when this returns ready.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.written < self.buf.len() {

@@ -125,6 +125,11 @@ impl ListenerManager {
             if self.running.contains_key(name) {
                 continue;
             }
+            if !l.def.bind_to_port {
+                // Envoy keeps such a listener without a socket: only connections handed over
+                // by their original destination reach it, and Portico hands none over.
+                continue;
+            }
             let addr = l.def.addr;
             if let std::collections::hash_map::Entry::Vacant(slot) = self.bound.entry(addr) {
                 match bind(addr) {
@@ -283,12 +288,14 @@ enum ChainStats {
 }
 
 async fn serve_connection(
-    tcp: tokio::net::TcpStream,
-    peer: SocketAddr,
+    mut tcp: tokio::net::TcpStream,
+    mut peer: SocketAddr,
     conns: Conns,
     shutdown: watch::Receiver<bool>,
 ) {
     let _ = tcp.set_nodelay(true);
+    // The destination a PROXY header restored (None: the socket's own local address).
+    let mut local = None;
     // One snapshot for the chain choice and its certificate: a rotation applies to the next
     // handshake, never to this one half-way.
     let (snap, chain) = {
@@ -296,21 +303,26 @@ async fn serve_connection(
         let Some(l) = snap.listeners.get(&conns.listener).cloned() else {
             return;
         };
-        let hello = if l.def.tls_inspector {
-            let inspect = super::tls::inspect(&tcp);
-            match l.def.listener_filters_timeout {
-                Some(t) => match tokio::time::timeout(t, inspect).await {
-                    Ok(h) => h,
-                    // Envoy closes the connection, unless told to carry on without the filters.
-                    Err(_) if l.def.continue_on_listener_filters_timeout => Default::default(),
-                    Err(_) => return,
-                },
-                None => inspect.await,
-            }
-        } else {
+        let hello = if l.def.listener_filters.is_empty() {
             Default::default()
+        } else {
+            let run = run_listener_filters(&mut tcp, &l.def, &mut peer, &mut local);
+            let done = match l.def.listener_filters_timeout {
+                Some(t) => tokio::time::timeout(t, run).await.map_err(|_| ()),
+                None => Ok(run.await),
+            };
+            match done {
+                Ok(Some(hello)) => hello,
+                // The filters closed the connection.
+                Ok(None) => return,
+                // Envoy closes the connection, unless told to carry on without the filters.
+                Err(()) if l.def.continue_on_listener_filters_timeout => Default::default(),
+                Err(()) => return,
+            }
         };
-        let port = tcp.local_addr().map_or(l.def.addr.port(), |a| a.port());
+        let port = local
+            .or_else(|| tcp.local_addr().ok())
+            .map_or(l.def.addr.port(), |a| a.port());
         let conn = crate::snapshot::filter_chain::Conn {
             destination_port: port,
             server_name: &hello.server_name,
@@ -340,7 +352,12 @@ async fn serve_connection(
                 match &active.tls {
                     // Istio's `tls.mode: SIMPLE` on a TLS server with tcp routes: the chain
                     // terminates TLS and proxies the plaintext.
-                    Some(tls) => match super::tls::handshake(tcp, tls, Codec::Http1).await {
+                    Some(tls) => match with_timeout(
+                        active.def.handshake_timeout,
+                        super::tls::handshake(tcp, tls, Codec::Http1),
+                    )
+                    .await
+                    {
                         Ok((session, _)) => {
                             super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
                             super::tcp::serve(session, peer, proxy, snap, s, shutdown, kept).await;
@@ -370,8 +387,12 @@ async fn serve_connection(
             // Envoy's connection manager exists before the handshake, so failed ones count.
             stats.cx_ssl_total.fetch_add(1, Relaxed);
             stats.cx_ssl_active.fetch_add(1, Relaxed);
-            match super::tls::handshake(tcp, tls, active.def.hcm().map_or(Codec::Auto, |h| h.codec))
-                .await
+            let codec = active.def.hcm().map_or(Codec::Auto, |h| h.codec);
+            match with_timeout(
+                active.def.handshake_timeout,
+                super::tls::handshake(tcp, tls, codec),
+            )
+            .await
             {
                 Ok((session, alpn)) => {
                     let c = session.get_ref().1;
@@ -381,6 +402,7 @@ async fn serve_connection(
                             .and_then(|p| p.into_digest())
                     });
                     let mut d = super::io::Downstream::new_tls(session, peer, alpn);
+                    d.set_local_addr(local);
                     if let Some(digest) = client {
                         use pingora_core::protocols::GetProxyDigest;
                         d.set_proxy_digest(digest);
@@ -400,7 +422,9 @@ async fn serve_connection(
                 Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),
                 _ => apps.h1.clone(),
             };
-            (app, Box::new(super::io::Downstream::new(tcp, peer)))
+            let d = super::io::Downstream::new(tcp, peer);
+            d.set_local_addr(local);
+            (app, Box::new(d))
         }
     };
     let active_tls = active.tls.is_some();
@@ -410,6 +434,56 @@ async fn serve_connection(
     }
     if active_tls {
         stats.cx_ssl_active.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Runs the listener filters in their configured order; None when one of them closed the
+/// connection. A PROXY header's addresses replace `peer` (and set `local`) for everything
+/// after it: the TLS inspector, chain selection, XFF and the request path.
+async fn run_listener_filters(
+    tcp: &mut tokio::net::TcpStream,
+    def: &crate::snapshot::listener::ListenerDef,
+    peer: &mut SocketAddr,
+    local: &mut Option<SocketAddr>,
+) -> Option<super::tls::Hello> {
+    use super::proxy_protocol::{self as pp, Outcome};
+    use crate::snapshot::listener::ListenerFilter;
+    let mut hello = super::tls::Hello::default();
+    for f in &def.listener_filters {
+        match f {
+            ListenerFilter::TlsInspector => hello = super::tls::inspect(tcp).await,
+            ListenerFilter::ProxyProtocol(cfg) => {
+                let outcome = pp::read(tcp, cfg).await;
+                pp::stats(&cfg.stat_prefix).count(&outcome);
+                match outcome {
+                    Outcome::Found { addrs, .. } => {
+                        if let Some((src, dst)) = addrs {
+                            *peer = src;
+                            *local = Some(dst);
+                        }
+                    }
+                    Outcome::NotFoundAllowed => {}
+                    Outcome::Error(_) | Outcome::Denied(_) | Outcome::Closed => {
+                        tracing::debug!(listener = %def.name, %peer, ?outcome, "PROXY protocol: closing");
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+    Some(hello)
+}
+
+/// The TLS handshake under the chain's `transport_socket_connect_timeout`.
+async fn with_timeout<T>(
+    limit: Option<std::time::Duration>,
+    handshake: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    match limit {
+        Some(t) => tokio::time::timeout(t, handshake)
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())),
+        None => handshake.await,
     }
 }
 

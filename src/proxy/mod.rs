@@ -3,6 +3,8 @@
 pub mod client_cert;
 pub mod io;
 pub mod listeners;
+mod normalize;
+pub mod proxy_protocol;
 pub mod tcp;
 pub mod tls;
 mod upgrade;
@@ -559,6 +561,14 @@ fn request_id_bytes() -> [u8; 36] {
 }
 
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
+/// Replaces the request's path and query, keeping its scheme and authority (HTTP/2).
+fn set_path(req: &mut RequestHeader, path: &str) -> std::result::Result<(), http::Error> {
+    let mut parts = req.uri.clone().into_parts();
+    parts.path_and_query = Some(http::uri::PathAndQuery::try_from(path)?);
+    req.set_uri(http::Uri::from_parts(parts)?);
+    Ok(())
+}
+
 fn authority<'a>(req: &'a RequestHeader, listener: &ActiveChain) -> std::borrow::Cow<'a, str> {
     let raw = raw_authority(req);
     let host = match split_port(raw) {
@@ -1474,6 +1484,50 @@ impl ProxyHttp for Gateway {
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             return self.local_reply(session, ctx, status, body, &[]).await;
         }
+        if let Some(hcm) = listener.def.hcm() {
+            use crate::snapshot::listener::Underscores;
+            if hcm.underscores != Underscores::Allow {
+                let req = session.req_header();
+                if req.headers.keys().any(|k| k.as_str().contains('_')) {
+                    if hcm.underscores == Underscores::Reject {
+                        // Envoy's codec refuses the request and closes the connection.
+                        session.set_keepalive(None);
+                        return self.local_reply(session, ctx, 400, None, &[]).await;
+                    }
+                    let names: Vec<HeaderName> = req
+                        .headers
+                        .keys()
+                        .filter(|k| k.as_str().contains('_'))
+                        .cloned()
+                        .collect();
+                    let req = session.req_header_mut();
+                    for n in names {
+                        req.remove_header(&n);
+                    }
+                }
+            }
+        }
+        // Envoy normalizes :path before any filter or route sees it.
+        if let Some(hcm) = listener.def.hcm().filter(|h| h.path.is_active()) {
+            let req = session.req_header();
+            let original = req.uri.path_and_query().map_or("/", |p| p.as_str());
+            match normalize::apply(&hcm.path, original) {
+                normalize::Action::Continue(None) => {}
+                normalize::Action::Continue(Some(p)) => {
+                    if set_path(session.req_header_mut(), &p).is_err() {
+                        return self.local_reply(session, ctx, 400, None, &[]).await;
+                    }
+                }
+                normalize::Action::Reject => {
+                    return self.local_reply(session, ctx, 400, None, &[]).await;
+                }
+                normalize::Action::Redirect(p) => {
+                    return self
+                        .local_reply(session, ctx, 307, None, &[(http::header::LOCATION, p)])
+                        .await;
+                }
+            }
+        }
         // Envoy's connection manager settles x-forwarded-client-cert before routing, so route
         // matchers see what the upstream will.
         if let Some(hcm) = listener.def.hcm() {
@@ -1880,7 +1934,17 @@ impl ProxyHttp for Gateway {
             cluster.tls_for(ctx.host_index)
         };
         let mut peer = match tls {
-            Some(tls) => upstream_tls::peer(tls, cluster.def.connect_timeout)?,
+            Some(tls) => {
+                // istio.alpn: the connection manager's list for the protocol spoken upstream.
+                let alpn = ctx
+                    .listener
+                    .as_ref()
+                    .and_then(|l| l.def.hcm())
+                    .and_then(|h| h.alpn.as_ref())
+                    .filter(|a| a.for_protocol(cluster.def.http2).is_some())
+                    .map(|a| (a.clone(), cluster.def.http2));
+                upstream_tls::peer(tls, alpn, cluster.def.connect_timeout)?
+            }
             None => HttpPeer::new(addr, false, String::new()),
         };
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
@@ -2458,6 +2522,9 @@ mod tests {
             internal_ranges: Vec::new(),
             upgrades: Default::default(),
             xfcc: Default::default(),
+            path: Default::default(),
+            alpn: None,
+            underscores: Default::default(),
         };
         let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
         let mut h = http::HeaderMap::new();

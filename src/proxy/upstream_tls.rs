@@ -35,20 +35,47 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::oneshot;
 
+use crate::snapshot::listener::AlpnOverride;
 use crate::snapshot::upstream_tls::EndpointTls;
 
 /// Marks a handshake failure so the local reply can say what Envoy says.
 pub const TLS_FAILURE: ErrorType = ErrorType::TLSHandshakeFailure;
 
 /// A peer that connects to `tls.addr` through `tls`: the relay's address plus cheap clones.
-pub fn peer(tls: &Arc<EndpointTls>, connect_timeout: std::time::Duration) -> Result<HttpPeer> {
+/// `alpn` (istio.alpn, with whether the cluster speaks HTTP/2) replaces the socket's ALPN list,
+/// as Envoy's `applicationProtocolListOverride` does; such connections are pooled apart.
+pub fn peer(
+    tls: &Arc<EndpointTls>,
+    alpn: Option<(Arc<AlpnOverride>, bool)>,
+    connect_timeout: std::time::Duration,
+) -> Result<HttpPeer> {
     let relay = relay()?;
     let mut peer = HttpPeer::new_uds(&relay.path_str, false, String::new())?;
-    peer.options.custom_l4 = Some(tls.clone());
     peer.options.total_connection_timeout = Some(connect_timeout);
     // pingora's reuse hash has the address (the relay's, shared) and not the connector.
-    peer.group_key = tls.group_key;
+    match alpn {
+        Some((alpn, http2)) => {
+            peer.group_key = tls.group_key ^ alpn.key.rotate_left(if http2 { 1 } else { 0 });
+            peer.options.custom_l4 = Some(Arc::new(WithAlpn {
+                tls: tls.clone(),
+                alpn,
+                http2,
+            }));
+        }
+        None => {
+            peer.group_key = tls.group_key;
+            peer.options.custom_l4 = Some(tls.clone());
+        }
+    }
     Ok(peer)
+}
+
+/// An endpoint's TLS with the connection manager's ALPN list instead of the socket's.
+#[derive(Debug)]
+struct WithAlpn {
+    tls: Arc<EndpointTls>,
+    alpn: Arc<AlpnOverride>,
+    http2: bool,
 }
 
 /// The listener relayed connections come through, and the connectors waiting for theirs.
@@ -218,47 +245,71 @@ impl L4Connect for EndpointTls {
         &self,
         _relay_addr: &pingora_core::protocols::l4::socket::SocketAddr,
     ) -> Result<Stream> {
-        let inet = self.addr;
         let Some(config) = &self.tls.config else {
             // Envoy's words for a socket whose SDS secret has not arrived.
             return Error::e_explain(TLS_FAILURE, "Secret is not supplied by SDS");
         };
-        let tcp = connect_tcp(inet, self.bind).await.map_err(|e| {
-            let kind = match e.kind() {
-                std::io::ErrorKind::ConnectionRefused => ErrorType::ConnectRefused,
-                _ => ErrorType::ConnectError,
-            };
-            Error::because(kind, format!("connecting to {inet}"), e)
-        })?;
-        let _ = tcp.set_nodelay(true);
-        if let Some(k) = self.keepalive {
-            let ka = socket2::TcpKeepalive::new()
-                .with_time(std::time::Duration::from_secs(u64::from(
-                    k.time.unwrap_or(7200),
-                )))
-                .with_interval(std::time::Duration::from_secs(u64::from(
-                    k.interval.unwrap_or(75),
-                )))
-                .with_retries(k.probes.unwrap_or(9));
-            let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&ka);
-        }
-        // Without an SNI the name is the peer's IP, which rustls never sends as SNI; the
-        // validator ignores names either way.
-        let name = match &self.tls.sni {
-            Some(n) => n.clone(),
-            None => ServerName::IpAddress(inet.ip().into()),
-        };
-        let tls = tokio_rustls::TlsConnector::from(config.clone())
-            .connect(name, tcp)
-            .await
-            .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))?;
-        let relay = relay()?;
-        let (ours, theirs) = relay.pair().await.map_err(|e| {
-            Error::because(ErrorType::ConnectError, "upstream TLS relay".to_string(), e)
-        })?;
-        tokio::spawn(pump(theirs, tls));
-        Ok(Stream::from(ours))
+        connect(self, config.clone()).await
     }
+}
+
+#[async_trait]
+impl L4Connect for WithAlpn {
+    async fn connect(
+        &self,
+        _relay_addr: &pingora_core::protocols::l4::socket::SocketAddr,
+    ) -> Result<Stream> {
+        let Some(config) = &self.tls.tls.config else {
+            return Error::e_explain(TLS_FAILURE, "Secret is not supplied by SDS");
+        };
+        // Once per new connection (pooled ones are reused without it); a handshake costs far
+        // more than this copy.
+        let mut c = (**config).clone();
+        if let Some(list) = self.alpn.for_protocol(self.http2) {
+            c.alpn_protocols = list.to_vec();
+        }
+        connect(&self.tls, Arc::new(c)).await
+    }
+}
+
+/// Dials the endpoint, runs the handshake with `config` and hands pingora the relay's end.
+async fn connect(ep: &EndpointTls, config: Arc<rustls::ClientConfig>) -> Result<Stream> {
+    let inet = ep.addr;
+    let tcp = connect_tcp(inet, ep.bind).await.map_err(|e| {
+        let kind = match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => ErrorType::ConnectRefused,
+            _ => ErrorType::ConnectError,
+        };
+        Error::because(kind, format!("connecting to {inet}"), e)
+    })?;
+    let _ = tcp.set_nodelay(true);
+    if let Some(k) = ep.keepalive {
+        let ka = socket2::TcpKeepalive::new()
+            .with_time(std::time::Duration::from_secs(u64::from(
+                k.time.unwrap_or(7200),
+            )))
+            .with_interval(std::time::Duration::from_secs(u64::from(
+                k.interval.unwrap_or(75),
+            )))
+            .with_retries(k.probes.unwrap_or(9));
+        let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&ka);
+    }
+    // Without an SNI the name is the peer's IP, which rustls never sends as SNI; the
+    // validator ignores names either way.
+    let name = match &ep.tls.sni {
+        Some(n) => n.clone(),
+        None => ServerName::IpAddress(inet.ip().into()),
+    };
+    let tls = tokio_rustls::TlsConnector::from(config)
+        .connect(name, tcp)
+        .await
+        .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))?;
+    let relay = relay()?;
+    let (ours, theirs) = relay.pair().await.map_err(|e| {
+        Error::because(ErrorType::ConnectError, "upstream TLS relay".to_string(), e)
+    })?;
+    tokio::spawn(pump(theirs, tls));
+    Ok(Stream::from(ours))
 }
 
 /// Copies both ways until either side ends, then closes the other: an HTTP connection has

@@ -31,15 +31,91 @@ pub struct ListenerDef {
     /// The criteria of the `filter_chains` (the default chain has none).
     pub matches: Vec<ChainMatch>,
     pub has_default: bool,
+    /// The listener filters that act on a connection, in configured order (Envoy runs them
+    /// in order: a PROXY header listed before the TLS inspector is read off first).
+    pub listener_filters: Vec<ListenerFilter>,
     /// `envoy.filters.listener.tls_inspector` is configured: SNI and ALPN are read from the
     /// ClientHello before the chain is picked. Without it Envoy sees neither.
     pub tls_inspector: bool,
+    /// `bind_to_port` (default true). An unbound listener only gets connections another
+    /// listener hands over by their original destination (`use_original_dst`), which Portico
+    /// refuses, so such a listener is kept but never bound, as Envoy keeps it.
+    pub bind_to_port: bool,
     /// `listener_filters_timeout` (default 15 s; zero: none).
     pub listener_filters_timeout: Option<std::time::Duration>,
     pub continue_on_listener_filters_timeout: bool,
     /// The `listener.<name>.*` stats scope: `stat_prefix`, else the address as Envoy writes
     /// it (`0.0.0.0_443`).
     pub stat_name: String,
+}
+
+/// A listener filter that does something to the connection, in the listener's order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenerFilter {
+    TlsInspector,
+    ProxyProtocol(Arc<ProxyProtocol>),
+}
+
+/// `envoy.filters.listener.proxy_protocol`: the connection starts with a PROXY protocol header
+/// (v1 or v2) whose source becomes the downstream remote address and whose destination the
+/// local address, before any other listener filter after it sees a byte.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ProxyProtocol {
+    /// `allow_requests_without_proxy_protocol`: a connection whose first bytes cannot start a
+    /// PROXY header goes on untouched.
+    pub allow_without: bool,
+    /// Not in `disallowed_versions`.
+    pub allow_v1: bool,
+    pub allow_v2: bool,
+    /// `stat_prefix`: the stats are `proxy_proto.[<stat_prefix>.]...`.
+    pub stat_prefix: String,
+}
+
+pub const PROXY_PROTOCOL_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol";
+const HTTP_INSPECTOR_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.listener.http_inspector.v3.HttpInspector";
+const ORIGINAL_DST_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
+
+impl ProxyProtocol {
+    fn translate(any: &Any) -> Result<ProxyProtocol, String> {
+        use envoy_types::pb::envoy::extensions::filters::listener::proxy_protocol::v3 as pp;
+        let c: pp::ProxyProtocol = unpack(any, PROXY_PROTOCOL_TYPE, "proxy_protocol")?;
+        // TLVs go to dynamic metadata, which only metadata readers (RBAC, access logs, the
+        // router's metadata matchers) use; none of Portico's reads it yet, so a config that
+        // relies on them is refused rather than half served.
+        if !c.rules.is_empty() {
+            return Err(
+                "proxy_protocol.rules: TLVs as dynamic metadata are not supported (nothing in Portico reads dynamic metadata yet)"
+                    .into(),
+            );
+        }
+        // `pass_through_tlvs` (and `tlv_location`) only feed an upstream PROXY protocol
+        // transport socket, which Portico's clusters do not have: accepted, it cannot matter.
+        let mut allow_v1 = true;
+        let mut allow_v2 = true;
+        for v in &c.disallowed_versions {
+            match *v {
+                0 => allow_v1 = false,
+                1 => allow_v2 = false,
+                other => {
+                    return Err(format!(
+                        "proxy_protocol.disallowed_versions: unknown version {other}"
+                    ))
+                }
+            }
+        }
+        if !allow_v1 && !allow_v2 {
+            return Err("Proxy Protocol filter is misconfigured: all proxy protocol versions are disallowed.".into());
+        }
+        Ok(ProxyProtocol {
+            allow_without: c.allow_requests_without_proxy_protocol,
+            allow_v1,
+            allow_v2,
+            stat_prefix: c.stat_prefix,
+        })
+    }
 }
 
 /// One filter chain: how it terminates the transport, and its network filter.
@@ -49,6 +125,9 @@ pub struct ChainDef {
     /// The listener's address (the request path reads it for `strip_matching_host_port`).
     pub addr: SocketAddr,
     pub tls: Option<Arc<DownstreamTls>>,
+    /// `transport_socket_connect_timeout`: how long the TLS handshake may take (istiod sets
+    /// it on gateway chains against slow handshakes). None: no limit, Envoy's default.
+    pub handshake_timeout: Option<std::time::Duration>,
     pub filter: NetworkFilter,
 }
 
@@ -134,6 +213,55 @@ pub struct Hcm {
     /// `forward_client_cert_details` and `set_current_client_cert_details`: what becomes of
     /// `x-forwarded-client-cert`.
     pub xfcc: Xfcc,
+    /// `normalize_path`, `merge_slashes`, `path_with_escaped_slashes_action`: what the
+    /// connection manager does to `:path` before routing.
+    pub path: PathNormalization,
+    /// `istio.alpn`: the ALPN offered upstream over TLS instead of the cluster's.
+    pub alpn: Option<Arc<AlpnOverride>>,
+    /// `common_http_protocol_options.headers_with_underscores_action` (Envoy Gateway sets
+    /// REJECT_REQUEST).
+    pub underscores: Underscores,
+}
+
+/// What the codec does with a request header whose name holds `_`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Underscores {
+    #[default]
+    Allow,
+    /// 400, and the connection closes (Envoy's HTTP/1 codec).
+    Reject,
+    /// The header is removed.
+    Drop,
+}
+
+/// The connection manager's path normalization, applied to `:path` before any filter or route
+/// sees it, in Envoy's order: escaped slashes, then RFC 3986 normalization, then merged slashes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PathNormalization {
+    /// `normalize_path` (Envoy's default without the field: false).
+    pub normalize: bool,
+    pub merge_slashes: bool,
+    pub escaped_slashes: EscapedSlashes,
+}
+
+impl PathNormalization {
+    pub fn is_active(&self) -> bool {
+        self.normalize || self.merge_slashes || self.escaped_slashes != EscapedSlashes::Keep
+    }
+}
+
+/// `path_with_escaped_slashes_action` for `%2F`, `%2f`, `%5C` and `%5c` in the path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EscapedSlashes {
+    /// KEEP_UNCHANGED, and IMPLEMENTATION_SPECIFIC_DEFAULT (Envoy's runtime default keeps them).
+    #[default]
+    Keep,
+    /// REJECT_REQUEST: 400.
+    Reject,
+    /// UNESCAPE_AND_REDIRECT: 307 to the unescaped (and normalized) path.
+    Redirect,
+    /// UNESCAPE_AND_FORWARD: routed and forwarded unescaped.
+    Forward,
 }
 
 /// `forward_client_cert_details` (Envoy's default: SANITIZE).
@@ -236,6 +364,7 @@ impl ListenerDef {
         if l.name.is_empty() {
             return Err(TranslateError::new("listener ''", "name must not be empty"));
         }
+        check_listener_fields(l).map_err(err)?;
         let (host, port) =
             socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
         let ip: std::net::IpAddr = host
@@ -243,28 +372,52 @@ impl ListenerDef {
             .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
         let addr = SocketAddr::new(ip, port);
         let mut tls_inspector = false;
+        let mut http_inspector = false;
+        let mut listener_filters = Vec::new();
         for (i, f) in l.listener_filters.iter().enumerate() {
             use lpb::listener_filter::ConfigType;
-            let is_inspector = match &f.config_type {
-                Some(ConfigType::TypedConfig(a)) => a.type_url == TLS_INSPECTOR_TYPE,
-                Some(ConfigType::ConfigDiscovery(_)) => false,
-                None => f.name == TLS_INSPECTOR,
-            };
-            if !is_inspector {
-                return Err(err(format!(
-                    "listener_filters[{i}]: listener filter '{}' is not supported",
-                    f.name
-                )));
-            }
             if f.filter_disabled.is_some() {
                 return Err(err(format!(
                     "listener_filters[{i}]: filter_disabled is not supported"
                 )));
             }
-            tls_inspector = true;
-        }
-        if l.filter_chain_matcher.is_some() {
-            return Err(err("filter_chain_matcher is not supported".into()));
+            let (type_url, any) = match &f.config_type {
+                Some(ConfigType::TypedConfig(a)) => (a.type_url.as_str(), Some(a)),
+                Some(ConfigType::ConfigDiscovery(_)) => {
+                    return Err(err(format!(
+                        "listener_filters[{i}]: listener filter '{}': config_discovery is not supported",
+                        f.name
+                    )))
+                }
+                None if f.name == TLS_INSPECTOR => (TLS_INSPECTOR_TYPE, None),
+                None => ("", None),
+            };
+            match (type_url, any) {
+                (TLS_INSPECTOR_TYPE, _) => {
+                    tls_inspector = true;
+                    listener_filters.push(ListenerFilter::TlsInspector);
+                }
+                (PROXY_PROTOCOL_TYPE, Some(a)) => {
+                    let pp = ProxyProtocol::translate(a)
+                        .map_err(|e| err(format!("listener_filters[{i}] '{}': {e}", f.name)))?;
+                    listener_filters.push(ListenerFilter::ProxyProtocol(Arc::new(pp)));
+                }
+                // The HTTP inspector only sets the application protocol (h2c, http/1.1,
+                // http/1.0) of plaintext connections for filter chain matching; checked against
+                // the chains below.
+                (HTTP_INSPECTOR_TYPE, _) => http_inspector = true,
+                // original_dst restores the destination of a connection that iptables
+                // redirected (SO_ORIGINAL_DST). A gateway is addressed directly, so that
+                // destination is the local address the listener already uses; it only matters
+                // for handing connections over by `use_original_dst`, which is refused above.
+                (ORIGINAL_DST_TYPE, _) => {}
+                (other, _) => {
+                    return Err(err(format!(
+                        "listener_filters[{i}]: listener filter '{}' ({other}) is not supported",
+                        f.name
+                    )))
+                }
+            }
         }
         if l.filter_chains.is_empty() && l.default_filter_chain.is_none() {
             return Err(err("no filter chains specified".into()));
@@ -286,6 +439,18 @@ impl ListenerDef {
             .zip(matches.iter())
             .collect();
         super::filter_chain::check_overlaps(&named).map_err(err)?;
+        if http_inspector {
+            // Without the inspector a plaintext connection has no application protocol, so a
+            // chain that asks for one on plaintext would match differently from Envoy's.
+            if let Some(i) = matches
+                .iter()
+                .position(|m| !m.application_protocols.is_empty() && m.transport_protocol != "tls")
+            {
+                return Err(err(format!(
+                    "filter_chains[{i}]: matching application_protocols on plaintext connections (envoy.filters.listener.http_inspector) is not supported"
+                )));
+            }
+        }
         if let Some(c) = &l.default_filter_chain {
             chains.push(Arc::new(
                 ChainDef::translate(c, addr, "default_filter_chain").map_err(err)?,
@@ -305,7 +470,9 @@ impl ListenerDef {
             chains,
             matches,
             has_default: l.default_filter_chain.is_some(),
+            listener_filters,
             tls_inspector,
+            bind_to_port: l.bind_to_port.as_ref().is_none_or(|b| b.value),
             listener_filters_timeout,
             continue_on_listener_filters_timeout: l.continue_on_listener_filters_timeout,
             stat_name: if l.stat_prefix.is_empty() {
@@ -315,6 +482,57 @@ impl ListenerDef {
             },
         })
     }
+}
+
+/// The listener fields istiod (or anyone) may set beside address, filters and chains: each is
+/// either refused with the reason, or accepted because it cannot change where a request goes
+/// or whether it is allowed at a gateway.
+fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
+    if let Some(lpb::listener::ListenerSpecifier::InternalListener(_)) = &l.listener_specifier {
+        return Err("internal_listener: internal listeners (ambient's connect_originate / connect_terminate, reached through envoy_internal_address) are not supported".into());
+    }
+    if l.api_listener.is_some() {
+        return Err("api_listener is not supported".into());
+    }
+    if l.udp_listener_config.is_some() {
+        return Err("udp_listener_config: UDP listeners (QUIC / HTTP/3) are not supported".into());
+    }
+    if let Some(corepb::address::Address::SocketAddress(sa)) =
+        l.address.as_ref().and_then(|a| a.address.as_ref())
+    {
+        if sa.protocol == corepb::socket_address::Protocol::Udp as i32 {
+            return Err("address: UDP listeners (QUIC / HTTP/3) are not supported".into());
+        }
+    }
+    if !l.additional_addresses.is_empty() {
+        // istiod adds them for dual stack (ISTIO_DUAL_STACK). Binding several sockets per
+        // listener needs the listener manager and the store's bind check to carry a list of
+        // addresses per listener; until then the listener is refused rather than half bound.
+        return Err(
+            "additional_addresses: listening on more than one address per listener is not supported yet"
+                .into(),
+        );
+    }
+    if l.use_original_dst.as_ref().is_some_and(|b| b.value) {
+        return Err("use_original_dst: handing connections to the listener of their original destination (a sidecar's virtualOutbound) is not supported".into());
+    }
+    if l.filter_chain_matcher.is_some() {
+        return Err("filter_chain_matcher is not supported".into());
+    }
+    if l.fcds_config.is_some() {
+        return Err("fcds_config: filter chain discovery is not supported".into());
+    }
+    // Accepted, and why they cannot matter at a gateway:
+    // - connection_balance_config (exact_balance): which worker accepts a connection; Portico's
+    //   workers each accept on the socket, and a connection's handling does not depend on it.
+    // - per_connection_buffer_limit_bytes: flow-control watermarks of Envoy's buffers; pingora
+    //   has its own, and no request is routed or refused by it.
+    // - ignore_global_conn_limit, bypass_overload_manager: Portico has no global connection
+    //   limit nor overload manager for them to exempt a listener from.
+    // - traffic_direction, access_log, metadata, stat_prefix handling aside, stats_matcher,
+    //   max_connections_to_accept_per_socket_event, tcp_backlog_size, enable_reuse_port,
+    //   tcp_fast_open_queue_length: observability and accept-loop tuning.
+    Ok(())
 }
 
 impl ChainDef {
@@ -344,57 +562,172 @@ impl ChainDef {
                 }
             },
         };
-        let filter = match chain.filters.as_slice() {
-            [f] if f.name.is_empty() => {
-                return Err(format!("{at}.filters[0]: name must not be empty"))
+        let Some((terminal, before)) = chain.filters.split_last() else {
+            return Err(format!("{at}: no network filters"));
+        };
+        let mut mx = false;
+        for (i, f) in before.iter().enumerate() {
+            if f.name.is_empty() {
+                return Err(format!("{at}.filters[{i}]: name must not be empty"));
             }
-            [f] => {
-                let any = match &f.config_type {
-                    Some(lpb::filter::ConfigType::TypedConfig(a)) => a,
-                    _ => {
-                        return Err(format!(
-                            "{at}.filters[0] '{}': typed_config is required",
-                            f.name
-                        ))
+            let kind = match &f.config_type {
+                Some(lpb::filter::ConfigType::TypedConfig(a)) => match istio_telemetry(a) {
+                    Some(t) => {
+                        mx |= t == MX_NETWORK_TYPE;
+                        continue;
                     }
-                };
-                match any.type_url.as_str() {
-                    HCM_TYPE => {
-                        let proto: hcm::HttpConnectionManager =
-                            unpack(any, HCM_TYPE, "http_connection_manager")?;
-                        NetworkFilter::Http(
-                            Hcm::translate(&proto)
-                                .map_err(|e| format!("http_connection_manager: {e}"))?,
-                        )
-                    }
-                    TCP_PROXY_TYPE => {
-                        NetworkFilter::Tcp(
-                            TcpProxy::from_any(any).map_err(|e| format!("{at}.filters[0]: {e}"))?,
-                        )
-                    }
-                    other => {
-                        return Err(format!(
-                            "network filter '{}' ({other}) is not supported",
-                            f.name
-                        ))
-                    }
-                }
-            }
-            [] => return Err(format!("{at}: no network filters")),
-            [first, ..] => {
+                    None => config_type(a),
+                },
+                _ => "no typed_config".to_string(),
+            };
+            return Err(format!(
+                "{at}: only a single http_connection_manager or tcp_proxy is supported, found network filter '{}' ({kind}) first",
+                f.name
+            ));
+        }
+        let f = terminal;
+        let i = before.len();
+        if f.name.is_empty() {
+            return Err(format!("{at}.filters[{i}]: name must not be empty"));
+        }
+        let any = match &f.config_type {
+            Some(lpb::filter::ConfigType::TypedConfig(a)) => a,
+            _ => {
                 return Err(format!(
-                    "{at}: only a single http_connection_manager or tcp_proxy is supported, found network filter '{}' first",
-                    first.name
+                    "{at}.filters[{i}] '{}': typed_config is required",
+                    f.name
                 ))
             }
+        };
+        let filter = match any.type_url.as_str() {
+            HCM_TYPE => {
+                let proto: hcm::HttpConnectionManager =
+                    unpack(any, HCM_TYPE, "http_connection_manager")?;
+                NetworkFilter::Http(
+                    Hcm::translate(&proto).map_err(|e| format!("http_connection_manager: {e}"))?,
+                )
+            }
+            TCP_PROXY_TYPE => NetworkFilter::Tcp(
+                TcpProxy::from_any(any).map_err(|e| format!("{at}.filters[{i}]: {e}"))?,
+            ),
+            other => {
+                return Err(format!(
+                    "network filter '{}' ({other}) is not supported",
+                    f.name
+                ))
+            }
+        };
+        #[allow(deprecated)]
+        if chain.use_proxy_proto.as_ref().is_some_and(|b| b.value) {
+            return Err(format!(
+                "{at}.use_proxy_proto is not supported: use the envoy.filters.listener.proxy_protocol listener filter"
+            ));
+        }
+        let handshake_timeout = match &chain.transport_socket_connect_timeout {
+            None => None,
+            Some(d) => {
+                let d = super::duration(d)
+                    .map_err(|e| format!("{at}.transport_socket_connect_timeout: {e}"))?;
+                (!d.is_zero()).then_some(d)
+            }
+        };
+        let tls = match tls {
+            // Istio's TCP metadata exchange reads a header the peer writes into the stream when
+            // the TLS handshake settled on `istio-peer-exchange`. Portico does not speak that
+            // exchange, so it does not offer that protocol: peers then send the plain stream,
+            // which Envoy's filter passes through untouched (as with PILOT_DISABLE_MX_ALPN).
+            Some(_) if mx => Some(Arc::new(without_mx_alpn(chain, at)?)),
+            other => other,
         };
         Ok(ChainDef {
             name: chain.name.clone(),
             addr,
             tls,
+            handshake_timeout,
             filter,
         })
     }
+}
+
+/// The chain's DownstreamTlsContext without `istio-peer-exchange` in its ALPN list.
+fn without_mx_alpn(chain: &lpb::FilterChain, at: &str) -> Result<DownstreamTls, String> {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::DownstreamTlsContext;
+    let Some(corepb::transport_socket::ConfigType::TypedConfig(a)) = chain
+        .transport_socket
+        .as_ref()
+        .and_then(|t| t.config_type.as_ref())
+    else {
+        return Err(format!("{at}.transport_socket: typed_config is required"));
+    };
+    let mut ctx: DownstreamTlsContext = unpack(a, DOWNSTREAM_TLS_TYPE, "transport_socket")?;
+    if let Some(c) = ctx.common_tls_context.as_mut() {
+        c.alpn_protocols.retain(|p| p != MX_ALPN);
+    }
+    let any = Any {
+        type_url: DOWNSTREAM_TLS_TYPE.to_string(),
+        value: ctx.encode_to_vec(),
+    };
+    DownstreamTls::from_any(&any).map_err(|e| format!("{at}.transport_socket: {e}"))
+}
+
+const MX_ALPN: &str = "istio-peer-exchange";
+
+/// Istio's own telemetry filters: they observe traffic and feed Istio's metrics, and change
+/// neither where a request goes nor whether it is allowed. Until Istio telemetry lands (#15)
+/// Portico accepts them and does not run them; the chain around them works as without them.
+/// - `istio.stats` (`stats.PluginConfig`, HTTP and network): Istio's request/TCP metrics.
+/// - `istio.metadata_exchange` network filter (`envoy.tcp.metadataexchange.config.MetadataExchange`):
+///   see `without_mx_alpn`: Portico does not offer the ALPN that would make a peer speak it.
+/// - `istio.metadata_exchange` HTTP filter (`io.istio.http.peer_metadata.Config`, 1.22+, or
+///   the 1.18 null-VM Wasm): exchanges the peers' identity in `x-envoy-peer-metadata[-id]`
+///   headers for the telemetry of both sides; Portico sends none.
+/// - `envoy.filters.http.grpc_stats`: per-method gRPC counters.
+///
+/// Seen through `TypedStruct` (istiod 1.22+ wraps them) and through Istio's null-VM Wasm
+/// plugins (`envoy.wasm.runtime.null` with Istio's built-in `envoy.wasm.*` code): a real Wasm
+/// module could do anything and stays refused.
+const ISTIO_TELEMETRY_TYPES: [&str; 4] = [
+    "type.googleapis.com/stats.PluginConfig",
+    MX_NETWORK_TYPE,
+    "type.googleapis.com/io.istio.http.peer_metadata.Config",
+    "type.googleapis.com/envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+];
+const MX_NETWORK_TYPE: &str =
+    "type.googleapis.com/envoy.tcp.metadataexchange.config.MetadataExchange";
+const WASM_HTTP_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+const WASM_NETWORK_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.network.wasm.v3.Wasm";
+/// Istio's null-VM plugins: code compiled into istio-proxy, named by these strings.
+const ISTIO_NULL_VM_PLUGINS: [&str; 2] = ["envoy.wasm.metadata_exchange", "envoy.wasm.stats"];
+
+/// The Istio telemetry type `a` configures (see `ISTIO_TELEMETRY_TYPES`), or None.
+fn istio_telemetry(a: &Any) -> Option<&'static str> {
+    let mut t = config_type(a);
+    if a.type_url == WASM_HTTP_TYPE || a.type_url == WASM_NETWORK_TYPE {
+        use envoy_types::pb::envoy::config::core::v3::async_data_source::Specifier;
+        use envoy_types::pb::envoy::extensions::filters::http::wasm::v3::Wasm;
+        use envoy_types::pb::envoy::extensions::wasm::v3::plugin_config::Vm;
+        // The HTTP and network Wasm messages have the same fields.
+        let w = Wasm::decode(a.value.as_slice()).ok()?;
+        let cfg = w.config?;
+        let Some(Vm::VmConfig(vm)) = &cfg.vm else {
+            return None;
+        };
+        let code = match vm.code.as_ref().and_then(|c| c.specifier.as_ref()) {
+            Some(Specifier::Local(d)) => match &d.specifier {
+                Some(corepb::data_source::Specifier::InlineString(s)) => s.as_str(),
+                _ => "",
+            },
+            _ => "",
+        };
+        if vm.runtime != "envoy.wasm.runtime.null" || !ISTIO_NULL_VM_PLUGINS.contains(&code) {
+            return None;
+        }
+        if code == "envoy.wasm.stats" {
+            return Some(ISTIO_TELEMETRY_TYPES[0]);
+        }
+        t = cfg.configuration.as_ref().map(config_type)?;
+    }
+    ISTIO_TELEMETRY_TYPES.iter().copied().find(|k| *k == t)
 }
 
 impl Hcm {
@@ -430,7 +763,12 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
-        let (faults, rate_limits, rate_limit_first) = check_http_filters(&h.http_filters)?;
+        let HttpFilters {
+            faults,
+            rate_limits,
+            rate_limit_first,
+            alpn,
+        } = check_http_filters(&h.http_filters)?;
         let cors = h.http_filters.iter().any(|f| {
             !f.disabled
                 && matches!(&f.config_type,
@@ -496,7 +834,43 @@ impl Hcm {
                     .into(),
             );
         }
+        check_hcm_fields(h)?;
+        use hcm::http_connection_manager::PathWithEscapedSlashesAction as Esc;
+        let escaped_slashes = match Esc::try_from(h.path_with_escaped_slashes_action) {
+            Ok(Esc::ImplementationSpecificDefault | Esc::KeepUnchanged) => EscapedSlashes::Keep,
+            Ok(Esc::RejectRequest) => EscapedSlashes::Reject,
+            Ok(Esc::UnescapeAndRedirect) => EscapedSlashes::Redirect,
+            Ok(Esc::UnescapeAndForward) => EscapedSlashes::Forward,
+            Err(_) => {
+                return Err(format!(
+                    "path_with_escaped_slashes_action: unknown value {}",
+                    h.path_with_escaped_slashes_action
+                ))
+            }
+        };
+        let path = PathNormalization {
+            normalize: h.normalize_path.as_ref().is_some_and(|b| b.value),
+            merge_slashes: h.merge_slashes,
+            escaped_slashes,
+        };
+        let underscores = match h
+            .common_http_protocol_options
+            .as_ref()
+            .map_or(0, |o| o.headers_with_underscores_action)
+        {
+            0 => Underscores::Allow,
+            1 => Underscores::Reject,
+            2 => Underscores::Drop,
+            other => {
+                return Err(format!(
+                    "common_http_protocol_options.headers_with_underscores_action: unknown value {other}"
+                ))
+            }
+        };
         Ok(Hcm {
+            underscores,
+            path,
+            alpn,
             upgrades,
             xfcc,
             stream_idle_timeout,
@@ -526,6 +900,70 @@ impl Hcm {
             rate_limit_first,
         })
     }
+}
+
+const UUID_REQUEST_ID_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig";
+
+/// Connection manager fields that would change where a request goes, whether it is allowed
+/// or what reaches the upstream, and that Portico does not implement: refused by name. The
+/// rest is accepted because it only observes or tunes (see the comments).
+fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
+    if let Some(o) = &h.http_protocol_options {
+        if o.accept_http_10 {
+            return Err("http_protocol_options.accept_http_10: HTTP/1.0 is not supported (Portico answers 426, Envoy's default)".into());
+        }
+        // header_key_format (istiod's preserve-case), enable_trailers and the like change
+        // how HTTP/1 is written, not where a request goes.
+    }
+    if h.http2_protocol_options
+        .as_ref()
+        .is_some_and(|o| o.allow_connect)
+    {
+        return Err("http2_protocol_options.allow_connect: extended CONNECT (WebSocket over HTTP/2) is not supported".into());
+    }
+    // common_http_protocol_options: idle_timeout and max_connection_duration close idle or
+    // old downstream connections, max_requests_per_connection likewise: connection hygiene,
+    // not routing (max_stream_duration and headers_with_underscores_action are read above).
+    if let Some(r) = &h.request_id_extension {
+        let t = r
+            .typed_config
+            .as_ref()
+            .map(|a| a.type_url.as_str())
+            .unwrap_or("");
+        if t != UUID_REQUEST_ID_TYPE {
+            return Err(format!(
+                "request_id_extension: only {UUID_REQUEST_ID_TYPE} is supported, got '{t}'"
+            ));
+        }
+        // The UUID extension is Envoy's default; its options only concern trace sampling.
+    }
+    if h.append_x_forwarded_port {
+        return Err("append_x_forwarded_port is not supported".into());
+    }
+    if h.strip_trailing_host_dot {
+        return Err("strip_trailing_host_dot is not supported".into());
+    }
+    if h.scheme_header_transformation.is_some() {
+        return Err("scheme_header_transformation is not supported".into());
+    }
+    if !h.original_ip_detection_extensions.is_empty() {
+        return Err("original_ip_detection_extensions are not supported".into());
+    }
+    if !h.early_header_mutation_extensions.is_empty() {
+        return Err("early_header_mutation_extensions are not supported".into());
+    }
+    if h.path_normalization_options.is_some() {
+        return Err("path_normalization_options is not supported".into());
+    }
+    if h.typed_header_validation_config.is_some() {
+        return Err("typed_header_validation_config is not supported".into());
+    }
+    // Accepted: `access_log` and `tracing` (telemetry; Istio telemetry is #15),
+    // `proxy_100_continue` (Portico answers `Expect: 100-continue` itself; either way the body
+    // follows), `internal_address_config` (read above), `http2_protocol_options` windows and
+    // stream limits (flow control).
+    Ok(())
 }
 
 /// `udpa.type.v1.TypedStruct` / `xds.type.v3.TypedStruct`: a config named by its type URL.
@@ -565,7 +1003,100 @@ pub struct RateLimitFilter {
     pub disabled: bool,
 }
 
-type HttpFilters = (Vec<FaultFilter>, Vec<RateLimitFilter>, bool);
+struct HttpFilters {
+    faults: Vec<FaultFilter>,
+    rate_limits: Vec<RateLimitFilter>,
+    rate_limit_first: bool,
+    alpn: Option<Arc<AlpnOverride>>,
+}
+
+/// `istio.alpn` (`istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig`): the ALPN list a
+/// routed request's upstream TLS connection offers instead of the cluster's, by the protocol
+/// spoken upstream. istiod puts it on every gateway and sidecar-outbound connection manager
+/// (PILOT_ENABLE_ALPN_FILTER, on by default) so that an ISTIO_MUTUAL pod's sidecar sees
+/// `istio-http/1.1` or `istio-h2` and picks its HTTP chain on a port whose protocol it sniffs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AlpnOverride {
+    /// Wire-format names; empty: no override for that protocol.
+    pub http11: Vec<Vec<u8>>,
+    pub http2: Vec<Vec<u8>>,
+    /// Keeps pooled upstream connections made with these lists apart from the others.
+    pub key: u64,
+}
+
+const ALPN_FILTER_TYPE: &str =
+    "type.googleapis.com/istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig";
+
+/// istio/api's `FilterConfig` for the ALPN filter (no Rust type ships it).
+#[derive(Clone, PartialEq, prost::Message)]
+struct AlpnFilterConfig {
+    #[prost(message, repeated, tag = "1")]
+    alpn_override: Vec<AlpnOverrideProto>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct AlpnOverrideProto {
+    /// HTTP10 = 0, HTTP11 = 1, HTTP2 = 2.
+    #[prost(int32, tag = "1")]
+    upstream_protocol: i32,
+    #[prost(string, repeated, tag = "2")]
+    alpn_override: Vec<String>,
+}
+
+impl AlpnOverride {
+    fn from_any(a: &Any) -> Result<AlpnOverride, String> {
+        if a.type_url != ALPN_FILTER_TYPE {
+            return Err(format!(
+                "a {} wrapped in {} is not supported",
+                ALPN_FILTER_TYPE, a.type_url
+            ));
+        }
+        let c = AlpnFilterConfig::decode(a.value.as_slice())
+            .map_err(|e| format!("cannot decode: {e}"))?;
+        let mut out = AlpnOverride::default();
+        for (i, o) in c.alpn_override.iter().enumerate() {
+            let list: Vec<Vec<u8>> = o
+                .alpn_override
+                .iter()
+                .map(|p| p.as_bytes().to_vec())
+                .collect();
+            if let Some(p) = list.iter().find(|p| p.is_empty() || p.len() > 255) {
+                return Err(format!(
+                    "alpn_override[{i}]: invalid protocol name '{}'",
+                    String::from_utf8_lossy(p)
+                ));
+            }
+            match o.upstream_protocol {
+                // Portico answers HTTP/1.0 requests with 426, as Envoy does by default, so no
+                // request is ever proxied as HTTP/1.0.
+                0 => {}
+                1 => out.http11 = list,
+                2 => out.http2 = list,
+                other => {
+                    return Err(format!(
+                        "alpn_override[{i}].upstream_protocol: unknown value {other}"
+                    ))
+                }
+            }
+        }
+        let mut key = Vec::new();
+        for l in [&out.http11, &out.http2] {
+            for p in l {
+                key.extend_from_slice(p);
+                key.push(0);
+            }
+            key.push(0xff);
+        }
+        out.key = xxhash_rust::xxh64::xxh64(&key, 7);
+        Ok(out)
+    }
+
+    /// The list for an upstream speaking HTTP/2 (`http2`) or HTTP/1.1; None: keep the cluster's.
+    pub fn for_protocol(&self, http2: bool) -> Option<&[Vec<u8>]> {
+        let l = if http2 { &self.http2 } else { &self.http11 };
+        (!l.is_empty()).then_some(l.as_slice())
+    }
+}
 
 fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String> {
     let is_router = |f: &hcm::HttpFilter| match &f.config_type {
@@ -576,7 +1107,12 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
         return Err(format!("http_filters[{i}]: name must not be empty"));
     }
     let Some(last) = filters.last() else {
-        return Ok((Vec::new(), Vec::new(), false));
+        return Ok(HttpFilters {
+            faults: Vec::new(),
+            rate_limits: Vec::new(),
+            rate_limit_first: false,
+            alpn: None,
+        });
     };
     if last.name == "envoy.filters.http.router" && last.config_type.is_none() {
         return Err(
@@ -599,6 +1135,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
     let mut faults = Vec::new();
     let mut rate_limits = Vec::new();
     let mut rate_limit_first = false;
+    let mut alpn = None;
     for (i, f) in filters[..filters.len() - 1].iter().enumerate() {
         if is_router(f) {
             return Err(format!(
@@ -639,7 +1176,16 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
                 // istiod puts CORS on every gateway listener; with no per-route policy it does
                 // nothing in Envoy either.
                 CORS_TYPE => continue,
+                ALPN_FILTER_TYPE if !f.disabled => {
+                    let o = AlpnOverride::from_any(a)
+                        .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
+                    alpn = Some(Arc::new(o));
+                    continue;
+                }
                 _ => {}
+            }
+            if istio_telemetry(a).is_some() {
+                continue;
             }
         }
         // A filter Portico does not implement is fine if the config says it may be skipped.
@@ -658,7 +1204,12 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
             f.name
         ));
     }
-    Ok((faults, rate_limits, rate_limit_first))
+    Ok(HttpFilters {
+        faults,
+        rate_limits,
+        rate_limit_first,
+        alpn,
+    })
 }
 
 #[cfg(test)]
