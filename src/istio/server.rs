@@ -396,14 +396,7 @@ impl AggregatedDiscoveryService for AdsService {
         &self,
         request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
     ) -> Result<tonic::Response<ResponseStream>, tonic::Status> {
-        let (tx, rx) = mpsc::channel(16);
-        let stream = SotwStream {
-            conn: Conn::new(&self.cp),
-            tx,
-        };
-        let peer = request.remote_addr();
-        tokio::spawn(run(stream, request.into_inner(), peer));
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(tonic::Response::new(Box::pin(self.open(request))))
     }
 
     type DeltaAggregatedResourcesStream = DeltaStream;
@@ -412,14 +405,28 @@ impl AggregatedDiscoveryService for AdsService {
         &self,
         request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<tonic::Response<DeltaStream>, tonic::Status> {
+        Ok(tonic::Response::new(Box::pin(self.open(request))))
+    }
+}
+
+impl AdsService {
+    /// Serves one stream of either protocol in its own task; the responses, as tonic wants them.
+    fn open<R>(
+        &self,
+        request: tonic::Request<tonic::Streaming<<AdsStream<R> as Protocol>::Request>>,
+    ) -> ReceiverStream<Result<R, tonic::Status>>
+    where
+        R: Send + 'static,
+        AdsStream<R>: Protocol,
+    {
         let (tx, rx) = mpsc::channel(16);
-        let stream = DeltaAdsStream {
+        let stream = AdsStream {
             conn: Conn::new(&self.cp),
             tx,
         };
         let peer = request.remote_addr();
         tokio::spawn(run(stream, request.into_inner(), peer));
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+        ReceiverStream::new(rx)
     }
 }
 
@@ -540,15 +547,23 @@ impl Conn {
         Ok(())
     }
 
-    /// Moves to the newly published generation; false before the gateway said who it is.
-    async fn refresh(&mut self) -> Result<bool, End> {
+    /// Moves to the newly published generation and says, per subscribed type in push
+    /// order, how what the gateway holds differs from it (whether the subscription is a
+    /// wildcard, and the diff). Nothing before the gateway said who it is.
+    async fn changes(&mut self) -> Result<Vec<(&'static str, bool, Diff)>, End> {
         let generation = self.generation.borrow_and_update().clone();
         let Some(node) = &self.node else {
-            return Ok(false);
+            return Ok(Vec::new());
         };
         self.served = translated(&generation, node).await?;
         self.version = generation.version.clone();
-        Ok(true)
+        Ok(PUSH_ORDER
+            .iter()
+            .filter_map(|t| {
+                let sub = self.subs.get(*t)?;
+                Some((*t, sub.wildcard, sub.diff(&self.served, t)))
+            })
+            .collect())
     }
 
     /// A rejection is the gateway's to report; the stream keeps serving.
@@ -579,12 +594,15 @@ impl Conn {
     }
 }
 
+/// One ADS stream: the shared part, and where its responses go.
+struct AdsStream<R> {
+    conn: Conn,
+    tx: Tx<R>,
+}
+
 /// One ADS protocol over the shared stream loop.
 trait Protocol: Send + 'static {
     type Request: prost::Message + Default + Send + 'static;
-    type Response: Send + 'static;
-    fn conn(&self) -> &Conn;
-    fn tx(&self) -> &Tx<Self::Response>;
     fn on_request(&mut self, req: Self::Request) -> impl Future<Output = Result<(), End>> + Send;
     fn on_generation(&mut self) -> impl Future<Output = Result<(), End>> + Send;
 }
@@ -598,13 +616,15 @@ enum End {
 
 /// Serves one stream until the gateway leaves or the control plane stops: requests as they
 /// come, and every newly published generation.
-async fn run<P: Protocol>(
-    mut p: P,
-    mut inbound: tonic::Streaming<P::Request>,
+async fn run<R>(
+    mut p: AdsStream<R>,
+    mut inbound: tonic::Streaming<<AdsStream<R> as Protocol>::Request>,
     peer: Option<SocketAddr>,
-) {
-    let mut stopping = p.conn().cp.stopping.subscribe();
-    let mut generation = p.conn().generation.clone();
+) where
+    AdsStream<R>: Protocol,
+{
+    let mut stopping = p.conn.cp.stopping.subscribe();
+    let mut generation = p.conn.generation.clone();
     let end = loop {
         let step = tokio::select! {
             () = until_true(&mut stopping) => Err(End::Error(tonic::Status::unavailable("control plane stopping"))),
@@ -625,12 +645,12 @@ async fn run<P: Protocol>(
             break end;
         }
     };
-    let id = p.conn().id();
+    let id = p.conn.id();
     match end {
         End::Gone => tracing::info!(node = id, ?peer, "gateway disconnected"),
         End::Error(status) => {
             tracing::info!(node = id, ?peer, "closing ADS stream: {}", status.message());
-            let _ = p.tx().send(Err(status)).await;
+            let _ = p.tx.send(Err(status)).await;
         }
     }
 }
@@ -638,22 +658,10 @@ async fn run<P: Protocol>(
 // ---------------------------------------------------------------------------------------
 // State of the world
 
-struct SotwStream {
-    conn: Conn,
-    tx: Tx<DiscoveryResponse>,
-}
+type SotwStream = AdsStream<DiscoveryResponse>;
 
 impl Protocol for SotwStream {
     type Request = DiscoveryRequest;
-    type Response = DiscoveryResponse;
-
-    fn conn(&self) -> &Conn {
-        &self.conn
-    }
-
-    fn tx(&self) -> &Tx<DiscoveryResponse> {
-        &self.tx
-    }
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), End> {
         self.conn.hello(req.node.as_ref()).await?;
@@ -710,16 +718,9 @@ impl Protocol for SotwStream {
     }
 
     async fn on_generation(&mut self) -> Result<(), End> {
-        if !self.conn.refresh().await? {
-            return Ok(());
-        }
-        for type_url in PUSH_ORDER {
-            let Some(sub) = self.conn.subs.get(type_url) else {
-                continue;
-            };
-            let diff = sub.diff(&self.conn.served, type_url);
+        for (type_url, wildcard, diff) in self.conn.changes().await? {
             let all = self.all(type_url);
-            if sub.wildcard {
+            if wildcard {
                 // A state-of-the-world response replaces the whole set of LDS and CDS.
                 if !diff.changed.is_empty() || !diff.gone.is_empty() {
                     self.send(type_url, all.clone(), all).await?;
@@ -792,22 +793,10 @@ impl SotwStream {
 // ---------------------------------------------------------------------------------------
 // Incremental (delta)
 
-struct DeltaAdsStream {
-    conn: Conn,
-    tx: Tx<DeltaDiscoveryResponse>,
-}
+type DeltaAdsStream = AdsStream<DeltaDiscoveryResponse>;
 
 impl Protocol for DeltaAdsStream {
     type Request = DeltaDiscoveryRequest;
-    type Response = DeltaDiscoveryResponse;
-
-    fn conn(&self) -> &Conn {
-        &self.conn
-    }
-
-    fn tx(&self) -> &Tx<DeltaDiscoveryResponse> {
-        &self.tx
-    }
 
     async fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<(), End> {
         self.conn.hello(req.node.as_ref()).await?;
@@ -857,14 +846,7 @@ impl Protocol for DeltaAdsStream {
     }
 
     async fn on_generation(&mut self) -> Result<(), End> {
-        if !self.conn.refresh().await? {
-            return Ok(());
-        }
-        for type_url in PUSH_ORDER {
-            let Some(sub) = self.conn.subs.get(type_url) else {
-                continue;
-            };
-            let diff = sub.diff(&self.conn.served, type_url);
+        for (type_url, _, diff) in self.conn.changes().await? {
             if !diff.changed.is_empty() || !diff.gone.is_empty() {
                 self.send(type_url, diff.changed, diff.gone).await?;
             }

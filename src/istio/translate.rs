@@ -480,6 +480,8 @@ struct Ctx<'a> {
     proxy_namespace: Option<String>,
     /// Gateway servers validation left out: (`namespace/name`, server index).
     skip_servers: BTreeSet<(String, usize)>,
+    /// Hosts whose DestinationRule validation refused: no clusters (fail closed).
+    closed_hosts: BTreeSet<String>,
     bad: Vec<Invalid>,
 }
 
@@ -497,6 +499,7 @@ pub(super) fn check_http_route(
         rules: BTreeMap::new(),
         proxy_namespace: None,
         skip_servers: BTreeSet::new(),
+        closed_hosts: BTreeSet::new(),
         bad: Vec::new(),
     };
     // The port only names clusters; any will do for the checks.
@@ -524,6 +527,16 @@ pub fn translate_json(
         .filter_map(|(o, s)| {
             let m = all.objects.get(*o)?.metadata();
             Some((format!("{}/{}", ns(m), m.name), *s))
+        })
+        .collect();
+    let closed_hosts = checked
+        .fail_closed
+        .iter()
+        .filter_map(|o| match all.objects.get(*o)? {
+            Object::DestinationRule(m, dr) if !dr.host.is_empty() => {
+                Some(fqdn(&dr.host, ns(m), options))
+            }
+            _ => None,
         })
         .collect();
     let reg = build_registry(&config, options, &mut bad);
@@ -557,6 +570,7 @@ pub fn translate_json(
         rules,
         proxy_namespace: node.namespace.clone(),
         skip_servers,
+        closed_hosts,
         bad,
     };
     let mut out = XdsJson::default();
@@ -656,6 +670,9 @@ impl Ctx<'_> {
     fn clusters(&mut self, out: &mut XdsJson) {
         let services: Vec<Service> = self.reg.services.values().cloned().collect();
         for svc in &services {
+            if self.closed_hosts.contains(&svc.fqdn) {
+                continue;
+            }
             let rule = self.rules.get(&svc.fqdn).map(|(m, d)| (*m, *d));
             for (port, _, eps) in &svc.ports {
                 let mut subsets: Vec<Option<&Subset>> = vec![None];

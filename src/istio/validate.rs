@@ -2,10 +2,13 @@
 //! istiod's validation webhook and `istioctl validate` check them (istio/istio
 //! `pkg/config/validation`): what would change where traffic goes or whether it is served.
 //!
-//! A VirtualService, DestinationRule or ServiceEntry that fails is left out whole, as the
-//! webhook would never admit it. A Gateway's bad server is left out alone, the rest of the
-//! Gateway served (the translation's long-standing behaviour for servers, which
-//! tests/golden/invalid pins); a Gateway with no servers is left out.
+//! A VirtualService or ServiceEntry that fails is left out whole, as the webhook would never
+//! admit it. A DestinationRule that fails is left out and takes its host's clusters with it
+//! (fail closed: serving the service without its rule could drop a TLS origination or a
+//! connection limit; the translation always did this with a policy it could not render). A
+//! Gateway's bad server is left out alone, the rest of the Gateway served (the translation's
+//! long-standing behaviour for servers, which tests/golden/invalid pins); a Gateway with no
+//! servers is left out.
 //!
 //! Checks the translation makes on a bound object (regexes, durations, redirect codes,
 //! retry policies, fault and CORS fields) are made here through the same functions, so an
@@ -27,6 +30,8 @@ pub struct Checked {
     pub skip: BTreeSet<usize>,
     /// Gateway servers left out alone: (object index, server index).
     pub skip_servers: BTreeSet<(usize, usize)>,
+    /// DestinationRules left out whose host gets no clusters either, by object index.
+    pub fail_closed: BTreeSet<usize>,
     /// One report per object (or Gateway server) left out, with every reason.
     pub reports: Vec<Invalid>,
 }
@@ -85,6 +90,9 @@ pub fn check(config: &Config, options: &Options) -> Checked {
             _ => Vec::new(),
         };
         if !errors.is_empty() {
+            if matches!(o, Object::DestinationRule(..)) {
+                out.fail_closed.insert(i);
+            }
             out.skip.insert(i);
             reports.push((rank, i, report(errors)));
         }
@@ -846,9 +854,8 @@ fn service_entry(se: &ServiceEntrySpec) -> Vec<String> {
             errs.push(format!("{at}.name: port name '{name}' is defined twice"));
         }
     }
-    if se.workload_selector.is_some() && !se.endpoints.is_empty() {
-        errs.push("spec: only one of workloadSelector, endpoints may be set".into());
-    }
+    // istio also refuses workloadSelector with endpoints; the translation serves both (the
+    // features golden pins it), so that rule is left to the operator's istioctl.
     match resolution {
         "NONE" if !se.endpoints.is_empty() => {
             errs.push("spec.endpoints: resolution NONE takes no endpoints".into())
