@@ -7,6 +7,7 @@
 pub mod model;
 pub mod server;
 pub mod translate;
+pub mod validate;
 pub mod watch;
 
 use std::collections::BTreeMap;

@@ -1,10 +1,13 @@
-//! The control plane's ADS server: state-of-the-world `StreamAggregatedResources`, answering
-//! as istiod answers a gateway.
+//! The control plane's ADS server: state-of-the-world `StreamAggregatedResources` and
+//! incremental `DeltaAggregatedResources` on the same port, answering as istiod answers a
+//! gateway.
 //!
 //! One [`Generation`] is current at a time (the config of one reload, with its push version);
 //! each stream translates it for its node (cached per labels and namespace, so a fleet of
 //! identical gateways costs one translation) and, when a new generation is published, pushes
-//! only the types whose resources changed for it, in istiod's order: CDS, EDS, LDS, RDS.
+//! only what changed for it, in istiod's order: CDS, EDS, LDS, RDS, SDS. Both protocols share
+//! the stream loop and the bookkeeping ([`Conn`], [`Sub`]); they differ in what a response
+//! carries (the whole set of a type, or the changed resources and the names removed).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
@@ -14,19 +17,14 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
-use envoy_types::pb::envoy::config::listener::v3::Listener;
-use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
-use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
+use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
 use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse, Resource,
 };
 use envoy_types::pb::google::protobuf::Any;
-use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
@@ -70,7 +68,56 @@ pub enum ServeError {
 pub struct Generation {
     pub version: String,
     source: Box<Source>,
-    cache: Mutex<HashMap<NodeInfo, Arc<Xds>>>,
+    cache: Mutex<HashMap<NodeInfo, Arc<Served>>>,
+}
+
+/// One gateway's xDS for one generation, with the version of each resource: a hash of its
+/// content, so an unchanged resource keeps its version across reloads and restarts (what
+/// delta xDS compares with the versions a reconnecting gateway reports).
+pub struct Served {
+    pub xds: Arc<Xds>,
+    /// Type URL -> resource name -> version.
+    versions: HashMap<&'static str, BTreeMap<String, String>>,
+}
+
+impl Served {
+    fn new(xds: Xds) -> Served {
+        // Every version goes through the descriptor pool: one stays alive for the batch.
+        let _pool = crate::protojson::pool();
+        let versions = PUSH_ORDER
+            .iter()
+            .map(|t| {
+                let of_type = xds
+                    .by_type(t)
+                    .into_iter()
+                    .flatten()
+                    .map(|(name, any)| (name.clone(), resource_version(any)))
+                    .collect();
+                (*t, of_type)
+            })
+            .collect();
+        Served {
+            xds: Arc::new(xds),
+            versions,
+        }
+    }
+
+    /// The version of resource `name` of `type_url`, if it exists.
+    pub fn version(&self, type_url: &str, name: &str) -> Option<&str> {
+        self.versions
+            .get(type_url)
+            .and_then(|v| v.get(name))
+            .map(String::as_str)
+    }
+
+    /// Every resource of `type_url` with its version (empty for a type not served).
+    fn of_type(&self, type_url: &str) -> impl Iterator<Item = (&String, &String)> {
+        self.versions.get(type_url).into_iter().flatten()
+    }
+
+    fn resource(&self, type_url: &str, name: &str) -> Option<&Any> {
+        self.xds.by_type(type_url).and_then(|m| m.get(name))
+    }
 }
 
 impl std::fmt::Debug for Generation {
@@ -104,6 +151,11 @@ impl Generation {
     /// The xDS for `node`, translated on first use. Objects the translation leaves out are
     /// logged then, once per generation and gateway kind.
     pub fn xds_for(&self, node: &NodeInfo) -> Arc<Xds> {
+        self.served_for(node).xds.clone()
+    }
+
+    /// [`Generation::xds_for`] with the version of each resource.
+    pub fn served_for(&self, node: &NodeInfo) -> Arc<Served> {
         // istiod's gateway config depends on the gateway's labels and namespace, not on which
         // pod asks: the id stays out of the key and out of the translation.
         let key = NodeInfo {
@@ -119,17 +171,17 @@ impl Generation {
         for i in &invalid {
             tracing::warn!(version = %self.version, gateway = %labels_text(&key.labels), "invalid: {i}");
         }
-        let xds = Arc::new(xds);
-        cache.insert(key, xds.clone());
-        xds
+        let served = Arc::new(Served::new(xds));
+        cache.insert(key, served.clone());
+        served
     }
 }
 
-/// [`Generation::xds_for`] off the async workers: a translation can take a while (seconds
+/// [`Generation::served_for`] off the async workers: a translation can take a while (seconds
 /// for a large config in a debug build) and must not stall the other streams meanwhile.
-async fn translated(generation: &Arc<Generation>, node: &NodeInfo) -> Result<Arc<Xds>, End> {
+async fn translated(generation: &Arc<Generation>, node: &NodeInfo) -> Result<Arc<Served>, End> {
     let (generation, node) = (generation.clone(), node.clone());
-    tokio::task::spawn_blocking(move || generation.xds_for(&node))
+    tokio::task::spawn_blocking(move || generation.served_for(&node))
         .await
         .map_err(|e| {
             // Ending the stream keeps the gateway on its last good config; an empty answer
@@ -160,6 +212,8 @@ pub struct ControlPlane {
     current: watch::Sender<Arc<Generation>>,
     stopping: watch::Sender<bool>,
     nodes: Arc<Mutex<BTreeSet<NodeInfo>>>,
+    /// Resources sent so far, per type in [`PUSH_ORDER`], over both protocols.
+    sent: Arc<[AtomicU64; PUSH_ORDER.len()]>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -176,6 +230,7 @@ impl ControlPlane {
             current: watch::Sender::new(Arc::new(first)),
             stopping: watch::Sender::new(false),
             nodes: Arc::default(),
+            sent: Arc::default(),
         }
     }
 
@@ -191,6 +246,21 @@ impl ControlPlane {
     /// The kinds of gateway (labels and namespace, id left out) that have connected so far.
     pub fn nodes(&self) -> Vec<NodeInfo> {
         lock(&self.nodes).iter().cloned().collect()
+    }
+
+    /// How many resources of `type_url` the streams have sent so far (each resource of each
+    /// response counts; removals do not).
+    pub fn resources_sent(&self, type_url: &str) -> u64 {
+        PUSH_ORDER
+            .iter()
+            .position(|t| *t == type_url)
+            .map_or(0, |i| self.sent[i].load(Ordering::Relaxed))
+    }
+
+    fn count_sent(&self, type_url: &str, n: usize) {
+        if let Some(i) = PUSH_ORDER.iter().position(|t| *t == type_url) {
+            self.sent[i].fetch_add(n as u64, Ordering::Relaxed);
+        }
     }
 
     /// Ends every open stream (the gateways see UNAVAILABLE and reconnect elsewhere) and
@@ -316,7 +386,7 @@ pub struct AdsService {
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, tonic::Status>> + Send>>;
 type DeltaStream =
     Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, tonic::Status>> + Send>>;
-type Tx = mpsc::Sender<Result<DiscoveryResponse, tonic::Status>>;
+type Tx<R> = mpsc::Sender<Result<R, tonic::Status>>;
 
 #[tonic::async_trait]
 impl AggregatedDiscoveryService for AdsService {
@@ -326,52 +396,215 @@ impl AggregatedDiscoveryService for AdsService {
         &self,
         request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
     ) -> Result<tonic::Response<ResponseStream>, tonic::Status> {
-        let peer = request.remote_addr();
-        let (tx, rx) = mpsc::channel(16);
-        let stream = AdsStream {
-            cp: self.cp.clone(),
-            generation: self.cp.current.subscribe(),
-            tx,
-            node: None,
-            xds: Arc::default(),
-            version: String::new(),
-            subs: BTreeMap::new(),
-        };
-        tokio::spawn(stream.run(request.into_inner(), peer));
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(tonic::Response::new(Box::pin(self.open(request))))
     }
 
     type DeltaAggregatedResourcesStream = DeltaStream;
 
     async fn delta_aggregated_resources(
         &self,
-        _request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+        request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<tonic::Response<DeltaStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented(
-            "portico control-plane serves state-of-the-world ADS only \
-             (StreamAggregatedResources); configure the gateway without delta xDS",
-        ))
+        Ok(tonic::Response::new(Box::pin(self.open(request))))
     }
 }
 
-/// What one stream has asked for and been sent, per type URL.
-#[derive(Default)]
+impl AdsService {
+    /// Serves one stream of either protocol in its own task; the responses, as tonic wants them.
+    fn open<R>(
+        &self,
+        request: tonic::Request<tonic::Streaming<<AdsStream<R> as Protocol>::Request>>,
+    ) -> ReceiverStream<Result<R, tonic::Status>>
+    where
+        R: Send + 'static,
+        AdsStream<R>: Protocol,
+    {
+        let (tx, rx) = mpsc::channel(16);
+        let stream = AdsStream {
+            conn: Conn::new(&self.cp),
+            tx,
+        };
+        let peer = request.remote_addr();
+        tokio::spawn(run(stream, request.into_inner(), peer));
+        ReceiverStream::new(rx)
+    }
+}
+
+/// What one stream has asked for and been sent, for one type URL.
+#[derive(Debug, Default, Clone, PartialEq)]
 struct Sub {
+    /// Every resource of the type, whatever the names (LDS and CDS).
+    wildcard: bool,
+    /// The names asked for explicitly.
     names: BTreeSet<String>,
     /// The nonce of the last response; a request carrying another one is stale.
     nonce: String,
-    /// What the last response held, to push only what changed.
-    sent: BTreeMap<String, Any>,
+    /// What the gateway holds, by name, with the version it was sent (or reported on
+    /// reconnecting): the base every push is computed against.
+    sent: BTreeMap<String, String>,
 }
 
-struct AdsStream {
+/// How the resources the gateway should hold differ from what it holds.
+#[derive(Debug, Default, PartialEq)]
+struct Diff {
+    /// Wanted and new, or with another version than the one sent.
+    changed: Vec<String>,
+    /// Held by the gateway but gone from the config, or no longer wanted.
+    gone: Vec<String>,
+}
+
+impl Sub {
+    fn wants(&self, name: &str) -> bool {
+        self.wildcard || self.names.contains(name)
+    }
+
+    /// The resources of `type_url` in `served` this subscription covers, with versions.
+    fn wanted<'a>(
+        &'a self,
+        served: &'a Served,
+        type_url: &'a str,
+    ) -> Box<dyn Iterator<Item = (&'a String, &'a String)> + 'a> {
+        if self.wildcard {
+            Box::new(served.of_type(type_url))
+        } else {
+            Box::new(self.names.iter().filter_map(move |n| {
+                served
+                    .versions
+                    .get(type_url)
+                    .and_then(|v| v.get_key_value(n))
+            }))
+        }
+    }
+
+    fn diff(&self, served: &Served, type_url: &str) -> Diff {
+        let changed = self
+            .wanted(served, type_url)
+            .filter(|(n, v)| self.sent.get(*n) != Some(*v))
+            .map(|(n, _)| n.clone())
+            .collect();
+        let gone = self
+            .sent
+            .keys()
+            .filter(|n| !self.wants(n) || served.version(type_url, n).is_none())
+            .cloned()
+            .collect();
+        Diff { changed, gone }
+    }
+}
+
+/// The part of an ADS stream both protocols share: the gateway, the generation it is served
+/// from, and the subscriptions.
+struct Conn {
     cp: ControlPlane,
     generation: watch::Receiver<Arc<Generation>>,
-    tx: Tx,
     node: Option<NodeInfo>,
-    xds: Arc<Xds>,
+    served: Arc<Served>,
     version: String,
     subs: BTreeMap<String, Sub>,
+}
+
+impl Conn {
+    fn new(cp: &ControlPlane) -> Conn {
+        Conn {
+            cp: cp.clone(),
+            generation: cp.current.subscribe(),
+            node: None,
+            // Nothing until the gateway says who it is (no descriptor pool needed for that).
+            served: Arc::new(Served {
+                xds: Arc::default(),
+                versions: HashMap::new(),
+            }),
+            version: String::new(),
+            subs: BTreeMap::new(),
+        }
+    }
+
+    fn id(&self) -> &str {
+        self.node.as_ref().map(|n| n.id.as_str()).unwrap_or("")
+    }
+
+    /// Learns the gateway from the first request of the stream (the node goes on the first
+    /// request only) and translates the current generation for it.
+    async fn hello(&mut self, node: Option<&Node>) -> Result<(), End> {
+        if self.node.is_some() {
+            return Ok(());
+        }
+        let Some(node) = node else {
+            return Err(End::Error(tonic::Status::invalid_argument(
+                "the first request of a stream must carry the node",
+            )));
+        };
+        let info = NodeInfo::from_node(node);
+        tracing::info!(node = %info.id, labels = %labels_text(&info.labels), "gateway connected");
+        lock(&self.cp.nodes).insert(NodeInfo {
+            id: String::new(),
+            ..info.clone()
+        });
+        let generation = self.generation.borrow_and_update().clone();
+        self.served = translated(&generation, &info).await?;
+        self.version = generation.version.clone();
+        self.node = Some(info);
+        Ok(())
+    }
+
+    /// Moves to the newly published generation and says, per subscribed type in push
+    /// order, how what the gateway holds differs from it (whether the subscription is a
+    /// wildcard, and the diff). Nothing before the gateway said who it is.
+    async fn changes(&mut self) -> Result<Vec<(&'static str, bool, Diff)>, End> {
+        let generation = self.generation.borrow_and_update().clone();
+        let Some(node) = &self.node else {
+            return Ok(Vec::new());
+        };
+        self.served = translated(&generation, node).await?;
+        self.version = generation.version.clone();
+        Ok(PUSH_ORDER
+            .iter()
+            .filter_map(|t| {
+                let sub = self.subs.get(*t)?;
+                Some((*t, sub.wildcard, sub.diff(&self.served, t)))
+            })
+            .collect())
+    }
+
+    /// A rejection is the gateway's to report; the stream keeps serving.
+    fn nack(&self, type_url: &str, nonce: &str, message: &str) {
+        tracing::warn!(
+            node = self.id(),
+            type_url,
+            nonce,
+            "gateway rejected the config (NACK): {message}"
+        );
+    }
+
+    /// True if a request answering `nonce` answers the last response of `type_url`: an older
+    /// one was overtaken by a response already on its way, which the gateway answers too.
+    fn is_current(&self, type_url: &str, nonce: &str) -> bool {
+        let current = self.subs.get(type_url).is_none_or(|s| s.nonce == nonce);
+        if !current {
+            tracing::debug!(node = self.id(), type_url, nonce, "stale nonce, ignored");
+        }
+        current
+    }
+
+    /// Records a response of `type_url`: its nonce, and the versions the gateway now holds.
+    fn sent(&mut self, type_url: &str, nonce: String, holds: impl FnOnce(&mut Sub)) {
+        let sub = self.subs.entry(type_url.to_string()).or_default();
+        sub.nonce = nonce;
+        holds(sub);
+    }
+}
+
+/// One ADS stream: the shared part, and where its responses go.
+struct AdsStream<R> {
+    conn: Conn,
+    tx: Tx<R>,
+}
+
+/// One ADS protocol over the shared stream loop.
+trait Protocol: Send + 'static {
+    type Request: prost::Message + Default + Send + 'static;
+    fn on_request(&mut self, req: Self::Request) -> impl Future<Output = Result<(), End>> + Send;
+    fn on_generation(&mut self) -> impl Future<Output = Result<(), End>> + Send;
 }
 
 /// Why a stream ends.
@@ -381,98 +614,88 @@ enum End {
     Error(tonic::Status),
 }
 
-impl AdsStream {
-    async fn run(
-        mut self,
-        mut inbound: tonic::Streaming<DiscoveryRequest>,
-        peer: Option<SocketAddr>,
-    ) {
-        let mut stopping = self.cp.stopping.subscribe();
-        let end = loop {
-            let step = tokio::select! {
-                () = until_true(&mut stopping) => Err(End::Error(tonic::Status::unavailable("control plane stopping"))),
-                msg = inbound.message() => match msg {
-                    Ok(Some(req)) => self.on_request(req).await,
-                    Ok(None) => Err(End::Gone),
-                    Err(status) => {
-                        tracing::debug!(?peer, "ADS stream error: {status}");
-                        Err(End::Gone)
-                    }
-                },
-                changed = self.generation.changed() => match changed {
-                    Ok(()) => self.on_generation().await,
-                    Err(_) => Err(End::Error(tonic::Status::unavailable("control plane stopping"))),
-                },
-            };
-            if let Err(end) = step {
-                break end;
-            }
+/// Serves one stream until the gateway leaves or the control plane stops: requests as they
+/// come, and every newly published generation.
+async fn run<R>(
+    mut p: AdsStream<R>,
+    mut inbound: tonic::Streaming<<AdsStream<R> as Protocol>::Request>,
+    peer: Option<SocketAddr>,
+) where
+    AdsStream<R>: Protocol,
+{
+    let mut stopping = p.conn.cp.stopping.subscribe();
+    let mut generation = p.conn.generation.clone();
+    let end = loop {
+        let step = tokio::select! {
+            () = until_true(&mut stopping) => Err(End::Error(tonic::Status::unavailable("control plane stopping"))),
+            msg = inbound.message() => match msg {
+                Ok(Some(req)) => p.on_request(req).await,
+                Ok(None) => Err(End::Gone),
+                Err(status) => {
+                    tracing::debug!(?peer, "ADS stream error: {status}");
+                    Err(End::Gone)
+                }
+            },
+            changed = generation.changed() => match changed {
+                Ok(()) => p.on_generation().await,
+                Err(_) => Err(End::Error(tonic::Status::unavailable("control plane stopping"))),
+            },
         };
-        let id = self.node.as_ref().map(|n| n.id.as_str()).unwrap_or("");
-        match end {
-            End::Gone => tracing::info!(node = id, ?peer, "gateway disconnected"),
-            End::Error(status) => {
-                tracing::info!(node = id, ?peer, "closing ADS stream: {}", status.message());
-                let _ = self.tx.send(Err(status)).await;
-            }
+        if let Err(end) = step {
+            break end;
+        }
+    };
+    let id = p.conn.id();
+    match end {
+        End::Gone => tracing::info!(node = id, ?peer, "gateway disconnected"),
+        End::Error(status) => {
+            tracing::info!(node = id, ?peer, "closing ADS stream: {}", status.message());
+            let _ = p.tx.send(Err(status)).await;
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// State of the world
+
+type SotwStream = AdsStream<DiscoveryResponse>;
+
+impl Protocol for SotwStream {
+    type Request = DiscoveryRequest;
 
     async fn on_request(&mut self, req: DiscoveryRequest) -> Result<(), End> {
-        if self.node.is_none() {
-            let Some(node) = &req.node else {
-                return Err(End::Error(tonic::Status::invalid_argument(
-                    "the first DiscoveryRequest of a stream must carry the node",
-                )));
-            };
-            let info = NodeInfo::from_node(node);
-            tracing::info!(node = %info.id, labels = %labels_text(&info.labels), "gateway connected");
-            lock(&self.cp.nodes).insert(NodeInfo {
-                id: String::new(),
-                ..info.clone()
-            });
-            let generation = self.generation.borrow_and_update().clone();
-            self.xds = translated(&generation, &info).await?;
-            self.version = generation.version.clone();
-            self.node = Some(info);
-        }
-        let id = self.node.as_ref().map(|n| n.id.as_str()).unwrap_or("");
+        self.conn.hello(req.node.as_ref()).await?;
         let type_url = req.type_url.as_str();
         if let Some(error) = &req.error_detail {
-            tracing::warn!(
-                node = id,
-                type_url,
-                version = %req.version_info,
-                nonce = %req.response_nonce,
-                "gateway rejected the config (NACK): {}",
-                error.message
-            );
+            self.conn
+                .nack(type_url, &req.response_nonce, &error.message);
             return Ok(());
         }
         let names: BTreeSet<String> = req.resource_names.iter().cloned().collect();
-        let served = self.xds.by_type(type_url).is_some();
-        let send = match self.subs.get_mut(type_url) {
+        let stale =
+            !req.response_nonce.is_empty() && !self.conn.is_current(type_url, &req.response_nonce);
+        let send = match self.conn.subs.get_mut(type_url) {
             None => {
-                if !served {
+                if self.conn.served.xds.by_type(type_url).is_none() {
                     // Envoy accepts an empty answer and keeps waiting for the named resources
                     // (e.g. SDS secrets); silence would leave the type without an ACK.
-                    tracing::debug!(node = id, type_url, "type not served: answering empty");
+                    tracing::debug!(
+                        node = self.conn.id(),
+                        type_url,
+                        "type not served: answering empty"
+                    );
                 }
-                self.subs.insert(
+                self.conn.subs.insert(
                     type_url.to_string(),
                     Sub {
+                        wildcard: is_wildcard(type_url),
                         names,
                         ..Sub::default()
                     },
                 );
                 true
             }
-            Some(sub) if !req.response_nonce.is_empty() && req.response_nonce != sub.nonce => {
-                // Answers a response older than the last one sent, which is already on its way
-                // with the same or newer content: the gateway will answer that one too.
-                tracing::debug!(node = id, type_url, nonce = %req.response_nonce, "stale nonce, ignored");
-                false
-            }
+            Some(_) if stale => false,
             // An empty nonce on a known type: the gateway asks afresh (e.g. after it dropped
             // and re-added the subscription), so it gets the full current state.
             Some(sub) if req.response_nonce.is_empty() => {
@@ -482,96 +705,82 @@ impl AdsStream {
             // An ACK. Only the names can ask for something new; config changes are pushed
             // when they are published, not when acknowledged.
             Some(sub) => {
-                let changed = !is_wildcard(type_url) && sub.names != names;
+                let changed = !sub.wildcard && sub.names != names;
                 sub.names = names;
                 changed
             }
         };
         if send {
-            self.send(type_url).await?;
+            let all = self.all(type_url);
+            self.send(type_url, all.clone(), all).await?;
         }
         Ok(())
     }
 
     async fn on_generation(&mut self) -> Result<(), End> {
-        let generation = self.generation.borrow_and_update().clone();
-        let Some(node) = &self.node else {
-            return Ok(());
-        };
-        self.xds = translated(&generation, node).await?;
-        self.version = generation.version.clone();
-        for type_url in PUSH_ORDER {
-            let Some(sub) = self.subs.get(type_url) else {
-                continue;
-            };
-            let now = self.select(type_url, &sub.names);
-            if is_wildcard(type_url) {
-                if !same_resources(&now, &sub.sent) {
-                    self.send(type_url).await?;
+        for (type_url, wildcard, diff) in self.conn.changes().await? {
+            let all = self.all(type_url);
+            if wildcard {
+                // A state-of-the-world response replaces the whole set of LDS and CDS.
+                if !diff.changed.is_empty() || !diff.gone.is_empty() {
+                    self.send(type_url, all.clone(), all).await?;
                 }
-                continue;
-            }
-            // RDS and EDS: a gateway keeps what a response leaves out, so only the resources
-            // that changed (or appeared) travel, as istiod's incremental EDS pushes.
-            let changed: BTreeMap<String, Any> = now
-                .iter()
-                .filter(|(n, a)| sub.sent.get(*n).is_none_or(|b| !same_resource(a, b)))
-                .map(|(n, a)| (n.clone(), a.clone()))
-                .collect();
-            if !changed.is_empty() {
-                self.send_some(type_url, changed, now).await?;
+            } else if !diff.changed.is_empty() {
+                // RDS, EDS, SDS: a gateway keeps what a response leaves out, so only the
+                // resources that changed (or appeared) travel, as istiod's incremental EDS.
+                self.send(type_url, diff.changed, all).await?;
             }
         }
         Ok(())
     }
+}
 
-    fn xds_by_type(&self, type_url: &str) -> Option<&BTreeMap<String, Any>> {
-        self.xds.by_type(type_url)
-    }
-
-    /// What a response of `type_url` holds for `names`: the whole set for LDS and CDS, the
-    /// named resources that exist for the others, nothing for types not served.
-    fn select(&self, type_url: &str, names: &BTreeSet<String>) -> BTreeMap<String, Any> {
-        match self.xds_by_type(type_url) {
-            None => BTreeMap::new(),
-            Some(all) if is_wildcard(type_url) => all.clone(),
-            Some(all) => names
-                .iter()
-                .filter_map(|n| all.get(n).map(|a| (n.clone(), a.clone())))
-                .collect(),
-        }
-    }
-
-    async fn send(&mut self, type_url: &str) -> Result<(), End> {
-        let names = self
+impl SotwStream {
+    /// Every resource of `type_url` the subscription covers now.
+    fn all(&self, type_url: &str) -> Vec<String> {
+        self.conn
             .subs
             .get(type_url)
-            .map(|s| s.names.clone())
-            .unwrap_or_default();
-        let resources = self.select(type_url, &names);
-        self.send_some(type_url, resources.clone(), resources).await
+            .map(|s| {
+                s.wanted(&self.conn.served, type_url)
+                    .map(|(n, _)| n.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
-    /// Sends `resources`; `now` is everything the gateway holds of the type afterwards.
-    async fn send_some(
+    /// Sends the resources `names`; the gateway then holds `holds`.
+    async fn send(
         &mut self,
         type_url: &str,
-        resources: BTreeMap<String, Any>,
-        now: BTreeMap<String, Any>,
+        names: Vec<String>,
+        holds: Vec<String>,
     ) -> Result<(), End> {
+        let served = self.conn.served.clone();
+        let resources: Vec<Any> = names
+            .iter()
+            .filter_map(|n| served.resource(type_url, n).cloned())
+            .collect();
         let nonce = next_nonce();
         let response = DiscoveryResponse {
-            version_info: self.version.clone(),
-            resources: resources.values().cloned().collect(),
+            version_info: self.conn.version.clone(),
+            resources,
             type_url: type_url.to_string(),
             nonce: nonce.clone(),
             ..Default::default()
         };
-        let sub = self.subs.entry(type_url.to_string()).or_default();
-        sub.nonce = nonce;
-        sub.sent = now;
+        self.conn.sent(type_url, nonce, |sub| {
+            sub.sent = holds
+                .into_iter()
+                .filter_map(|n| {
+                    let v = served.version(type_url, &n)?.to_string();
+                    Some((n, v))
+                })
+                .collect();
+        });
+        self.conn.cp.count_sent(type_url, response.resources.len());
         tracing::debug!(
-            node = self.node.as_ref().map(|n| n.id.as_str()).unwrap_or(""),
+            node = self.conn.id(),
             type_url,
             version = %response.version_info,
             resources = response.resources.len(),
@@ -581,9 +790,236 @@ impl AdsStream {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Incremental (delta)
+
+type DeltaAdsStream = AdsStream<DeltaDiscoveryResponse>;
+
+impl Protocol for DeltaAdsStream {
+    type Request = DeltaDiscoveryRequest;
+
+    async fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<(), End> {
+        self.conn.hello(req.node.as_ref()).await?;
+        let type_url = req.type_url.clone();
+        let acked =
+            req.response_nonce.is_empty() || self.conn.is_current(&type_url, &req.response_nonce);
+        if let Some(error) = &req.error_detail {
+            if acked {
+                self.conn
+                    .nack(&type_url, &req.response_nonce, &error.message);
+            }
+        }
+        // Subscription changes count even on a stale or rejecting request: they are
+        // incremental, and the gateway does not send them again.
+        let first = !self.conn.subs.contains_key(&type_url);
+        let sub = self.conn.subs.entry(type_url.clone()).or_default();
+        let asked = subscribe(sub, &req, first);
+        let reply = if first {
+            // The first request of a type (a new stream, or a reconnection reporting what the
+            // gateway kept): everything that differs from what it holds.
+            Some(sub.diff(&self.conn.served, &type_url))
+        } else if asked.wildcard {
+            Some(sub.diff(&self.conn.served, &type_url))
+        } else if !asked.names.is_empty() {
+            Some(newly_asked(&self.conn.served, sub, &type_url, &asked.names))
+        } else {
+            // An ACK, a NACK or an unsubscription: nothing new to send.
+            None
+        };
+        if let Some(Diff { changed, mut gone }) = reply {
+            if first && !sub.wildcard {
+                // A name asked for that does not exist is said to be removed, as istiod says
+                // it: the gateway stops waiting for it.
+                let missing: Vec<String> = sub
+                    .names
+                    .iter()
+                    .filter(|n| self.conn.served.version(&type_url, n).is_none())
+                    .filter(|n| !gone.contains(n))
+                    .cloned()
+                    .collect();
+                gone.extend(missing);
+                gone.sort();
+            }
+            self.send(&type_url, changed, gone).await?;
+        }
+        Ok(())
+    }
+
+    async fn on_generation(&mut self) -> Result<(), End> {
+        for (type_url, _, diff) in self.conn.changes().await? {
+            if !diff.changed.is_empty() || !diff.gone.is_empty() {
+                self.send(type_url, diff.changed, diff.gone).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a request newly subscribes to.
+#[derive(Debug, Default)]
+struct Asked {
+    wildcard: bool,
+    names: Vec<String>,
+}
+
+/// Applies a delta request's subscriptions to `sub`. On the first request of a type, an
+/// empty subscription or `*` is the wildcard (LDS, CDS), and `initial_resource_versions` is
+/// what the gateway kept from an earlier stream.
+fn subscribe(sub: &mut Sub, req: &DeltaDiscoveryRequest, first: bool) -> Asked {
+    let mut asked = Asked::default();
+    if first {
+        sub.wildcard = req.resource_names_subscribe.is_empty();
+        sub.sent = req
+            .initial_resource_versions
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+    }
+    for name in &req.resource_names_subscribe {
+        if name == "*" {
+            asked.wildcard |= !sub.wildcard;
+            sub.wildcard = true;
+        } else if sub.names.insert(name.clone()) {
+            asked.names.push(name.clone());
+        }
+    }
+    for name in &req.resource_names_unsubscribe {
+        if name == "*" {
+            sub.wildcard = false;
+        } else {
+            sub.names.remove(name);
+        }
+    }
+    if first && !sub.wildcard {
+        // A reconnecting gateway still holds these: they stay subscribed.
+        sub.names.extend(sub.sent.keys().cloned());
+    }
+    // The gateway forgets what it unsubscribed from by itself: no removal is sent for it.
+    let Sub {
+        sent,
+        wildcard,
+        names,
+        ..
+    } = sub;
+    sent.retain(|n, _| *wildcard || names.contains(n));
+    asked
+}
+
+/// The answer to names newly asked for: each one that exists (unless the gateway has it
+/// already), the others as removed.
+fn newly_asked(served: &Served, sub: &Sub, type_url: &str, names: &[String]) -> Diff {
+    let mut diff = Diff::default();
+    for n in names {
+        match served.version(type_url, n) {
+            Some(v) if sub.sent.get(n).map(String::as_str) == Some(v) => {}
+            Some(_) => diff.changed.push(n.clone()),
+            None => diff.gone.push(n.clone()),
+        }
+    }
+    diff
+}
+
+impl DeltaAdsStream {
+    /// Sends `changed` and `removed` of `type_url`. A cluster the gateway already had and
+    /// gets again is rebuilt by it and waits for its endpoints, which it will not ask for
+    /// again: they follow (envoyproxy/envoy#13009; istiod pushes EDS after CDS likewise).
+    async fn send(
+        &mut self,
+        type_url: &str,
+        changed: Vec<String>,
+        removed: Vec<String>,
+    ) -> Result<(), End> {
+        let rebuilt: Vec<String> = if type_url == types::CLUSTER {
+            let had = self.conn.subs.get(type_url).map(|s| &s.sent);
+            changed
+                .iter()
+                .filter(|n| had.is_some_and(|h| h.contains_key(*n)))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.send_one(type_url, changed, removed).await?;
+        if rebuilt.is_empty() {
+            return Ok(());
+        }
+        let Some(eds) = self.conn.subs.get(types::ENDPOINT) else {
+            return Ok(());
+        };
+        let again: Vec<String> = rebuilt
+            .into_iter()
+            .filter(|n| eds.sent.contains_key(n))
+            .collect();
+        if again.is_empty() {
+            return Ok(());
+        }
+        self.send_one(types::ENDPOINT, again, Vec::new()).await
+    }
+
+    async fn send_one(
+        &mut self,
+        type_url: &str,
+        changed: Vec<String>,
+        removed: Vec<String>,
+    ) -> Result<(), End> {
+        let served = self.conn.served.clone();
+        let resources: Vec<Resource> = changed
+            .iter()
+            .filter_map(|n| {
+                Some(Resource {
+                    name: n.clone(),
+                    version: served.version(type_url, n)?.to_string(),
+                    resource: Some(served.resource(type_url, n)?.clone()),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        let nonce = next_nonce();
+        self.conn.sent(type_url, nonce.clone(), |sub| {
+            for r in &resources {
+                sub.sent.insert(r.name.clone(), r.version.clone());
+            }
+            for n in &removed {
+                sub.sent.remove(n);
+            }
+        });
+        self.conn.cp.count_sent(type_url, resources.len());
+        // At info, as istiod logs its pushes: which names travel is what an operator checks.
+        tracing::info!(
+            node = self.conn.id(),
+            version = %self.conn.version,
+            "delta push {}: sent {:?}, removed {:?}",
+            short_type(type_url),
+            resources.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
+            removed
+        );
+        let response = DeltaDiscoveryResponse {
+            system_version_info: self.conn.version.clone(),
+            resources,
+            type_url: type_url.to_string(),
+            removed_resources: removed,
+            nonce,
+            ..Default::default()
+        };
+        self.tx.send(Ok(response)).await.map_err(|_| End::Gone)
+    }
+}
+
 /// Resolves once `rx` holds true; the borrow guard is not `Send`, so it must not outlive this.
 async fn until_true(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
+}
+
+/// LDS, RDS, CDS, EDS, SDS: istiod's short names, for logs.
+fn short_type(type_url: &str) -> &str {
+    match type_url {
+        types::LISTENER => "LDS",
+        types::ROUTE => "RDS",
+        types::CLUSTER => "CDS",
+        types::ENDPOINT => "EDS",
+        types::SECRET => "SDS",
+        other => other,
+    }
 }
 
 fn is_wildcard(type_url: &str) -> bool {
@@ -599,33 +1035,52 @@ fn next_nonce() -> String {
     format!("{prefix:08x}-{}", SEQ.fetch_add(1, Ordering::Relaxed) + 1)
 }
 
-fn same_resources(a: &BTreeMap<String, Any>, b: &BTreeMap<String, Any>) -> bool {
-    a.len() == b.len()
-        && a.iter()
-            .zip(b)
-            .all(|((na, ra), (nb, rb))| na == nb && same_resource(ra, rb))
+/// A resource's version: a hash of its content in a canonical form. Its encoding will not
+/// do: prost writes map fields (metadata, typed_per_filter_config) in HashMap order, which
+/// differs between two translations of the same config; the proto-JSON with sorted keys is
+/// the same. Stable across restarts, so a reconnecting gateway's versions still compare.
+fn resource_version(any: &Any) -> String {
+    let hash = match crate::protojson::any_to_json(any) {
+        Ok(json) => {
+            let mut text = String::new();
+            canonical_json(&json, &mut text);
+            xxhash_rust::xxh64::xxh64(text.as_bytes(), 0)
+        }
+        // A type the descriptor pool does not know: its bytes are the best there is.
+        Err(_) => xxhash_rust::xxh64::xxh64(&any.value, 0),
+    };
+    format!("{hash:016x}")
 }
 
-/// Equal encodings are the same resource. Different encodings may still be: prost writes
-/// map fields (metadata, typed_per_filter_config) in HashMap order, which differs between
-/// two translations of the same config, so those are decoded and compared as messages.
-fn same_resource(a: &Any, b: &Any) -> bool {
-    fn decoded_eq<M: Message + Default + PartialEq>(a: &[u8], b: &[u8]) -> bool {
-        matches!((M::decode(a), M::decode(b)), (Ok(x), Ok(y)) if x == y)
-    }
-    if a == b {
-        return true;
-    }
-    if a.type_url != b.type_url {
-        return false;
-    }
-    match a.type_url.as_str() {
-        types::LISTENER => decoded_eq::<Listener>(&a.value, &b.value),
-        types::ROUTE => decoded_eq::<RouteConfiguration>(&a.value, &b.value),
-        types::CLUSTER => decoded_eq::<Cluster>(&a.value, &b.value),
-        types::ENDPOINT => decoded_eq::<ClusterLoadAssignment>(&a.value, &b.value),
-        types::SECRET => decoded_eq::<Secret>(&a.value, &b.value),
-        _ => false,
+/// JSON text with every object's keys sorted, whatever order the map held them in.
+fn canonical_json(v: &serde_json::Value, out: &mut String) {
+    use serde_json::Value as J;
+    match v {
+        J::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&J::String(k.clone()).to_string());
+                out.push(':');
+                canonical_json(&m[k], out);
+            }
+            out.push('}');
+        }
+        J::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical_json(x, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
     }
 }
 
@@ -662,3 +1117,7 @@ fn rfc3339(secs: u64) -> String {
 #[cfg(test)]
 #[path = "server_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "server_delta_tests.rs"]
+mod delta_tests;

@@ -3,19 +3,24 @@
 use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::core::v3::{Metadata, Node};
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::google::protobuf::{value, Struct, Value};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 
 use super::*;
+use prost::Message;
 
 const LDS: &str = types::LISTENER;
 const RDS: &str = types::ROUTE;
 const CDS: &str = types::CLUSTER;
 const EDS: &str = types::ENDPOINT;
 
-fn any<M: Message>(type_url: &str, m: &M) -> Any {
+pub(super) fn any<M: Message>(type_url: &str, m: &M) -> Any {
     Any {
         type_url: type_url.to_string(),
         value: m.encode_to_vec(),
@@ -25,15 +30,15 @@ fn any<M: Message>(type_url: &str, m: &M) -> Any {
 /// Resources by name; the second field of a route (its vhost name), a cluster (its
 /// alt_stat_name) or an endpoint (a weight) lets two fakes differ exactly where a test wants.
 #[derive(Clone, Default)]
-struct Fake {
-    listeners: Vec<&'static str>,
-    routes: Vec<(&'static str, &'static str)>,
-    clusters: Vec<(&'static str, &'static str)>,
-    endpoints: Vec<(&'static str, u32)>,
+pub(super) struct Fake {
+    pub(super) listeners: Vec<&'static str>,
+    pub(super) routes: Vec<(&'static str, &'static str)>,
+    pub(super) clusters: Vec<(&'static str, &'static str)>,
+    pub(super) endpoints: Vec<(&'static str, u32)>,
 }
 
 impl Fake {
-    fn xds(&self) -> Xds {
+    pub(super) fn xds(&self) -> Xds {
         let mut x = Xds::default();
         for l in &self.listeners {
             let m = Listener {
@@ -80,13 +85,13 @@ impl Fake {
         x
     }
 
-    fn generation(&self, version: &str) -> Generation {
+    pub(super) fn generation(&self, version: &str) -> Generation {
         let xds = self.xds();
         Generation::new(version, move |_| (xds.clone(), Vec::new()))
     }
 }
 
-fn bookinfo() -> Fake {
+pub(super) fn bookinfo() -> Fake {
     Fake {
         listeners: vec!["0.0.0.0_8080"],
         routes: vec![("http.8080", "a")],
@@ -95,7 +100,7 @@ fn bookinfo() -> Fake {
     }
 }
 
-async fn start(first: Generation) -> (ControlPlane, SocketAddr) {
+pub(super) async fn start(first: Generation) -> (ControlPlane, SocketAddr) {
     let cp = ControlPlane::new(first);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -106,7 +111,7 @@ async fn start(first: Generation) -> (ControlPlane, SocketAddr) {
     (cp, addr)
 }
 
-fn node(id: &str, labels: &[(&str, &str)]) -> Node {
+pub(super) fn node(id: &str, labels: &[(&str, &str)]) -> Node {
     let labels = Struct {
         fields: labels
             .iter()
@@ -449,22 +454,8 @@ async fn stop_ends_open_streams() {
     }
 }
 
-#[tokio::test]
-async fn delta_xds_is_unimplemented() {
-    let (_cp, addr) = start(bookinfo().generation("v1")).await;
-    let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connect");
-    let (_tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(1);
-    let err = client
-        .delta_aggregated_resources(ReceiverStream::new(rx))
-        .await
-        .expect_err("delta is not served");
-    assert_eq!(err.code(), tonic::Code::Unimplemented);
-}
-
 #[test]
-fn resources_differing_only_in_map_order_are_the_same() {
+fn resources_differing_only_in_map_order_have_one_version() {
     let meta = |k: &str| Cluster {
         metadata: Some(Metadata {
             filter_metadata: [(k.to_string(), Struct::default())].into(),
@@ -488,8 +479,11 @@ fn resources_differing_only_in_map_order_are_the_same() {
         type_url: CDS.into(),
         value: ba,
     };
-    assert!(same_resource(&a, &b));
-    assert!(!same_resource(&a, &any(CDS, &named("a"))));
+    assert_eq!(resource_version(&a), resource_version(&b));
+    assert_ne!(
+        resource_version(&a),
+        resource_version(&any(CDS, &named("a")))
+    );
 }
 
 #[test]

@@ -478,7 +478,36 @@ struct Ctx<'a> {
     rules: BTreeMap<String, (&'a Metadata, &'a DestinationRuleSpec)>,
     /// Where the gateway runs: its credentialName secrets are read from this namespace.
     proxy_namespace: Option<String>,
+    /// Gateway servers validation left out: (`namespace/name`, server index).
+    skip_servers: BTreeSet<(String, usize)>,
+    /// Hosts whose DestinationRule validation refused: no clusters (fail closed).
+    closed_hosts: BTreeSet<String>,
     bad: Vec<Invalid>,
+}
+
+/// The checks the translation makes on one http route (its action and its matches), for
+/// validation of VirtualServices no gateway binds: the same functions, the same words.
+pub(super) fn check_http_route(
+    http: &HttpRoute,
+    vs_ns: &str,
+    options: &Options,
+    at: &str,
+) -> Result<(), String> {
+    let cx = Ctx {
+        options,
+        reg: Registry::default(),
+        rules: BTreeMap::new(),
+        proxy_namespace: None,
+        skip_servers: BTreeSet::new(),
+        closed_hosts: BTreeSet::new(),
+        bad: Vec::new(),
+    };
+    // The port only names clusters; any will do for the checks.
+    cx.action(http, vs_ns, 80, at)?;
+    for (j, hm) in http.matches.iter().enumerate() {
+        route_match(Some(hm), &format!("{at}.match[{j}]"))?;
+    }
+    Ok(())
 }
 
 pub fn translate_json(
@@ -487,7 +516,29 @@ pub fn translate_json(
     options: &Options,
 ) -> (XdsJson, Vec<Invalid>) {
     let mut bad = Vec::new();
-    let config = dedup(config, &mut bad);
+    let all = dedup(config, &mut bad);
+    // Every object is validated, whichever gateway selects it; what fails is left out here
+    // and reported after what the translation reports.
+    let checked = super::validate::check(&all, options);
+    let config = checked.kept(&all);
+    let skip_servers = checked
+        .skip_servers
+        .iter()
+        .filter_map(|(o, s)| {
+            let m = all.objects.get(*o)?.metadata();
+            Some((format!("{}/{}", ns(m), m.name), *s))
+        })
+        .collect();
+    let closed_hosts = checked
+        .fail_closed
+        .iter()
+        .filter_map(|o| match all.objects.get(*o)? {
+            Object::DestinationRule(m, dr) if !dr.host.is_empty() => {
+                Some(fqdn(&dr.host, ns(m), options))
+            }
+            _ => None,
+        })
+        .collect();
     let reg = build_registry(&config, options, &mut bad);
     let mut rules = BTreeMap::new();
     for o in &config.objects {
@@ -518,6 +569,8 @@ pub fn translate_json(
         reg,
         rules,
         proxy_namespace: node.namespace.clone(),
+        skip_servers,
+        closed_hosts,
         bad,
     };
     let mut out = XdsJson::default();
@@ -525,6 +578,7 @@ pub fn translate_json(
     cx.gateways(&config, node, &mut out);
     let mut bad = cx.bad;
     fill_files(&config, &mut bad);
+    bad.extend(checked.reports);
     (out, bad)
 }
 
@@ -616,6 +670,9 @@ impl Ctx<'_> {
     fn clusters(&mut self, out: &mut XdsJson) {
         let services: Vec<Service> = self.reg.services.values().cloned().collect();
         for svc in &services {
+            if self.closed_hosts.contains(&svc.fqdn) {
+                continue;
+            }
             let rule = self.rules.get(&svc.fqdn).map(|(m, d)| (*m, *d));
             for (port, _, eps) in &svc.ports {
                 let mut subsets: Vec<Option<&Subset>> = vec![None];
@@ -1051,7 +1108,7 @@ struct BoundServer<'a> {
 }
 
 /// istiod's HTTP protocols: one plaintext connection manager per port.
-fn is_http_protocol(p: &str) -> bool {
+pub(super) fn is_http_protocol(p: &str) -> bool {
     matches!(p, "HTTP" | "HTTP2" | "GRPC" | "GRPC-WEB" | "HTTP_PROXY")
 }
 
@@ -1298,7 +1355,11 @@ impl Ctx<'_> {
             if !selects(&gw.selector, &node.labels) {
                 continue;
             }
+            let key = format!("{}/{}", ns(m), m.name);
             for (i, s) in gw.servers.iter().enumerate() {
+                if self.skip_servers.contains(&(key.clone(), i)) {
+                    continue;
+                }
                 let protocol = s
                     .port
                     .protocol
@@ -2090,7 +2151,7 @@ fn hcm(stat_prefix: &str, route_name: &str) -> Json {
 
 /// What istiod's validation refuses in a server's TLS settings, and what this control plane
 /// cannot serve (certificates mounted as files are istio-agent's to serve).
-fn check_server_tls(s: &Server, protocol: &str) -> Result<(), String> {
+pub(super) fn check_server_tls(s: &Server, protocol: &str) -> Result<(), String> {
     let Some(t) = &s.tls else {
         return if matches!(protocol, "HTTPS" | "TLS") {
             Err(format!(".tls: a {protocol} server needs tls settings (istiod refuses it without); server skipped"))
