@@ -326,26 +326,24 @@ async fn proxy_protocol_v1_v2_plain_and_tls() {
         Err("closed".to_string())
     );
 
-    // Envoy's counters for the filter, at the root scope (not the listener's). Portico counts
-    // the same in `proxy::proxy_protocol::Stats` (unit-tested there); the admin endpoint does
-    // not render them yet, so only Envoy's are read here.
-    if is_envoy(&gateway_bin()) {
-        let stats = reqwest::get(gw.admin_url("/stats"))
-            .await
-            .expect("stats")
-            .text()
-            .await
-            .expect("body");
-        for want in [
-            "downstream_cx_proxy_proto_error: 6",
-            "proxy_proto.not_found_allowed: 1",
-            "proxy_proto.not_found_disallowed: 2",
-            "proxy_proto.versions.v1.found: 4",
-            "proxy_proto.versions.v1.error: 3",
-            "proxy_proto.versions.v2.found: 2",
-            "proxy_proto.versions.v2.error: 1",
-        ] {
-            assert!(stats.lines().any(|l| l == want), "{want} in\n{stats}");
-        }
+    // Envoy's counters for the filter, at the root scope (not the listener's), as both
+    // gateways render them for Prometheus.
+    let stats = reqwest::get(gw.admin_url("/stats/prometheus"))
+        .await
+        .expect("stats")
+        .text()
+        .await
+        .expect("body");
+    for want in [
+        "envoy_downstream_cx_proxy_proto_error{} 6",
+        "envoy_proxy_proto_not_found_allowed{} 1",
+        "envoy_proxy_proto_not_found_disallowed{} 2",
+        "envoy_proxy_proto_found{envoy_proxy_protocol_version=\"1\"} 4",
+        "envoy_proxy_proto_error{envoy_proxy_protocol_version=\"1\"} 3",
+        "envoy_proxy_proto_found{envoy_proxy_protocol_version=\"2\"} 2",
+        "envoy_proxy_proto_error{envoy_proxy_protocol_version=\"2\"} 1",
+        "envoy_proxy_proto_disallowed{envoy_proxy_protocol_version=\"2\"} 0",
+    ] {
+        assert!(stats.lines().any(|l| l == want), "{want} in\n{stats}");
     }
 }

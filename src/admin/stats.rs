@@ -336,6 +336,57 @@ impl Stats {
         let tcps: Vec<(String, Arc<TcpStats>)> = sorted(&self.tcps);
         let listeners: Vec<(String, Arc<ListenerStats>)> = sorted(&self.listeners);
         let mut f = Families::default();
+        // The PROXY protocol listener filter's counters, at the root scope as Envoy keeps them:
+        // `downstream_cx_proxy_proto_error` and `proxy_proto.[<stat_prefix>.]...`.
+        let mut proto_errors = None;
+        for (prefix, s) in crate::proxy::proxy_protocol::all_stats() {
+            *proto_errors.get_or_insert(0) += s.downstream_cx_proxy_proto_error.load(Relaxed);
+            // Envoy's tag extraction turns the version (and a stat_prefix) into labels.
+            let scope = if prefix.is_empty() {
+                String::new()
+            } else {
+                format!("envoy_proxy_protocol_prefix=\"{}\"", esc(&prefix))
+            };
+            let with = |extra: &str| match (scope.is_empty(), extra.is_empty()) {
+                (true, _) => extra.to_string(),
+                (false, true) => scope.clone(),
+                (false, false) => format!("{scope},{extra}"),
+            };
+            for (stat, v) in [
+                ("not_found_allowed", &s.not_found_allowed),
+                ("not_found_disallowed", &s.not_found_disallowed),
+            ] {
+                f.add(
+                    "counter",
+                    format!("envoy_proxy_proto_{stat}"),
+                    with(""),
+                    v.load(Relaxed),
+                );
+            }
+            for (version, vs) in [("1", &s.v1), ("2", &s.v2)] {
+                let label = with(&format!("envoy_proxy_protocol_version=\"{version}\""));
+                for (stat, v) in [
+                    ("found", &vs.found),
+                    ("disallowed", &vs.disallowed),
+                    ("error", &vs.error),
+                ] {
+                    f.add(
+                        "counter",
+                        format!("envoy_proxy_proto_{stat}"),
+                        label.clone(),
+                        v.load(Relaxed),
+                    );
+                }
+            }
+        }
+        if let Some(n) = proto_errors {
+            f.add(
+                "counter",
+                "envoy_downstream_cx_proxy_proto_error".to_string(),
+                String::new(),
+                n,
+            );
+        }
         for (n, s) in &listeners {
             let label = format!("envoy_listener_address=\"{}\"", esc(n));
             for (kind, stat, v) in [
