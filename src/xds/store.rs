@@ -836,11 +836,12 @@ impl Store {
     /// refused, as Envoy refuses the listener it is adding.
     fn check_listener_addresses(&self, check: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
         let mut by_addr: BTreeMap<SocketAddr, &str> = BTreeMap::new();
-        for (name, l) in self.listeners.iter().filter(|(n, _)| !check(n)) {
+        let bound = |l: &Item<ListenerProto, ListenerDef>| l.value.bind_to_port;
+        for (name, l) in self.listeners.iter().filter(|(n, l)| !check(n) && bound(l)) {
             by_addr.insert(l.value.addr, name);
         }
         let mut errors = Vec::new();
-        for (name, l) in self.listeners.iter().filter(|(n, _)| check(n)) {
+        for (name, l) in self.listeners.iter().filter(|(n, l)| check(n) && bound(l)) {
             match by_addr.get(&l.value.addr) {
                 Some(other) => errors.push((
                     name.clone(),
@@ -1282,9 +1283,12 @@ impl Store {
         }
     }
 
+    /// The addresses to bind: a `bind_to_port: false` listener has none (Envoy neither binds
+    /// it nor lets its address conflict with another listener's).
     pub fn listener_addrs(&self) -> BTreeMap<String, SocketAddr> {
         self.listeners
             .iter()
+            .filter(|(_, v)| v.value.bind_to_port)
             .map(|(k, v)| (k.clone(), v.value.addr))
             .collect()
     }
