@@ -45,10 +45,13 @@ pub struct ConfigWorker {
     dns: Arc<DnsInbox>,
 }
 
+/// A round of DNS results: each DNS cluster as it was resolved, and what its names gave.
+type Resolved = Vec<(Arc<ClusterDef>, LoadAssignment)>;
+
 /// Where a round of DNS resolution leaves its results.
 #[derive(Default)]
 struct DnsInbox {
-    results: std::sync::Mutex<Option<Vec<(Arc<ClusterDef>, LoadAssignment)>>>,
+    results: std::sync::Mutex<Option<Resolved>>,
     notify: tokio::sync::Notify,
     running: std::sync::atomic::AtomicBool,
 }

@@ -230,6 +230,9 @@ enum Removal<'a> {
     None,
 }
 
+/// A table after a push, and the names the push held.
+type TablePush<P> = (Table<P, <P as Translate>::Out>, BTreeSet<String>);
+
 /// Applies a push to a table, resource by resource. A response that cannot be decoded, or
 /// that names a listener or cluster twice, is refused whole (`Err`), as Envoy refuses it;
 /// otherwise each resource that fails to translate is refused alone, keeping its previous
@@ -241,7 +244,7 @@ fn apply_table<P: Translate>(
     removal: Removal<'_>,
     now: SystemTime,
     rejected: &mut Vec<Rejected>,
-) -> Result<(Table<P, P::Out>, BTreeSet<String>), Vec<String>> {
+) -> Result<TablePush<P>, Vec<String>> {
     let what = kind.noun();
     let mut whole = Vec::new();
     let mut decoded = Vec::with_capacity(items.len());
