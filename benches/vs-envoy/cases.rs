@@ -267,8 +267,23 @@ pub async fn xds_updates(
         until_body(&client, &last_url, BODY, Duration::from_secs(300)).await?;
         tokio::time::sleep(Duration::from_secs(1)).await;
 
+        // State of the world: istiod pushes only the changed assignment (EDS is not a
+        // wildcard type). Delta: the server holds every assignment and sends what changed.
+        let set_eds = |version: &str, port: u16| -> Result<(), String> {
+            let moved = moved_endpoint(&big, port)?;
+            if api == "DELTA_GRPC" {
+                let mut all = big.endpoints.clone();
+                if let Some(last) = all.last_mut() {
+                    *last = moved;
+                }
+                ads.set_endpoints(version, &all);
+            } else {
+                ads.set_endpoints(version, &[moved]);
+            }
+            Ok(())
+        };
         let t0 = Instant::now();
-        ads.set_endpoints("e0", &[moved_endpoint(&big, backend.changed_port)?]);
+        set_eds("e0", backend.changed_port)?;
         until_body(&client, &last_url, "changed\n", Duration::from_secs(60)).await?;
         results.add(
             &format!("9 {label}: one-endpoint change in {n} clusters -> traffic"),
@@ -296,7 +311,7 @@ pub async fn xds_updates(
                 backend.ports[0]
             };
             let version = format!("e{i}");
-            ads.set_endpoints(&version, &[moved_endpoint(&big, to)?]);
+            set_eds(&version, to)?;
             ads.wait_for_ack(common::EDS, &version, Duration::from_secs(60))
                 .await;
         }
