@@ -369,7 +369,7 @@ pub async fn scale(
     )
     .await?;
 
-    let mut big = config::scale_snapshot(port, n, &backend.ports);
+    let big = config::scale_snapshot(port, n, &backend.ports);
     let t0 = Instant::now();
     ads.set_snapshot("2", &big);
     let last_url = format!("http://127.0.0.1:{port}/svc{}/x", n - 1);
@@ -387,19 +387,7 @@ pub async fn scale(
     );
 
     // One endpoint of the last cluster moves to the backend that answers "changed".
-    let mut cla = big.endpoints.pop().ok_or("no endpoints")?;
-    let ep = cla.endpoints[0]
-        .lb_endpoints
-        .first_mut()
-        .ok_or("no endpoint")?;
-    ep.host_identifier = Some(
-        envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier::Endpoint(
-            envoy_types::pb::envoy::config::endpoint::v3::Endpoint {
-                address: Some(common::socket_addr("127.0.0.1", backend.changed_port)),
-                ..Default::default()
-            },
-        ),
-    );
+    let cla = moved_endpoint(&big, backend.changed_port)?;
     let t0 = Instant::now();
     ads.set_endpoints("3", &[cla]);
     until_body(&client, &last_url, "changed\n", Duration::from_secs(60)).await?;
