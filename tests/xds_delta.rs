@@ -261,7 +261,7 @@ async fn one_bad_resource_is_refused_alone(api_type: &str) {
 
     // CDS: a kept, c new, 'broken' refused.
     let since = mesh.ads.log_len();
-    let mut eps = mesh_endpoints(&[("a", &a), ("c", &c)]);
+    let eps = mesh_endpoints(&[("a", &a), ("c", &c)]);
     mesh.ads.set_endpoints("2", &eps);
     mesh.ads.set_clusters(
         "2",
@@ -350,7 +350,6 @@ async fn one_bad_resource_is_refused_alone(api_type: &str) {
         refused["error_state"]["failed_configuration"].is_object(),
         "{refused}"
     );
-    eps.clear();
 }
 
 fn mesh_endpoints(pairs: &[(&str, &Backend)]) -> Vec<ClusterLoadAssignment> {
