@@ -64,11 +64,15 @@ struct SdsShared {
     streams: Mutex<usize>,
 }
 
+/// Bumped to make the server end every open stream (the gateway then reconnects).
+type Kick = watch::Sender<u64>;
+
 /// The secrets served (version, by name), and every request the gateway sent.
 struct SdsServer {
     at: SdsAt,
     shared: Arc<SdsShared>,
     state: watch::Sender<(String, BTreeMap<String, Secret>)>,
+    kick: Kick,
     task: tokio::task::JoinHandle<()>,
     _dir: TempDir,
 }
@@ -82,6 +86,7 @@ enum SdsAt {
 struct SdsService {
     shared: Arc<SdsShared>,
     state: watch::Receiver<(String, BTreeMap<String, Secret>)>,
+    kick: watch::Receiver<u64>,
 }
 
 #[tonic::async_trait]
@@ -89,11 +94,100 @@ impl SecretDiscoveryService for SdsService {
     type DeltaSecretsStream = ReceiverStream<Result<DeltaDiscoveryResponse, tonic::Status>>;
     type StreamSecretsStream = ReceiverStream<Result<DiscoveryResponse, tonic::Status>>;
 
+    /// Incremental: each stream is sent the subscribed secrets it does not have at their
+    /// current version (what it has: what was sent on it, or its `initial_resource_versions`).
     async fn delta_secrets(
         &self,
-        _request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+        request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<tonic::Response<Self::DeltaSecretsStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented("delta SDS"))
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let shared = self.shared.clone();
+        let mut state = self.state.clone();
+        let mut kick = self.kick.clone();
+        kick.borrow_and_update();
+        if let Ok(mut n) = shared.streams.lock() {
+            *n += 1;
+        }
+        tokio::spawn(async move {
+            let mut subscribed = std::collections::BTreeSet::new();
+            let mut has: BTreeMap<String, String> = BTreeMap::new();
+            let mut sent_versions: BTreeMap<String, String> = BTreeMap::new();
+            let mut nonce = 0u64;
+            loop {
+                tokio::select! {
+                    r = inbound.message() => match r {
+                        Ok(Some(q)) => {
+                            shared.log.lock().expect("log").push(LoggedRequest {
+                                node_id: q.node.as_ref().map(|n| n.id.clone()),
+                                node_cluster: q.node.as_ref().map(|n| n.cluster.clone()),
+                                type_url: q.type_url.clone(),
+                                version_info: sent_versions
+                                    .get(&q.response_nonce)
+                                    .cloned()
+                                    .unwrap_or_default(),
+                                response_nonce: q.response_nonce.clone(),
+                                resource_names: q.resource_names_subscribe.clone(),
+                                unsubscribe: q.resource_names_unsubscribe.clone(),
+                                initial_versions: q
+                                    .initial_resource_versions
+                                    .clone()
+                                    .into_iter()
+                                    .collect(),
+                                error: q.error_detail.as_ref().map(|e| e.message.clone()),
+                                delta: true,
+                            });
+                            has.extend(q.initial_resource_versions);
+                            subscribed.extend(q.resource_names_subscribe);
+                            for n in &q.resource_names_unsubscribe {
+                                subscribed.remove(n);
+                                has.remove(n);
+                            }
+                        }
+                        _ => return,
+                    },
+                    c = state.changed() => {
+                        if c.is_err() {
+                            return;
+                        }
+                    }
+                    _ = kick.changed() => return,
+                }
+                let (version, secrets) = state.borrow_and_update().clone();
+                let resources: Vec<_> = subscribed
+                    .iter()
+                    .filter_map(|n| secrets.get(n))
+                    .filter(|s| has.get(&s.name) != Some(&version))
+                    .map(
+                        |s| envoy_types::pb::envoy::service::discovery::v3::Resource {
+                            name: s.name.clone(),
+                            version: version.clone(),
+                            resource: Some(any(s.clone())),
+                            ..Default::default()
+                        },
+                    )
+                    .collect();
+                if resources.is_empty() {
+                    continue;
+                }
+                for r in &resources {
+                    has.insert(r.name.clone(), version.clone());
+                }
+                nonce += 1;
+                sent_versions.insert(nonce.to_string(), version.clone());
+                let resp = DeltaDiscoveryResponse {
+                    system_version_info: version,
+                    resources,
+                    type_url: SDS.into(),
+                    nonce: nonce.to_string(),
+                    ..Default::default()
+                };
+                if tx.send(Ok(resp)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 
     async fn fetch_secrets(
@@ -182,10 +276,12 @@ impl SdsServer {
     async fn start(unix: bool) -> SdsServer {
         let dir = TempDir::new("portico-sds");
         let (state, rx) = watch::channel((String::new(), BTreeMap::new()));
+        let (kick, kicked) = watch::channel(0);
         let shared = Arc::new(SdsShared::default());
         let svc = SecretDiscoveryServiceServer::new(SdsService {
             shared: shared.clone(),
             state: rx,
+            kick: kicked,
         });
         let router = tonic::transport::Server::builder().add_service(svc);
         let (at, task) = if unix {
@@ -218,6 +314,7 @@ impl SdsServer {
             at,
             shared,
             state,
+            kick,
             task,
             _dir: dir,
         }
@@ -230,6 +327,15 @@ impl SdsServer {
             .map(|s| (s.name.clone(), s.clone()))
             .collect();
         self.state.send_replace((version.to_string(), map));
+    }
+
+    /// Ends every open stream; the gateway reconnects.
+    fn kick(&self) {
+        self.kick.send_modify(|n| *n += 1);
+    }
+
+    fn streams(&self) -> usize {
+        *self.shared.streams.lock().expect("streams")
     }
 
     fn log(&self) -> Vec<LoggedRequest> {
@@ -330,10 +436,14 @@ fn inline(s: &str) -> Option<DataSource> {
 
 /// Istio's `sds-grpc` config source; `initial_fetch_timeout` 0s (istiod's) waits for ever.
 fn sds_grpc(cluster: &str, initial_fetch_timeout: Duration) -> ConfigSource {
+    sds_source(cluster, initial_fetch_timeout, ApiType::Grpc)
+}
+
+fn sds_source(cluster: &str, initial_fetch_timeout: Duration, api_type: ApiType) -> ConfigSource {
     ConfigSource {
         config_source_specifier: Some(config_source::ConfigSourceSpecifier::ApiConfigSource(
             ApiConfigSource {
-                api_type: ApiType::Grpc as i32,
+                api_type: api_type as i32,
                 transport_api_version: ApiVersion::V3 as i32,
                 set_node_on_first_message_only: true,
                 grpc_services: vec![GrpcService {
@@ -397,6 +507,10 @@ fn tls_socket<M: prost::Message + prost::Name>(ctx: M) -> TransportSocket {
 
 /// A TLS listener whose certificate is secret `name` from sds-grpc, answering with `body`.
 fn https_listener(port: u16, name: &str, body_route: &str) -> Listener {
+    https_listener_api(port, name, body_route, ApiType::Grpc)
+}
+
+fn https_listener_api(port: u16, name: &str, body_route: &str, api: ApiType) -> Listener {
     let mut h = hcm(port);
     h.stat_prefix = "https".into();
     h.route_specifier = Some(http_connection_manager::RouteSpecifier::Rds(Rds {
@@ -407,7 +521,7 @@ fn https_listener(port: u16, name: &str, body_route: &str) -> Listener {
         common_tls_context: Some(CommonTlsContext {
             tls_certificate_sds_secret_configs: vec![sds_config(
                 name,
-                sds_grpc("sds-grpc", Duration::from_secs(1)),
+                sds_source("sds-grpc", Duration::from_secs(1), api),
             )],
             alpn_protocols: vec!["http/1.1".into()],
             ..Default::default()
@@ -793,6 +907,102 @@ async fn a_listener_certificate_from_the_sds_cluster_serves_once_it_arrives_and_
         serde_json::json!({ "inline_string": "[redacted]" }),
         "{secrets}"
     );
+}
+
+/// The same source over `DELTA_GRPC` (incremental SDS): the secret is subscribed to by name,
+/// served and rotated; a reconnect names what the gateway has (`initial_resource_versions`) so
+/// nothing is sent again; a bad certificate is NACKed and the last good one keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_certificate_over_delta_sds() {
+    const NAME: &str = "kubernetes://gateway-cert";
+    let pki = Pki::new("gateway CA");
+    let first = pki.leaf(&["gw.example.com"]);
+    let second = pki.leaf(&["gw.example.com"]);
+    let sds = SdsServer::start(true).await;
+    sds.set("1", &[cert_secret(NAME, &first)]);
+    let mesh = start(&sds, |port| Snapshot {
+        listeners: vec![https_listener_api(
+            port,
+            NAME,
+            "route-gw",
+            ApiType::DeltaGrpc,
+        )],
+        routes: vec![route_config(
+            "route-gw",
+            vec![vhost(
+                "all",
+                &["*"],
+                vec![rt(prefix("/"), direct(200, "gw"))],
+            )],
+        )],
+        ..Default::default()
+    })
+    .await;
+    sds.wait_for_ack("1").await;
+    let log = sds.log();
+    assert!(log[0].delta, "a DeltaSecrets stream");
+    assert_eq!(log[0].type_url, SDS);
+    assert_eq!(log[0].resource_names, [NAME.to_string()], "{:?}", log[0]);
+    assert!(
+        log[0].initial_versions.is_empty(),
+        "a first stream has nothing"
+    );
+    assert_eq!(log[0].node_id.as_deref(), Some(NODE_ID), "the node, first");
+    let (status, body, cert) = eventually("serving", PROPAGATION, || async {
+        tls_get(&pki, mesh.port, "gw.example.com").await
+    })
+    .await;
+    assert_eq!((status, body.as_str()), (200, "gw"));
+    assert_eq!(cert, first.der);
+
+    sds.set("2", &[cert_secret(NAME, &second)]);
+    sds.wait_for_ack("2").await;
+    let serves = |want: Vec<u8>| {
+        let pki = &pki;
+        async move {
+            match tls_get(pki, mesh.port, "gw.example.com").await {
+                Ok((_, _, c)) if c == want => Ok(()),
+                Ok(_) => Err("another certificate".to_string()),
+                Err(e) => Err(e),
+            }
+        }
+    };
+    eventually("the rotated certificate", PROPAGATION, || {
+        serves(second.der.clone())
+    })
+    .await;
+
+    // A reconnect names the version held; the server has nothing newer to send.
+    let before = sds.log().len();
+    sds.kick();
+    let again = eventually("a second stream", PROPAGATION, || async {
+        sds.log()
+            .into_iter()
+            .skip(before)
+            .find(|r| r.response_nonce.is_empty())
+            .ok_or_else(|| format!("streams: {}", sds.streams()))
+    })
+    .await;
+    assert_eq!(
+        again.initial_versions,
+        BTreeMap::from([(NAME.to_string(), "2".to_string())]),
+        "{again:?}"
+    );
+    assert_eq!(again.resource_names, [NAME.to_string()]);
+    serves(second.der.clone()).await.expect("still serving");
+
+    // A bad certificate: NACKed, the rotated one keeps serving.
+    let mut bad = cert_secret(NAME, &first);
+    if let Some(secret::Type::TlsCertificate(c)) = &mut bad.r#type {
+        c.certificate_chain = inline("not a certificate");
+    }
+    sds.set("3", &[bad]);
+    let nack = sds.wait_for_nack().await;
+    assert_eq!(nack.version_info, "3", "the NACK answers version 3's nonce");
+    assert!(nack.delta);
+    serves(second.der.clone())
+        .await
+        .expect("the last good certificate");
 }
 
 /// (b, c, d) Istio's ISTIO_MUTUAL upstream from sds-grpc over TCP: the cluster reaches an

@@ -1,6 +1,6 @@
-//! Where an SDS secret comes from: the ADS stream (`sds_config: {ads: {}}`) or a
-//! state-of-the-world SDS stream to a static bootstrap cluster (`api_config_source` GRPC with
-//! `envoy_grpc.cluster_name`, as istio-agent's `sds-grpc`).
+//! Where an SDS secret comes from: the ADS stream (`sds_config: {ads: {}}`) or an SDS stream
+//! (state of the world or incremental) to a static bootstrap cluster (`api_config_source` GRPC
+//! or DELTA_GRPC with `envoy_grpc.cluster_name`, as istio-agent's `sds-grpc`).
 //!
 //! Secrets are keyed by name alone in the store. Envoy keys them by name and config source, so
 //! the same name from two sources would be two secrets there and one here; no control plane
@@ -22,6 +22,9 @@ pub struct SdsCluster {
     pub cluster: String,
     /// `set_node_on_first_message_only`.
     pub node_first_only: bool,
+    /// `api_type: DELTA_GRPC`: the incremental `DeltaSecrets` stream instead of
+    /// `StreamSecrets`. Sources differing only in this are two streams, as in Envoy.
+    pub delta: bool,
     /// How long start-up (`/ready`) waits for the secrets; None waits for ever (`0s`, as
     /// istiod sets it).
     pub initial_fetch_timeout: Option<Duration>,
@@ -84,21 +87,17 @@ fn source(cs: &corepb::ConfigSource, at: &str) -> Result<SdsSource, String> {
         None => return Err(format!("{at}: a config source is required")),
     };
     let at = format!("{at}.api_config_source");
-    match ApiType::try_from(api.api_type) {
-        Ok(ApiType::Grpc) => {}
-        Ok(ApiType::DeltaGrpc) => {
-            return Err(format!(
-                "{at}.api_type: DELTA_GRPC (incremental SDS) is not supported; use GRPC"
-            ))
-        }
+    let delta = match ApiType::try_from(api.api_type) {
+        Ok(ApiType::Grpc) => false,
+        Ok(ApiType::DeltaGrpc) => true,
         Ok(other) => {
             return Err(format!(
-                "{at}.api_type: {} is not supported for SDS; use GRPC",
+                "{at}.api_type: {} is not supported for SDS; use GRPC or DELTA_GRPC",
                 other.as_str_name()
             ))
         }
         Err(_) => return Err(format!("{at}.api_type: unknown api_type {}", api.api_type)),
-    }
+    };
     // 1 is the deprecated V2.
     if api.transport_api_version == 1 {
         return Err(format!(
@@ -139,6 +138,7 @@ fn source(cs: &corepb::ConfigSource, at: &str) -> Result<SdsSource, String> {
     Ok(SdsSource::Cluster(Arc::new(SdsCluster {
         cluster,
         node_first_only: api.set_node_on_first_message_only,
+        delta,
         initial_fetch_timeout,
     })))
 }
@@ -220,9 +220,12 @@ mod tests {
             SdsSource::Ads
         );
         let err = |c: tlspb::SdsSecretConfig| SdsRef::parse(&c, "f").expect_err("rejected");
-        assert!(err(cfg("x", grpc("sds-grpc", ApiType::DeltaGrpc))).contains(
-            "f.sds_config.api_config_source.api_type: DELTA_GRPC (incremental SDS) is not supported"
-        ));
+        let delta =
+            SdsRef::parse(&cfg("x", grpc("sds-grpc", ApiType::DeltaGrpc)), "f").expect("delta SDS");
+        let sotw = SdsRef::parse(&cfg("x", grpc("sds-grpc", ApiType::Grpc)), "f").expect("ok");
+        assert!(delta.cluster().is_some_and(|c| c.delta));
+        assert!(sotw.cluster().is_some_and(|c| !c.delta));
+        assert_ne!(delta.source, sotw.source, "two streams");
         assert!(err(cfg("x", grpc("sds-grpc", ApiType::Rest))).contains("REST is not supported"));
         assert!(
             err(cfg("x", grpc("", ApiType::Grpc))).contains("envoy_grpc.cluster_name is required")

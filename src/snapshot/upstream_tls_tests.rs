@@ -889,18 +889,18 @@ fn secrets_of_the_wrong_kind_or_an_incomplete_context_are_errors_naming_them() {
 
 #[test]
 fn sds_on_upstream_tls_rejections() {
-    let mut delta = istio_mutual(REVIEWS);
-    if let Some(c) = &mut delta.common_tls_context {
+    let mut rest = istio_mutual(REVIEWS);
+    if let Some(c) = &mut rest.common_tls_context {
         if let Some(corepb::config_source::ConfigSourceSpecifier::ApiConfigSource(a)) = c
             .tls_certificate_sds_secret_configs[0]
             .sds_config
             .as_mut()
             .and_then(|s| s.config_source_specifier.as_mut())
         {
-            a.api_type = corepb::api_config_source::ApiType::DeltaGrpc as i32;
+            a.api_type = corepb::api_config_source::ApiType::Rest as i32;
         }
     }
-    rejected(delta, "tls_certificate_sds_secret_configs[0].sds_config.api_config_source.api_type: DELTA_GRPC (incremental SDS) is not supported; use GRPC");
+    rejected(rest, "tls_certificate_sds_secret_configs[0].sds_config.api_config_source.api_type: REST is not supported for SDS; use GRPC or DELTA_GRPC");
     let mut two = istio_mutual(REVIEWS);
     if let Some(c) = &mut two.common_tls_context {
         let again = c.tls_certificate_sds_secret_configs[0].clone();

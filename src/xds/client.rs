@@ -130,11 +130,12 @@ impl ConfigWorker {
                     source,
                     version,
                     resources,
+                    resource_versions,
                     reply,
                 } => {
                     let result = self
                         .store
-                        .apply_sds(&source, &version, &resources)
+                        .apply_sds(&source, &version, &resources, &resource_versions)
                         .and_then(|applied| self.commit_applied(applied));
                     let result = match result {
                         Ok(rejected) if rejected.is_empty() => Ok(()),

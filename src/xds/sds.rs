@@ -1,5 +1,6 @@
-//! State-of-the-world SDS streams to bootstrap clusters (`SecretDiscoveryService/StreamSecrets`),
-//! one per distinct config source, as istio-agent's `sds-grpc` serves them.
+//! SDS streams to bootstrap clusters, one per distinct config source, as istio-agent's
+//! `sds-grpc` serves them: state of the world (`SecretDiscoveryService/StreamSecrets`) or
+//! incremental (`DeltaSecrets`, `api_type: DELTA_GRPC`).
 //!
 //! A stream task owns the connection, the nonce and its last accepted version; what it
 //! receives goes through the config worker (the [`Inbox`]), which applies it to the one store
@@ -11,7 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::rpc::Status;
@@ -34,6 +37,9 @@ pub enum Event {
         source: Arc<SdsCluster>,
         version: String,
         resources: Vec<Any>,
+        /// Over delta, each resource's own version (same length as `resources`); empty over
+        /// state of the world, where `version` is every resource's.
+        resource_versions: Vec<String>,
         reply: oneshot::Sender<Result<(), String>>,
     },
     /// The source's `initial_fetch_timeout` ran out: start-up stops waiting for it.
@@ -188,11 +194,18 @@ async fn run(
         tracing::error!(cluster = %source.cluster, "SDS cluster has no endpoint: its secrets never arrive");
         return;
     };
-    // The last accepted version outlives a stream, as Envoy sends it on reconnecting.
+    // The last accepted version outlives a stream, as Envoy sends it on reconnecting; over
+    // delta, each secret's (`initial_resource_versions`).
     let mut version = String::new();
+    let mut versions = BTreeMap::new();
     let mut attempt = 0u32;
     loop {
-        match stream_once(&source, &target, &node, &mut names, &inbox, &mut version).await {
+        let end = if source.delta {
+            stream_once_delta(&source, &target, &node, &mut names, &inbox, &mut versions).await
+        } else {
+            stream_once(&source, &target, &node, &mut names, &inbox, &mut version).await
+        };
+        match end {
             End::Stopped => return,
             End::AfterData(why) => {
                 tracing::warn!(cluster = %source.cluster, "SDS stream to {target} closed: {why}; reconnecting");
@@ -289,6 +302,7 @@ async fn stream_once(
                 source: source.clone(),
                 version: resp.version_info.clone(),
                 resources: resp.resources,
+                resource_versions: Vec::new(),
                 reply,
             });
             match answer.await {
@@ -313,6 +327,145 @@ async fn stream_once(
                 nack
             }
         };
+        if tx.send(req).await.is_err() {
+            return ended(got_data, "request channel closed".into());
+        }
+    }
+}
+
+/// One incremental stream: the names subscribed and unsubscribed as the config asks, each
+/// secret's version kept per name, removals ignored (as Envoy's SDS: a secret goes when nothing
+/// uses it, not when the server says so).
+async fn stream_once_delta(
+    source: &Arc<SdsCluster>,
+    target: &GrpcTarget,
+    node: &Node,
+    names: &mut watch::Receiver<BTreeSet<String>>,
+    inbox: &Inbox,
+    versions: &mut BTreeMap<String, String>,
+) -> End {
+    let channel = match super::grpc::connect(target).await {
+        Ok(c) => c,
+        Err(e) => return End::NoData(e),
+    };
+    let mut client = SecretDiscoveryServiceClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
+    let mut subscribed = names.borrow_and_update().clone();
+    versions.retain(|n, _| subscribed.contains(n));
+    let initial = DeltaDiscoveryRequest {
+        node: Some(node.clone()),
+        type_url: types::SECRET.to_string(),
+        resource_names_subscribe: subscribed.iter().cloned().collect(),
+        initial_resource_versions: versions.clone().into_iter().collect(),
+        ..Default::default()
+    };
+    let later = |req: DeltaDiscoveryRequest| DeltaDiscoveryRequest {
+        node: (!source.node_first_only).then(|| node.clone()),
+        type_url: types::SECRET.to_string(),
+        ..req
+    };
+    if tx.send(initial).await.is_err() {
+        return End::NoData("request channel closed".into());
+    }
+    let mut responses = match client.delta_secrets(ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return End::NoData(format!("delta SDS call failed: {}", s.message())),
+    };
+    tracing::info!(cluster = %source.cluster, "delta SDS stream open to {target}");
+    let mut got_data = false;
+    let ended = |got_data: bool, why: String| {
+        if got_data {
+            End::AfterData(why)
+        } else {
+            End::NoData(why)
+        }
+    };
+    loop {
+        let resp: DeltaDiscoveryResponse = tokio::select! {
+            changed = names.changed() => {
+                if changed.is_err() {
+                    return End::Stopped;
+                }
+                let now = names.borrow_and_update().clone();
+                let subscribe: Vec<String> = now.difference(&subscribed).cloned().collect();
+                let unsubscribe: Vec<String> = subscribed.difference(&now).cloned().collect();
+                for n in &unsubscribe {
+                    versions.remove(n);
+                }
+                subscribed = now;
+                if subscribe.is_empty() && unsubscribe.is_empty() {
+                    continue;
+                }
+                let req = later(DeltaDiscoveryRequest {
+                    resource_names_subscribe: subscribe,
+                    resource_names_unsubscribe: unsubscribe,
+                    ..Default::default()
+                });
+                if tx.send(req).await.is_err() {
+                    return ended(got_data, "request channel closed".into());
+                }
+                continue;
+            }
+            msg = responses.message() => match msg {
+                Ok(Some(r)) => r,
+                Ok(None) => return ended(got_data, "server closed the stream".into()),
+                Err(s) => return ended(got_data, format!("{}: {}", s.code(), s.message())),
+            },
+        };
+        got_data = true;
+        let verdict = if resp.type_url != types::SECRET {
+            Err(format!(
+                "unexpected type {} on an SDS stream, expected {}",
+                resp.type_url,
+                types::SECRET
+            ))
+        } else {
+            // A resource without a body only says the server knows the name; nothing to apply.
+            let (mut resources, mut resource_versions, mut named) =
+                (Vec::new(), Vec::new(), Vec::new());
+            for r in resp.resources {
+                if let Some(any) = r.resource {
+                    resources.push(any);
+                    resource_versions.push(r.version.clone());
+                    named.push((r.name, r.version));
+                }
+            }
+            let (reply, answer) = oneshot::channel();
+            inbox.push(Event::Push {
+                source: source.clone(),
+                version: resp.system_version_info.clone(),
+                resources,
+                resource_versions,
+                reply,
+            });
+            match answer.await {
+                Ok(Ok(())) => {
+                    for (name, version) in named {
+                        if subscribed.contains(&name) {
+                            versions.insert(name, version);
+                        }
+                    }
+                    Ok(())
+                }
+                Ok(Err(e)) => Err(e),
+                // The worker is gone: the process is stopping.
+                Err(_) => return End::Stopped,
+            }
+        };
+        let mut req = later(DeltaDiscoveryRequest {
+            response_nonce: resp.nonce,
+            ..Default::default()
+        });
+        if let Err(message) = verdict {
+            tracing::warn!(cluster = %source.cluster, version = %resp.system_version_info, "delta SDS rejected: {message}");
+            req.error_detail = Some(Status {
+                code: tonic::Code::InvalidArgument as i32,
+                message,
+                details: Vec::new(),
+            });
+        }
         if tx.send(req).await.is_err() {
             return ended(got_data, "request channel closed".into());
         }

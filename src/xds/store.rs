@@ -666,13 +666,18 @@ impl Store {
         source: &Arc<SdsCluster>,
         version: &str,
         resources: &[Any],
+        resource_versions: &[String],
     ) -> Result<Applied, Vec<String>> {
         let mut rejected = Vec::new();
         let mut next = self.clone();
         let now = SystemTime::now();
         let items: Vec<Incoming> = resources
             .iter()
-            .map(|any| Incoming { any, version })
+            .enumerate()
+            .map(|(i, any)| Incoming {
+                any,
+                version: resource_versions.get(i).map_or(version, String::as_str),
+            })
             .collect();
         let seen = next.apply_secrets(
             &SdsSource::Cluster(source.clone()),

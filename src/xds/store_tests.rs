@@ -1318,11 +1318,46 @@ mod sds {
     #[track_caller]
     fn sds_push(s: &Store, resources: &[Any]) -> Result<Store, Vec<String>> {
         let source = s.wanted_sds().into_keys().next().expect("an SDS source");
-        let applied = s.apply_sds(&source, "s1", resources)?;
+        let applied = s.apply_sds(&source, "s1", resources, &[])?;
         match applied.message() {
             None => Ok(applied.store),
             Some(_) => Err(applied.rejected.into_iter().map(|r| r.message).collect()),
         }
+    }
+
+    /// Over delta SDS each secret carries its own version; over state of the world, the
+    /// response's.
+    #[test]
+    fn delta_sds_secrets_keep_their_own_versions() {
+        let s = push(
+            &with_sds_grpc(),
+            Kind::Cluster,
+            &cds(&[mtls_cluster("up", "sds-grpc")]),
+        );
+        let source = s.wanted_sds().into_keys().next().expect("an SDS source");
+        let applied = s
+            .apply_sds(
+                &source,
+                "system-7",
+                &[secret("default", None), root("ROOTCA")],
+                &["d-3".to_string(), "r-9".to_string()],
+            )
+            .expect("decodes");
+        assert!(applied.rejected.is_empty(), "{:?}", applied.rejected);
+        let version = |n: &str| applied.store.secrets.get(n).map(|i| i.version.to_string());
+        assert_eq!(version("default").as_deref(), Some("d-3"));
+        assert_eq!(version("ROOTCA").as_deref(), Some("r-9"));
+        let sotw = s
+            .apply_sds(&source, "v2", &[secret("default", None)], &[])
+            .expect("decodes");
+        assert_eq!(
+            sotw.store
+                .secrets
+                .get("default")
+                .map(|i| i.version.to_string())
+                .as_deref(),
+            Some("v2")
+        );
     }
 
     #[test]
