@@ -1163,8 +1163,8 @@ const ISTIO_CLUSTER_FILTERS: &[&str] = &[
     // `istio.metadata_exchange`: exchanges peer metadata in-band only on a connection whose
     // ALPN is `istio-peer-exchange`; otherwise it passes bytes through untouched.
     "envoy.tcp.metadataexchange.config.MetadataExchange",
-    // `upstream_hbone_peer_metadata`: acts only when the host is the ambient
-    // `connect_originate` internal listener, which Portico refuses.
+    // `upstream_hbone_peer_metadata`: reads the peer metadata of an HBONE tunnel's answer
+    // for telemetry; it changes neither the host nor the bytes.
     "envoy.extensions.network_filters.peer_metadata.UpstreamConfig",
 ];
 
