@@ -402,10 +402,12 @@ const DOCUMENTED: &[(&str, &str)] = &[
         "filter_disabled is not supported",
         "a sidecar's virtualInbound",
     ),
-    // Ambient (HBONE): refused by name, see README.
+    // Ambient (HBONE) in Istio 1.18's shape: its internal listeners restored the destination
+    // with Istio's own `set_dst_address` listener filter, which Portico does not run (istiod
+    // now renders envoy.filters.listener.original_dst, which it does; see istio_hbone.rs).
     (
-        "internal listeners",
-        "ambient's connect_originate / connect_terminate",
+        "listener filter 'set_dst_address'",
+        "Istio 1.18's connect_originate / main_internal (istio.set_internal_dst_address)",
     ),
     (
         "io.istio.network.authn.Config",

@@ -1,6 +1,7 @@
 //! The request path: a pingora `ProxyHttp` that routes on one snapshot per request.
 
 pub mod client_cert;
+mod hbone;
 pub mod io;
 pub mod listeners;
 mod normalize;
@@ -65,6 +66,9 @@ const MIRROR_BODY_LIMIT: usize = 1 << 20;
 pub struct Ctx {
     listener: Option<Arc<ActiveChain>>,
     cluster: Option<Arc<Cluster>>,
+    /// The request's snapshot, kept only when the cluster has internal listeners' endpoints
+    /// (the connection goes through that listener's chain, resolved when it is made).
+    snapshot: Option<Arc<crate::snapshot::Snapshot>>,
     host_index: usize,
     peer: Option<SocketAddr>,
     prefix_rewrite: Option<(usize, String)>,
@@ -863,6 +867,17 @@ impl Gateway {
             let Some((idx, addr)) = picked else {
                 continue;
             };
+            if cluster
+                .endpoints
+                .hosts
+                .get(idx)
+                .is_some_and(|h| h.internal.is_some())
+            {
+                // Envoy would shadow through the internal listener's tunnel; Portico's
+                // mirrors connect directly, so an internal endpoint gets no copy.
+                tracing::debug!(cluster = %cluster.def.name, "mirror to an internal listener's endpoint is not supported; skipped");
+                continue;
+            }
             let mut headers = headers.clone();
             if let Ok(v) = http::HeaderValue::from_str(&host) {
                 headers.insert(http::header::HOST, v);
@@ -1793,6 +1808,9 @@ impl ProxyHttp for Gateway {
         ctx.attempt_count_to_client = fwd.attempt_count_to_client;
         ctx.host_index = idx;
         ctx.peer = Some(addr);
+        if cluster.internal_hosts {
+            ctx.snapshot = Some(snap.clone());
+        }
         ctx.cluster = Some(cluster);
 
         // Request headers as Envoy's connection manager mutates them.
@@ -1933,8 +1951,23 @@ impl ProxyHttp for Gateway {
         } else {
             cluster.tls_for(ctx.host_index)
         };
-        let mut peer = match tls {
-            Some(tls) => {
+        // An internal listener's endpoint: through that listener's chain (HBONE).
+        let internal = match &ctx.snapshot {
+            Some(snap)
+                if cluster
+                    .endpoints
+                    .hosts
+                    .get(ctx.host_index)
+                    .is_some_and(|h| h.internal.is_some()) =>
+            {
+                Some(hbone::peer(snap, cluster, ctx.host_index)?)
+            }
+            _ => None,
+        };
+        let direct = internal.is_none();
+        let mut peer = match (internal, tls) {
+            (Some(p), _) => p,
+            (None, Some(tls)) => {
                 // istio.alpn: the connection manager's list for the protocol spoken upstream.
                 let alpn = ctx
                     .listener
@@ -1945,7 +1978,7 @@ impl ProxyHttp for Gateway {
                     .map(|a| (a.clone(), cluster.def.http2));
                 upstream_tls::peer(tls, alpn, cluster.def.connect_timeout)?
             }
-            None => HttpPeer::new(addr, false, String::new()),
+            (None, None) => HttpPeer::new(addr, false, String::new()),
         };
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
         // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
@@ -1964,8 +1997,9 @@ impl ProxyHttp for Gateway {
             .min_by_key(|(d, _)| *d);
         peer.options.read_timeout = first.map(|(d, _)| d);
         ctx.timeout_kind = first.map_or(TimeoutKind::Route, |(_, kind)| kind);
-        // A TLS connection binds in the relay's connector (`EndpointTls::bind`).
-        if let (Some(b), None) = (&cluster.def.bind, tls) {
+        // A TLS connection binds in the relay's connector (`EndpointTls::bind`); an internal
+        // connection binds nothing (its tunnel is the other cluster's connection).
+        if let (Some(b), None, true) = (&cluster.def.bind, tls, direct) {
             use std::hash::{Hash, Hasher};
             let from = b.for_peer(addr);
             let mut bind = pingora_core::connectors::l4::BindTo::default();
@@ -1985,7 +2019,7 @@ impl ProxyHttp for Gateway {
         }
         peer.options.idle_timeout = cluster.def.idle_timeout;
         // A TLS connection sets its keepalive on the TCP socket under the relay.
-        if let (Some(k), None) = (cluster.def.tcp_keepalive, tls) {
+        if let (Some(k), None, true) = (cluster.def.tcp_keepalive, tls, direct) {
             peer.options.tcp_keepalive = Some(tcp_keepalive(k));
         }
         Ok(Box::new(peer))
@@ -2309,15 +2343,27 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
+        // A failed HBONE tunnel is, to Envoy's router, an internal connection that came up and
+        // then closed before any response: a reset, not a connect failure (the tunnel's own
+        // cluster counts the failed connect).
+        let tunnel = *e.etype() == hbone::TUNNEL_FAILURE;
         if let Some(c) = &ctx.cluster {
-            c.stats.cx_connect_fail.fetch_add(1, Relaxed);
+            if !tunnel {
+                c.stats.cx_connect_fail.fetch_add(1, Relaxed);
+            }
             // A local-origin failure counts as a 503 for outlier detection, as in Envoy.
             c.record_outcome(ctx.host_index, 503);
         }
+        let failure = if tunnel {
+            Failure::Reset
+        } else {
+            Failure::ConnectFailure
+        };
         // Envoy retries only when a retry policy says so.
-        let retry = ctx.retry.clone().is_some_and(|p| {
-            p.retries_failure(Failure::ConnectFailure) && self.may_retry(_session, ctx, &p)
-        });
+        let retry = ctx
+            .retry
+            .clone()
+            .is_some_and(|p| p.retries_failure(failure) && self.may_retry(_session, ctx, &p));
         e.set_retry(retry);
         e
     }
@@ -2367,6 +2413,11 @@ impl ProxyHttp for Gateway {
                     (504, "upstream request timeout")
                 }
             },
+            // Envoy's internal connection closed by its tcp_proxy when the tunnel failed.
+            t if *t == hbone::TUNNEL_FAILURE => (
+                503,
+                "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+            ),
             _ => match e.esource() {
                 ErrorSource::Upstream => (
                     503,

@@ -63,6 +63,17 @@ async fn connect(
             tracing::debug!(cluster = %name, %peer, "tcp_proxy: no healthy upstream; closing");
             return None;
         };
+        if cluster
+            .endpoints
+            .hosts
+            .get(i)
+            .is_some_and(|h| h.internal.is_some())
+        {
+            // Through an internal listener (HBONE) from a downstream tcp_proxy chain: not
+            // implemented; connecting to the endpoint id directly would bypass the tunnel.
+            tracing::warn!(cluster = %name, %addr, "tcp_proxy to an internal listener's endpoint is not supported yet; closing");
+            return None;
+        }
         if cluster.tls_for(i).is_some() {
             // Envoy would originate TLS here; sending the bytes in the clear instead would be
             // worse than refusing the connection.

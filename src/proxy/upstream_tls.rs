@@ -274,6 +274,16 @@ impl L4Connect for WithAlpn {
 
 /// Dials the endpoint, runs the handshake with `config` and hands pingora the relay's end.
 async fn connect(ep: &EndpointTls, config: Arc<rustls::ClientConfig>) -> Result<Stream> {
+    let tls = handshake(ep, config).await?;
+    relayed(tls).await
+}
+
+/// A TCP connection to the endpoint (with the cluster's keepalive and bind) and the TLS
+/// handshake on it with `config`.
+pub(crate) async fn handshake(
+    ep: &EndpointTls,
+    config: Arc<rustls::ClientConfig>,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>> {
     let inet = ep.addr;
     let tcp = connect_tcp(inet, ep.bind).await.map_err(|e| {
         let kind = match e.kind() {
@@ -300,24 +310,45 @@ async fn connect(ep: &EndpointTls, config: Arc<rustls::ClientConfig>) -> Result<
         Some(n) => n.clone(),
         None => ServerName::IpAddress(inet.ip().into()),
     };
-    let tls = tokio_rustls::TlsConnector::from(config)
+    tokio_rustls::TlsConnector::from(config)
         .connect(name, tcp)
         .await
-        .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))?;
-    let relay = relay()?;
-    let (ours, theirs) = relay.pair().await.map_err(|e| {
-        Error::because(ErrorType::ConnectError, "upstream TLS relay".to_string(), e)
-    })?;
-    tokio::spawn(pump(theirs, tls));
+        .map_err(|e| Error::because(TLS_FAILURE, format!("TLS handshake with {inet}"), e))
+}
+
+/// Hands pingora the relay's end of a new pair whose other end is copied to and from `io`.
+pub(crate) async fn relayed<S>(io: S) -> Result<Stream>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let (ours, theirs) = relay_pair().await?;
+    tokio::spawn(pump(theirs, io));
     Ok(Stream::from(ours))
+}
+
+/// A connected pair through the relay: pingora's end, and ours.
+pub(crate) async fn relay_pair() -> Result<(UnixStream, UnixStream)> {
+    let relay = relay()?;
+    relay
+        .pair()
+        .await
+        .map_err(|e| Error::because(ErrorType::ConnectError, "upstream relay".to_string(), e))
+}
+
+/// The path of the relay's listener: the address of every relayed peer.
+pub(crate) fn relay_path() -> Result<String> {
+    Ok(relay()?.path_str.clone())
 }
 
 /// Copies both ways until either side ends, then closes the other: an HTTP connection has
 /// nothing left to say once one side is gone. (`tokio::io::copy` flushes whenever its reader
 /// has nothing more yet, so a relayed response never waits in its buffer.)
-async fn pump(local: UnixStream, tls: tokio_rustls::client::TlsStream<TcpStream>) {
+async fn pump<S>(local: UnixStream, io: S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+{
     let (mut lr, mut lw) = tokio::io::split(local);
-    let (mut tr, mut tw) = tokio::io::split(tls);
+    let (mut tr, mut tw) = tokio::io::split(io);
     let up = async {
         let _ = tokio::io::copy(&mut lr, &mut tw).await;
         // close_notify, then the socket closes when the session drops.

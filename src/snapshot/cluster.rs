@@ -34,6 +34,11 @@ pub struct OriginalDst {
     pub header: Option<http::HeaderName>,
     /// `upstream_port_override`: the port used whatever the header or connection says.
     pub port_override: Option<u16>,
+    /// `metadata_key`, when it names a field of the `envoy.filters.listener.original_dst`
+    /// dynamic metadata: the host it holds comes before the header and the restored address.
+    /// Only an internal connection carries that metadata (an internal_upstream socket passes
+    /// it from the endpoint: istiod's `waypoint`).
+    pub metadata_field: Option<String>,
 }
 
 impl OriginalDst {
@@ -52,19 +57,44 @@ impl OriginalDst {
             invalid = parsed.is_none();
             parsed
         });
-        let host = from_header.or(restored).map(|mut a| {
+        self.with_port(from_header.or(restored))
+            .map_or((None, invalid), |a| (Some(a), invalid))
+    }
+
+    /// The host on an internal connection, as Envoy's original_dst balancer reads it there:
+    /// the `metadata_key` field of the metadata the connection carries (an unparsable value
+    /// counts as invalid and falls through), else the restored local address.
+    pub fn internal_host(
+        &self,
+        metadata: Option<&InternalAddr>,
+        restored: Option<SocketAddr>,
+    ) -> (Option<SocketAddr>, bool) {
+        let mut invalid = false;
+        let from_meta = self
+            .metadata_field
+            .as_deref()
+            .and_then(|f| metadata?.orig_dst_field(f))
+            .and_then(|v| {
+                let parsed = parse_ip_port(v.as_bytes());
+                invalid = parsed.is_none();
+                parsed
+            });
+        (self.with_port(from_meta.or(restored)), invalid)
+    }
+
+    fn with_port(&self, a: Option<SocketAddr>) -> Option<SocketAddr> {
+        a.map(|mut a| {
             if let Some(p) = self.port_override {
                 a.set_port(p);
             }
             a
-        });
-        (host, invalid)
+        })
     }
 }
 
 /// `ip:port` or `[ipv6]:port`, as Envoy's `parseInternetAddressAndPortNoThrow`: no names, a
 /// port is required.
-fn parse_ip_port(v: &[u8]) -> Option<SocketAddr> {
+pub fn parse_ip_port(v: &[u8]) -> Option<SocketAddr> {
     let s = std::str::from_utf8(v).ok()?;
     let (ip, port) = s.rsplit_once(':')?;
     let ip = match ip.strip_prefix('[') {
@@ -234,6 +264,85 @@ pub struct SpecEndpoint {
     /// The endpoint's transport socket match metadata (None: neither it nor its locality has
     /// any).
     pub labels: Option<Arc<super::upstream_tls::SocketLabels>>,
+    /// `envoy_internal_address`: the endpoint is an internal listener (`host`/`port` are
+    /// its `endpoint_id`).
+    pub internal: Option<Arc<InternalAddr>>,
+}
+
+/// An endpoint whose address is an internal listener (`envoy_internal_address`): istiod's
+/// ambient endpoints, reached through its `connect_originate` listener (HBONE). Such a host is
+/// still keyed by an `ip:port` (its `endpoint_id`, which istiod sets to the pod's address),
+/// so balancers, outlier detection and pools tell pods apart as Envoy's endpoint ids do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InternalAddr {
+    /// `server_listener_name`.
+    pub listener: Arc<str>,
+    pub endpoint_id: Arc<str>,
+    /// The endpoint's `envoy.filters.listener.original_dst` metadata, its string fields (a
+    /// list's first string, as Envoy reads a metadata key): what an internal_upstream socket
+    /// passing that metadata gives the internal connection (`local` for the original_dst
+    /// listener filter; `waypoint` for the ORIGINAL_DST cluster's `metadata_key`).
+    pub orig_dst: Vec<(String, String)>,
+}
+
+/// The dynamic metadata namespace of the original_dst listener filter.
+pub const ORIG_DST_NS: &str = "envoy.filters.listener.original_dst";
+
+impl InternalAddr {
+    pub fn orig_dst_field(&self, key: &str) -> Option<&str> {
+        self.orig_dst
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Envoy's name for the address (`envoy://<listener>/<endpoint_id>`): what hashing
+    /// balancers place on the ring, and what `%DOWNSTREAM_LOCAL_ADDRESS%` reads when no
+    /// original destination was restored.
+    pub fn envoy_name(&self) -> String {
+        format!("envoy://{}/{}", self.listener, self.endpoint_id)
+    }
+
+    fn translate(
+        i: &corepb::EnvoyInternalAddress,
+        metadata: Option<&corepb::Metadata>,
+    ) -> Result<(Arc<InternalAddr>, SocketAddr), String> {
+        use envoy_types::pb::google::protobuf::value::Kind;
+        let listener =
+            match &i.address_name_specifier {
+                Some(corepb::envoy_internal_address::AddressNameSpecifier::ServerListenerName(
+                    n,
+                )) if !n.is_empty() => n.as_str(),
+                _ => return Err("envoy_internal_address.server_listener_name is required".into()),
+            };
+        let Some(addr) = parse_ip_port(i.endpoint_id.as_bytes()) else {
+            return Err(format!(
+                "envoy_internal_address '{listener}': endpoint_id '{}' must be an ip:port (Portico keys hosts by address)",
+                i.endpoint_id
+            ));
+        };
+        let mut orig_dst = Vec::new();
+        if let Some(s) = metadata.and_then(|m| m.filter_metadata.get(ORIG_DST_NS)) {
+            for (k, v) in &s.fields {
+                let v = match &v.kind {
+                    Some(Kind::ListValue(l)) => l.values.first().and_then(|v| v.kind.as_ref()),
+                    other => other.as_ref(),
+                };
+                if let Some(Kind::StringValue(s)) = v {
+                    orig_dst.push((k.clone(), s.clone()));
+                }
+            }
+            orig_dst.sort();
+        }
+        Ok((
+            Arc::new(InternalAddr {
+                listener: Arc::from(listener),
+                endpoint_id: Arc::from(i.endpoint_id.as_str()),
+                orig_dst,
+            }),
+            addr,
+        ))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -263,6 +372,8 @@ pub struct Host {
     pub hostname: Option<Arc<str>>,
     /// For `transport_socket_matches`.
     pub labels: Option<Arc<super::upstream_tls::SocketLabels>>,
+    /// An internal listener's endpoint: connections go through that listener's chain.
+    pub internal: Option<Arc<InternalAddr>>,
 }
 
 /// A translated ClusterLoadAssignment.
@@ -299,6 +410,9 @@ pub struct Cluster {
     /// The sockets built with their SDS secrets; empty when the sockets need none, and then
     /// `def.transport`'s are used as they are.
     pub sockets: Arc<super::upstream_tls::Resolved>,
+    /// Some host is an internal listener's endpoint: a request keeps the snapshot to reach
+    /// that listener and the cluster its chain sends to.
+    pub internal_hosts: bool,
 }
 
 impl Cluster {
@@ -341,10 +455,14 @@ impl Cluster {
             None => Vec::new(),
         };
         let make = |eligible: Eligible| {
-            // Hashing balancers place hosts by address, as Envoy does (`ip:port`).
-            Balancer::with_keys(def.policy, eligible, |i| hosts[i].addr.to_string())
-                .with_least_request(def.lb.choice_count, def.lb.active_request_bias)
-                .with_slow_start(def.lb.slow_start, |i| since.get(i).copied().flatten())
+            // Hashing balancers place hosts by address, as Envoy does (`ip:port`, or
+            // `envoy://<listener>/<endpoint_id>` for an internal listener's endpoint).
+            Balancer::with_keys(def.policy, eligible, |i| match &hosts[i].internal {
+                Some(a) => a.envoy_name(),
+                None => hosts[i].addr.to_string(),
+            })
+            .with_least_request(def.lb.choice_count, def.lb.active_request_bias)
+            .with_slow_start(def.lb.slow_start, |i| since.get(i).copied().flatten())
         };
         let plan = super::load::plan(
             &super::load::Inputs {
@@ -405,6 +523,7 @@ impl Cluster {
             Vec::new()
         };
         Cluster {
+            internal_hosts: endpoints.hosts.iter().any(|h| h.internal.is_some()),
             tls_hosts,
             transport,
             sockets,
@@ -909,13 +1028,38 @@ fn original_dst(c: &cpb::Cluster) -> Result<OriginalDst, String> {
         })?),
         None => None,
     };
-    // `metadata_key` (and the `envoy.network.transport_socket.original_dst_address` filter
-    // state) name the host from dynamic metadata; no filter Portico runs sets either, so the
-    // lookup finds nothing and Envoy goes on to the header as Portico does. istiod sets it on
-    // the ambient `connect_originate` cluster, reached only through an internal listener.
+    // `metadata_key` names the host from dynamic metadata (the request's, then the
+    // connection's). No filter Portico runs sets any; only an internal connection carries
+    // metadata, the `envoy.filters.listener.original_dst` struct its internal_upstream socket
+    // passes from the endpoint (istiod: `waypoint`). A key elsewhere could only be found in
+    // metadata Portico does not carry, so it is refused rather than never matched. The
+    // `envoy.network.transport_socket.original_dst_address` filter state is set by no filter
+    // Portico runs: nothing to read.
+    let metadata_field = match cfg.and_then(|o| o.metadata_key.as_ref()) {
+        None => None,
+        Some(k) => {
+            use envoy_types::pb::envoy::r#type::metadata::v3::metadata_key::path_segment::Segment;
+            let field = match k.path.as_slice() {
+                [one] => match &one.segment {
+                    Some(Segment::Key(f)) if !f.is_empty() => Some(f.clone()),
+                    _ => None,
+                },
+                _ => None,
+            };
+            match field {
+                Some(f) if k.key == ORIG_DST_NS => Some(f),
+                _ => {
+                    return Err(format!(
+                        "original_dst_lb_config.metadata_key: only one field of '{ORIG_DST_NS}' (the metadata an internal connection carries) is supported"
+                    ))
+                }
+            }
+        }
+    };
     Ok(OriginalDst {
         header,
         port_override,
+        metadata_field,
     })
 }
 
@@ -1019,8 +1163,8 @@ const ISTIO_CLUSTER_FILTERS: &[&str] = &[
     // `istio.metadata_exchange`: exchanges peer metadata in-band only on a connection whose
     // ALPN is `istio-peer-exchange`; otherwise it passes bytes through untouched.
     "envoy.tcp.metadataexchange.config.MetadataExchange",
-    // `upstream_hbone_peer_metadata`: acts only when the host is the ambient
-    // `connect_originate` internal listener, which Portico refuses.
+    // `upstream_hbone_peer_metadata`: reads the peer metadata of an HBONE tunnel's answer
+    // for telemetry; it changes neither the host nor the bytes.
     "envoy.extensions.network_filters.peer_metadata.UpstreamConfig",
 ];
 
@@ -1591,20 +1735,21 @@ fn load_assignment_spec(
                 Some(_) => return Err(format!("{at}: endpoint_name is not supported")),
                 None => return Err(format!("{at}: endpoint is required")),
             };
-            if let Some(corepb::address::Address::EnvoyInternalAddress(i)) =
-                ep.address.as_ref().and_then(|a| a.address.as_ref())
-            {
-                // istiod's ambient endpoints (HBONE through `connect_originate`).
-                let name = match &i.address_name_specifier {
+            let internal = match ep.address.as_ref().and_then(|a| a.address.as_ref()) {
+                Some(corepb::address::Address::EnvoyInternalAddress(i)) => {
+                    if allow_hostnames {
+                        // A DNS cluster resolves names; an internal listener has none.
+                        return Err(format!(
+                            "{at}.endpoint.address: envoy_internal_address is not supported in DNS clusters"
+                        ));
+                    }
                     Some(
-                        corepb::envoy_internal_address::AddressNameSpecifier::ServerListenerName(n),
-                    ) => n.as_str(),
-                    None => "",
-                };
-                return Err(format!(
-                    "{at}.endpoint.address: envoy_internal_address '{name}': internal listeners (ambient HBONE) are not supported"
-                ));
-            }
+                        InternalAddr::translate(i, lb.metadata.as_ref())
+                            .map_err(|e| format!("{at}.endpoint.address: {e}"))?,
+                    )
+                }
+                _ => None,
+            };
             let pipe = matches!(
                 ep.address.as_ref().and_then(|a| a.address.as_ref()),
                 Some(corepb::address::Address::Pipe(_))
@@ -1612,8 +1757,11 @@ fn load_assignment_spec(
             if pipe && skip_pipes {
                 continue;
             }
-            let (host, port) = socket_address(ep.address.as_ref())
-                .map_err(|e| format!("{at}.endpoint.address: {e}"))?;
+            let (host, port) = match &internal {
+                Some((_, addr)) => (addr.ip().to_string(), addr.port()),
+                None => socket_address(ep.address.as_ref())
+                    .map_err(|e| format!("{at}.endpoint.address: {e}"))?,
+            };
             if !allow_hostnames && host.parse::<std::net::IpAddr>().is_err() {
                 return Err(format!(
                     "{at}.endpoint.address: malformed IP address: {host}"
@@ -1632,6 +1780,7 @@ fn load_assignment_spec(
             let labels = (labels != Default::default()).then(|| Arc::new(labels));
             spec.endpoints.push(SpecEndpoint {
                 labels,
+                internal: internal.map(|(i, _)| i),
                 host,
                 port,
                 weight,
@@ -1670,6 +1819,7 @@ impl LoadAssignment {
             locality: e.locality,
             hostname,
             labels: e.labels.clone(),
+            internal: e.internal.clone(),
         }
     }
 
@@ -1755,6 +1905,7 @@ mod tests {
                     locality: 0,
                     hostname: None,
                     labels: None,
+                    internal: None,
                 },
                 SpecEndpoint {
                     host: "10.0.0.9".into(),
@@ -1765,6 +1916,7 @@ mod tests {
                     locality: 0,
                     hostname: None,
                     labels: None,
+                    internal: None,
                 },
             ],
             ..Default::default()

@@ -201,7 +201,8 @@ fn original_dst_clusters_translate() {
         d.original_dst,
         Some(OriginalDst {
             header: None,
-            port_override: None
+            port_override: None,
+            metadata_field: None
         })
     );
     let d = ok(&original_dst_cluster(header_config("", None)));
@@ -263,6 +264,7 @@ fn original_dst_host_comes_from_the_header_as_envoy_parses_it() {
     let od = OriginalDst {
         header: Some(http::HeaderName::from_static("x-envoy-original-dst-host")),
         port_override: None,
+        metadata_field: None,
     };
     let with = |v: &str| {
         let mut h = http::HeaderMap::new();
@@ -321,6 +323,7 @@ fn original_dst_host_comes_from_the_header_as_envoy_parses_it() {
     let od = OriginalDst {
         header: None,
         port_override: None,
+        metadata_field: None,
     };
     assert_eq!(od.host(&with("10.1.2.3:8080"), None), (None, false));
 }
@@ -687,8 +690,8 @@ fn istiod_dns_settings_are_accepted() {
     );
 }
 
-#[test]
-fn ambient_internal_addresses_are_refused_with_the_reason() {
+fn internal_endpoint(id: &str, meta: &[(&str, &str)]) -> epb::LbEndpoint {
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
     let mut ep = lb_endpoint("10.0.0.1", 80);
     if let Some(epb::lb_endpoint::HostIdentifier::Endpoint(e)) = ep.host_identifier.as_mut() {
         e.address = Some(corepb::Address {
@@ -699,27 +702,189 @@ fn ambient_internal_addresses_are_refused_with_the_reason() {
                             "connect_originate".into(),
                         ),
                     ),
-                    endpoint_id: "10.0.0.1:80".into(),
+                    endpoint_id: id.into(),
                 },
             )),
         });
     }
+    let mut m = corepb::Metadata::default();
+    m.filter_metadata.insert(
+        ORIG_DST_NS.into(),
+        Struct {
+            fields: meta
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_string(),
+                        Value {
+                            kind: Some(Kind::StringValue(v.to_string())),
+                        },
+                    )
+                })
+                .collect(),
+        },
+    );
+    ep.metadata = Some(m);
+    ep
+}
+
+#[test]
+fn ambient_internal_addresses_translate_with_their_original_destination() {
+    let ep = internal_endpoint("10.0.0.1:80", &[("local", "10.0.0.1:80")]);
+    let la = LoadAssignment::translate(&cla("c", vec![locality(0, vec![ep])])).expect("valid");
+    let h = &la.hosts[0];
+    // Keyed by the endpoint id, as Envoy tells internal endpoints apart by it.
+    assert_eq!(h.addr, "10.0.0.1:80".parse::<SocketAddr>().expect("addr"));
+    let ia = h.internal.as_ref().expect("internal");
+    assert_eq!(&*ia.listener, "connect_originate");
+    assert_eq!(ia.orig_dst_field("local"), Some("10.0.0.1:80"));
+    assert_eq!(ia.envoy_name(), "envoy://connect_originate/10.0.0.1:80");
+    // An id that is no address cannot key a host.
+    let ep = internal_endpoint("pod-a", &[]);
     let e = LoadAssignment::translate(&cla("c", vec![locality(0, vec![ep])])).expect_err("refused");
     assert!(
-        e.to_string().contains(
-            "endpoints[0].lb_endpoints[0].endpoint.address: envoy_internal_address 'connect_originate': internal listeners (ambient HBONE) are not supported"
-        ),
+        e.to_string()
+            .contains("endpoint_id 'pod-a' must be an ip:port"),
         "{e}"
     );
+}
+
+fn internal_upstream(
+    passthrough: &[(bool, &str)],
+    inner: Option<corepb::TransportSocket>,
+) -> corepb::TransportSocket {
+    use envoy_types::pb::envoy::extensions::transport_sockets::internal_upstream::v3::{
+        internal_upstream_transport::MetadataValueSource, InternalUpstreamTransport,
+    };
+    use envoy_types::pb::envoy::r#type::metadata::v3::{metadata_kind, MetadataKind};
+    use prost::Message;
+    let t = InternalUpstreamTransport {
+        passthrough_metadata: passthrough
+            .iter()
+            .map(|(host, name)| MetadataValueSource {
+                kind: Some(MetadataKind {
+                    kind: Some(if *host {
+                        metadata_kind::Kind::Host(Default::default())
+                    } else {
+                        metadata_kind::Kind::Cluster(Default::default())
+                    }),
+                }),
+                name: name.to_string(),
+            })
+            .collect(),
+        transport_socket: inner,
+    };
+    corepb::TransportSocket {
+        name: "envoy.transport_sockets.internal_upstream".into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(
+            envoy_types::pb::google::protobuf::Any {
+                type_url: "type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport".into(),
+                value: t.encode_to_vec(),
+            },
+        )),
+    }
+}
+
+#[test]
+fn internal_upstream_sockets_say_whether_they_pass_the_original_destination() {
+    let raw = socket(
+        "envoy.transport_sockets.raw_buffer",
+        "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer",
+    );
     let mut c = cluster("c");
-    c.transport_socket = Some(socket(
-        "internal_upstream",
-        "type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport",
+    c.transport_socket = Some(internal_upstream(
+        &[(true, ORIG_DST_NS), (false, "istio"), (true, "istio")],
+        Some(raw.clone()),
     ));
+    let d = ok(&c);
+    assert_eq!(
+        d.transport.internal(0),
+        Some(crate::snapshot::upstream_tls::InternalUpstream {
+            passes_orig_dst: true
+        })
+    );
+    assert!(d.transport.default.is_none());
+    c.transport_socket = Some(internal_upstream(&[(false, "istio")], Some(raw)));
+    assert_eq!(
+        ok(&c).transport.internal(0).map(|s| s.passes_orig_dst),
+        Some(false)
+    );
+    c.transport_socket = Some(internal_upstream(&[(false, ORIG_DST_NS)], None));
     rejected(
         &c,
-        "'internal_upstream': internal listeners (ambient HBONE) are not supported",
+        "the cluster's 'envoy.filters.listener.original_dst' metadata is not supported",
     );
+    // TLS inside the tunnel is not implemented.
+    let tls = socket(
+        "tls",
+        "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+    );
+    c.transport_socket = Some(internal_upstream(&[(true, ORIG_DST_NS)], Some(tls)));
+    rejected(
+        &c,
+        "TLS inside an internal_upstream socket (TLS over HBONE) is not supported yet",
+    );
+}
+
+#[test]
+fn original_dst_metadata_key_reads_the_internal_connections_metadata() {
+    use envoy_types::pb::envoy::r#type::metadata::v3::{
+        metadata_key::path_segment::Segment, metadata_key::PathSegment, MetadataKey,
+    };
+    let key = |k: &str, path: &[&str]| MetadataKey {
+        key: k.into(),
+        path: path
+            .iter()
+            .map(|p| PathSegment {
+                segment: Some(Segment::Key(p.to_string())),
+            })
+            .collect(),
+    };
+    let mut lb = header_config("", Some(15008));
+    if let Some(l) = lb.as_mut() {
+        l.use_http_header = false;
+        l.metadata_key = Some(key(ORIG_DST_NS, &["waypoint"]));
+    }
+    let od = ok(&original_dst_cluster(lb.clone()))
+        .original_dst
+        .expect("original dst");
+    assert_eq!(od.metadata_field.as_deref(), Some("waypoint"));
+    let addr = |s: &str| s.parse::<SocketAddr>().expect("addr");
+    let ia = |meta: &[(&str, &str)]| InternalAddr {
+        listener: Arc::from("connect_originate"),
+        endpoint_id: Arc::from("10.0.0.1:80"),
+        orig_dst: meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    let restored = Some(addr("10.0.0.1:80"));
+    // The restored destination, with the HBONE port.
+    assert_eq!(
+        od.internal_host(Some(&ia(&[("local", "10.0.0.1:80")])), restored),
+        (Some(addr("10.0.0.1:15008")), false)
+    );
+    // A waypoint in the metadata comes first.
+    assert_eq!(
+        od.internal_host(Some(&ia(&[("waypoint", "10.9.9.9:80")])), restored),
+        (Some(addr("10.9.9.9:15008")), false)
+    );
+    assert_eq!(
+        od.internal_host(Some(&ia(&[("waypoint", "bogus")])), restored),
+        (Some(addr("10.0.0.1:15008")), true)
+    );
+    // Metadata not passed, nothing restored: no host.
+    assert_eq!(od.internal_host(None, None), (None, false));
+    for bad in [key("istio", &["waypoint"]), key(ORIG_DST_NS, &["a", "b"])] {
+        let mut lb = lb.clone();
+        if let Some(l) = lb.as_mut() {
+            l.metadata_key = Some(bad);
+        }
+        rejected(
+            &original_dst_cluster(lb),
+            "original_dst_lb_config.metadata_key: only one field of 'envoy.filters.listener.original_dst'",
+        );
+    }
 }
 
 /// Every cluster of a real Istio 1.18 sidecar's config dump (`shared/xds-data`): all of them
@@ -1165,6 +1330,7 @@ mod consistent_hashing {
                     locality: 0,
                     hostname: None,
                     labels: None,
+                    internal: None,
                 })
                 .collect(),
             ..Default::default()
@@ -1239,6 +1405,7 @@ mod consistent_hashing {
                 locality: 0,
                 hostname: None,
                 labels: None,
+                internal: None,
             })
             .collect(),
             ..Default::default()
@@ -1276,6 +1443,7 @@ mod consistent_hashing {
                     locality: 0,
                     hostname: None,
                     labels: None,
+                    internal: None,
                 })
                 .collect(),
             ..Default::default()
@@ -1870,6 +2038,7 @@ fn from_resolved_skips_unresolvable_hosts() {
         locality: 0,
         hostname: None,
         labels: None,
+        internal: None,
     };
     let spec = LoadAssignmentSpec {
         endpoints: vec![

@@ -456,6 +456,7 @@ fn the_first_round_completes_after_one_result_per_host() {
                 locality: 0,
                 hostname: None,
                 labels: None,
+                internal: None,
             })
             .collect(),
         ..Default::default()

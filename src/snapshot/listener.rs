@@ -47,6 +47,14 @@ pub struct ListenerDef {
     /// The `listener.<name>.*` stats scope: `stat_prefix`, else the address as Envoy writes
     /// it (`0.0.0.0_443`).
     pub stat_name: String,
+    /// `internal_listener`: bound to no socket (`addr` is unspecified and `bind_to_port`
+    /// false); endpoints with an `envoy_internal_address` naming it connect through its
+    /// chain. Only one tcp_proxy chain is supported on such a listener (see `translate`).
+    pub internal: bool,
+    /// The `envoy.filters.listener.original_dst` listener filter is configured: on an
+    /// internal connection it restores the local address from the `local` field of the
+    /// `envoy.filters.listener.original_dst` metadata the connection carries.
+    pub original_dst: bool,
 }
 
 /// A listener filter that does something to the connection, in the listener's order.
@@ -365,12 +373,27 @@ impl ListenerDef {
             return Err(TranslateError::new("listener ''", "name must not be empty"));
         }
         check_listener_fields(l).map_err(err)?;
-        let (host, port) =
-            socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
-        let ip: std::net::IpAddr = host
-            .parse()
-            .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
-        let addr = SocketAddr::new(ip, port);
+        let internal = matches!(
+            l.listener_specifier,
+            Some(lpb::listener::ListenerSpecifier::InternalListener(_))
+        );
+        let addr = if internal {
+            if l.address.is_some() {
+                return Err(err(
+                    "address: an internal listener has no address (internal_listener is set)"
+                        .into(),
+                ));
+            }
+            SocketAddr::from(([0, 0, 0, 0], 0))
+        } else {
+            let (host, port) =
+                socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
+            let ip: std::net::IpAddr = host
+                .parse()
+                .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
+            SocketAddr::new(ip, port)
+        };
+        let mut original_dst = false;
         let mut tls_inspector = false;
         let mut http_inspector = false;
         let mut listener_filters = Vec::new();
@@ -410,7 +433,7 @@ impl ListenerDef {
                 // redirected (SO_ORIGINAL_DST). A gateway is addressed directly, so that
                 // destination is the local address the listener already uses; it only matters
                 // for handing connections over by `use_original_dst`, which is refused above.
-                (ORIGINAL_DST_TYPE, _) => {}
+                (ORIGINAL_DST_TYPE, _) => original_dst = true,
                 (other, _) => {
                     return Err(err(format!(
                         "listener_filters[{i}]: listener filter '{}' ({other}) is not supported",
@@ -456,6 +479,16 @@ impl ListenerDef {
                 ChainDef::translate(c, addr, "default_filter_chain").map_err(err)?,
             ));
         }
+        if internal {
+            check_internal(l, &chains, &listener_filters, http_inspector).map_err(err)?;
+        } else if let Some(i) = chains
+            .iter()
+            .position(|c| c.tcp().is_some_and(|t| t.tunneling.is_some()))
+        {
+            return Err(err(format!(
+                "filter chain {i}: tcp_proxy tunneling_config is supported only on internal listeners (ambient's connect_originate)"
+            )));
+        }
         let listener_filters_timeout = match &l.listener_filters_timeout {
             None => Some(std::time::Duration::from_secs(15)),
             Some(d) => {
@@ -472,25 +505,71 @@ impl ListenerDef {
             has_default: l.default_filter_chain.is_some(),
             listener_filters,
             tls_inspector,
-            bind_to_port: l.bind_to_port.as_ref().is_none_or(|b| b.value),
             listener_filters_timeout,
             continue_on_listener_filters_timeout: l.continue_on_listener_filters_timeout,
-            stat_name: if l.stat_prefix.is_empty() {
-                format!("{}_{}", addr.ip(), addr.port())
-            } else {
+            stat_name: if !l.stat_prefix.is_empty() {
                 l.stat_prefix.clone()
+            } else if internal {
+                l.name.clone()
+            } else {
+                format!("{}_{}", addr.ip(), addr.port())
             },
+            // An internal listener takes no connection from a socket.
+            bind_to_port: !internal && l.bind_to_port.as_ref().is_none_or(|b| b.value),
+            internal,
+            original_dst,
         })
     }
+}
+
+/// What Portico supports of an internal listener: the shape istiod gives `connect_originate`
+/// (one tcp_proxy chain, with or without `tunneling_config`; the original_dst listener filter).
+/// Chain matching, TLS and HTTP connection managers on internal connections are refused.
+fn check_internal(
+    l: &lpb::Listener,
+    chains: &[Arc<ChainDef>],
+    filters: &[ListenerFilter],
+    http_inspector: bool,
+) -> Result<(), String> {
+    let at = "internal_listener";
+    if !filters.is_empty() || http_inspector {
+        return Err(format!(
+            "{at}: only the envoy.filters.listener.original_dst listener filter is supported on internal listeners"
+        ));
+    }
+    let matchless = |c: &lpb::FilterChain| {
+        c.filter_chain_match
+            .as_ref()
+            .is_none_or(|m| *m == lpb::FilterChainMatch::default())
+    };
+    if chains.len() != 1 || !l.filter_chains.iter().all(matchless) {
+        return Err(format!(
+            "{at}: only one filter chain without filter_chain_match is supported on internal listeners"
+        ));
+    }
+    let chain = &chains[0];
+    if chain.tls.is_some() {
+        return Err(format!(
+            "{at}: a TLS transport_socket on an internal listener's chain is not supported"
+        ));
+    }
+    let Some(tcp) = chain.tcp() else {
+        return Err(format!(
+            "{at}: only a tcp_proxy chain is supported on internal listeners (not an http_connection_manager)"
+        ));
+    };
+    if tcp.max_connect_attempts > 1 {
+        return Err(format!(
+            "{at}: tcp_proxy max_connect_attempts above 1 is not supported on internal listeners yet"
+        ));
+    }
+    Ok(())
 }
 
 /// The listener fields istiod (or anyone) may set beside address, filters and chains: each is
 /// either refused with the reason, or accepted because it cannot change where a request goes
 /// or whether it is allowed at a gateway.
 fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
-    if let Some(lpb::listener::ListenerSpecifier::InternalListener(_)) = &l.listener_specifier {
-        return Err("internal_listener: internal listeners (ambient's connect_originate / connect_terminate, reached through envoy_internal_address) are not supported".into());
-    }
     if l.api_listener.is_some() {
         return Err("api_listener is not supported".into());
     }

@@ -1145,12 +1145,6 @@ fn listener_fields_are_refused_by_name_or_accepted() {
     l.use_original_dst = Some(BoolValue { value: true });
     rejected(&l, "use_original_dst: handing connections");
     let mut l = listener();
-    l.address = None;
-    l.listener_specifier = Some(lpb::listener::ListenerSpecifier::InternalListener(
-        Default::default(),
-    ));
-    rejected(&l, "internal_listener: internal listeners");
-    let mut l = listener();
     l.udp_listener_config = Some(Default::default());
     rejected(&l, "udp_listener_config: UDP listeners (QUIC / HTTP/3)");
 }
@@ -1493,8 +1487,9 @@ const DOCUMENTED_REFUSALS: &[&str] = &[
     "filter_disabled is not supported",
     // virtualOutbound (15001): hands connections over by original destination.
     "use_original_dst: handing connections",
-    // ambient / waypoint internal listeners.
-    "internal_listener: internal listeners",
+    // Istio 1.18's internal listeners (connect_originate, main_internal) restored the
+    // destination with Istio's own listener filter.
+    "listener filter 'set_dst_address'",
     // The sidecar-inbound authn network filter: not telemetry (it feeds authorization).
     "found network filter 'istio_authn' (type.googleapis.com/io.istio.network.authn.Config) first",
 ];
@@ -1559,4 +1554,112 @@ fn istio_dump_listeners_translate_or_are_refused_with_a_reason() {
         eprintln!("  {r}");
     }
     assert!(translated >= 50, "only {translated} listeners translated");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Internal listeners (ambient HBONE)
+
+/// istiod's `connect_originate` listener.
+fn connect_originate() -> lpb::Listener {
+    let tcp = tpb::TcpProxy {
+        stat_prefix: "connect_originate".into(),
+        cluster_specifier: Some(tpb::tcp_proxy::ClusterSpecifier::Cluster(
+            "connect_originate".into(),
+        )),
+        tunneling_config: Some(tpb::tcp_proxy::TunnelingConfig {
+            hostname: "%DOWNSTREAM_LOCAL_ADDRESS%".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    lpb::Listener {
+        name: "connect_originate".into(),
+        use_original_dst: Some(BoolValue { value: false }),
+        listener_specifier: Some(lpb::listener::ListenerSpecifier::InternalListener(
+            Default::default(),
+        )),
+        listener_filters: vec![lpb::ListenerFilter {
+            name: "envoy.filters.listener.original_dst".into(),
+            config_type: Some(lpb::listener_filter::ConfigType::TypedConfig(Any {
+                type_url: ORIGINAL_DST_TYPE.into(),
+                value: vec![],
+            })),
+            ..Default::default()
+        }],
+        filter_chains: vec![chain(vec![tcp_filter(&tcp)])],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn istiods_connect_originate_is_an_unbound_internal_listener() {
+    let d = ok(&connect_originate());
+    assert!(d.internal);
+    assert!(d.original_dst);
+    // Never bound, so never in the store's address checks.
+    assert!(!d.bind_to_port);
+    assert_eq!(d.stat_name, "connect_originate");
+    let tcp = d.chains[0].tcp().expect("tcp_proxy");
+    assert_eq!(tcp.clusters(), ["connect_originate"]);
+    let t = tcp.tunneling.as_ref().expect("tunneling_config");
+    assert_eq!(
+        t.authority(Some("10.1.2.3:8080".parse().expect("addr")), "x"),
+        "10.1.2.3:8080"
+    );
+    // Without the original_dst filter nothing restores the destination.
+    let mut l = connect_originate();
+    l.listener_filters.clear();
+    assert!(!ok(&l).original_dst);
+}
+
+#[test]
+fn internal_listeners_take_only_the_tcp_proxy_shape() {
+    let mut l = connect_originate();
+    l.address = Some(address("0.0.0.0", 15008));
+    rejected(&l, "address: an internal listener has no address");
+    let mut l = connect_originate();
+    l.listener_filters[0] = lpb::ListenerFilter {
+        name: TLS_INSPECTOR.into(),
+        ..Default::default()
+    };
+    rejected(
+        &l,
+        "only the envoy.filters.listener.original_dst listener filter is supported on internal listeners",
+    );
+    let mut l = connect_originate();
+    l.default_filter_chain = Some(l.filter_chains[0].clone());
+    rejected(&l, "only one filter chain without filter_chain_match");
+    let mut l = connect_originate();
+    l.filter_chains[0].filter_chain_match = Some(lpb::FilterChainMatch {
+        destination_port: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 80 }),
+        ..Default::default()
+    });
+    rejected(&l, "only one filter chain without filter_chain_match");
+    let mut l = connect_originate();
+    l.filter_chains = vec![chain(vec![hcm_filter(&base_hcm())])];
+    rejected(
+        &l,
+        "only a tcp_proxy chain is supported on internal listeners (not an http_connection_manager)",
+    );
+    let mut l = connect_originate();
+    let mut tcp = tpb::TcpProxy {
+        stat_prefix: "s".into(),
+        cluster_specifier: Some(tpb::tcp_proxy::ClusterSpecifier::Cluster("c".into())),
+        max_connect_attempts: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 2 }),
+        ..Default::default()
+    };
+    l.filter_chains = vec![chain(vec![tcp_filter(&tcp)])];
+    rejected(&l, "max_connect_attempts above 1");
+    // A tunnel from a bound listener is not implemented.
+    tcp.max_connect_attempts = None;
+    tcp.tunneling_config = Some(tpb::tcp_proxy::TunnelingConfig {
+        hostname: "x".into(),
+        ..Default::default()
+    });
+    let mut bound = listener();
+    bound.filter_chains = vec![chain(vec![tcp_filter(&tcp)])];
+    rejected(
+        &bound,
+        "tcp_proxy tunneling_config is supported only on internal listeners",
+    );
 }

@@ -445,6 +445,7 @@ mod tests {
             locality: 0,
             hostname: None,
             labels: None,
+            internal: None,
         }
     }
 

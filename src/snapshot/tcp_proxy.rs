@@ -31,6 +31,166 @@ pub struct TcpProxy {
     pub idle_timeout: Option<Duration>,
     /// `max_connect_attempts` (at least 1, default 1): hosts tried before giving up.
     pub max_connect_attempts: u32,
+    /// `tunneling_config`: the bytes go in an HTTP/2 CONNECT stream to the cluster's host.
+    pub tunneling: Option<std::sync::Arc<Tunneling>>,
+}
+
+/// `tunneling_config` with CONNECT (istiod's HBONE origination): the request's `:authority`
+/// and the headers added to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tunneling {
+    pub hostname: Vec<HostPart>,
+    /// `headers_to_add` applied, in order, to a CONNECT request that has no other headers:
+    /// the result is fixed, so it is computed once here.
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// A hash of the above: pooled tunnels made with other settings are kept apart.
+    pub key: u64,
+}
+
+/// A piece of the `hostname` format string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostPart {
+    Text(String),
+    /// `%DOWNSTREAM_LOCAL_ADDRESS%`: the (restored) local address of the connection.
+    LocalAddress,
+    /// `%DOWNSTREAM_LOCAL_ADDRESS_WITHOUT_PORT%`.
+    LocalIp,
+    /// `%DOWNSTREAM_LOCAL_PORT%`.
+    LocalPort,
+}
+
+impl Tunneling {
+    fn translate(t: &tpb::tcp_proxy::TunnelingConfig) -> Result<Tunneling, String> {
+        if t.hostname.is_empty() {
+            return Err("hostname must not be empty".into());
+        }
+        // POST tunnels and a request id on the CONNECT change what the upstream receives.
+        // `propagate_response_headers`/`_trailers` only put the answer in filter state for
+        // other filters (istiod's baggage peer metadata), which Portico does not run.
+        if t.use_post || !t.post_path.is_empty() {
+            return Err("use_post / post_path: POST tunnels are not supported".into());
+        }
+        if t.request_id_extension.is_some() || !t.request_id_header.is_empty() {
+            return Err(
+                "request_id_extension / request_id_header: a request id on the CONNECT is not supported"
+                    .into(),
+            );
+        }
+        let hostname = host_format(&t.hostname).map_err(|e| format!("hostname: {e}"))?;
+        let mut map = http::HeaderMap::new();
+        for (i, h) in t.headers_to_add.iter().enumerate() {
+            use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction as A;
+            let at = format!("headers_to_add[{i}]");
+            let Some(hv) = &h.header else {
+                return Err(format!("{at}.header is required"));
+            };
+            let name = hv.key.to_ascii_lowercase();
+            if name.starts_with(':') || name == "host" {
+                return Err(format!("{at}: '{}' cannot be set", hv.key));
+            }
+            let value = if hv.raw_value.is_empty() {
+                hv.value.as_bytes()
+            } else {
+                hv.raw_value.as_slice()
+            };
+            if value.contains(&b'%') {
+                return Err(format!(
+                    "{at}: '{}': substitution formatters in tunnel headers are not supported",
+                    hv.key
+                ));
+            }
+            if value.is_empty() && !h.keep_empty_value {
+                continue;
+            }
+            let name = http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("{at}: invalid header name '{}'", hv.key))?;
+            let value = http::HeaderValue::from_bytes(value)
+                .map_err(|_| format!("{at}: invalid value for '{}'", hv.key))?;
+            #[allow(deprecated)]
+            let action = match &h.append {
+                Some(b) if !b.value => A::OverwriteIfExistsOrAdd,
+                _ => A::try_from(h.append_action).unwrap_or(A::AppendIfExistsOrAdd),
+            };
+            match action {
+                A::AppendIfExistsOrAdd => {
+                    map.append(name, value);
+                }
+                A::AddIfAbsent => {
+                    map.entry(name).or_insert(value);
+                }
+                A::OverwriteIfExistsOrAdd => {
+                    map.insert(name, value);
+                }
+                A::OverwriteIfExists => {
+                    if map.contains_key(&name) {
+                        map.insert(name, value);
+                    }
+                }
+            }
+        }
+        let headers: Vec<(http::HeaderName, http::HeaderValue)> =
+            map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut id = t.hostname.as_bytes().to_vec();
+        for (k, v) in &headers {
+            id.push(0);
+            id.extend_from_slice(k.as_str().as_bytes());
+            id.push(0);
+            id.extend_from_slice(v.as_bytes());
+        }
+        Ok(Tunneling {
+            hostname,
+            headers,
+            key: xxhash_rust::xxh64::xxh64(&id, 7),
+        })
+    }
+
+    /// The `:authority` for a connection whose local address is `local` (`fallback` when no
+    /// original destination was restored: Envoy's name for the internal address).
+    pub fn authority(&self, local: Option<std::net::SocketAddr>, fallback: &str) -> String {
+        let mut out = String::new();
+        for p in &self.hostname {
+            match (p, local) {
+                (HostPart::Text(t), _) => out.push_str(t),
+                (HostPart::LocalAddress, Some(a)) => out.push_str(&a.to_string()),
+                (HostPart::LocalIp, Some(a)) => out.push_str(&a.ip().to_string()),
+                (HostPart::LocalPort, Some(a)) => out.push_str(&a.port().to_string()),
+                (HostPart::LocalAddress | HostPart::LocalIp, None) => out.push_str(fallback),
+                // An internal address has no port: Envoy renders nothing.
+                (HostPart::LocalPort, None) => {}
+            }
+        }
+        out
+    }
+}
+
+/// Envoy's substitution format, limited to the local-address commands (what istiod uses).
+fn host_format(f: &str) -> Result<Vec<HostPart>, String> {
+    let mut parts = Vec::new();
+    let mut rest = f;
+    while let Some(start) = rest.find('%') {
+        if start > 0 {
+            parts.push(HostPart::Text(rest[..start].to_string()));
+        }
+        let after = &rest[start + 1..];
+        let Some(end) = after.find('%') else {
+            return Err(format!("unterminated '%' in '{f}'"));
+        };
+        parts.push(match &after[..end] {
+            "DOWNSTREAM_LOCAL_ADDRESS" => HostPart::LocalAddress,
+            "DOWNSTREAM_LOCAL_ADDRESS_WITHOUT_PORT" => HostPart::LocalIp,
+            "DOWNSTREAM_LOCAL_PORT" => HostPart::LocalPort,
+            other => {
+                return Err(format!(
+                    "'%{other}%' is not supported (only %DOWNSTREAM_LOCAL_ADDRESS%, %DOWNSTREAM_LOCAL_ADDRESS_WITHOUT_PORT%, %DOWNSTREAM_LOCAL_PORT%)"
+                ))
+            }
+        });
+        rest = &after[end + 1..];
+    }
+    if !rest.is_empty() {
+        parts.push(HostPart::Text(rest.to_string()));
+    }
+    Ok(parts)
 }
 
 impl TcpProxy {
@@ -60,7 +220,6 @@ impl TcpProxy {
             ("upstream_idle_timeout", p.upstream_idle_timeout.is_some()),
             ("backoff_options", p.backoff_options.is_some()),
             ("hash_policy", !p.hash_policy.is_empty()),
-            ("tunneling_config", p.tunneling_config.is_some()),
             (
                 "max_downstream_connection_duration",
                 p.max_downstream_connection_duration.is_some(),
@@ -120,11 +279,18 @@ impl TcpProxy {
                 ))
             }
         };
+        let tunneling = match &p.tunneling_config {
+            Some(t) => Some(std::sync::Arc::new(
+                Tunneling::translate(t).map_err(|e| format!("tunneling_config.{e}"))?,
+            )),
+            None => None,
+        };
         Ok(TcpProxy {
             stat_prefix: p.stat_prefix.clone(),
             target,
             idle_timeout,
             max_connect_attempts,
+            tunneling,
         })
     }
 
@@ -350,13 +516,6 @@ mod tests {
                 },
             ),
             (
-                "tunneling_config",
-                tpb::TcpProxy {
-                    tunneling_config: Some(Default::default()),
-                    ..base()
-                },
-            ),
-            (
                 "max_downstream_connection_duration",
                 tpb::TcpProxy {
                     max_downstream_connection_duration: Some(Default::default()),
@@ -394,6 +553,133 @@ mod tests {
         ];
         for (field, p) in cases {
             assert_eq!(err(p), format!("{field} is not supported"));
+        }
+    }
+
+    fn tunnel(t: tpb::tcp_proxy::TunnelingConfig) -> Result<TcpProxy, String> {
+        TcpProxy::translate(&tpb::TcpProxy {
+            tunneling_config: Some(t),
+            ..base()
+        })
+    }
+
+    fn header(key: &str, value: &str, action: i32) -> corepb::HeaderValueOption {
+        corepb::HeaderValueOption {
+            header: Some(corepb::HeaderValue {
+                key: key.into(),
+                value: value.into(),
+                ..Default::default()
+            }),
+            append_action: action,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn tunneling_config_as_istiod_renders_it() {
+        use tpb::tcp_proxy::TunnelingConfig;
+        let t = tunnel(TunnelingConfig {
+            hostname: "%DOWNSTREAM_LOCAL_ADDRESS%".into(),
+            headers_to_add: vec![
+                header("baggage", "a=1", 0),
+                header("x-two", "1", 0),
+                // APPEND_IF_EXISTS_OR_ADD, then OVERWRITE_IF_EXISTS_OR_ADD.
+                header("x-two", "2", 0),
+                header("x-one", "1", 0),
+                header("x-one", "2", 2),
+                // Empty values are dropped unless keep_empty_value.
+                header("x-empty", "", 0),
+            ],
+            propagate_response_headers: true,
+            ..Default::default()
+        })
+        .expect("valid");
+        let t = t.tunneling.expect("tunneling");
+        let local: std::net::SocketAddr = "10.1.2.3:9080".parse().expect("addr");
+        assert_eq!(t.authority(Some(local), "envoy://l/x"), "10.1.2.3:9080");
+        // Nothing restored: Envoy's name for the internal address.
+        assert_eq!(t.authority(None, "envoy://l/x"), "envoy://l/x");
+        let h: Vec<(&str, &str)> = t
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.to_str().expect("ascii")))
+            .collect();
+        assert_eq!(
+            h,
+            [
+                ("baggage", "a=1"),
+                ("x-two", "1"),
+                ("x-two", "2"),
+                ("x-one", "2")
+            ]
+        );
+        let parts = tunnel(TunnelingConfig {
+            hostname: "%DOWNSTREAM_LOCAL_ADDRESS_WITHOUT_PORT%.svc:%DOWNSTREAM_LOCAL_PORT%".into(),
+            ..Default::default()
+        })
+        .expect("valid")
+        .tunneling
+        .expect("tunneling");
+        assert_eq!(parts.authority(Some(local), ""), "10.1.2.3.svc:9080");
+        assert_ne!(parts.key, t.key);
+    }
+
+    #[test]
+    fn tunneling_fields_that_change_the_connect_are_refused() {
+        use tpb::tcp_proxy::TunnelingConfig;
+        let host = || "%DOWNSTREAM_LOCAL_ADDRESS%".to_string();
+        let cases = [
+            (
+                TunnelingConfig {
+                    hostname: host(),
+                    use_post: true,
+                    ..Default::default()
+                },
+                "tunneling_config.use_post / post_path: POST tunnels are not supported",
+            ),
+            (
+                TunnelingConfig {
+                    hostname: host(),
+                    request_id_header: "x-request-id".into(),
+                    ..Default::default()
+                },
+                "tunneling_config.request_id_extension / request_id_header",
+            ),
+            (
+                TunnelingConfig {
+                    hostname: "%UPSTREAM_HOST%".into(),
+                    ..Default::default()
+                },
+                "tunneling_config.hostname: '%UPSTREAM_HOST%' is not supported",
+            ),
+            (
+                TunnelingConfig::default(),
+                "tunneling_config.hostname must not be empty",
+            ),
+            (
+                TunnelingConfig {
+                    hostname: host(),
+                    headers_to_add: vec![header(
+                        "baggage",
+                        "%FILTER_STATE(io.istio.baggage:PLAIN)%",
+                        0,
+                    )],
+                    ..Default::default()
+                },
+                "tunneling_config.headers_to_add[0]: 'baggage': substitution formatters",
+            ),
+            (
+                TunnelingConfig {
+                    hostname: host(),
+                    headers_to_add: vec![header(":authority", "x", 0)],
+                    ..Default::default()
+                },
+                "tunneling_config.headers_to_add[0]: ':authority' cannot be set",
+            ),
+        ];
+        for (t, want) in cases {
+            let e = tunnel(t).expect_err("refused");
+            assert!(e.contains(want), "{e}");
         }
     }
 

@@ -135,6 +135,8 @@ impl PartialEq for UpstreamTls {
 #[derive(Debug, Default, PartialEq)]
 pub struct TransportSockets {
     pub default: Option<Arc<UpstreamTls>>,
+    /// The default socket is an `internal_upstream` one (around `default`).
+    pub default_internal: Option<InternalUpstream>,
     pub matches: Vec<SocketMatch>,
 }
 
@@ -144,6 +146,20 @@ pub struct SocketMatch {
     /// Every label must be in the endpoint's (or its locality's) match metadata, equal.
     pub labels: Vec<(String, Label)>,
     pub socket: Option<Arc<UpstreamTls>>,
+    /// The socket is an `internal_upstream` one, `socket` its inner socket.
+    pub internal: Option<InternalUpstream>,
+}
+
+/// `envoy.transport_sockets.internal_upstream`: on a connection to an internal listener it
+/// passes metadata to that listener's connection; on any connection it is its inner socket
+/// (only raw buffer is supported inside). Of the metadata, only the endpoint's
+/// `envoy.filters.listener.original_dst` struct is read by anything Portico runs (the
+/// original_dst listener filter, an ORIGINAL_DST cluster's `metadata_key`); the rest (istiod's
+/// `istio` cluster and host metadata) feeds telemetry filters only, so it cannot matter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InternalUpstream {
+    /// `passthrough_metadata` has the host's `envoy.filters.listener.original_dst`.
+    pub passes_orig_dst: bool,
 }
 
 /// A metadata value as `transport_socket_matches` compares it.
@@ -193,18 +209,18 @@ impl TransportSockets {
     /// `alpn_protocols` (Envoy's fallback: `h2` or `http/1.1`).
     pub fn translate(c: &cpb::Cluster, http2: bool) -> Result<TransportSockets, String> {
         let fallback: &[u8] = if http2 { b"h2" } else { b"http/1.1" };
-        let default = match &c.transport_socket {
+        let (default, default_internal) = match &c.transport_socket {
             Some(ts) => socket(ts, fallback).map_err(|e| format!("transport_socket: {e}"))?,
-            None => None,
+            None => (None, None),
         };
         let mut matches = Vec::with_capacity(c.transport_socket_matches.len());
         for (i, m) in c.transport_socket_matches.iter().enumerate() {
             let at = format!("transport_socket_matches[{i}] '{}'", m.name);
-            let socket = match &m.transport_socket {
+            let (socket, internal) = match &m.transport_socket {
                 Some(ts) => {
                     socket(ts, fallback).map_err(|e| format!("{at}.transport_socket: {e}"))?
                 }
-                None => None,
+                None => (None, None),
             };
             let mut labels: Vec<(String, Label)> = m
                 .r#match
@@ -221,12 +237,25 @@ impl TransportSockets {
                 name: m.name.clone(),
                 labels,
                 socket,
+                internal,
             });
         }
         if c.transport_socket_matcher.is_some() {
             return Err("transport_socket_matcher is not supported yet".into());
         }
-        Ok(TransportSockets { default, matches })
+        Ok(TransportSockets {
+            default,
+            default_internal,
+            matches,
+        })
+    }
+
+    /// The socket `pick` chose, when it is an `internal_upstream` one.
+    pub fn internal(&self, i: usize) -> Option<InternalUpstream> {
+        match i {
+            0 => self.default_internal,
+            i => self.matches.get(i - 1).and_then(|m| m.internal),
+        }
     }
 
     /// Whether a TLS socket offers the cluster's protocol by ALPN for want of its own list.
@@ -273,34 +302,81 @@ impl TransportSockets {
 const INTERNAL_UPSTREAM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport";
 
-/// A transport socket: None for raw buffer, else the TLS socket.
-fn socket(
-    ts: &corepb::TransportSocket,
-    alpn_fallback: &[u8],
-) -> Result<Option<Arc<UpstreamTls>>, String> {
+/// A transport socket: the TLS socket (None for raw buffer), and whether it is an
+/// `internal_upstream` socket around it.
+type Socket = (Option<Arc<UpstreamTls>>, Option<InternalUpstream>);
+
+fn socket(ts: &corepb::TransportSocket, alpn_fallback: &[u8]) -> Result<Socket, String> {
     use corepb::transport_socket::ConfigType;
     match &ts.config_type {
-        Some(ConfigType::TypedConfig(a)) if a.type_url == RAW_BUFFER_TYPE => Ok(None),
+        Some(ConfigType::TypedConfig(a)) if a.type_url == RAW_BUFFER_TYPE => Ok((None, None)),
         Some(ConfigType::TypedConfig(a)) if a.type_url == UPSTREAM_TLS_TYPE => {
             let ctx = tlspb::UpstreamTlsContext::decode(a.value.as_slice())
                 .map_err(|e| format!("typed_config: cannot decode: {e}"))?;
             let mut identity = ts.encode_to_vec();
             identity.extend_from_slice(alpn_fallback);
             UpstreamTls::translate(&ctx, alpn_fallback, &mut identity)
-                .map(|t| Some(Arc::new(t)))
+                .map(|t| (Some(Arc::new(t)), None))
                 .map_err(|e| format!("'{}': {e}", ts.name))
         }
-        Some(ConfigType::TypedConfig(a)) if a.type_url == INTERNAL_UPSTREAM_TYPE => Err(format!(
-            "'{}': internal listeners (ambient HBONE) are not supported",
-            ts.name
-        )),
+        Some(ConfigType::TypedConfig(a)) if a.type_url == INTERNAL_UPSTREAM_TYPE => {
+            internal_upstream(&a.value).map_err(|e| format!("'{}': {e}", ts.name))
+        }
         Some(ConfigType::TypedConfig(a)) => Err(format!(
             "'{}': typed_config {} is not supported",
             ts.name, a.type_url
         )),
-        None if ts.name == "envoy.transport_sockets.raw_buffer" => Ok(None),
+        None if ts.name == "envoy.transport_sockets.raw_buffer" => Ok((None, None)),
         None => Err(format!("'{}' is not supported", ts.name)),
     }
+}
+
+fn internal_upstream(bytes: &[u8]) -> Result<Socket, String> {
+    use envoy_types::pb::envoy::extensions::transport_sockets::internal_upstream::v3::InternalUpstreamTransport;
+    use envoy_types::pb::envoy::r#type::metadata::v3::metadata_kind::Kind as MK;
+    let t = InternalUpstreamTransport::decode(bytes)
+        .map_err(|e| format!("typed_config: cannot decode: {e}"))?;
+    let mut passes_orig_dst = false;
+    for (i, m) in t.passthrough_metadata.iter().enumerate() {
+        let at = format!("passthrough_metadata[{i}]");
+        match m.kind.as_ref().and_then(|k| k.kind.as_ref()) {
+            Some(MK::Host(_)) => passes_orig_dst |= m.name == super::cluster::ORIG_DST_NS,
+            // Cluster metadata under that name would be read as the endpoint's is; Portico
+            // does not carry a cluster's metadata, so it refuses rather than drops it.
+            Some(MK::Cluster(_)) if m.name == super::cluster::ORIG_DST_NS => {
+                return Err(format!(
+                    "{at}: the cluster's '{}' metadata is not supported (only the host's)",
+                    m.name
+                ))
+            }
+            // Other namespaces (istiod: `istio`, `istio.peer_metadata`) feed telemetry and
+            // peer-metadata filters only.
+            Some(MK::Cluster(_)) => {}
+            _ => {
+                return Err(format!(
+                    "{at}.kind: only host and cluster metadata can be passed"
+                ))
+            }
+        }
+    }
+    // The inner socket: TLS inside the tunnel (a DestinationRule's SIMPLE/MUTUAL TLS over
+    // HBONE) is not implemented.
+    match &t.transport_socket {
+        None => {}
+        Some(inner) => match socket(inner, b"")? {
+            (None, None) => {}
+            (Some(_), _) => {
+                return Err(
+                    "transport_socket: TLS inside an internal_upstream socket (TLS over HBONE) is not supported yet"
+                        .into(),
+                )
+            }
+            (None, Some(_)) => {
+                return Err("transport_socket: an internal_upstream socket inside another".into())
+            }
+        },
+    }
+    Ok((None, Some(InternalUpstream { passes_orig_dst })))
 }
 
 /// Envoy's default certificate validator: nothing checked without a validation context; with
