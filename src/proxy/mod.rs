@@ -511,6 +511,11 @@ fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
         return Some((400, "Bad Request", true));
     }
     let raw = req.raw_path();
+    // Envoy's HTTP/1 codec refuses a request target holding raw non-ASCII bytes (UTF-8 not
+    // percent-encoded), which pingora's parser lets through; control bytes it refuses itself.
+    if h1 && raw.iter().any(|b| *b >= 0x80) {
+        return Some((400, "Bad Request", true));
+    }
     if req.method != http::Method::OPTIONS
         && req.method != http::Method::CONNECT
         && raw.first() != Some(&b'/')
