@@ -192,3 +192,57 @@ async fn every_address_of_a_listener_routes_and_goes_with_it() {
     wait_routes_at(second, "ds").await;
     wait_routes_at(addr("127.0.0.1", port2), "ds").await;
 }
+
+/// `filter_chain_match.destination_port` is matched against the address a connection came in
+/// on, so with additional addresses on other ports each port can pick its own chain (Envoy
+/// indexes chains by the connection's local port, whichever socket accepted it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destination_port_picks_the_chain_per_address() {
+    use envoy_types::pb::envoy::config::listener::v3::FilterChainMatch;
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+        http_connection_manager::RouteSpecifier, Rds,
+    };
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    const OTHER: &str = "outbound|81||other.default.svc.cluster.local";
+    let main = Backend::start("main").await;
+    let other = Backend::start("other").await;
+    let ip2 = second_ip();
+    let port2 = free_port();
+    let mesh = Mesh::start_raw(|port| {
+        let mut l = listener(port, &[addr(ip2, port2)]);
+        // A first chain for connections to port2 only, with its own routes.
+        let mut chain = l.filter_chains[0].clone();
+        let mut h = hcm(port);
+        h.route_specifier = Some(RouteSpecifier::Rds(Rds {
+            config_source: Some(ads_source()),
+            route_config_name: "other-port".into(),
+        }));
+        chain.filters[0] = listener_with(port, h).filter_chains[0].filters[0].clone();
+        chain.filter_chain_match = Some(FilterChainMatch {
+            destination_port: Some(UInt32Value {
+                value: u32::from(port2),
+            }),
+            ..Default::default()
+        });
+        l.filter_chains.insert(0, chain);
+        Snapshot {
+            listeners: vec![l],
+            routes: vec![
+                routes(port),
+                route_config(
+                    "other-port",
+                    vec![vhost(
+                        "o",
+                        &[HOST],
+                        vec![rt(prefix("/"), to_cluster(OTHER))],
+                    )],
+                ),
+            ],
+            ..Default::default()
+        }
+        .with_backends(&[(CLUSTER, &main), (OTHER, &other)])
+    })
+    .await;
+    wait_routes_at(addr("127.0.0.1", mesh.port), "main").await;
+    wait_routes_at(addr(ip2, port2), "other").await;
+}
