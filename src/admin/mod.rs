@@ -84,6 +84,10 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
             Err(e) => reply(500, "text/plain", format!("config dump failed: {e}\n")),
         },
         "/clusters" => reply(200, "text/plain", clusters(state)),
+        "/listeners" if query.split('&').any(|p| p == "format=json") => {
+            reply(200, "application/json", listeners_json(state))
+        }
+        "/listeners" => reply(200, "text/plain", listeners_text(state)),
         "/server_info" => {
             let state_name = if state.ready.load(Ordering::Relaxed) { "LIVE" } else { "PRE_INITIALIZING" };
             let v = serde_json::json!({
@@ -97,10 +101,49 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
         "/" => reply(
             200,
             "text/plain",
-            "admin commands are:\n  /clusters\n  /config_dump\n  /ready\n  /server_info\n  /stats/prometheus\n",
+            "admin commands are:\n  /clusters\n  /config_dump\n  /listeners\n  /ready\n  /server_info\n  /stats/prometheus\n",
         ),
-        _ => reply(404, "text/plain", "invalid path. admin commands are: /clusters /config_dump /ready /server_info /stats/prometheus\n"),
+        _ => reply(404, "text/plain", "invalid path. admin commands are: /clusters /config_dump /listeners /ready /server_info /stats/prometheus\n"),
     }
+}
+
+/// Envoy's `/listeners`: one `name::address` line per listening address, the listener's
+/// `address` first, then its `additional_addresses`.
+fn listeners_text(state: &State) -> String {
+    let store = state.store.load_full();
+    let mut out = String::new();
+    for (name, item) in store.listeners.iter() {
+        for b in &item.value.binds {
+            out.push_str(&format!("{name}::{}\n", b.addr));
+        }
+    }
+    out
+}
+
+/// `/listeners?format=json`: Envoy's `admin.v3.Listeners`.
+fn listeners_json(state: &State) -> String {
+    let store = state.store.load_full();
+    let addr = |a: &std::net::SocketAddr| serde_json::json!({"socket_address": {"address": a.ip().to_string(), "port_value": a.port()}});
+    let statuses: Vec<serde_json::Value> = store
+        .listeners
+        .iter()
+        .map(|(name, item)| {
+            let mut v = serde_json::json!({"name": name, "local_address": addr(&item.value.addr)});
+            let more: Vec<_> = item
+                .value
+                .binds
+                .iter()
+                .skip(1)
+                .map(|b| addr(&b.addr))
+                .collect();
+            if !more.is_empty() {
+                v["additional_local_addresses"] = serde_json::Value::Array(more);
+            }
+            v
+        })
+        .collect();
+    serde_json::to_string_pretty(&serde_json::json!({"listener_statuses": statuses}))
+        .unwrap_or_default()
 }
 
 /// Envoy's `/clusters` text format: one `cluster::host::stat::value` line per fact.

@@ -17,12 +17,14 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use super::Gateway;
-use crate::snapshot::listener::{Codec, NetworkFilter};
+use crate::snapshot::listener::{Codec, ListenAddr, NetworkFilter};
 use crate::snapshot::Snapshot;
 use crate::State;
 
 struct Running {
-    addr: SocketAddr,
+    /// Every address it serves (sorted): a change of addresses restarts the listener, whose
+    /// sockets all drain together.
+    addrs: Vec<SocketAddr>,
     /// Per filter chain (None: tcp_proxy): a change of chains or codecs restarts the listener.
     codecs: Vec<Option<Codec>>,
     /// Tells the accept loop to stop and open connections to close after their current request.
@@ -30,6 +32,12 @@ struct Running {
     /// One set per worker (each has its own upstream connection pool, as Envoy's workers do, so
     /// a pooled connection is never handed between threads), one entry per filter chain.
     apps: Vec<Arc<Vec<Option<Apps>>>>,
+}
+
+fn sorted_addrs(l: &crate::snapshot::ActiveListener) -> Vec<SocketAddr> {
+    let mut a: Vec<SocketAddr> = l.def.bind_addrs().iter().map(|b| b.addr).collect();
+    a.sort();
+    a
 }
 
 fn codecs(l: &crate::snapshot::ActiveListener) -> Vec<Option<Codec>> {
@@ -80,17 +88,27 @@ impl ListenerManager {
     /// Checks that every address not served yet can be bound, so a conflict NACKs the push.
     /// Like Envoy, a listener does not accept connections until it is warm, so the check
     /// binds and releases; `reconcile` binds for real when the listener becomes active.
-    pub fn prepare(&mut self, wanted: &BTreeMap<String, SocketAddr>) -> Vec<(String, String)> {
+    /// A listener with several addresses is refused whole when any of them cannot be bound;
+    /// the trial sockets are held until the end, so two new addresses that exclude each other
+    /// (`[::]:P` with `ipv4_compat` beside `0.0.0.0:P`) are caught here too.
+    pub fn prepare(&mut self, wanted: &BTreeMap<String, Vec<ListenAddr>>) -> Vec<(String, String)> {
         let mut errors = Vec::new();
-        for (name, addr) in wanted {
-            if self.bound.contains_key(addr) {
-                continue;
-            }
-            if let Err(e) = bind(*addr) {
-                errors.push((
-                    name.clone(),
-                    format!("listener '{name}': cannot bind {addr}: {e}"),
-                ));
+        let mut held = Vec::new();
+        for (name, addrs) in wanted {
+            let mut mine = Vec::new();
+            let failed = addrs
+                .iter()
+                .filter(|a| !self.bound.contains_key(&a.addr))
+                .find_map(|a| match bind(a) {
+                    Ok(sock) => {
+                        mine.push(sock);
+                        None
+                    }
+                    Err(e) => Some(format!("listener '{name}': cannot bind {}: {e}", a.addr)),
+                });
+            match failed {
+                Some(e) => errors.push((name.clone(), e)),
+                None => held.extend(mine),
             }
         }
         errors
@@ -103,9 +121,9 @@ impl ListenerManager {
             let keep = snap
                 .listeners
                 .get(name)
-                .is_some_and(|l| l.def.addr == r.addr && codecs(l) == r.codecs);
+                .is_some_and(|l| sorted_addrs(l) == r.addrs && codecs(l) == r.codecs);
             if !keep {
-                tracing::info!(listener = %name, addr = %r.addr, "listener stopped; draining open connections");
+                tracing::info!(listener = %name, addrs = ?r.addrs, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
                 // Wakes keep-alive connections idling in read_request so they close now.
                 for (w, apps) in self.workers.iter().zip(r.apps.clone()) {
@@ -130,27 +148,39 @@ impl ListenerManager {
                 // by their original destination reach it, and Portico hands none over.
                 continue;
             }
-            let addr = l.def.addr;
-            if let std::collections::hash_map::Entry::Vacant(slot) = self.bound.entry(addr) {
-                match bind(addr) {
-                    Ok(sock) => {
-                        slot.insert(sock);
+            let binds = l.def.bind_addrs();
+            let mut socks: Vec<Vec<std::net::TcpListener>> = Vec::with_capacity(binds.len());
+            for b in &binds {
+                if let std::collections::hash_map::Entry::Vacant(slot) = self.bound.entry(b.addr) {
+                    match bind(b) {
+                        Ok(sock) => {
+                            slot.insert(sock);
+                        }
+                        Err(e) => {
+                            tracing::error!(listener = %name, addr = %b.addr, "cannot bind: {e}");
+                            break;
+                        }
                     }
-                    Err(e) => {
-                        tracing::error!(listener = %name, %addr, "cannot bind: {e}");
-                        continue;
+                }
+                // One duplicate of the socket per worker.
+                match self.bound.get(&b.addr).and_then(|s| {
+                    self.workers
+                        .iter()
+                        .map(|_| s.try_clone().ok())
+                        .collect::<Option<Vec<_>>>()
+                }) {
+                    Some(per_worker) => socks.push(per_worker),
+                    None => {
+                        tracing::error!(listener = %name, addr = %b.addr, "cannot share the listening socket");
+                        break;
                     }
                 }
             }
-            let Some(socks) = self.bound.get(&addr).and_then(|s| {
-                self.workers
-                    .iter()
-                    .map(|_| s.try_clone().ok())
-                    .collect::<Option<Vec<_>>>()
-            }) else {
-                tracing::error!(listener = %name, %addr, "cannot share the listening socket");
+            if socks.len() != binds.len() {
+                // Not served at all rather than on some of its addresses; the sockets bound
+                // for it are closed below with the others no listener serves.
                 continue;
-            };
+            }
             let (tx, rx) = watch::channel(false);
             let app = |chain: usize, hcm: &crate::snapshot::listener::Hcm, h2c: bool| {
                 let mut proxy = HttpProxy::new(
@@ -210,21 +240,25 @@ impl ListenerManager {
                     })
                     .collect(),
             );
-            tracing::info!(listener = %name, %addr, "listener serving");
-            for ((w, sock), a) in self.workers.iter().zip(socks).zip(&apps) {
-                let conn = Conns {
-                    listener: name.clone(),
-                    stats: self.state.stats.listener(&l.def.stat_name),
-                    state: self.state.clone(),
-                    apps: a.clone(),
-                    chain_stats: chain_stats.clone(),
-                };
-                w.spawn(accept_loop(sock, conn, rx.clone()));
+            let addrs: Vec<SocketAddr> = binds.iter().map(|b| b.addr).collect();
+            tracing::info!(listener = %name, ?addrs, "listener serving");
+            let stats = self.state.stats.listener(&l.def.stat_name);
+            for per_worker in socks {
+                for ((w, sock), a) in self.workers.iter().zip(per_worker).zip(&apps) {
+                    let conn = Conns {
+                        listener: name.clone(),
+                        stats: stats.clone(),
+                        state: self.state.clone(),
+                        apps: a.clone(),
+                        chain_stats: chain_stats.clone(),
+                    };
+                    w.spawn(accept_loop(sock, conn, rx.clone()));
+                }
             }
             self.running.insert(
                 name.clone(),
                 Running {
-                    addr,
+                    addrs: sorted_addrs(l),
                     codecs: codecs(l),
                     shutdown: tx,
                     apps,
@@ -232,16 +266,30 @@ impl ListenerManager {
             );
         }
         // Last, so a listener replaced at the same address reuses the socket.
-        let serving: Vec<SocketAddr> = self.running.values().map(|r| r.addr).collect();
+        let serving: Vec<SocketAddr> = self
+            .running
+            .values()
+            .flat_map(|r| r.addrs.iter().copied())
+            .collect();
         self.bound.retain(|addr, _| serving.contains(addr));
     }
 }
 
-fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    // std sets SO_REUSEADDR on Unix, so a restart does not wait out TIME_WAIT.
-    let l = std::net::TcpListener::bind(addr)?;
-    l.set_nonblocking(true)?;
-    Ok(l)
+fn bind(a: &ListenAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let sock = Socket::new(Domain::for_address(a.addr), Type::STREAM, None)?;
+    // As std does on Unix, so a restart does not wait out TIME_WAIT.
+    sock.set_reuse_address(true)?;
+    if a.addr.is_ipv6() {
+        // Set either way: the system default (net.ipv6.bindv6only) must not decide whether
+        // `[::]:P` also takes IPv4 and so collides with `0.0.0.0:P`.
+        sock.set_only_v6(a.v6only)?;
+    }
+    sock.bind(&a.addr.into())?;
+    // The kernel caps it at net.core.somaxconn.
+    sock.listen(4096)?;
+    sock.set_nonblocking(true)?;
+    Ok(sock.into())
 }
 
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -550,3 +598,7 @@ async fn accept_loop(
         }
     }
 }
+
+#[cfg(test)]
+#[path = "listeners_tests.rs"]
+mod listeners_tests;

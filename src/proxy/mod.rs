@@ -515,6 +515,11 @@ fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
         return Some((400, "Bad Request", true));
     }
     let raw = req.raw_path();
+    // Envoy's HTTP/1 codec refuses a request target holding raw non-ASCII bytes (UTF-8 not
+    // percent-encoded), which pingora's parser lets through; control bytes it refuses itself.
+    if h1 && raw.iter().any(|b| *b >= 0x80) {
+        return Some((400, "Bad Request", true));
+    }
     if req.method != http::Method::OPTIONS
         && req.method != http::Method::CONNECT
         && raw.first() != Some(&b'/')
@@ -573,10 +578,16 @@ fn set_path(req: &mut RequestHeader, path: &str) -> std::result::Result<(), http
     Ok(())
 }
 
-fn authority<'a>(req: &'a RequestHeader, listener: &ActiveChain) -> std::borrow::Cow<'a, str> {
+fn authority<'a>(session: &'a Session, listener: &ActiveChain) -> std::borrow::Cow<'a, str> {
+    let req = session.req_header();
     let raw = raw_authority(req);
     let host = match split_port(raw) {
-        (host, Some(_)) if listener.routes.ignore_port || hcm_strips_port(raw, listener) => host,
+        (host, Some(_))
+            if listener.routes.ignore_port
+                || hcm_strips_port(raw, listener, local_port(session)) =>
+        {
+            host
+        }
         _ => raw,
     };
     // Most clients already send a lowercase host: borrow it then.
@@ -587,9 +598,19 @@ fn authority<'a>(req: &'a RequestHeader, listener: &ActiveChain) -> std::borrow:
     }
 }
 
+/// The port the connection came in on (a PROXY header's destination when one was read), as
+/// Envoy's `strip_matching_host_port` compares it: a listener with additional addresses may
+/// listen on several ports.
+fn local_port(session: &Session) -> Option<u16> {
+    session
+        .server_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.port())
+}
+
 /// Whether the HCM's `strip_any_host_port` / `strip_matching_host_port` removes the port of
 /// this authority: that changes the Host sent upstream too, unlike `ignore_port_in_host_matching`.
-fn hcm_strips_port(raw: &str, listener: &ActiveChain) -> bool {
+fn hcm_strips_port(raw: &str, listener: &ActiveChain, local_port: Option<u16>) -> bool {
     let Some(hcm) = listener.def.hcm() else {
         return false;
     };
@@ -597,7 +618,7 @@ fn hcm_strips_port(raw: &str, listener: &ActiveChain) -> bool {
         Some(_) if hcm.strip_any_host_port => true,
         Some(port) => {
             hcm.strip_matching_host_port
-                && port.parse::<u16>().ok() == Some(listener.def.addr.port())
+                && port.parse::<u16>().ok() == Some(local_port.unwrap_or(listener.def.addr.port()))
         }
         None => false,
     }
@@ -1150,7 +1171,7 @@ impl Gateway {
     ) -> bool {
         use crate::snapshot::route::RequireTls;
         let req = session.req_header();
-        let Some(vh) = listener.routes.vhost(&authority(req, listener)) else {
+        let Some(vh) = listener.routes.vhost(&authority(session, listener)) else {
             return false;
         };
         let https = req
@@ -1590,7 +1611,7 @@ impl ProxyHttp for Gateway {
             .headers
             .get(http::header::EXPECT)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        let host = authority(session.req_header(), &listener);
+        let host = authority(session, &listener);
         let req = session.req_header();
         let path = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
         let scheme = req.uri.scheme_str().unwrap_or("http");
@@ -1784,7 +1805,8 @@ impl ProxyHttp for Gateway {
         ctx.host_rewrite = rewritten.or_else(|| {
             // The HCM's port stripping also changes the Host sent upstream (case kept).
             let raw = raw_authority(session.req_header());
-            hcm_strips_port(raw, &listener).then(|| split_port(raw).0.to_string())
+            hcm_strips_port(raw, &listener, local_port(session))
+                .then(|| split_port(raw).0.to_string())
         });
         ctx.timeout = fwd.timeout;
         ctx.deadline = fwd.timeout.map(|t| Instant::now() + t);

@@ -25,7 +25,12 @@ pub const ROUTER_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http
 #[derive(Debug)]
 pub struct ListenerDef {
     pub name: String,
+    /// `address`: the primary address (the stats scope and `/listeners` name it first).
     pub addr: SocketAddr,
+    /// Every socket the listener binds: `address`, then each of `additional_addresses`
+    /// (istiod's dual stack: `0.0.0.0:P` plus `[::]:P`). All of them serve the same filter
+    /// chains, are bound and released together, and are checked together for conflicts.
+    pub binds: Vec<ListenAddr>,
     /// `filter_chains` in order, then `default_filter_chain` if there is one.
     pub chains: Vec<Arc<ChainDef>>,
     /// The criteria of the `filter_chains` (the default chain has none).
@@ -55,6 +60,76 @@ pub struct ListenerDef {
     /// internal connection it restores the local address from the `local` field of the
     /// `envoy.filters.listener.original_dst` metadata the connection carries.
     pub original_dst: bool,
+}
+
+/// One listening socket of a listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddr {
+    pub addr: SocketAddr,
+    /// IPV6_V6ONLY. Envoy binds an IPv6 address for IPv6 alone unless `ipv4_compat` is set,
+    /// which is what lets `0.0.0.0:P` and `[::]:P` be two sockets of one dual-stack listener.
+    pub v6only: bool,
+}
+
+impl ListenerDef {
+    /// The distinct addresses to bind, in configured order. Envoy 1.40 accepts an address
+    /// listed twice in one listener (with its default `reuse_port` both sockets bind); one
+    /// socket serves it here, which accepts the same connections.
+    pub fn bind_addrs(&self) -> Vec<ListenAddr> {
+        let mut out: Vec<ListenAddr> = Vec::with_capacity(self.binds.len());
+        for b in &self.binds {
+            if !out.iter().any(|o| o.addr == b.addr) {
+                out.push(*b);
+            }
+        }
+        out
+    }
+
+    /// Whether `other` listens on the same set of addresses (order aside), as Envoy's
+    /// `hasCompatibleAddress` decides whether an update may keep the old sockets.
+    pub fn same_addresses(&self, other: &ListenerDef) -> bool {
+        let mut a: Vec<SocketAddr> = self.bind_addrs().iter().map(|b| b.addr).collect();
+        let mut b: Vec<SocketAddr> = other.bind_addrs().iter().map(|b| b.addr).collect();
+        a.sort();
+        b.sort();
+        a == b
+    }
+}
+
+/// The socket address of `address` or an `additional_addresses[]` entry (`primary`: the
+/// listener's `address`, for an additional one). Envoy checks each additional
+/// address's `ipv4_compat` against the primary address, not its own (Envoy 1.40 refuses
+/// `0.0.0.0:P` plus `[::]:P` with `ipv4_compat`), and so does this.
+fn listen_addr(
+    a: Option<&corepb::Address>,
+    primary: Option<SocketAddr>,
+) -> Result<ListenAddr, String> {
+    let (host, port) = socket_address(a)?;
+    let ip: std::net::IpAddr = host
+        .parse()
+        .map_err(|_| format!("malformed IP address: {host}"))?;
+    let addr = SocketAddr::new(ip, port);
+    let compat = matches!(
+        a.and_then(|a| a.address.as_ref()),
+        Some(corepb::address::Address::SocketAddress(sa)) if sa.ipv4_compat
+    );
+    if compat {
+        // Only `::` or an IPv4-mapped IPv6 address may accept IPv4 too.
+        let checked = primary.unwrap_or(addr);
+        let ok = match checked.ip() {
+            std::net::IpAddr::V6(v6) => v6.is_unspecified() || v6.to_ipv4_mapped().is_some(),
+            std::net::IpAddr::V4(_) => false,
+        };
+        if !ok {
+            return Err(format!(
+                "Only IPv6 address '::' or valid IPv4-mapped IPv6 address can set ipv4_compat: {checked}"
+            ));
+        }
+    }
+    Ok(ListenAddr {
+        addr,
+        v6only: addr.is_ipv6() && !compat,
+    })
 }
 
 /// A listener filter that does something to the connection, in the listener's order.
@@ -377,8 +452,9 @@ impl ListenerDef {
             l.listener_specifier,
             Some(lpb::listener::ListenerSpecifier::InternalListener(_))
         );
+        let mut binds = Vec::new();
         let addr = if internal {
-            if l.address.is_some() {
+            if l.address.is_some() || !l.additional_addresses.is_empty() {
                 return Err(err(
                     "address: an internal listener has no address (internal_listener is set)"
                         .into(),
@@ -386,12 +462,35 @@ impl ListenerDef {
             }
             SocketAddr::from(([0, 0, 0, 0], 0))
         } else {
-            let (host, port) =
-                socket_address(l.address.as_ref()).map_err(|e| err(format!("address: {e}")))?;
-            let ip: std::net::IpAddr = host
-                .parse()
-                .map_err(|_| err(format!("address: malformed IP address: {host}")))?;
-            SocketAddr::new(ip, port)
+            let primary =
+                listen_addr(l.address.as_ref(), None).map_err(|e| err(format!("address: {e}")))?;
+            let addr = primary.addr;
+            binds.push(primary);
+            for (i, a) in l.additional_addresses.iter().enumerate() {
+                let at = format!("additional_addresses[{i}]");
+                let Some(address) = &a.address else {
+                    return Err(err(format!("{at}.address is required")));
+                };
+                let is_udp = matches!(
+                    &address.address,
+                    Some(corepb::address::Address::SocketAddress(sa))
+                        if sa.protocol == corepb::socket_address::Protocol::Udp as i32
+                );
+                if is_udp {
+                    return Err(err(format!(
+                        "listener {}: has different socket type. The listener only support same socket type for all the addresses.",
+                        l.name
+                    )));
+                }
+                binds.push(
+                    listen_addr(Some(address), Some(addr))
+                        .map_err(|e| err(format!("{at}.address: {e}")))?,
+                );
+                // `socket_options` here replace the listener's for this address. Portico applies
+                // neither (see check_listener_fields): they tune the socket, not where a request
+                // goes. `tcp_keepalive` likewise only keeps idle downstream connections alive.
+            }
+            addr
         };
         let mut original_dst = false;
         let mut tls_inspector = false;
@@ -500,6 +599,7 @@ impl ListenerDef {
         Ok(ListenerDef {
             name: l.name.clone(),
             addr,
+            binds,
             chains,
             matches,
             has_default: l.default_filter_chain.is_some(),
@@ -583,15 +683,6 @@ fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
             return Err("address: UDP listeners (QUIC / HTTP/3) are not supported".into());
         }
     }
-    if !l.additional_addresses.is_empty() {
-        // istiod adds them for dual stack (ISTIO_DUAL_STACK). Binding several sockets per
-        // listener needs the listener manager and the store's bind check to carry a list of
-        // addresses per listener; until then the listener is refused rather than half bound.
-        return Err(
-            "additional_addresses: listening on more than one address per listener is not supported yet"
-                .into(),
-        );
-    }
     if l.use_original_dst.as_ref().is_some_and(|b| b.value) {
         return Err("use_original_dst: handing connections to the listener of their original destination (a sidecar's virtualOutbound) is not supported".into());
     }
@@ -608,6 +699,8 @@ fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
     //   has its own, and no request is routed or refused by it.
     // - ignore_global_conn_limit, bypass_overload_manager: Portico has no global connection
     //   limit nor overload manager for them to exempt a listener from.
+    // - socket_options (and `additional_addresses[].socket_options`): options set on the
+    //   listening socket (keepalive, buffer sizes, TOS); none changes where a request goes.
     // - traffic_direction, access_log, metadata, stat_prefix handling aside, stats_matcher,
     //   max_connections_to_accept_per_socket_event, tcp_backlog_size, enable_reuse_port,
     //   tcp_fast_open_queue_length: observability and accept-loop tuning.

@@ -228,6 +228,129 @@ fn ipv6_address_and_port_zero() {
     assert_eq!(ok(&l).addr, "[::1]:0".parse().unwrap());
 }
 
+fn additional(a: corepb::Address) -> lpb::AdditionalAddress {
+    lpb::AdditionalAddress {
+        address: Some(a),
+        ..Default::default()
+    }
+}
+
+fn compat(mut a: corepb::Address) -> corepb::Address {
+    if let Some(corepb::address::Address::SocketAddress(sa)) = &mut a.address {
+        sa.ipv4_compat = true;
+    }
+    a
+}
+
+#[test]
+fn additional_addresses_are_bound_with_the_primary_first() {
+    // istiod's dual-stack gateway listener: 0.0.0.0:8080 plus [::]:8080.
+    let mut l = listener();
+    l.additional_addresses = vec![additional(address("::", 8080))];
+    let d = ok(&l);
+    assert_eq!(d.addr, "0.0.0.0:8080".parse().unwrap());
+    let binds: Vec<(String, bool)> = d
+        .binds
+        .iter()
+        .map(|b| (b.addr.to_string(), b.v6only))
+        .collect();
+    assert_eq!(
+        binds,
+        [("0.0.0.0:8080".into(), false), ("[::]:8080".into(), true)],
+        "an IPv6 address takes IPv6 alone unless ipv4_compat, as Envoy binds it"
+    );
+    // The stats scope stays the primary address's.
+    assert_eq!(d.stat_name, "0.0.0.0_8080");
+    // The same chains serve every address.
+    assert_eq!(d.chains.len(), 1);
+}
+
+#[test]
+fn additional_addresses_may_use_other_ports_and_repeat() {
+    let mut l = listener();
+    l.additional_addresses = vec![
+        additional(address("127.0.0.2", 9090)),
+        additional(address("0.0.0.0", 8080)),
+    ];
+    let d = ok(&l);
+    let addrs: Vec<String> = d.bind_addrs().iter().map(|b| b.addr.to_string()).collect();
+    // Envoy 1.40 accepts an address listed twice (its reuse_port binds both sockets); one
+    // socket serves it here.
+    assert_eq!(addrs, ["0.0.0.0:8080", "127.0.0.2:9090"]);
+    assert_eq!(d.binds.len(), 3);
+}
+
+#[test]
+fn ipv4_compat_is_checked_against_the_primary_address_as_envoy_does() {
+    // `::` as primary with ipv4_compat: accepted, its socket takes IPv4 too.
+    let mut l = listener();
+    l.address = Some(compat(address("::", 8080)));
+    l.additional_addresses = vec![additional(compat(address("::1", 8081)))];
+    let d = ok(&l);
+    assert!(!d.binds[0].v6only);
+    assert!(!d.binds[1].v6only);
+    // An IPv4 primary refuses ipv4_compat on an additional `::` (Envoy 1.40's
+    // checkIpv4CompatAddress looks at the primary address).
+    let mut l = listener();
+    l.additional_addresses = vec![additional(compat(address("::", 8080)))];
+    rejected(
+        &l,
+        "additional_addresses[0].address: Only IPv6 address '::' or valid IPv4-mapped IPv6 address can set ipv4_compat: 0.0.0.0:8080",
+    );
+    let mut l = listener();
+    l.address = Some(compat(address("127.0.0.1", 8080)));
+    rejected(&l, "address: Only IPv6 address '::'");
+    // An IPv4-mapped address may.
+    let mut l = listener();
+    l.address = Some(compat(address("::ffff:127.0.0.1", 8080)));
+    assert!(!ok(&l).binds[0].v6only);
+}
+
+#[test]
+fn additional_addresses_that_cannot_be_bound_are_refused() {
+    let mut l = listener();
+    l.additional_addresses = vec![lpb::AdditionalAddress::default()];
+    rejected(&l, "additional_addresses[0].address is required");
+    let mut l = listener();
+    let mut udp = address("127.0.0.1", 8081);
+    if let Some(corepb::address::Address::SocketAddress(sa)) = &mut udp.address {
+        sa.protocol = corepb::socket_address::Protocol::Udp as i32;
+    }
+    l.additional_addresses = vec![additional(address("::", 8080)), additional(udp)];
+    rejected(&l, "has different socket type");
+    let mut l = listener();
+    l.additional_addresses = vec![additional(address("not-an-ip", 8080))];
+    rejected(
+        &l,
+        "additional_addresses[0].address: malformed IP address: not-an-ip",
+    );
+    let mut l = listener();
+    l.additional_addresses = vec![additional(corepb::Address {
+        address: Some(corepb::address::Address::Pipe(corepb::Pipe {
+            path: "/tmp/x".into(),
+            mode: 0,
+        })),
+    })];
+    rejected(
+        &l,
+        "additional_addresses[0].address: pipe address '/tmp/x' is not supported",
+    );
+}
+
+#[test]
+fn same_addresses_ignores_order_and_repeats() {
+    let mut a = listener();
+    a.additional_addresses = vec![additional(address("::", 8080))];
+    let mut b = listener();
+    b.address = Some(address("::", 8080));
+    b.additional_addresses = vec![
+        additional(address("0.0.0.0", 8080)),
+        additional(address("::", 8080)),
+    ];
+    assert!(ok(&a).same_addresses(&ok(&b)));
+    assert!(!ok(&a).same_addresses(&ok(&listener())));
+}
+
 #[test]
 fn default_filter_chain_alone_is_used() {
     let mut l = listener();
@@ -1132,15 +1255,6 @@ fn listener_fields_are_refused_by_name_or_accepted() {
     assert!(!def.bind_to_port);
     assert!(ok(&listener()).bind_to_port);
 
-    let mut l = listener();
-    l.additional_addresses = vec![lpb::AdditionalAddress {
-        address: Some(address("::", 8080)),
-        ..Default::default()
-    }];
-    rejected(
-        &l,
-        "additional_addresses: listening on more than one address",
-    );
     let mut l = listener();
     l.use_original_dst = Some(BoolValue { value: true });
     rejected(&l, "use_original_dst: handing connections");

@@ -22,7 +22,7 @@ use envoy_types::pb::google::protobuf::Any;
 use super::types::{self, Kind, Raw};
 use crate::admin::stats::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
-use crate::snapshot::listener::{ListenerDef, RouteSource};
+use crate::snapshot::listener::{ListenAddr, ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
 use crate::snapshot::sds::{SdsCluster, SdsRef, SdsSource};
 use crate::snapshot::tls::{CertSource, ClientValidation, DownstreamTls, SecretDef, TlsServer};
@@ -843,23 +843,35 @@ impl Store {
     /// does not select hold their addresses first, so a push's new listener is the one
     /// refused, as Envoy refuses the listener it is adding.
     fn check_listener_addresses(&self, check: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        // Envoy lets several listeners bind port 0 (each gets its own port).
+        let addrs = |l: &Item<ListenerProto, ListenerDef>| -> Vec<SocketAddr> {
+            l.value
+                .bind_addrs()
+                .into_iter()
+                .map(|b| b.addr)
+                .filter(|a| a.port() != 0)
+                .collect()
+        };
         let mut by_addr: BTreeMap<SocketAddr, &str> = BTreeMap::new();
         let bound = |l: &Item<ListenerProto, ListenerDef>| l.value.bind_to_port;
         for (name, l) in self.listeners.iter().filter(|(n, l)| !check(n) && bound(l)) {
-            by_addr.insert(l.value.addr, name);
+            for a in addrs(l) {
+                by_addr.insert(a, name);
+            }
         }
         let mut errors = Vec::new();
         for (name, l) in self.listeners.iter().filter(|(n, l)| check(n) && bound(l)) {
-            match by_addr.get(&l.value.addr) {
-                Some(other) => errors.push((
+            let mine = addrs(l);
+            // Every address is checked before any is taken: a refused listener holds none.
+            match mine.iter().find_map(|a| by_addr.get(a).map(|o| (a, *o))) {
+                Some((a, other)) => errors.push((
                     name.clone(),
-                    format!(
-                        "listener '{name}': duplicate address {} as listener '{other}'",
-                        l.value.addr
-                    ),
+                    format!("listener '{name}': duplicate address {a} as listener '{other}'"),
                 )),
                 None => {
-                    by_addr.insert(l.value.addr, name);
+                    for a in mine {
+                        by_addr.insert(a, name);
+                    }
                 }
             }
         }
@@ -1154,7 +1166,7 @@ impl Store {
                     chains,
                 }),
                 // Only a listener at the same address may keep serving its old routes.
-                (None, Some(old)) if old.def.addr == def.addr => old.clone(),
+                (None, Some(old)) if old.def.same_addresses(def) => old.clone(),
                 (None, _) => continue,
             };
             listeners.insert(name.clone(), active);
@@ -1293,11 +1305,11 @@ impl Store {
 
     /// The addresses to bind: a `bind_to_port: false` listener has none (Envoy neither binds
     /// it nor lets its address conflict with another listener's).
-    pub fn listener_addrs(&self) -> BTreeMap<String, SocketAddr> {
+    pub fn listener_addrs(&self) -> BTreeMap<String, Vec<ListenAddr>> {
         self.listeners
             .iter()
             .filter(|(_, v)| v.value.bind_to_port)
-            .map(|(k, v)| (k.clone(), v.value.addr))
+            .map(|(k, v)| (k.clone(), v.value.bind_addrs()))
             .collect()
     }
 }

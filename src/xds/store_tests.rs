@@ -980,8 +980,102 @@ fn listener_addrs_lists_every_listener() {
         &lds(&[listener("a", 1, "r"), inline_listener("b", 2)]),
     );
     let addrs = s.listener_addrs();
-    assert_eq!(addrs["a"].to_string(), "127.0.0.1:1");
-    assert_eq!(addrs["b"].to_string(), "127.0.0.1:2");
+    assert_eq!(addrs["a"].len(), 1);
+    assert_eq!(addrs["a"][0].addr.to_string(), "127.0.0.1:1");
+    assert_eq!(addrs["b"][0].addr.to_string(), "127.0.0.1:2");
+}
+
+/// `listener(name, port)` also listening on each of `more` (host, port).
+fn multi_listener(name: &str, port: u32, more: &[(&str, u32)]) -> ListenerProto {
+    let mut l = listener(name, port, "r");
+    l.additional_addresses = more
+        .iter()
+        .map(
+            |(h, p)| envoy_types::pb::envoy::config::listener::v3::AdditionalAddress {
+                address: Some(corepb::Address {
+                    address: Some(corepb::address::Address::SocketAddress(
+                        corepb::SocketAddress {
+                            address: (*h).into(),
+                            port_specifier: Some(corepb::socket_address::PortSpecifier::PortValue(
+                                *p,
+                            )),
+                            ..Default::default()
+                        },
+                    )),
+                }),
+                ..Default::default()
+            },
+        )
+        .collect();
+    l
+}
+
+#[test]
+fn listener_addrs_lists_every_address_of_a_listener() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[multi_listener("a", 1, &[("::1", 1), ("127.0.0.2", 3)])]),
+    );
+    let addrs: Vec<String> = s.listener_addrs()["a"]
+        .iter()
+        .map(|b| b.addr.to_string())
+        .collect();
+    assert_eq!(addrs, ["127.0.0.1:1", "[::1]:1", "127.0.0.2:3"]);
+}
+
+#[test]
+fn an_additional_address_another_listener_holds_refuses_the_new_listener_alone() {
+    let s = push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[multi_listener("z", 1, &[("::1", 1)])]),
+    );
+    // "a" is new, its primary address is free, its additional one is z's.
+    let a = s
+        .update(
+            Kind::Listener,
+            per_resource::sotw(
+                "v2",
+                &lds(&[
+                    multi_listener("z", 1, &[("::1", 1)]),
+                    multi_listener("a", 2, &[("::1", 1)]),
+                    listener("b", 3, "r"),
+                ]),
+            ),
+        )
+        .expect("decodes");
+    assert_eq!(names(&a.store.listeners), ["b", "z"]);
+    assert_eq!(
+        a.message().as_deref(),
+        Some("listener 'a': duplicate address [::1]:1 as listener 'z'")
+    );
+    // A new listener whose primary address is another's additional one: refused too.
+    let errs = nack(
+        &s,
+        Kind::Listener,
+        &lds(&[multi_listener("z", 1, &[("::1", 1)]), listener("c", 1, "r")]),
+    );
+    assert_eq!(
+        errs,
+        ["listener 'c': duplicate address 127.0.0.1:1 as listener 'z'"]
+    );
+    // The holder may drop its additional address, and another listener then take it.
+    let s2 = push(
+        &s,
+        Kind::Listener,
+        &lds(&[listener("z", 1, "r"), multi_listener("a", 2, &[("::1", 1)])]),
+    );
+    assert_eq!(names(&s2.listeners), ["a", "z"]);
+    // Port 0 never conflicts (each socket gets its own port), as in Envoy.
+    push(
+        &Store::default(),
+        Kind::Listener,
+        &lds(&[
+            multi_listener("p", 0, &[("127.0.0.1", 0)]),
+            listener("q", 0, "r"),
+        ]),
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1520,7 +1614,7 @@ fn tcp_proxy_listeners_serve_without_routes_or_their_cluster() {
 mod per_resource {
     use super::*;
 
-    fn sotw<'a>(version: &'a str, resources: &'a [Any]) -> Push<'a> {
+    pub(super) fn sotw<'a>(version: &'a str, resources: &'a [Any]) -> Push<'a> {
         Push::Sotw { version, resources }
     }
 
