@@ -620,7 +620,9 @@ async fn gateway_replies_are_trailers_only() {
             .body(())
             .expect("request");
         let (resp, mut send) = h2.send_request(req, false).expect("send");
-        send.send_data(slow.clone(), true).expect("data");
+        // The gateway answers from the headers alone and may reset the stream (RFC 9113
+        // 8.1) before this thread gets to send the body: the body is then refused locally.
+        let _ = send.send_data(slow.clone(), true);
         let resp = resp.await.expect("response");
         let h = |n: &str| {
             resp.headers()
