@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod bootstrap;
 pub mod demo;
+pub mod filters;
 pub mod health;
 pub mod istio;
 pub mod lb;

@@ -172,38 +172,7 @@ impl SslStats {
     }
 }
 
-/// Envoy's `http.<stat_prefix>.fault.*` stats, shown once a listener with this prefix has a
-/// fault filter (Envoy creates them with the filter).
-#[derive(Debug, Default)]
-pub struct FaultStats {
-    pub enabled: std::sync::atomic::AtomicBool,
-    pub delays_injected: AtomicU64,
-    pub aborts_injected: AtomicU64,
-    pub faults_overflow: AtomicU64,
-    pub active_faults: AtomicU64,
-}
-
-impl FaultStats {
-    /// Envoy's `tryIncActiveFaults`: counts one active fault unless `max` are already active
-    /// (then `faults_overflow` counts the refusal).
-    pub fn try_activate(&self, max: Option<u64>) -> bool {
-        let max = max.unwrap_or(u64::MAX);
-        let mut cur = self.active_faults.load(Relaxed);
-        loop {
-            if cur >= max {
-                self.faults_overflow.fetch_add(1, Relaxed);
-                return false;
-            }
-            match self
-                .active_faults
-                .compare_exchange_weak(cur, cur + 1, Relaxed, Relaxed)
-            {
-                Ok(_) => return true,
-                Err(now) => cur = now,
-            }
-        }
-    }
-}
+pub use crate::filters::fault::FaultStats;
 
 impl HcmStats {
     /// A downstream request's headers arrived.
@@ -657,7 +626,7 @@ impl Stats {
                 );
             }
         }
-        for (prefix, s) in crate::snapshot::ratelimit::all_stats() {
+        for (prefix, s) in crate::filters::local_ratelimit::all_stats() {
             for (stat, v) in [
                 ("enabled", &s.enabled),
                 ("enforced", &s.enforced),

@@ -224,7 +224,7 @@ impl ListenerManager {
                     .map(|c| match &c.filter {
                         NetworkFilter::Http(hcm) => {
                             let s = self.state.stats.hcm(&hcm.stat_prefix);
-                            if !hcm.faults.is_empty() {
+                            if hcm.has_fault_filter() {
                                 // Envoy creates the fault stats with the filter, so they show
                                 // before any fault.
                                 s.fault

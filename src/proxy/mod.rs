@@ -25,12 +25,10 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
 use crate::admin::stats::HcmStats;
+use crate::filters::{self, FilterState, LocalReply};
 use crate::router::{self, RequestView};
 use crate::snapshot::cluster::Cluster;
-use crate::snapshot::cors::Cors;
-use crate::snapshot::fault::{self, AbortWith};
 use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
-use crate::snapshot::ratelimit::LocalRateLimit;
 use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveChain;
@@ -111,12 +109,8 @@ pub struct Ctx {
     cx_slot: bool,
     /// Mirrors this request goes to, and the copy being taken of it.
     mirror: Option<Box<MirrorJob>>,
-    /// A local rate limit that limited this request without enforcing: its request headers.
-    rate_limit_headers: Option<Arc<LocalRateLimit>>,
-    /// The local rate limit whose `x-ratelimit-*` headers go on the response.
-    rate_limit_response: Option<Arc<LocalRateLimit>>,
-    /// A CORS request from an allowed origin: the policy and the origin, for the response.
-    cors: Option<(Arc<Cors>, String)>,
+    /// What the HTTP filters left for the later phases (headers, active faults).
+    filters: FilterState,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
     upstream_start: Option<Instant>,
@@ -128,9 +122,6 @@ pub struct Ctx {
     /// Response header mutations of the chosen route (and weighted-cluster entry), applied to
     /// the upstream response or to the route's own local replies.
     resp_headers: Option<RespHeaders>,
-    /// Active faults this request holds (one per fault filter that injected), released at
-    /// the end of the request.
-    active_faults: u32,
     /// A gRPC request (by content-type): Envoy turns every local reply after routing into a
     /// trailers-only gRPC response for it.
     grpc_request: bool,
@@ -794,74 +785,6 @@ impl Gateway {
         taken
     }
 
-    /// The local rate limit filters of the chain, with the route's overrides: the config that
-    /// limited the request and enforces it, if any, and one that limited it without enforcing.
-    fn rate_limit(
-        &self,
-        ctx: &mut Ctx,
-        filters: &[crate::snapshot::listener::RateLimitFilter],
-        route: Option<&crate::snapshot::route::Route>,
-    ) -> (Option<Arc<LocalRateLimit>>, Option<Arc<LocalRateLimit>>) {
-        let mut not_enforced = None;
-        for f in filters {
-            let own = route.and_then(|r| r.rate_limits.iter().find(|(n, _)| *n == f.name));
-            let config = match own {
-                Some((_, c)) => c,
-                None if f.disabled => continue,
-                None => &f.config,
-            };
-            let Some((limited, enforced)) = config.check() else {
-                continue;
-            };
-            if config.x_ratelimit_headers && config.bucket.is_some() {
-                ctx.rate_limit_response = Some(config.clone());
-            }
-            if limited && enforced {
-                return (Some(config.clone()), not_enforced);
-            }
-            if limited {
-                not_enforced = Some(config.clone());
-            }
-        }
-        (None, not_enforced)
-    }
-
-    /// Envoy's local rate limit reply: `status` (429) with `local_rate_limited`, the
-    /// configured response headers, and Retry-After when asked for.
-    async fn rate_limited(
-        &self,
-        session: &mut Session,
-        ctx: &Ctx,
-        limited: Option<Arc<LocalRateLimit>>,
-    ) -> Result<bool> {
-        let Some(rl) = limited else {
-            return Ok(false);
-        };
-        let mut extra: Vec<(HeaderName, String)> = rl
-            .response_headers
-            .iter()
-            .filter_map(|(k, v, _)| Some((k.clone(), v.to_str().ok()?.to_string())))
-            .collect();
-        if rl.retry_after
-            && rl.status == 429
-            && !extra.iter().any(|(k, _)| k == http::header::RETRY_AFTER)
-        {
-            if let Some(b) = &rl.bucket {
-                extra.push((http::header::RETRY_AFTER, b.seconds_to_next().to_string()));
-            }
-        }
-        let grpc = rl.grpc_resource_exhausted.then_some(8);
-        self.local_reply_grpc(
-            session,
-            ctx,
-            rl.status,
-            Some(Bytes::from_static(b"local_rate_limited")),
-            &extra,
-            grpc,
-        )
-        .await
-    }
-
     /// Fire and forget: each mirror target gets its copy on a task of its own, so a slow or
     /// failing mirror never delays or fails the request itself. Counted in the mirror
     /// cluster's stats, as Envoy's shadow requests are.
@@ -980,70 +903,15 @@ impl Gateway {
         Ok(())
     }
 
-    /// Runs the fault filters in chain order, as Envoy's: each may delay (then the request
-    /// goes on) and then abort. Returns the abort to send, if one fired.
-    async fn inject_faults(
-        &self,
-        ctx: &mut Ctx,
-        faults: &[crate::snapshot::listener::FaultFilter],
-        view: &RequestView<'_>,
-        route: Option<&crate::snapshot::route::Route>,
-        picked: Option<(&Arc<str>, Option<&crate::snapshot::route::ClusterEntry>)>,
-    ) -> Option<AbortWith> {
-        let stats = &self.hcm_stats.fault;
-        if !stats.enabled.load(Relaxed) {
-            stats.enabled.store(true, Relaxed);
-        }
-        for ff in faults {
-            // Most specific first: the weighted-cluster entry, then the route's layers; the
-            // enabled flag and the config resolve separately, as in Envoy.
-            let entry = picked
-                .and_then(|(_, e)| e)
-                .and_then(|e| e.faults.iter().find(|(n, _)| *n == ff.name))
-                .map(|(_, p)| p);
-            let routed = route.and_then(|r| r.fault_override(&ff.name));
-            let disabled = entry
-                .and_then(|p| p.disabled)
-                .or_else(|| routed.and_then(|p| p.disabled))
-                .unwrap_or(ff.disabled);
-            if disabled {
-                continue;
-            }
-            let cfg = entry
-                .and_then(|p| p.config.as_ref())
-                .or_else(|| routed.and_then(|p| p.config.as_ref()))
-                .unwrap_or(&ff.config);
-            if !cfg.applies(view, picked.map(|(c, _)| c.as_ref())) {
-                continue;
-            }
-            // One active fault per filter, however many it injects (Envoy's fault_active_).
-            let mut active = false;
-            if let Some(d) = cfg.delay_for(view.headers, || fastrand::u64(..)) {
-                if stats.try_activate(cfg.max_active_faults) {
-                    active = true;
-                    ctx.active_faults += 1;
-                    stats.delays_injected.fetch_add(1, Relaxed);
-                    tokio::time::sleep(d).await;
-                }
-            }
-            if let Some(a) = cfg.abort_for(view.headers, || fastrand::u64(..)) {
-                if active || stats.try_activate(cfg.max_active_faults) {
-                    if !active {
-                        ctx.active_faults += 1;
-                    }
-                    stats.aborts_injected.fetch_add(1, Relaxed);
-                    return Some(a);
-                }
-            }
-        }
-        None
-    }
-
-    /// The fault filter's local reply: `fault filter abort` as text, or for a gRPC request a
-    /// trailers-only gRPC response (HTTP 200, grpc-status, grpc-message), as Envoy's
-    /// `sendLocalReply` makes it.
-    async fn fault_abort(&self, session: &mut Session, ctx: &Ctx, a: AbortWith) -> Result<bool> {
-        self.local_reply_grpc(session, ctx, a.status, Some(a.body), &[], a.grpc_status)
+    /// An HTTP filter's local reply (a fault abort is `fault filter abort` as text, or for a
+    /// gRPC request a trailers-only gRPC response, as Envoy's `sendLocalReply` makes it).
+    async fn filter_reply(&self, session: &mut Session, ctx: &Ctx, r: LocalReply) -> Result<bool> {
+        tracing::trace!(
+            details = r.details,
+            status = r.status,
+            "local reply from a filter"
+        );
+        self.local_reply_grpc(session, ctx, r.status, r.body, &r.headers, r.grpc_status)
             .await
     }
 
@@ -1113,7 +981,8 @@ impl Gateway {
         grpc_status: Option<u32>,
     ) -> Result<bool> {
         if ctx.grpc_request {
-            let grpc_status = grpc_status.unwrap_or_else(|| fault::http_to_grpc_status(status));
+            let grpc_status =
+                grpc_status.unwrap_or_else(|| filters::fault::http_to_grpc_status(status));
             return self
                 .grpc_local_reply(session, ctx, grpc_status, body, extra)
                 .await;
@@ -1148,8 +1017,7 @@ impl Gateway {
         if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
             resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
         }
-        cors_response(&mut resp, ctx)?;
-        rate_limit_response(&mut resp, ctx)?;
+        filter_response_headers(&mut resp, ctx)?;
         session
             .write_response_header(Box::new(resp), body.is_none() || head_only)
             .await?;
@@ -1263,104 +1131,16 @@ impl Gateway {
     }
 }
 
-/// Envoy's CORS filter on the request: latches an allowed origin for the response, and
-/// answers a preflight (OPTIONS with an origin and `access-control-request-method`) itself;
-/// the headers of that answer come back when it must be sent.
-fn cors_preflight(
-    session: &Session,
-    ctx: &mut Ctx,
-    cors: &Arc<Cors>,
-) -> Option<Vec<(HeaderName, String)>> {
-    if cors.enabled_per_million < 1_000_000
-        && fastrand::u32(..1_000_000) >= cors.enabled_per_million
-    {
-        return None;
-    }
-    let req = session.req_header();
-    let text = |name: &str| {
-        req.headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-    };
-    let origin = text("origin");
-    if origin.is_empty() {
-        return None;
-    }
-    let allowed = cors.origin_allowed(origin);
-    if allowed {
-        ctx.cors = Some((cors.clone(), origin.to_string()));
-    }
-    let method = text("access-control-request-method");
-    if req.method != http::Method::OPTIONS || method.is_empty() {
-        return None;
-    }
-    if !allowed && cors.forward_not_matching_preflights {
-        return None;
-    }
-    let mut out = Vec::new();
-    let h = HeaderName::from_static;
-    if allowed {
-        out.push((h("access-control-allow-origin"), origin.to_string()));
-    }
-    if cors.allow_credentials {
-        out.push((h("access-control-allow-credentials"), "true".into()));
-    }
-    match cors.allow_methods.as_str() {
-        "" => {}
-        "*" => out.push((h("access-control-allow-methods"), method.to_string())),
-        m => out.push((h("access-control-allow-methods"), m.to_string())),
-    }
-    match cors.allow_headers.as_str() {
-        "" => {}
-        "*" => out.push((
-            h("access-control-allow-headers"),
-            text("access-control-request-headers").to_string(),
-        )),
-        v => out.push((h("access-control-allow-headers"), v.to_string())),
-    }
-    if !cors.max_age.is_empty() {
-        out.push((h("access-control-max-age"), cors.max_age.clone()));
-    }
-    if cors.allow_private_network && text("access-control-request-private-network") == "true" {
-        out.push((h("access-control-allow-private-network"), "true".into()));
-    }
-    // The answer passes the filter's response side too (expose-headers included), as in Envoy.
-    Some(out)
-}
-
-/// `enable_x_ratelimit_headers: DRAFT_VERSION_03`: the bucket's size, what is left, and
-/// the seconds until the next token.
-fn rate_limit_response(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
-    let Some(b) = ctx
-        .rate_limit_response
-        .as_ref()
-        .and_then(|r| r.bucket.as_ref())
-    else {
-        return Ok(());
-    };
-    resp.insert_header("x-ratelimit-limit", b.max_tokens.to_string())?;
-    resp.insert_header("x-ratelimit-remaining", b.remaining().to_string())?;
-    resp.insert_header("x-ratelimit-reset", b.seconds_to_next().to_string())?;
-    Ok(())
-}
-
-/// Envoy's CORS filter on the response to a request from an allowed origin.
-fn cors_response(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
-    let Some((cors, origin)) = &ctx.cors else {
-        return Ok(());
-    };
-    resp.insert_header("access-control-allow-origin", origin.as_str())?;
-    if cors.allow_credentials {
-        resp.insert_header("access-control-allow-credentials", "true")?;
-    }
-    if !cors.expose_headers.is_empty() {
-        resp.insert_header(
-            "access-control-expose-headers",
-            cors.expose_headers.as_str(),
-        )?;
-    }
-    Ok(())
+/// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
+/// replies alike.
+fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
+    let mut out = Ok(());
+    ctx.filters.response_headers(|k, v| {
+        if out.is_ok() {
+            out = resp.insert_header(k, v).map(|_| ());
+        }
+    });
+    out
 }
 
 /// One mirrored request over a fresh HTTP/1.1 connection; its answer is read and dropped.
@@ -1653,28 +1433,18 @@ impl ProxyHttp for Gateway {
             }),
             _ => None,
         };
-        // Local rate limits and faults run in their chain order, before routing acts.
-        let limited = if hcm.rate_limits.is_empty() {
-            None
-        } else {
-            let (limited, not_enforced) = self.rate_limit(ctx, &hcm.rate_limits, matched);
-            if hcm.rate_limit_first && limited.is_some() {
-                return self.rate_limited(session, ctx, limited).await;
-            }
-            // Not enforced: the request goes on, carrying the configured headers upstream.
-            ctx.rate_limit_headers = not_enforced;
-            limited
+        // The connection manager's HTTP filters, in chain order; the router is the last.
+        let filter_req = filters::Request {
+            view: &view,
+            route: matched,
+            picked: picked.map(|(c, e)| (c.as_ref(), e)),
         };
-        if !hcm.faults.is_empty() {
-            if let Some(a) = self
-                .inject_faults(ctx, &hcm.faults, &view, matched, picked)
-                .await
-            {
-                return self.fault_abort(session, ctx, a).await;
-            }
-        }
-        if limited.is_some() {
-            return self.rate_limited(session, ctx, limited).await;
+        let stats = filters::Stats {
+            fault: &self.hcm_stats.fault,
+        };
+        if let Some(reply) = filters::run(&hcm.filters, &filter_req, &mut ctx.filters, stats).await
+        {
+            return self.filter_reply(session, ctx, reply).await;
         }
         let Some(route) = matched else {
             self.hcm_stats.no_route.fetch_add(1, Relaxed);
@@ -1720,11 +1490,6 @@ impl ProxyHttp for Gateway {
             }
             Action::Forward(f) => f,
         };
-        if let (true, Some(cors)) = (listener.def.hcm().is_some_and(|h| h.cors), &fwd.cors) {
-            if let Some(extra) = cors_preflight(session, ctx, cors) {
-                return self.local_reply(session, ctx, 200, None, &extra).await;
-            }
-        }
         let Some((cluster_name, _)) = picked else {
             return Error::e_explain(ErrorType::InternalError, "forward route without a cluster");
         };
@@ -2156,13 +1921,11 @@ impl ProxyHttp for Gateway {
         if ctx.attempt_count_to_upstream {
             upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
-        if let Some(rl) = &ctx.rate_limit_headers {
-            for (k, v, append) in &rl.request_headers_not_enforced {
-                if *append {
-                    upstream.append_header(k.clone(), v.clone())?;
-                } else {
-                    upstream.insert_header(k.clone(), v.clone())?;
-                }
+        for (k, v, append) in ctx.filters.upstream_request_headers() {
+            if *append {
+                upstream.append_header(k.clone(), v.clone())?;
+            } else {
+                upstream.insert_header(k.clone(), v.clone())?;
             }
         }
         if let Some(job) = ctx.mirror.as_mut().filter(|j| j.head.is_none()) {
@@ -2350,8 +2113,7 @@ impl ProxyHttp for Gateway {
         if ctx.attempt_count_to_client && ctx.attempts > 0 {
             resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
         }
-        cors_response(resp, ctx)?;
-        rate_limit_response(resp, ctx)?;
+        filter_response_headers(resp, ctx)?;
         for c in ctx.set_cookies.drain(..) {
             resp.append_header(http::header::SET_COOKIE, c)?;
         }
@@ -2488,12 +2250,7 @@ impl ProxyHttp for Gateway {
         if ctx.upgrade {
             self.hcm_stats.upgrades_active.fetch_sub(1, Relaxed);
         }
-        if ctx.active_faults > 0 {
-            self.hcm_stats
-                .fault
-                .active_faults
-                .fetch_sub(u64::from(ctx.active_faults), Relaxed);
-        }
+        ctx.filters.release(&self.hcm_stats.fault);
         if let Some(c) = &ctx.cluster {
             if ctx.retry_slot {
                 c.stats.retry_active.fetch_sub(1, Relaxed);
@@ -2586,10 +2343,7 @@ mod tests {
             strip_any_host_port: false,
             strip_matching_host_port: false,
             server_name: "envoy".into(),
-            faults: Vec::new(),
-            rate_limits: Vec::new(),
-            rate_limit_first: false,
-            cors: false,
+            filters: Vec::new(),
             stream_idle_timeout: None,
             max_stream_duration: None,
             internal_ranges: Vec::new(),

@@ -10,13 +10,14 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
-use super::fault::{Fault, FAULT_TYPE};
 use super::filter_chain::{select, ChainMatch, Conn};
-use super::ratelimit::LocalRateLimit;
 use super::route::RouteTable;
 use super::tcp_proxy::{TcpProxy, TCP_PROXY_TYPE};
 use super::tls::{DownstreamTls, DOWNSTREAM_TLS_TYPE, TLS_INSPECTOR_TYPE};
 use super::{socket_address, TranslateError};
+pub use crate::filters::alpn::AlpnOverride;
+use crate::filters::telemetry::{config_type, istio_telemetry, MX_NETWORK_TYPE};
+use crate::filters::{HttpFilter, Translated};
 
 pub const HCM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
@@ -221,6 +222,15 @@ pub enum NetworkFilter {
     Tcp(TcpProxy),
 }
 
+impl Hcm {
+    /// The chain has a fault filter (Envoy creates its stats with it).
+    pub fn has_fault_filter(&self) -> bool {
+        self.filters
+            .iter()
+            .any(|f| matches!(f, HttpFilter::Fault(_)))
+    }
+}
+
 impl ChainDef {
     /// The connection manager of an HTTP chain; None for a tcp_proxy chain.
     pub fn hcm(&self) -> Option<&Hcm> {
@@ -277,14 +287,9 @@ pub struct Hcm {
     pub strip_any_host_port: bool,
     pub strip_matching_host_port: bool,
     pub server_name: String,
-    /// The chain has an enabled `envoy.filters.http.cors`: routes' CORS policies apply.
-    pub cors: bool,
-    /// `envoy.filters.http.fault` instances, in filter-chain order.
-    pub faults: Vec<FaultFilter>,
-    /// `envoy.filters.http.local_ratelimit` instances, in chain order.
-    pub rate_limits: Vec<RateLimitFilter>,
-    /// The first rate limit filter comes before the first fault filter in the chain.
-    pub rate_limit_first: bool,
+    /// The `http_filters` that act per request, in chain order (the router, terminal, is
+    /// not among them; filters accepted without effect neither).
+    pub filters: Vec<HttpFilter>,
     /// `stream_idle_timeout`: Envoy's default is 5 minutes; zero disables it.
     pub stream_idle_timeout: Option<std::time::Duration>,
     /// `common_http_protocol_options.max_stream_duration` (unset or zero: no limit).
@@ -419,16 +424,6 @@ impl Cidr {
             _ => false,
         }
     }
-}
-
-/// A fault filter of the chain: its name (how routes address it) and its listener-level
-/// config, which a route's `typed_per_filter_config` entry of the same name replaces.
-#[derive(Debug)]
-pub struct FaultFilter {
-    pub name: String,
-    pub config: Arc<Fault>,
-    /// `disabled: true` in the chain: off unless a route's per-filter config enables it.
-    pub disabled: bool,
 }
 
 fn unpack<M: Message + Default>(any: &Any, want: &str, what: &str) -> Result<M, String> {
@@ -844,64 +839,6 @@ fn without_mx_alpn(chain: &lpb::FilterChain, at: &str) -> Result<DownstreamTls, 
 
 const MX_ALPN: &str = "istio-peer-exchange";
 
-/// Istio's own telemetry filters: they observe traffic and feed Istio's metrics, and change
-/// neither where a request goes nor whether it is allowed. Until Istio telemetry lands (#15)
-/// Portico accepts them and does not run them; the chain around them works as without them.
-/// - `istio.stats` (`stats.PluginConfig`, HTTP and network): Istio's request/TCP metrics.
-/// - `istio.metadata_exchange` network filter (`envoy.tcp.metadataexchange.config.MetadataExchange`):
-///   see `without_mx_alpn`: Portico does not offer the ALPN that would make a peer speak it.
-/// - `istio.metadata_exchange` HTTP filter (`io.istio.http.peer_metadata.Config`, 1.22+, or
-///   the 1.18 null-VM Wasm): exchanges the peers' identity in `x-envoy-peer-metadata[-id]`
-///   headers for the telemetry of both sides; Portico sends none.
-/// - `envoy.filters.http.grpc_stats`: per-method gRPC counters.
-///
-/// Seen through `TypedStruct` (istiod 1.22+ wraps them) and through Istio's null-VM Wasm
-/// plugins (`envoy.wasm.runtime.null` with Istio's built-in `envoy.wasm.*` code): a real Wasm
-/// module could do anything and stays refused.
-const ISTIO_TELEMETRY_TYPES: [&str; 4] = [
-    "type.googleapis.com/stats.PluginConfig",
-    MX_NETWORK_TYPE,
-    "type.googleapis.com/io.istio.http.peer_metadata.Config",
-    "type.googleapis.com/envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
-];
-const MX_NETWORK_TYPE: &str =
-    "type.googleapis.com/envoy.tcp.metadataexchange.config.MetadataExchange";
-const WASM_HTTP_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
-const WASM_NETWORK_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.network.wasm.v3.Wasm";
-/// Istio's null-VM plugins: code compiled into istio-proxy, named by these strings.
-const ISTIO_NULL_VM_PLUGINS: [&str; 2] = ["envoy.wasm.metadata_exchange", "envoy.wasm.stats"];
-
-/// The Istio telemetry type `a` configures (see `ISTIO_TELEMETRY_TYPES`), or None.
-fn istio_telemetry(a: &Any) -> Option<&'static str> {
-    let mut t = config_type(a);
-    if a.type_url == WASM_HTTP_TYPE || a.type_url == WASM_NETWORK_TYPE {
-        use envoy_types::pb::envoy::config::core::v3::async_data_source::Specifier;
-        use envoy_types::pb::envoy::extensions::filters::http::wasm::v3::Wasm;
-        use envoy_types::pb::envoy::extensions::wasm::v3::plugin_config::Vm;
-        // The HTTP and network Wasm messages have the same fields.
-        let w = Wasm::decode(a.value.as_slice()).ok()?;
-        let cfg = w.config?;
-        let Some(Vm::VmConfig(vm)) = &cfg.vm else {
-            return None;
-        };
-        let code = match vm.code.as_ref().and_then(|c| c.specifier.as_ref()) {
-            Some(Specifier::Local(d)) => match &d.specifier {
-                Some(corepb::data_source::Specifier::InlineString(s)) => s.as_str(),
-                _ => "",
-            },
-            _ => "",
-        };
-        if vm.runtime != "envoy.wasm.runtime.null" || !ISTIO_NULL_VM_PLUGINS.contains(&code) {
-            return None;
-        }
-        if code == "envoy.wasm.stats" {
-            return Some(ISTIO_TELEMETRY_TYPES[0]);
-        }
-        t = cfg.configuration.as_ref().map(config_type)?;
-    }
-    ISTIO_TELEMETRY_TYPES.iter().copied().find(|k| *k == t)
-}
-
 impl Hcm {
     fn translate(h: &hcm::HttpConnectionManager) -> Result<Hcm, String> {
         use hcm::http_connection_manager::{CodecType, RouteSpecifier};
@@ -935,17 +872,7 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
-        let HttpFilters {
-            faults,
-            rate_limits,
-            rate_limit_first,
-            alpn,
-        } = check_http_filters(&h.http_filters)?;
-        let cors = h.http_filters.iter().any(|f| {
-            !f.disabled
-                && matches!(&f.config_type,
-                    Some(hcm::http_filter::ConfigType::TypedConfig(a)) if config_type(a) == CORS_TYPE)
-        });
+        let HttpFilters { filters, alpn } = check_http_filters(&h.http_filters)?;
         let opt_duration =
             |field: &str, d: Option<&envoy_types::pb::google::protobuf::Duration>| {
                 d.map(|d| super::duration(d).map_err(|e| format!("{field}: {e}")))
@@ -1048,7 +975,7 @@ impl Hcm {
             stream_idle_timeout,
             max_stream_duration,
             internal_ranges,
-            cors,
+            filters,
             stat_prefix: h.stat_prefix.clone(),
             routes,
             codec,
@@ -1067,9 +994,6 @@ impl Hcm {
             } else {
                 h.server_name.clone()
             },
-            faults,
-            rate_limits,
-            rate_limit_first,
         })
     }
 }
@@ -1138,138 +1062,14 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     Ok(())
 }
 
-/// `udpa.type.v1.TypedStruct` / `xds.type.v3.TypedStruct`: a config named by its type URL.
-#[derive(Clone, PartialEq, prost::Message)]
-struct TypedStruct {
-    #[prost(string, tag = "1")]
-    type_url: String,
-}
-
-const TYPED_STRUCTS: [&str; 2] = [
-    "type.googleapis.com/udpa.type.v1.TypedStruct",
-    "type.googleapis.com/xds.type.v3.TypedStruct",
-];
-
-/// The type a filter's config names, seeing through TypedStruct wrappers.
-fn config_type(a: &Any) -> String {
-    if TYPED_STRUCTS.contains(&a.type_url.as_str()) {
-        if let Ok(ts) = TypedStruct::decode(a.value.as_slice()) {
-            return ts.type_url;
-        }
-    }
-    a.type_url.clone()
-}
-
-const RATELIMIT_TYPE: &str = super::ratelimit::TYPE;
-const CORS_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors";
-
-/// Envoy's rule: the router must be the last filter (no filters at all means the router
-/// alone); any other filter Portico does not implement is an error unless the config marks it
-/// `is_optional` (or `disabled`). Returns the fault filters, which Portico implements.
-/// A local rate limit filter of the chain; a route's per-filter config of the same name
-/// replaces its config (a filter-level config without a bucket limits nothing).
-#[derive(Debug)]
-pub struct RateLimitFilter {
-    pub name: String,
-    pub config: Arc<LocalRateLimit>,
-    pub disabled: bool,
-}
-
 struct HttpFilters {
-    faults: Vec<FaultFilter>,
-    rate_limits: Vec<RateLimitFilter>,
-    rate_limit_first: bool,
+    filters: Vec<HttpFilter>,
     alpn: Option<Arc<AlpnOverride>>,
 }
 
-/// `istio.alpn` (`istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig`): the ALPN list a
-/// routed request's upstream TLS connection offers instead of the cluster's, by the protocol
-/// spoken upstream. istiod puts it on every gateway and sidecar-outbound connection manager
-/// (PILOT_ENABLE_ALPN_FILTER, on by default) so that an ISTIO_MUTUAL pod's sidecar sees
-/// `istio-http/1.1` or `istio-h2` and picks its HTTP chain on a port whose protocol it sniffs.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct AlpnOverride {
-    /// Wire-format names; empty: no override for that protocol.
-    pub http11: Vec<Vec<u8>>,
-    pub http2: Vec<Vec<u8>>,
-    /// Keeps pooled upstream connections made with these lists apart from the others.
-    pub key: u64,
-}
-
-const ALPN_FILTER_TYPE: &str =
-    "type.googleapis.com/istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig";
-
-/// istio/api's `FilterConfig` for the ALPN filter (no Rust type ships it).
-#[derive(Clone, PartialEq, prost::Message)]
-struct AlpnFilterConfig {
-    #[prost(message, repeated, tag = "1")]
-    alpn_override: Vec<AlpnOverrideProto>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct AlpnOverrideProto {
-    /// HTTP10 = 0, HTTP11 = 1, HTTP2 = 2.
-    #[prost(int32, tag = "1")]
-    upstream_protocol: i32,
-    #[prost(string, repeated, tag = "2")]
-    alpn_override: Vec<String>,
-}
-
-impl AlpnOverride {
-    fn from_any(a: &Any) -> Result<AlpnOverride, String> {
-        if a.type_url != ALPN_FILTER_TYPE {
-            return Err(format!(
-                "a {} wrapped in {} is not supported",
-                ALPN_FILTER_TYPE, a.type_url
-            ));
-        }
-        let c = AlpnFilterConfig::decode(a.value.as_slice())
-            .map_err(|e| format!("cannot decode: {e}"))?;
-        let mut out = AlpnOverride::default();
-        for (i, o) in c.alpn_override.iter().enumerate() {
-            let list: Vec<Vec<u8>> = o
-                .alpn_override
-                .iter()
-                .map(|p| p.as_bytes().to_vec())
-                .collect();
-            if let Some(p) = list.iter().find(|p| p.is_empty() || p.len() > 255) {
-                return Err(format!(
-                    "alpn_override[{i}]: invalid protocol name '{}'",
-                    String::from_utf8_lossy(p)
-                ));
-            }
-            match o.upstream_protocol {
-                // Portico answers HTTP/1.0 requests with 426, as Envoy does by default, so no
-                // request is ever proxied as HTTP/1.0.
-                0 => {}
-                1 => out.http11 = list,
-                2 => out.http2 = list,
-                other => {
-                    return Err(format!(
-                        "alpn_override[{i}].upstream_protocol: unknown value {other}"
-                    ))
-                }
-            }
-        }
-        let mut key = Vec::new();
-        for l in [&out.http11, &out.http2] {
-            for p in l {
-                key.extend_from_slice(p);
-                key.push(0);
-            }
-            key.push(0xff);
-        }
-        out.key = xxhash_rust::xxh64::xxh64(&key, 7);
-        Ok(out)
-    }
-
-    /// The list for an upstream speaking HTTP/2 (`http2`) or HTTP/1.1; None: keep the cluster's.
-    pub fn for_protocol(&self, http2: bool) -> Option<&[Vec<u8>]> {
-        let l = if http2 { &self.http2 } else { &self.http11 };
-        (!l.is_empty()).then_some(l.as_slice())
-    }
-}
-
+/// Envoy's rule: the router must be the last filter (no filters at all means the router
+/// alone); every other entry goes through the filter registry, and one Portico does not
+/// implement is an error unless the config marks it `is_optional` (or `disabled`).
 fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String> {
     let is_router = |f: &hcm::HttpFilter| match &f.config_type {
         Some(hcm::http_filter::ConfigType::TypedConfig(a)) => config_type(a) == ROUTER_TYPE,
@@ -1280,9 +1080,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
     }
     let Some(last) = filters.last() else {
         return Ok(HttpFilters {
-            faults: Vec::new(),
-            rate_limits: Vec::new(),
-            rate_limit_first: false,
+            filters: Vec::new(),
             alpn: None,
         });
     };
@@ -1304,10 +1102,10 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
             last.name
         ));
     }
-    let mut faults = Vec::new();
-    let mut rate_limits = Vec::new();
-    let mut rate_limit_first = false;
-    let mut alpn = None;
+    let mut out = HttpFilters {
+        filters: Vec::new(),
+        alpn: None,
+    };
     for (i, f) in filters[..filters.len() - 1].iter().enumerate() {
         if is_router(f) {
             return Err(format!(
@@ -1315,50 +1113,26 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
                 f.name
             ));
         }
-        if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &f.config_type {
-            match config_type(a).as_str() {
-                // A TypedStruct carries the config as JSON, which Portico does not map.
-                FAULT_TYPE if a.type_url != FAULT_TYPE => {
-                    return Err(format!(
-                        "http_filters[{i}] '{}': a fault config wrapped in a TypedStruct is not supported",
-                        f.name
-                    ))
-                }
-                FAULT_TYPE => {
-                    let config = Fault::from_any(a)
-                        .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
-                    faults.push(FaultFilter {
-                        name: f.name.clone(),
-                        config: Arc::new(config),
-                        disabled: f.disabled,
-                    });
-                    continue;
-                }
-                RATELIMIT_TYPE => {
-                    let config = LocalRateLimit::from_any(a)
-                        .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
-                    rate_limit_first |= faults.is_empty() && rate_limits.is_empty();
-                    rate_limits.push(RateLimitFilter {
-                        name: f.name.clone(),
-                        config: Arc::new(config),
-                        disabled: f.disabled,
-                    });
-                    continue;
-                }
-                // istiod puts CORS on every gateway listener; with no per-route policy it does
-                // nothing in Envoy either.
-                CORS_TYPE => continue,
-                ALPN_FILTER_TYPE if !f.disabled => {
-                    let o = AlpnOverride::from_any(a)
-                        .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?;
-                    alpn = Some(Arc::new(o));
-                    continue;
-                }
-                _ => {}
+        let registered = match &f.config_type {
+            Some(hcm::http_filter::ConfigType::TypedConfig(a)) => {
+                crate::filters::lookup(a).map(|r| (r, a))
             }
-            if istio_telemetry(a).is_some() {
-                continue;
+            _ => None,
+        };
+        if let Some((r, a)) = registered {
+            let decl = crate::filters::FilterDecl {
+                name: &f.name,
+                config: a,
+                disabled: f.disabled,
+            };
+            match (r.translate)(&decl)
+                .map_err(|e| format!("http_filters[{i}] '{}': {e}", f.name))?
+            {
+                Translated::Run(filter) => out.filters.push(filter),
+                Translated::Alpn(a) => out.alpn = Some(a),
+                Translated::Inert => {}
             }
+            continue;
         }
         // A filter Portico does not implement is fine if the config says it may be skipped.
         if f.is_optional || f.disabled {
@@ -1376,12 +1150,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
             f.name
         ));
     }
-    Ok(HttpFilters {
-        faults,
-        rate_limits,
-        rate_limit_first,
-        alpn,
-    })
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,6 +1,10 @@
 //! `ListenerDef::translate`: one filter chain, one HTTP connection manager, the router last.
 
 use super::*;
+use crate::filters::alpn::{AlpnFilterConfig, AlpnOverrideProto, ALPN_FILTER_TYPE};
+use crate::filters::cors::CORS_TYPE;
+use crate::filters::fault::FaultFilter;
+use crate::filters::telemetry::{TypedStruct, TYPED_STRUCTS, WASM_HTTP_TYPE};
 
 use envoy_types::pb::envoy::config::route::v3 as rpb;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -895,6 +899,19 @@ fn first_error_wins_in_listener_order() {
     assert!(e.contains("address"), "{e}");
 }
 
+fn faults(l: &ListenerDef) -> Vec<&FaultFilter> {
+    l.chains[0]
+        .hcm()
+        .expect("http chain")
+        .filters
+        .iter()
+        .filter_map(|f| match f {
+            HttpFilter::Fault(f) => Some(f),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
 fn fault_filters_are_translated_and_bad_ones_rejected() {
     let fault = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault";
@@ -907,15 +924,9 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
     ];
     // istiod's empty HTTPFault: a fault filter that injects nothing.
     let l = ok(&listener_with(&h));
-    assert_eq!(l.chains[0].hcm().expect("http chain").faults.len(), 1);
-    assert_eq!(
-        l.chains[0].hcm().expect("http chain").faults[0].name,
-        "envoy.filters.http.fault"
-    );
-    assert!(l.chains[0].hcm().expect("http chain").faults[0]
-        .config
-        .abort
-        .is_none());
+    assert_eq!(faults(&l).len(), 1);
+    assert_eq!(faults(&l)[0].name, "envoy.filters.http.fault");
+    assert!(faults(&l)[0].config.abort.is_none());
     let mut with_abort = typed_filter("my-fault", fault);
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // HTTPFault { abort: { http_status: 503 } }: field 2, message with field 2 = 503.
@@ -923,14 +934,8 @@ fn fault_filters_are_translated_and_bad_ones_rejected() {
     }
     h.http_filters = vec![with_abort.clone(), router()];
     let l = ok(&listener_with(&h));
-    assert_eq!(
-        l.chains[0].hcm().expect("http chain").faults[0].name,
-        "my-fault"
-    );
-    assert!(l.chains[0].hcm().expect("http chain").faults[0]
-        .config
-        .abort
-        .is_some());
+    assert_eq!(faults(&l)[0].name, "my-fault");
+    assert!(faults(&l)[0].config.abort.is_some());
     if let Some(hcm::http_filter::ConfigType::TypedConfig(a)) = &mut with_abort.config_type {
         // http_status: 99
         a.value = vec![0x12, 0x02, 0x10, 0x63];
@@ -1065,7 +1070,7 @@ fn hcm_upgrade_configs_are_kept_and_checked() {
         Some(true)
     );
     f.filters
-        .insert(0, typed_filter("envoy.filters.http.cors", super::CORS_TYPE));
+        .insert(0, typed_filter("envoy.filters.http.cors", CORS_TYPE));
     h.upgrade_configs = vec![f];
     hcm_rejected(
         h,

@@ -4,15 +4,12 @@
 //! resource and field) out. The request path reads only these structs.
 
 pub mod cluster;
-pub mod cors;
-pub mod fault;
 pub mod filter_chain;
 pub mod headers;
 pub mod health_check;
 pub mod listener;
 pub mod load;
 pub mod outlier;
-pub mod ratelimit;
 pub mod retry;
 pub mod route;
 pub mod sds;

@@ -14,10 +14,10 @@ use envoy_types::pb::envoy::r#type::matcher::v3 as mpb;
 use http::StatusCode;
 use regex::Regex;
 
-use super::fault::{self, PerRoute};
 use super::headers::{self, HeaderOps, HeaderPlan};
 use super::retry::RetryPolicy;
 use super::TranslateError;
+use crate::filters::fault::{self, PerRoute};
 
 /// A compiled `RouteConfiguration`.
 #[derive(Debug)]
@@ -138,7 +138,7 @@ pub struct Route {
     /// the order Envoy applies them.
     pub header_plan: Arc<HeaderPlan>,
     /// Local rate limit overrides by filter name, most specific level first resolved.
-    pub rate_limits: Vec<(String, Arc<super::ratelimit::LocalRateLimit>)>,
+    pub rate_limits: Vec<(String, Arc<crate::filters::local_ratelimit::LocalRateLimit>)>,
     /// Fault filter overrides by filter name (route over vhost over route config).
     pub faults: Vec<(String, PerRoute)>,
 }
@@ -200,8 +200,9 @@ pub struct Forward {
     pub retry: Option<Arc<RetryPolicy>>,
     /// `request_mirror_policies`: the route's own, else its virtual host's.
     pub mirrors: Arc<[Mirror]>,
-    /// The effective CORS policy, if any level sets one.
-    pub cors: Option<Arc<super::cors::Cors>>,
+    /// The CORS policies of the route, by the name of the CORS filter they configure (None:
+    /// no level sets one).
+    pub cors: Option<Arc<crate::filters::cors::RoutePolicies>>,
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
@@ -697,7 +698,8 @@ impl RouteTable {
         )
         .map_err(err)?;
         let rc_faults = fault::per_route(&rc.typed_per_filter_config).map_err(err)?;
-        let rc_limits = super::ratelimit::per_route(&rc.typed_per_filter_config).map_err(err)?;
+        let rc_limits =
+            crate::filters::local_ratelimit::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let most_specific_wins = rc.most_specific_header_mutations_wins;
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
@@ -755,7 +757,7 @@ impl RouteTable {
             .map_err(|e| err(format!("{vctx}: {e}")))?;
             let vh_faults = fault::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
-            let vh_limits = super::ratelimit::per_route(&vh.typed_per_filter_config)
+            let vh_limits = crate::filters::local_ratelimit::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
@@ -775,8 +777,9 @@ impl RouteTable {
                 let own = fault::per_route(&r.typed_per_filter_config)
                     .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
                 route.faults = fault::layer(&[&rc_faults, &vh_faults, &own]);
-                let own_limits = super::ratelimit::per_route(&r.typed_per_filter_config)
-                    .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                let own_limits =
+                    crate::filters::local_ratelimit::per_route(&r.typed_per_filter_config)
+                        .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
                 route.rate_limits = own_limits;
                 for level in [&vh_limits, &rc_limits] {
                     for (name, c) in level.iter() {
@@ -881,7 +884,7 @@ fn translate_route(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
     {
         #[allow(deprecated)]
         let own = ra.cors.as_ref();
-        f.cors = super::cors::resolve(
+        f.cors = crate::filters::cors::resolve(
             &r.typed_per_filter_config,
             vh.filter_configs,
             vh.config_filter_configs,

@@ -13,6 +13,8 @@ use envoy_types::pb::google::protobuf::Any;
 use http::{HeaderName, HeaderValue};
 use prost::Message;
 
+use super::{Decision, FilterDecl, FilterState, LocalReply, Request, Translated};
+
 pub const TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit";
 
@@ -140,7 +142,7 @@ fn per_million(
     f: Option<&envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent>,
 ) -> Result<u32, String> {
     // Envoy: absent means 0% (the filter is off unless a fraction turns it on).
-    super::per_million(f, 0)
+    crate::snapshot::per_million(f, 0)
 }
 
 fn header_list(
@@ -190,7 +192,7 @@ impl LocalRateLimit {
                     .fill_interval
                     .as_ref()
                     .ok_or("token_bucket.fill_interval is required")?;
-                let interval = super::duration(interval)
+                let interval = crate::snapshot::duration(interval)
                     .map_err(|e| format!("token_bucket.fill_interval: {e}"))?;
                 if interval.is_zero() {
                     return Err("token_bucket.fill_interval: value must be greater than 0s".into());
@@ -257,6 +259,94 @@ impl LocalRateLimit {
     }
 }
 
+/// A local rate limit filter of the chain; a route's per-filter config of the same name
+/// replaces its config (a filter-level config without a bucket limits nothing).
+#[derive(Debug)]
+pub struct RateLimitFilter {
+    pub name: String,
+    pub config: Arc<LocalRateLimit>,
+    pub disabled: bool,
+}
+
+/// The registry's translate function for `http_filters` entries of this type.
+pub fn translate_filter(d: &FilterDecl<'_>) -> Result<Translated, String> {
+    if d.config.type_url != TYPE {
+        return Err("a local_ratelimit config wrapped in a TypedStruct is not supported".into());
+    }
+    Ok(Translated::Run(super::HttpFilter::LocalRateLimit(
+        RateLimitFilter {
+            name: d.name.to_string(),
+            config: Arc::new(LocalRateLimit::from_any(d.config)?),
+            disabled: d.disabled,
+        },
+    )))
+}
+
+impl RateLimitFilter {
+    /// Takes a token (route override first); an enforced limit answers the request, one that
+    /// is not enforced lets it on with the configured request headers.
+    pub fn decode(&self, req: &Request<'_>, st: &mut FilterState) -> Decision {
+        let own = req
+            .route
+            .and_then(|r| r.rate_limits.iter().find(|(n, _)| *n == self.name));
+        let config = match own {
+            Some((_, c)) => c,
+            None if self.disabled => return Decision::Continue,
+            None => &self.config,
+        };
+        let Some((limited, enforced)) = config.check() else {
+            return Decision::Continue;
+        };
+        if config.x_ratelimit_headers && config.bucket.is_some() {
+            st.rate_limit_response = Some(config.clone());
+        }
+        if limited && enforced {
+            return Decision::Reply(config.reply());
+        }
+        if limited {
+            st.rate_limit_headers = Some(config.clone());
+        }
+        Decision::Continue
+    }
+}
+
+impl LocalRateLimit {
+    /// Envoy's local rate limit reply: `status` (429) with `local_rate_limited`, the
+    /// configured response headers, and Retry-After when asked for.
+    fn reply(&self) -> LocalReply {
+        let mut headers: Vec<(HeaderName, String)> = self
+            .response_headers
+            .iter()
+            .filter_map(|(k, v, _)| Some((k.clone(), v.to_str().ok()?.to_string())))
+            .collect();
+        if self.retry_after
+            && self.status == 429
+            && !headers.iter().any(|(k, _)| k == http::header::RETRY_AFTER)
+        {
+            if let Some(b) = &self.bucket {
+                headers.push((http::header::RETRY_AFTER, b.seconds_to_next().to_string()));
+            }
+        }
+        LocalReply {
+            status: self.status,
+            body: Some(bytes::Bytes::from_static(b"local_rate_limited")),
+            headers,
+            grpc_status: self.grpc_resource_exhausted.then_some(8),
+            details: "local_rate_limited",
+        }
+    }
+
+    /// `enable_x_ratelimit_headers: DRAFT_VERSION_03`: the bucket's size, what is left, and
+    /// the seconds until the next token.
+    pub fn x_ratelimit_headers(&self, mut put: impl FnMut(&'static str, &str)) {
+        if let Some(b) = &self.bucket {
+            put("x-ratelimit-limit", &b.max_tokens.to_string());
+            put("x-ratelimit-remaining", &b.remaining().to_string());
+            put("x-ratelimit-reset", &b.seconds_to_next().to_string());
+        }
+    }
+}
+
 /// The per-filter override of a route, virtual host or route configuration, by filter name.
 pub fn per_route(
     map: &std::collections::HashMap<String, Any>,
@@ -266,6 +356,12 @@ pub fn per_route(
         if a.type_url == TYPE {
             let c = LocalRateLimit::from_any(a)
                 .map_err(|e| format!("typed_per_filter_config['{name}']: {e}"))?;
+            // Envoy's wording: at the route level a config without a bucket makes no sense.
+            if c.bucket.is_none() {
+                return Err(format!(
+                    "typed_per_filter_config['{name}']: local rate limit token bucket must be set for per filter configs"
+                ));
+            }
             out.push((name.clone(), Arc::new(c)));
         }
     }
@@ -314,5 +410,20 @@ mod tests {
         .unwrap();
         assert_eq!((ok.status, ok.enabled_per_million), (429, 0));
         assert_eq!(ok.check(), None, "filter_enabled absent: off");
+        let per_route = |c: lpb::LocalRateLimit| {
+            per_route(&std::collections::HashMap::from([(
+                "rl".to_string(),
+                any(c),
+            )]))
+        };
+        let e = per_route(lpb::LocalRateLimit {
+            stat_prefix: "rl".into(),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            e.contains("token bucket must be set for per filter configs"),
+            "{e}"
+        );
     }
 }

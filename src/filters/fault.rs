@@ -1,6 +1,8 @@
 //! `envoy.filters.http.fault` (HTTPFault): delays and aborts, from the listener's filter chain
-//! or a route's `typed_per_filter_config` override, translated once into plain data.
+//! or a route's `typed_per_filter_config` override, translated once into plain data; the
+//! per-request decision (delay, then abort) and Envoy's `http.<stat_prefix>.fault.*` stats.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,8 +15,9 @@ use envoy_types::pb::google::protobuf::Any;
 use http::HeaderMap;
 use prost::Message;
 
-use super::route::HeaderMatcher;
+use super::{Decision, FilterDecl, FilterState, LocalReply, Request, Translated};
 use crate::router::RequestView;
+use crate::snapshot::route::HeaderMatcher;
 
 pub const FAULT_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault";
 pub const FILTER_CONFIG_TYPE: &str = "type.googleapis.com/envoy.config.route.v3.FilterConfig";
@@ -147,7 +150,7 @@ impl Fault {
             .iter()
             .enumerate()
             .map(|(i, h)| {
-                super::route::header_matcher(h)
+                crate::snapshot::route::header_matcher(h)
                     .map_err(|e| format!("headers[{i}] '{}': {e}", h.name))
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -289,7 +292,7 @@ fn delay(d: &cfpb::FaultDelay) -> Result<Delay, String> {
     use cfpb::fault_delay::FaultDelaySecifier as S;
     let kind = match &d.fault_delay_secifier {
         Some(S::FixedDelay(t)) => {
-            let t = super::duration(t).map_err(|e| format!("fixed_delay: {e}"))?;
+            let t = crate::snapshot::duration(t).map_err(|e| format!("fixed_delay: {e}"))?;
             if t.is_zero() {
                 return Err("fixed_delay: value must be greater than 0s".into());
             }
@@ -405,6 +408,151 @@ pub fn layer(levels: &[&[(String, PerRoute)]]) -> Vec<(String, PerRoute)> {
         }
     }
     out
+}
+
+/// A fault filter of the chain: its name (how routes address it) and its listener-level
+/// config, which a route's `typed_per_filter_config` entry of the same name replaces.
+#[derive(Debug)]
+pub struct FaultFilter {
+    pub name: String,
+    pub config: Arc<Fault>,
+    /// `disabled: true` in the chain: off unless a route's per-filter config enables it.
+    pub disabled: bool,
+}
+
+/// The registry's translate function for `http_filters` entries of this type.
+pub fn translate_filter(d: &FilterDecl<'_>) -> Result<Translated, String> {
+    // A TypedStruct carries the config as JSON, which Portico does not map.
+    if d.config.type_url != FAULT_TYPE {
+        return Err("a fault config wrapped in a TypedStruct is not supported".into());
+    }
+    Ok(Translated::Run(super::HttpFilter::Fault(FaultFilter {
+        name: d.name.to_string(),
+        config: Arc::new(Fault::from_any(d.config)?),
+        disabled: d.disabled,
+    })))
+}
+
+/// Envoy's `http.<stat_prefix>.fault.*` stats, shown once a listener with this prefix has a
+/// fault filter (Envoy creates them with the filter).
+#[derive(Debug, Default)]
+pub struct FaultStats {
+    pub enabled: AtomicBool,
+    pub delays_injected: AtomicU64,
+    pub aborts_injected: AtomicU64,
+    pub faults_overflow: AtomicU64,
+    pub active_faults: AtomicU64,
+}
+
+impl FaultStats {
+    /// Envoy's `tryIncActiveFaults`: counts one active fault unless `max` are already active
+    /// (then `faults_overflow` counts the refusal).
+    pub fn try_activate(&self, max: Option<u64>) -> bool {
+        let max = max.unwrap_or(u64::MAX);
+        let mut cur = self.active_faults.load(Relaxed);
+        loop {
+            if cur >= max {
+                self.faults_overflow.fetch_add(1, Relaxed);
+                return false;
+            }
+            match self
+                .active_faults
+                .compare_exchange_weak(cur, cur + 1, Relaxed, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(now) => cur = now,
+            }
+        }
+    }
+}
+
+impl FaultFilter {
+    /// The config in force for this request, or None when the filter is off for it. Most
+    /// specific first: the weighted-cluster entry, then the route's layers; the enabled flag
+    /// and the config resolve separately, as in Envoy.
+    fn effective<'a>(&'a self, req: &Request<'a>) -> Option<&'a Fault> {
+        let entry = req
+            .picked
+            .and_then(|(_, e)| e)
+            .and_then(|e| e.faults.iter().find(|(n, _)| *n == self.name))
+            .map(|(_, p)| p);
+        let routed = req.route.and_then(|r| r.fault_override(&self.name));
+        let disabled = entry
+            .and_then(|p| p.disabled)
+            .or_else(|| routed.and_then(|p| p.disabled))
+            .unwrap_or(self.disabled);
+        if disabled {
+            return None;
+        }
+        let cfg = entry
+            .and_then(|p| p.config.as_ref())
+            .or_else(|| routed.and_then(|p| p.config.as_ref()))
+            .unwrap_or(&self.config);
+        cfg.applies(req.view, req.picked.map(|(c, _)| c))
+            .then_some(&**cfg)
+    }
+
+    /// Envoy's decodeHeaders: a delay first (the request then waits and comes back through
+    /// [`FaultFilter::after_delay`]), else straight to the abort check.
+    pub fn decode(&self, req: &Request<'_>, st: &mut FilterState, stats: &FaultStats) -> Decision {
+        if !stats.enabled.load(Relaxed) {
+            stats.enabled.store(true, Relaxed);
+        }
+        let Some(cfg) = self.effective(req) else {
+            return Decision::Continue;
+        };
+        st.fault_delayed = false;
+        if let Some(d) = cfg.delay_for(req.view.headers, || fastrand::u64(..)) {
+            // One active fault per filter, however many it injects (Envoy's fault_active_).
+            if stats.try_activate(cfg.max_active_faults) {
+                st.fault_delayed = true;
+                st.active_faults += 1;
+                stats.delays_injected.fetch_add(1, Relaxed);
+                return Decision::Delay(d);
+            }
+        }
+        self.abort(cfg, req, st, stats)
+    }
+
+    /// Envoy's postDelayInjection: the abort check, after the delay.
+    pub fn after_delay(
+        &self,
+        req: &Request<'_>,
+        st: &mut FilterState,
+        stats: &FaultStats,
+    ) -> Decision {
+        match self.effective(req) {
+            Some(cfg) => self.abort(cfg, req, st, stats),
+            None => Decision::Continue,
+        }
+    }
+
+    fn abort(
+        &self,
+        cfg: &Fault,
+        req: &Request<'_>,
+        st: &mut FilterState,
+        stats: &FaultStats,
+    ) -> Decision {
+        let active = std::mem::take(&mut st.fault_delayed);
+        let Some(a) = cfg.abort_for(req.view.headers, || fastrand::u64(..)) else {
+            return Decision::Continue;
+        };
+        if !active {
+            if !stats.try_activate(cfg.max_active_faults) {
+                return Decision::Continue;
+            }
+            st.active_faults += 1;
+        }
+        stats.aborts_injected.fetch_add(1, Relaxed);
+        Decision::Reply(LocalReply {
+            status: a.status,
+            body: Some(a.body),
+            headers: Vec::new(),
+            grpc_status: a.grpc_status,
+            details: "fault_filter_abort",
+        })
+    }
 }
 
 /// HTTP status to gRPC status for a local reply to a gRPC request (Envoy's
