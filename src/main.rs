@@ -46,9 +46,13 @@ struct Cli {
     /// Envoy flags Portico accepts and ignores (reported as a warning).
     #[arg(long, hide = true)]
     base_id: Option<String>,
-    #[arg(long, hide = true)]
-    drain_time_s: Option<String>,
-    #[arg(long, hide = true)]
+    /// How long connections of a changed or removed filter chain or listener drain before
+    /// they are closed (Envoy's default: 600).
+    #[arg(long, value_name = "SECONDS")]
+    drain_time_s: Option<u64>,
+    /// `gradual` (Envoy's default: each response closes its connection with growing odds over
+    /// the drain time) or `immediate` (all are told at once, as istio-agent asks).
+    #[arg(long, value_name = "STRATEGY")]
     drain_strategy: Option<String>,
     #[arg(long, hide = true)]
     parent_shutdown_time_s: Option<String>,
@@ -253,8 +257,6 @@ fn real_main() -> anyhow::Result<()> {
     }
     for (flag, set) in [
         ("--base-id", cli.base_id.is_some()),
-        ("--drain-time-s", cli.drain_time_s.is_some()),
-        ("--drain-strategy", cli.drain_strategy.is_some()),
         (
             "--parent-shutdown-time-s",
             cli.parent_shutdown_time_s.is_some(),
@@ -274,6 +276,17 @@ fn real_main() -> anyhow::Result<()> {
             tracing::warn!("{flag} is accepted for Envoy compatibility and ignored");
         }
     }
+    let mut drain = portico::proxy::Drain::default();
+    if let Some(t) = cli.drain_time_s {
+        drain.time = std::time::Duration::from_secs(t);
+    }
+    match cli.drain_strategy.as_deref() {
+        None | Some("gradual") => {}
+        Some("immediate") => drain.immediate = true,
+        Some(other) => {
+            anyhow::bail!("--drain-strategy must be gradual or immediate, not '{other}'")
+        }
+    }
     let path = cli
         .config_path
         .context("no bootstrap given: pass -c/--config-path FILE (or run `portico demo`)")?;
@@ -288,6 +301,6 @@ fn real_main() -> anyhow::Result<()> {
             println!("configuration '{}' OK", path.display());
             Ok(())
         }
-        Mode::Serve => Ok(portico::server::run(bootstrap, concurrency)?),
+        Mode::Serve => Ok(portico::server::run_drained(bootstrap, concurrency, drain)?),
     }
 }

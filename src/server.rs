@@ -55,6 +55,15 @@ fn ads_target(
 
 /// Runs until SIGINT or SIGTERM.
 pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
+    run_drained(b, concurrency, crate::proxy::Drain::default())
+}
+
+/// As [`run`], draining changed filter chains and listeners as `drain` says.
+pub fn run_drained(
+    b: Bootstrap,
+    concurrency: usize,
+    drain: crate::proxy::Drain,
+) -> Result<(), ServerError> {
     let store = validate(&b)?;
     crate::release_freed_memory();
     let workers = Workers::start(concurrency.max(1)).map_err(ServerError::Runtime)?;
@@ -75,7 +84,7 @@ pub fn run(b: Bootstrap, concurrency: usize) -> Result<(), ServerError> {
             ),
             None => None,
         };
-        let listeners = ListenerManager::new(worker_handles, state.clone());
+        let listeners = ListenerManager::new(worker_handles, state.clone()).with_drain(drain);
         let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners);
         // SDS streams may dial any static cluster of the bootstrap.
         let targets = b

@@ -4,11 +4,19 @@
 //! NACK the push), and served once the listener is warm by one accept loop per worker, as
 //! Envoy's workers each accept on every listener. A connection stays on the worker that
 //! accepted it, so its tasks never cross threads.
+//!
+//! A connection also stays on the filter chain it was accepted on: each chain has its own
+//! pingora apps (one per worker) whose `Gateway` holds the chain (`PinnedChain`), and the
+//! connection is served by them until it closes. A push that keeps a chain's config keeps its
+//! `Arc<ChainDef>` and so its apps and connections, wherever it moves in the list; a push that
+//! changes or removes a chain drains its connections (`--drain-strategy`, `--drain-time-s`), as
+//! Envoy's in-place filter chain update does.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use arc_swap::{ArcSwap, ArcSwapOption};
 use pingora_core::apps::{HttpServerApp, HttpServerOptions, ServerApp};
 use pingora_core::server::configuration::ServerConf;
 use pingora_proxy::HttpProxy;
@@ -16,36 +24,65 @@ use std::sync::atomic::Ordering::Relaxed;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
-use super::Gateway;
+use super::{Drain, Gateway, PinnedChain};
 use crate::snapshot::listener::{Codec, ListenAddr, NetworkFilter};
-use crate::snapshot::Snapshot;
+use crate::snapshot::{ActiveChain, ActiveListener, Snapshot};
 use crate::State;
 
 struct Running {
     /// Every address it serves (sorted): a change of addresses restarts the listener, whose
     /// sockets all drain together.
     addrs: Vec<SocketAddr>,
-    /// Per filter chain (None: tcp_proxy): a change of chains or codecs restarts the listener.
-    codecs: Vec<Option<Codec>>,
-    /// Tells the accept loop to stop and open connections to close after their current request.
+    /// The listener as last reconciled.
+    listener: Arc<ActiveListener>,
+    /// Tells the accept loops to stop.
     shutdown: watch::Sender<bool>,
-    /// One set per worker (each has its own upstream connection pool, as Envoy's workers do, so
-    /// a pooled connection is never handed between threads), one entry per filter chain.
-    apps: Vec<Arc<Vec<Option<Apps>>>>,
+    /// The chains served, in the listener's order.
+    chains: Vec<RunningChain>,
+    /// What each worker's accept loop picks chains from, swapped when the chains change.
+    served: Vec<Arc<ArcSwap<Served>>>,
 }
 
-fn sorted_addrs(l: &crate::snapshot::ActiveListener) -> Vec<SocketAddr> {
+/// One filter chain being served, on every worker. A push that keeps the chain (the same
+/// `Arc<ChainDef>`) keeps this too, wherever the chain moves in the list; a push that changes
+/// or removes it drains it, and a changed chain starts afresh beside its draining self.
+struct RunningChain {
+    pinned: Arc<PinnedChain>,
+    signals: Arc<DrainSignals>,
+    /// One per worker (each has its own upstream connection pool, as Envoy's workers do, so
+    /// a pooled connection is never handed between threads).
+    workers: Vec<Arc<ChainServer>>,
+}
+
+/// How a chain's connections learn that it drains.
+struct DrainSignals {
+    /// HTTP connections are told (pingora's shutdown watch: `connection: close` on the next
+    /// HTTP/1 response, GOAWAY on HTTP/2): when the drain starts with the immediate strategy,
+    /// when it ends with the gradual one.
+    tell: watch::Sender<bool>,
+    /// The drain time is over: what is left closes (tcp_proxy connections at once).
+    close: watch::Sender<bool>,
+}
+
+/// What one worker serves a chain's connections with.
+struct ChainServer {
+    /// None: a tcp_proxy chain.
+    apps: Option<Apps>,
+    stats: ChainStats,
+    signals: Arc<DrainSignals>,
+}
+
+/// One worker's view of a listener: the listener as last reconciled, and its chains' servers
+/// in the same order as `listener.chains`.
+struct Served {
+    listener: Arc<ActiveListener>,
+    chains: Vec<Arc<ChainServer>>,
+}
+
+fn sorted_addrs(l: &ActiveListener) -> Vec<SocketAddr> {
     let mut a: Vec<SocketAddr> = l.def.bind_addrs().iter().map(|b| b.addr).collect();
     a.sort();
     a
-}
-
-fn codecs(l: &crate::snapshot::ActiveListener) -> Vec<Option<Codec>> {
-    l.def
-        .chains
-        .iter()
-        .map(|c| c.hcm().map(|h| h.codec))
-        .collect()
 }
 
 /// One pingora app per protocol: HTTP/1 and h2c. Portico reads the first bytes itself to pick
@@ -57,12 +94,23 @@ struct Apps {
     h2c: Option<Arc<HttpProxy<Gateway>>>,
 }
 
+impl Apps {
+    /// Wakes the connections idling between requests so they close now.
+    async fn close_idle(&self) {
+        self.h1.http_cleanup().await;
+        if let Some(h2c) = &self.h2c {
+            h2c.http_cleanup().await;
+        }
+    }
+}
+
 pub struct ListenerManager {
     workers: Vec<Handle>,
     state: Arc<State>,
     conf: Arc<ServerConf>,
     bound: HashMap<SocketAddr, std::net::TcpListener>,
     running: HashMap<String, Running>,
+    drain: Drain,
 }
 
 impl ListenerManager {
@@ -82,7 +130,14 @@ impl ListenerManager {
             conf: Arc::new(conf),
             bound: HashMap::new(),
             running: HashMap::new(),
+            drain: Drain::default(),
         }
+    }
+
+    /// `--drain-time-s` and `--drain-strategy`.
+    pub fn with_drain(mut self, drain: Drain) -> ListenerManager {
+        self.drain = drain;
+        self
     }
 
     /// Checks that every address not served yet can be bound, so a conflict NACKs the push.
@@ -114,34 +169,34 @@ impl ListenerManager {
         errors
     }
 
-    /// Starts accept loops for listeners that became active, stops removed ones, and closes
-    /// sockets no running listener uses any more.
+    /// Starts accept loops for listeners that became active, stops removed ones, updates the
+    /// chains of the others in place (as Envoy's filter-chain-only update: kept chains keep
+    /// their connections, changed and removed ones drain), and closes sockets no running
+    /// listener uses any more.
     pub fn reconcile(&mut self, snap: &Snapshot) {
+        let (workers, drain) = (self.workers.clone(), self.drain);
         self.running.retain(|name, r| {
             let keep = snap
                 .listeners
                 .get(name)
-                .is_some_and(|l| sorted_addrs(l) == r.addrs && codecs(l) == r.codecs);
+                .is_some_and(|l| sorted_addrs(l) == r.addrs);
             if !keep {
                 tracing::info!(listener = %name, addrs = ?r.addrs, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
-                // Wakes keep-alive connections idling in read_request so they close now.
-                for (w, apps) in self.workers.iter().zip(r.apps.clone()) {
-                    w.spawn(async move {
-                        for a in apps.iter().flatten() {
-                            a.h1.http_cleanup().await;
-                            if let Some(h2c) = &a.h2c {
-                                h2c.http_cleanup().await;
-                            }
-                        }
-                    });
+                for c in r.chains.drain(..) {
+                    c.stop(&workers, drain);
                 }
             }
             keep
         });
         for (name, l) in &snap.listeners {
-            if self.running.contains_key(name) {
-                continue;
+            match self.running.get(name) {
+                Some(r) if Arc::ptr_eq(&r.listener, l) => continue,
+                Some(_) => {
+                    self.update_chains(name, l);
+                    continue;
+                }
+                None => {}
             }
             if !l.def.bind_to_port {
                 // Envoy keeps such a listener without a socket: only connections handed over
@@ -182,75 +237,21 @@ impl ListenerManager {
                 continue;
             }
             let (tx, rx) = watch::channel(false);
-            let app = |chain: usize, hcm: &crate::snapshot::listener::Hcm, h2c: bool| {
-                let mut proxy = HttpProxy::new(
-                    Gateway {
-                        listener: name.clone(),
-                        chain,
-                        state: self.state.clone(),
-                        hcm_stats: self.state.stats.hcm(&hcm.stat_prefix),
-                    },
-                    self.conf.clone(),
-                );
-                let mut opts = HttpServerOptions::default();
-                opts.h2c = h2c;
-                proxy.server_options = Some(opts);
-                proxy.handle_init_modules();
-                Arc::new(proxy)
-            };
-            let apps: Vec<Arc<Vec<Option<Apps>>>> = self
-                .workers
-                .iter()
-                .map(|_| {
-                    Arc::new(
-                        l.def
-                            .chains
-                            .iter()
-                            .enumerate()
-                            .map(|(i, c)| {
-                                c.hcm().map(|h| Apps {
-                                    h1: app(i, h, false),
-                                    h2c: (h.codec != Codec::Http1).then(|| app(i, h, true)),
-                                })
-                            })
-                            .collect(),
-                    )
-                })
+            let chains: Vec<RunningChain> =
+                l.chains.iter().map(|c| self.new_chain(name, c)).collect();
+            let served: Vec<Arc<ArcSwap<Served>>> = (0..self.workers.len())
+                .map(|w| Arc::new(ArcSwap::from_pointee(served_by(l, &chains, w))))
                 .collect();
-            let chain_stats: Arc<Vec<_>> = Arc::new(
-                l.def
-                    .chains
-                    .iter()
-                    .map(|c| match &c.filter {
-                        NetworkFilter::Http(hcm) => {
-                            let s = self.state.stats.hcm(&hcm.stat_prefix);
-                            if hcm.has_fault_filter() {
-                                // Envoy creates the fault stats with the filter, so they show
-                                // before any fault.
-                                s.fault
-                                    .enabled
-                                    .store(true, std::sync::atomic::Ordering::Relaxed);
-                            }
-                            ChainStats::Http(s)
-                        }
-                        // Created with the chain, so Envoy's zeros show before any connection.
-                        NetworkFilter::Tcp(t) => {
-                            ChainStats::Tcp(self.state.stats.tcp(&t.stat_prefix))
-                        }
-                    })
-                    .collect(),
-            );
             let addrs: Vec<SocketAddr> = binds.iter().map(|b| b.addr).collect();
             tracing::info!(listener = %name, ?addrs, "listener serving");
             let stats = self.state.stats.listener(&l.def.stat_name);
             for per_worker in socks {
-                for ((w, sock), a) in self.workers.iter().zip(per_worker).zip(&apps) {
+                for ((w, sock), served) in self.workers.iter().zip(per_worker).zip(&served) {
                     let conn = Conns {
                         listener: name.clone(),
                         stats: stats.clone(),
                         state: self.state.clone(),
-                        apps: a.clone(),
-                        chain_stats: chain_stats.clone(),
+                        served: served.clone(),
                     };
                     w.spawn(accept_loop(sock, conn, rx.clone()));
                 }
@@ -259,9 +260,10 @@ impl ListenerManager {
                 name.clone(),
                 Running {
                     addrs: sorted_addrs(l),
-                    codecs: codecs(l),
+                    listener: l.clone(),
                     shutdown: tx,
-                    apps,
+                    chains,
+                    served,
                 },
             );
         }
@@ -272,6 +274,146 @@ impl ListenerManager {
             .flat_map(|r| r.addrs.iter().copied())
             .collect();
         self.bound.retain(|addr, _| serving.contains(addr));
+    }
+
+    /// A push changed the listener but not its addresses: its chains are matched to the
+    /// running ones by identity; the kept ones carry on, the others drain, new ones start.
+    fn update_chains(&mut self, name: &str, l: &Arc<ActiveListener>) {
+        let Some(mut old) = self
+            .running
+            .get_mut(name)
+            .map(|r| std::mem::take(&mut r.chains))
+        else {
+            return;
+        };
+        let mut chains = Vec::with_capacity(l.chains.len());
+        for active in &l.chains {
+            match old
+                .iter()
+                .position(|c| Arc::ptr_eq(&c.pinned.def, &active.def))
+            {
+                Some(i) => {
+                    let kept = old.swap_remove(i);
+                    kept.pinned.last.store(active.clone());
+                    chains.push(kept);
+                }
+                None => chains.push(self.new_chain(name, active)),
+            }
+        }
+        if !old.is_empty() {
+            tracing::info!(listener = %name, chains = old.len(), "filter chains changed or removed; draining their connections");
+        }
+        for gone in old {
+            gone.stop(&self.workers, self.drain);
+        }
+        let Some(r) = self.running.get_mut(name) else {
+            return;
+        };
+        for (w, served) in r.served.iter().enumerate() {
+            served.store(Arc::new(served_by(l, &chains, w)));
+        }
+        r.chains = chains;
+        r.listener = l.clone();
+    }
+
+    /// Everything a chain is served with, on every worker.
+    fn new_chain(&self, listener: &str, active: &Arc<ActiveChain>) -> RunningChain {
+        let pinned = Arc::new(PinnedChain {
+            listener: listener.to_string(),
+            def: active.def.clone(),
+            last: ArcSwap::new(active.clone()),
+            draining: ArcSwapOption::empty(),
+            drain: self.drain,
+        });
+        let signals = Arc::new(DrainSignals {
+            tell: watch::channel(false).0,
+            close: watch::channel(false).0,
+        });
+        let app = |hcm: &crate::snapshot::listener::Hcm, h2c: bool| {
+            let mut proxy = HttpProxy::new(
+                Gateway {
+                    chain: pinned.clone(),
+                    state: self.state.clone(),
+                    hcm_stats: self.state.stats.hcm(&hcm.stat_prefix),
+                },
+                self.conf.clone(),
+            );
+            let mut opts = HttpServerOptions::default();
+            opts.h2c = h2c;
+            proxy.server_options = Some(opts);
+            proxy.handle_init_modules();
+            Arc::new(proxy)
+        };
+        let workers = self
+            .workers
+            .iter()
+            .map(|_| {
+                let stats = match &active.def.filter {
+                    NetworkFilter::Http(hcm) => {
+                        let s = self.state.stats.hcm(&hcm.stat_prefix);
+                        if hcm.has_fault_filter() {
+                            // Envoy creates the fault stats with the filter, so they show
+                            // before any fault.
+                            s.fault.enabled.store(true, Relaxed);
+                        }
+                        ChainStats::Http(s)
+                    }
+                    // Created with the chain, so Envoy's zeros show before any connection.
+                    NetworkFilter::Tcp(t) => ChainStats::Tcp(self.state.stats.tcp(&t.stat_prefix)),
+                };
+                Arc::new(ChainServer {
+                    apps: active.def.hcm().map(|h| Apps {
+                        h1: app(h, false),
+                        h2c: (h.codec != Codec::Http1).then(|| app(h, true)),
+                    }),
+                    stats,
+                    signals: signals.clone(),
+                })
+            })
+            .collect();
+        RunningChain {
+            pinned,
+            signals,
+            workers,
+        }
+    }
+}
+
+/// One worker's chains of `l`, in the listener's order.
+fn served_by(l: &Arc<ActiveListener>, chains: &[RunningChain], worker: usize) -> Served {
+    Served {
+        listener: l.clone(),
+        chains: chains
+            .iter()
+            .filter_map(|c| c.workers.get(worker).cloned())
+            .collect(),
+    }
+}
+
+impl RunningChain {
+    /// Drains the chain's connections as Envoy drains a changed or removed filter chain: told
+    /// now (immediate) or each response with growing odds (gradual), and whatever is left
+    /// closed when the drain time is over.
+    fn stop(self, workers: &[Handle], drain: Drain) {
+        self.pinned
+            .draining
+            .store(Some(Arc::new(std::time::Instant::now())));
+        if drain.immediate {
+            let _ = self.signals.tell.send(true);
+        }
+        let apps: Vec<Option<Apps>> = self.workers.iter().map(|s| s.apps.clone()).collect();
+        let signals = self.signals;
+        let workers = workers.to_vec();
+        tokio::spawn(async move {
+            tokio::time::sleep(drain.time).await;
+            let _ = signals.tell.send(true);
+            let _ = signals.close.send(true);
+            for (w, apps) in workers.iter().zip(apps) {
+                if let Some(apps) = apps {
+                    w.spawn(async move { apps.close_idle().await });
+                }
+            }
+        });
     }
 }
 
@@ -317,16 +459,15 @@ async fn starts_with_h2_preface(stream: &tokio::net::TcpStream) -> bool {
     }
 }
 
-/// What an accept loop hands each connection: where to find the listener's config, and its
-/// chains' apps and stats on this worker.
+/// What an accept loop hands each connection: the listener's chains as this worker serves
+/// them (swapped when a push changes them).
 #[derive(Clone)]
 struct Conns {
     listener: String,
     /// `listener.<address>.*`.
     stats: Arc<crate::admin::stats::ListenerStats>,
     state: Arc<State>,
-    apps: Arc<Vec<Option<Apps>>>,
-    chain_stats: Arc<Vec<ChainStats>>,
+    served: Arc<ArcSwap<Served>>,
 }
 
 /// A chain's stats scope: `http.<prefix>` or `tcp.<prefix>`.
@@ -335,22 +476,16 @@ enum ChainStats {
     Tcp(Arc<crate::admin::stats::TcpStats>),
 }
 
-async fn serve_connection(
-    mut tcp: tokio::net::TcpStream,
-    mut peer: SocketAddr,
-    conns: Conns,
-    shutdown: watch::Receiver<bool>,
-) {
+async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, conns: Conns) {
     let _ = tcp.set_nodelay(true);
     // The destination a PROXY header restored (None: the socket's own local address).
     let mut local = None;
-    // One snapshot for the chain choice and its certificate: a rotation applies to the next
-    // handshake, never to this one half-way.
-    let (snap, chain) = {
-        let snap = conns.state.snapshot.load_full();
-        let Some(l) = snap.listeners.get(&conns.listener).cloned() else {
-            return;
-        };
+    // The chain is chosen once, from one view of the listener, and kept for the connection's
+    // life: its certificate, and the pingora app (the Gateway holding the chain) that serves
+    // every request on it.
+    let (active, server) = {
+        let served = conns.served.load_full();
+        let l = &served.listener;
         let hello = if l.def.listener_filters.is_empty() {
             Default::default()
         } else {
@@ -368,6 +503,9 @@ async fn serve_connection(
                 Err(()) => return,
             }
         };
+        // The listener filters may have waited: pick from the chains in force now.
+        let served = conns.served.load_full();
+        let l = &served.listener;
         let port = local
             .or_else(|| tcp.local_addr().ok())
             .map_or(l.def.addr.port(), |a| a.port());
@@ -382,21 +520,20 @@ async fn serve_connection(
             conns.stats.no_filter_chain_match.fetch_add(1, Relaxed);
             return;
         };
-        match l.chains.get(i) {
-            Some(c) => (snap, (i, c.clone())),
-            None => return,
+        match (l.chains.get(i), served.chains.get(i)) {
+            (Some(c), Some(s)) => (c.clone(), s.clone()),
+            _ => return,
         }
     };
-    let (index, active) = chain;
-    let stats = match conns.chain_stats.get(index) {
-        Some(ChainStats::Http(s)) => s,
-        Some(ChainStats::Tcp(s)) => {
+    // Told when the chain's drain ends, or (immediate strategy) starts.
+    let told = server.signals.tell.subscribe();
+    let stats = match &server.stats {
+        ChainStats::Http(s) => s,
+        ChainStats::Tcp(s) => {
             if let Some(proxy) = active.def.tcp() {
-                let matched = snap
-                    .listeners
-                    .get(&conns.listener)
-                    .and_then(|l| l.def.matches.get(index).cloned());
-                let kept = chain_kept(conns.state.clone(), conns.listener.clone(), matched, proxy);
+                let snap = conns.state.snapshot.load_full();
+                // Closed when the drain time of its chain (or listener) is over.
+                let close = server.signals.close.subscribe();
                 match &active.tls {
                     // Istio's `tls.mode: SIMPLE` on a TLS server with tcp routes: the chain
                     // terminates TLS and proxies the plaintext.
@@ -408,23 +545,20 @@ async fn serve_connection(
                     {
                         Ok((session, _)) => {
                             super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
-                            super::tcp::serve(session, peer, proxy, snap, s, shutdown, kept).await;
+                            super::tcp::serve(session, peer, proxy, snap, s, close).await;
                         }
                         Err(e) => {
                             super::tls::count_failure(&conns.stats.ssl, &e);
                             tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
                         }
                     },
-                    None => super::tcp::serve(tcp, peer, proxy, snap, s, shutdown, kept).await,
+                    None => super::tcp::serve(tcp, peer, proxy, snap, s, close).await,
                 }
             }
             return;
         }
-        None => return,
     };
-    // The HTTP path loads the snapshot per request.
-    drop(snap);
-    let Some(Some(apps)) = conns.apps.get(index) else {
+    let Some(apps) = &server.apps else {
         return;
     };
     stats
@@ -477,7 +611,7 @@ async fn serve_connection(
     };
     let active_tls = active.tls.is_some();
     drop(active);
-    while let Some(next) = app.process_new(stream, &shutdown).await {
+    while let Some(next) = app.process_new(stream, &told).await {
         stream = next;
     }
     if active_tls {
@@ -535,28 +669,6 @@ async fn with_timeout<T>(
     }
 }
 
-/// Whether the snapshot in force still has this tcp_proxy chain (same match, same config) on
-/// the listener. Envoy updates a listener's filter chains in place and drains only the chains
-/// that changed, so a connection on an unchanged chain outlives the listener's restart here.
-fn chain_kept(
-    state: Arc<State>,
-    listener: String,
-    matched: Option<crate::snapshot::filter_chain::ChainMatch>,
-    proxy: &crate::snapshot::tcp_proxy::TcpProxy,
-) -> impl Fn() -> bool + Send {
-    let proxy = proxy.clone();
-    move || {
-        let snap = state.snapshot.load();
-        snap.listeners.get(&listener).is_some_and(|l| {
-            l.def
-                .chains
-                .iter()
-                .enumerate()
-                .any(|(i, c)| c.tcp() == Some(&proxy) && l.def.matches.get(i) == matched.as_ref())
-        })
-    }
-}
-
 async fn accept_loop(
     sock: std::net::TcpListener,
     conns: Conns,
@@ -574,12 +686,11 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((tcp, peer)) => {
                     let conns = conns.clone();
-                    let shutdown = shutdown.clone();
                     tokio::spawn(async move {
                         let stats = conns.stats.clone();
                         stats.cx_total.fetch_add(1, Relaxed);
                         stats.cx_active.fetch_add(1, Relaxed);
-                        serve_connection(tcp, peer, conns, shutdown).await;
+                        serve_connection(tcp, peer, conns).await;
                         stats.cx_active.fetch_sub(1, Relaxed);
                         stats.cx_destroy.fetch_add(1, Relaxed);
                     });

@@ -34,13 +34,69 @@ use crate::snapshot::route::{Action, Forward, Redirect, Target};
 use crate::snapshot::ActiveChain;
 use crate::State;
 
-/// One per listener filter chain: the listener's name and the chain's index are how a request
-/// finds its config in the snapshot.
+/// One per filter chain and worker: every connection accepted on the chain is served by it
+/// for the connection's whole life, so a request runs on the chain its connection came in on.
 pub struct Gateway {
-    pub listener: String,
-    pub chain: usize,
+    pub chain: Arc<PinnedChain>,
     pub state: Arc<State>,
     pub hcm_stats: Arc<HcmStats>,
+}
+
+/// A filter chain as its connections hold it. Its identity is the `Arc` of its config: a push
+/// that leaves the chain unchanged keeps that `Arc` (`ListenerDef::keep_unchanged_chains`),
+/// wherever the chain moves in the list.
+pub struct PinnedChain {
+    pub listener: String,
+    pub def: Arc<crate::snapshot::listener::ChainDef>,
+    /// The chain as in the latest snapshot that had it (updated on each push that keeps it):
+    /// what its connections use once a push changed or removed it, while they drain.
+    pub last: arc_swap::ArcSwap<ActiveChain>,
+    /// `Some` once the chain is draining: when the drain started, for the gradual strategy.
+    pub draining: arc_swap::ArcSwapOption<Instant>,
+    pub drain: Drain,
+}
+
+/// Envoy's `--drain-time-s` and `--drain-strategy`: how connections of a changed or removed
+/// filter chain (or listener) are let go.
+#[derive(Debug, Clone, Copy)]
+pub struct Drain {
+    pub time: std::time::Duration,
+    /// `immediate`: every connection is told at once (HTTP/1 `connection: close` on its next
+    /// response, HTTP/2 a GOAWAY once its next response is sent); `gradual` (Envoy's default):
+    /// each response closes its connection with a chance that grows over the drain time.
+    pub immediate: bool,
+}
+
+impl Default for Drain {
+    fn default() -> Drain {
+        Drain {
+            time: std::time::Duration::from_secs(600),
+            immediate: false,
+        }
+    }
+}
+
+impl PinnedChain {
+    /// The chain in `snap` (routes as RDS last delivered them), or as it last was if that
+    /// snapshot no longer has it.
+    fn in_snapshot(&self, snap: &crate::snapshot::Snapshot) -> Arc<ActiveChain> {
+        snap.listeners
+            .get(&self.listener)
+            .and_then(|l| l.chains.iter().find(|c| Arc::ptr_eq(&c.def, &self.def)))
+            .cloned()
+            .unwrap_or_else(|| self.last.load_full())
+    }
+
+    /// Whether this response should close its connection because the chain is draining
+    /// gradually: with Envoy's odds, the share of the drain time already gone.
+    fn gradual_close(&self) -> bool {
+        let draining = self.draining.load();
+        let Some(since) = draining.as_deref() else {
+            return false;
+        };
+        let gone = since.elapsed().as_secs_f64() / self.drain.time.as_secs_f64().max(1e-3);
+        fastrand::f64() < gone
+    }
 }
 
 /// A request on its way to mirror clusters: the chosen targets, then the request as sent
@@ -64,8 +120,8 @@ const MIRROR_BODY_LIMIT: usize = 1 << 20;
 pub struct Ctx {
     listener: Option<Arc<ActiveChain>>,
     cluster: Option<Arc<Cluster>>,
-    /// The request's snapshot, kept only when the cluster has internal listeners' endpoints
-    /// (the connection goes through that listener's chain, resolved when it is made).
+    /// The request's one snapshot, loaded when it starts: routing, upstream selection,
+    /// retries, internal listeners' chains and mirrors all read this one.
     snapshot: Option<Arc<crate::snapshot::Snapshot>>,
     host_index: usize,
     peer: Option<SocketAddr>,
@@ -797,7 +853,9 @@ impl Gateway {
             return;
         };
         let body = Bytes::from(std::mem::take(&mut job.body));
-        let snap = self.state.snapshot.load();
+        let Some(snap) = ctx.snapshot.clone() else {
+            return;
+        };
         let timeout = ctx.timeout;
         for (name, host) in std::mem::take(&mut job.targets) {
             let Some(cluster) = snap.clusters.get(name.as_ref()).cloned() else {
@@ -1274,18 +1332,12 @@ impl ProxyHttp for Gateway {
         self.hcm_stats.start();
         ctx.counted_active = true;
         let snap = self.state.snapshot.load_full();
-        let Some(listener) = snap
-            .listeners
-            .get(&self.listener)
-            .and_then(|l| l.chains.get(self.chain))
-            .filter(|c| c.def.hcm().is_some())
-            .cloned()
-        else {
-            // The listener was removed while this connection was open (or its chain at this
-            // index is a tcp_proxy one now).
+        // The connection's own chain, whatever later pushes did to the listener's others.
+        let listener = self.chain.in_snapshot(&snap);
+        ctx.snapshot = Some(snap.clone());
+        if self.chain.gradual_close() {
             session.set_keepalive(None);
-            return self.local_reply(session, ctx, 404, None, &[]).await;
-        };
+        }
         ctx.listener = Some(listener.clone());
         if let pingora_core::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
             // Serve pipelined requests in order instead of dropping them, as Envoy does.
@@ -1595,9 +1647,6 @@ impl ProxyHttp for Gateway {
         ctx.attempt_count_to_client = fwd.attempt_count_to_client;
         ctx.host_index = idx;
         ctx.peer = Some(addr);
-        if cluster.internal_hosts {
-            ctx.snapshot = Some(snap.clone());
-        }
         ctx.cluster = Some(cluster);
 
         // Request headers as Envoy's connection manager mutates them.

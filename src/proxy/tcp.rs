@@ -14,21 +14,17 @@ use crate::admin::stats::TcpStats;
 use crate::snapshot::tcp_proxy::TcpProxy;
 use crate::snapshot::Snapshot;
 
-/// How long a connection of a removed listener (or of a chain a push changed) stays up:
-/// Envoy's default `--drain-time-s`, after which it closes what is left of them.
-const DRAIN_TIME: Duration = Duration::from_secs(600);
-
 /// Serves one downstream connection on a tcp_proxy chain. `snap` is the snapshot the chain was
-/// picked from; it is let go once the upstream is connected. `kept` tells, when the listener
-/// stops, whether the new config still has this very chain (then the connection stays).
+/// picked from; it is let go once the upstream is connected. `close` turns true when the drain
+/// of the connection's chain (changed or removed by a push) or listener is over: Envoy closes
+/// what is left then (`--drain-time-s`, 600 s by default).
 pub async fn serve<D>(
     down: D,
     peer: SocketAddr,
     proxy: &TcpProxy,
     snap: Arc<Snapshot>,
     stats: &TcpStats,
-    shutdown: watch::Receiver<bool>,
-    kept: impl Fn() -> bool,
+    close: watch::Receiver<bool>,
 ) where
     D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -40,7 +36,7 @@ pub async fn serve<D>(
     drop(snap);
     let _ = up.set_nodelay(true);
     stats.cx_active.fetch_add(1, Relaxed);
-    pipe(down, up, proxy.idle_timeout, stats, shutdown, kept).await;
+    pipe(down, up, proxy.idle_timeout, stats, close).await;
     stats.cx_active.fetch_sub(1, Relaxed);
 }
 
@@ -102,8 +98,7 @@ async fn pipe<D>(
     up: TcpStream,
     idle: Option<Duration>,
     stats: &TcpStats,
-    mut shutdown: watch::Receiver<bool>,
-    kept: impl Fn() -> bool,
+    mut close: watch::Receiver<bool>,
 ) where
     D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -133,19 +128,12 @@ async fn pipe<D>(
         }
     };
     let drain = async {
-        loop {
-            if *shutdown.borrow() {
-                break;
-            }
-            if shutdown.changed().await.is_err() {
-                // The listener's sender is gone with it: drain as for a removal.
+        // A sender gone is a chain gone: its drain timer holds the sender until the end.
+        while !*close.borrow() {
+            if close.changed().await.is_err() {
                 break;
             }
         }
-        if kept() {
-            return std::future::pending::<()>().await;
-        }
-        tokio::time::sleep(DRAIN_TIME).await;
     };
     tokio::select! {
         _ = both => {}

@@ -213,6 +213,10 @@ pub struct ChainDef {
     /// it on gateway chains against slow handshakes). None: no limit, Envoy's default.
     pub handshake_timeout: Option<std::time::Duration>,
     pub filter: NetworkFilter,
+    /// The `FilterChain` as received. Envoy tells a chain a push kept from one it changed by
+    /// comparing these messages whole (match, name and filters included): a kept chain keeps
+    /// its connections, a changed one drains them.
+    pub source: lpb::FilterChain,
 }
 
 /// The chain's one terminal network filter.
@@ -249,6 +253,22 @@ impl ChainDef {
 }
 
 impl ListenerDef {
+    /// Takes the previous version's `Arc` of every chain this version has unchanged, so a
+    /// chain's identity (`Arc::ptr_eq`) survives a push that reorders or changes the others:
+    /// connections accepted on it stay on it, and a request finds it in the next snapshot
+    /// without comparing configs.
+    pub fn keep_unchanged_chains(&mut self, prev: &ListenerDef) {
+        for chain in &mut self.chains {
+            if let Some(same) = prev
+                .chains
+                .iter()
+                .find(|p| p.addr == chain.addr && p.source == chain.source)
+            {
+                *chain = same.clone();
+            }
+        }
+    }
+
     /// The chain for a connection: its index in `chains`, or None (close it).
     pub fn select_chain(&self, conn: &Conn<'_>) -> Option<usize> {
         match select(&self.matches, conn) {
@@ -812,6 +832,7 @@ impl ChainDef {
             tls,
             handshake_timeout,
             filter,
+            source: chain.clone(),
         })
     }
 }

@@ -1782,3 +1782,38 @@ fn internal_listeners_take_only_the_tcp_proxy_shape() {
         "tcp_proxy tunneling_config is supported only on internal listeners",
     );
 }
+
+/// Two chains told apart by server name, each with its own routes.
+fn by_server_name(name: &str, routes: &str) -> lpb::FilterChain {
+    let mut h = base_hcm();
+    h.route_specifier = Some(ads_rds(routes));
+    lpb::FilterChain {
+        name: name.into(),
+        filter_chain_match: Some(lpb::FilterChainMatch {
+            server_names: vec![format!("{name}.example")],
+            ..Default::default()
+        }),
+        ..chain(vec![hcm_filter(&h)])
+    }
+}
+
+#[test]
+fn a_push_keeps_the_identity_of_unchanged_chains_wherever_they_move() {
+    let mut l = listener();
+    l.filter_chains = vec![by_server_name("a", "ra"), by_server_name("b", "rb")];
+    let prev = ok(&l);
+    // Reordered, and b's routes changed.
+    l.filter_chains = vec![by_server_name("b", "rb2"), by_server_name("a", "ra")];
+    let mut next = ok(&l);
+    next.keep_unchanged_chains(&prev);
+    assert!(Arc::ptr_eq(&next.chains[1], &prev.chains[0]), "a is kept");
+    assert!(
+        !prev.chains.iter().any(|p| Arc::ptr_eq(p, &next.chains[0])),
+        "b changed: a new chain"
+    );
+    // The same chains on another address are other chains.
+    l.address = Some(address("0.0.0.0", 8081));
+    let mut moved = ok(&l);
+    moved.keep_unchanged_chains(&next);
+    assert!(!Arc::ptr_eq(&moved.chains[1], &next.chains[1]));
+}

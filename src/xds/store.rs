@@ -96,6 +96,8 @@ trait Translate: prost::Message + prost::Name + Default + Sized {
     const URL: &'static str;
     fn name(&self) -> &str;
     fn translate(&self) -> Result<Self::Out, TranslateError>;
+    /// Carries what must outlive a change over from the previous translation.
+    fn carry_over(_next: &mut Self::Out, _prev: &Self::Out) {}
 }
 
 impl Translate for ListenerProto {
@@ -106,6 +108,9 @@ impl Translate for ListenerProto {
     }
     fn translate(&self) -> Result<ListenerDef, TranslateError> {
         ListenerDef::translate(self)
+    }
+    fn carry_over(next: &mut ListenerDef, prev: &ListenerDef) {
+        next.keep_unchanged_chains(prev);
     }
 }
 
@@ -323,7 +328,10 @@ fn apply_table<P: Translate>(
             _ => {}
         }
         match proto.translate() {
-            Ok(value) => {
+            Ok(mut value) => {
+                if let Some(prev) = old.get(&name) {
+                    P::carry_over(&mut value, &prev.value);
+                }
                 next.insert(
                     name.clone(),
                     Item {

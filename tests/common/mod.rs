@@ -1308,6 +1308,11 @@ impl Gateway {
     /// Launches the gateway on the bootstrap `make` writes for the admin port it is given,
     /// and waits for `/ready`.
     pub async fn start_bootstrap(make: impl FnOnce(u16) -> String) -> Gateway {
+        Gateway::start_bootstrap_args(make, &[]).await
+    }
+
+    /// As [`Gateway::start_bootstrap`], with extra command-line flags (`--drain-time-s` ...).
+    pub async fn start_bootstrap_args(make: impl FnOnce(u16) -> String, args: &[&str]) -> Gateway {
         let bin = gateway_bin();
         let dir = TempDir::new("portico-it");
         let admin_port = free_port();
@@ -1321,6 +1326,7 @@ impl Gateway {
             // No shared memory: parallel Envoys need no distinct --base-id.
             cmd.arg("--disable-hot-restart");
         }
+        cmd.args(args);
         cmd.args(["--log-level", "warn"])
             .stdin(Stdio::null())
             .stdout(Stdio::from(
@@ -1514,12 +1520,24 @@ impl Mesh {
 
     /// Like `start_raw`, with the ADS protocol given: `GRPC` or `DELTA_GRPC`.
     pub async fn start_api(api_type: &str, build: impl FnOnce(u16) -> Snapshot) -> Mesh {
+        Mesh::start_args(api_type, &[], build).await
+    }
+
+    /// Like `start_api`, with extra command-line flags for the gateway.
+    pub async fn start_args(
+        api_type: &str,
+        args: &[&str],
+        build: impl FnOnce(u16) -> Snapshot,
+    ) -> Mesh {
         let port = free_port();
         let snapshot = build(port);
         let ads = AdsServer::start_any("1", &snapshot).await;
         let ads_port = ads.port;
-        let gw =
-            Gateway::start_bootstrap(|admin| bootstrap_yaml_api(admin, ads_port, api_type)).await;
+        let gw = Gateway::start_bootstrap_args(
+            |admin| bootstrap_yaml_api(admin, ads_port, api_type),
+            args,
+        )
+        .await;
         Mesh {
             ads,
             gw,
@@ -1832,7 +1850,7 @@ pub async fn raw_head(port: u16, path: &str, host: &str) -> RawResp {
 
 /// Parses a complete response out of `buf`, or None while it is incomplete.
 /// With `to_eof`, everything after the headers is the (possibly chunked) body.
-fn parse_raw_response(buf: &[u8], to_eof: bool) -> Option<RawResp> {
+pub fn parse_raw_response(buf: &[u8], to_eof: bool) -> Option<RawResp> {
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head_text = String::from_utf8_lossy(&buf[..end]).into_owned();
     let mut lines = head_text.split("\r\n");
