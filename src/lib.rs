@@ -16,6 +16,7 @@ pub mod proxy;
 pub mod router;
 pub mod server;
 pub mod snapshot;
+pub mod uuid;
 pub mod xds;
 
 use std::sync::atomic::AtomicBool;

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
 use crate::proxy::listeners::ListenerManager;
-use crate::xds::client::{AdsClient, Api, ConfigWorker};
+use crate::xds::client::{AdsClient, Api};
+use crate::xds::commit::ConfigWorker;
 use crate::xds::store::Store;
 use crate::State;
 

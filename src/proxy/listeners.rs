@@ -710,6 +710,17 @@ async fn accept_loop(
     }
 }
 
+/// The commit point drives the listeners through this, so `xds` needs nothing of the proxy.
+impl crate::xds::commit::Listeners for ListenerManager {
+    fn prepare(&mut self, wanted: &BTreeMap<String, Vec<ListenAddr>>) -> Vec<(String, String)> {
+        ListenerManager::prepare(self, wanted)
+    }
+
+    fn reconcile(&mut self, snap: &Snapshot) {
+        ListenerManager::reconcile(self, snap)
+    }
+}
+
 #[cfg(test)]
 #[path = "listeners_tests.rs"]
 mod listeners_tests;

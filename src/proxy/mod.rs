@@ -592,30 +592,6 @@ static X_ENVOY_EXTERNAL_ADDRESS: HeaderName = HeaderName::from_static("x-envoy-e
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
-/// A random UUID v4, as Envoy generates for `x-request-id`.
-pub fn request_id() -> String {
-    String::from_utf8_lossy(&request_id_bytes()).into_owned()
-}
-
-/// The same UUID as ASCII on the stack: the request path turns it into a header value
-/// without formatting machinery.
-fn request_id_bytes() -> [u8; 36] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let r = fastrand::u128(..);
-    // Version 4 and the RFC 4122 variant.
-    let r = (r & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
-    let mut out = [b'-'; 36];
-    let mut nibble = 0;
-    for (i, slot) in out.iter_mut().enumerate() {
-        if matches!(i, 8 | 13 | 18 | 23) {
-            continue;
-        }
-        *slot = HEX[((r >> (124 - 4 * nibble)) & 0xf) as usize];
-        nibble += 1;
-    }
-    out
-}
-
 /// The request's authority, lowercased, with the port stripped as the HCM asks.
 /// Replaces the request's path and query, keeping its scheme and authority (HTTP/2).
 fn set_path(req: &mut RequestHeader, path: &str) -> std::result::Result<(), http::Error> {
@@ -1725,7 +1701,7 @@ impl ProxyHttp for Gateway {
         }
         let regenerate = edge && !hcm.preserve_external_request_id;
         if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
-            let id = http::HeaderValue::from_bytes(&request_id_bytes())
+            let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
                 .or_err(ErrorType::InternalError, "request id")?;
             req.insert_header(X_REQUEST_ID.clone(), id)?;
         }
@@ -2340,29 +2316,6 @@ mod tests {
             grpc_timeout_value(std::time::Duration::from_secs(100_000_000)),
             "1666666M"
         );
-    }
-
-    #[test]
-    fn request_ids_are_uuid_v4() {
-        let id = request_id();
-        assert_eq!(id.len(), 36);
-        assert_eq!(&id[14..15], "4");
-        assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"));
-        assert_ne!(id, request_id());
-        for (i, c) in id.chars().enumerate() {
-            if matches!(i, 8 | 13 | 18 | 23) {
-                assert_eq!(c, '-', "{id}");
-            } else {
-                assert!(matches!(c, '0'..='9' | 'a'..='f'), "{id}");
-            }
-        }
-        // Every hex digit position varies: no nibble is lost or repeated.
-        let ids: Vec<String> = (0..64).map(|_| request_id()).collect();
-        for i in (0..36).filter(|i| ![8, 13, 14, 18, 23].contains(i)) {
-            let distinct: std::collections::BTreeSet<char> =
-                ids.iter().filter_map(|id| id.chars().nth(i)).collect();
-            assert!(distinct.len() > 1, "position {i} never changes");
-        }
     }
 
     #[test]

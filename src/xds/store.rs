@@ -435,7 +435,7 @@ impl Store {
             let mut l = l.clone();
             if l.name.is_empty() {
                 // Envoy names an unnamed static listener with a random UUID.
-                l.name = crate::proxy::request_id();
+                l.name = crate::uuid::v4();
             }
             let r = l.translate().map(|v| {
                 self.listeners
