@@ -11,6 +11,7 @@ pub mod filters;
 pub mod health;
 pub mod istio;
 pub mod lb;
+pub mod live;
 pub mod protojson;
 pub mod proxy;
 pub mod router;

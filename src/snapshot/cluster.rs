@@ -11,8 +11,8 @@ use envoy_types::pb::envoy::config::endpoint::v3 as epb;
 
 use super::load::{LoadPolicy, Plan, Pool};
 use super::{duration, socket_address, TranslateError};
-use crate::admin::stats::ClusterStats;
 use crate::lb::{Balancer, Eligible, HashFunction, Policy};
+use crate::live::ClusterStats;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DiscoveryKind {

@@ -20,7 +20,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret as Se
 use envoy_types::pb::google::protobuf::Any;
 
 use super::types::{self, Kind, Raw};
-use crate::admin::stats::ClusterStats;
+use crate::live::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::{ListenAddr, ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
