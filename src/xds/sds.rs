@@ -61,6 +61,25 @@ impl Inbox {
         self.notify.notify_one();
     }
 
+    /// Hands a response to the config worker; its verdict, or None once the worker is gone.
+    fn apply(
+        &self,
+        source: &Arc<SdsCluster>,
+        version: &str,
+        resources: Vec<Any>,
+        resource_versions: Vec<String>,
+    ) -> impl std::future::Future<Output = Option<Result<(), String>>> {
+        let (reply, answer) = oneshot::channel();
+        self.push(Event::Push {
+            source: source.clone(),
+            version: version.to_string(),
+            resources,
+            resource_versions,
+            reply,
+        });
+        async move { answer.await.ok() }
+    }
+
     pub fn take(&self) -> Vec<Event> {
         self.queue
             .lock()
@@ -181,6 +200,26 @@ enum End {
     NoData(String),
 }
 
+impl End {
+    /// A stream that ended for `why`, after or before it carried data.
+    fn after(got_data: bool, why: String) -> End {
+        if got_data {
+            End::AfterData(why)
+        } else {
+            End::NoData(why)
+        }
+    }
+}
+
+async fn sds_client(
+    target: &GrpcTarget,
+) -> Result<SecretDiscoveryServiceClient<tonic::transport::Channel>, String> {
+    let channel = super::grpc::connect(target).await?;
+    Ok(SecretDiscoveryServiceClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE))
+}
+
 /// One source's stream, reconnected with capped, jittered backoff until the task is stopped.
 async fn run(
     source: Arc<SdsCluster>,
@@ -231,13 +270,10 @@ async fn stream_once(
     inbox: &Inbox,
     version: &mut String,
 ) -> End {
-    let channel = match super::grpc::connect(target).await {
+    let mut client = match sds_client(target).await {
         Ok(c) => c,
         Err(e) => return End::NoData(e),
     };
-    let mut client = SecretDiscoveryServiceClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
     let (tx, rx) = mpsc::channel::<DiscoveryRequest>(16);
     let mut first = true;
     let mut request = |names: &BTreeSet<String>, version: &str, nonce: &str| {
@@ -263,13 +299,6 @@ async fn stream_once(
     tracing::info!(cluster = %source.cluster, "SDS stream open to {target}");
     let mut nonce = String::new();
     let mut got_data = false;
-    let ended = |got_data: bool, why: String| {
-        if got_data {
-            End::AfterData(why)
-        } else {
-            End::NoData(why)
-        }
-    };
     loop {
         let resp: DiscoveryResponse = tokio::select! {
             changed = names.changed() => {
@@ -278,14 +307,14 @@ async fn stream_once(
                 }
                 let req = request(&names.borrow_and_update(), version, &nonce);
                 if tx.send(req).await.is_err() {
-                    return ended(got_data, "request channel closed".into());
+                    return End::after(got_data, "request channel closed".into());
                 }
                 continue;
             }
             msg = responses.message() => match msg {
                 Ok(Some(r)) => r,
-                Ok(None) => return ended(got_data, "server closed the stream".into()),
-                Err(s) => return ended(got_data, format!("{}: {}", s.code(), s.message())),
+                Ok(None) => return End::after(got_data, "server closed the stream".into()),
+                Err(s) => return End::after(got_data, format!("{}: {}", s.code(), s.message())),
             },
         };
         got_data = true;
@@ -297,18 +326,11 @@ async fn stream_once(
                 types::SECRET
             ))
         } else {
-            let (reply, answer) = oneshot::channel();
-            inbox.push(Event::Push {
-                source: source.clone(),
-                version: resp.version_info.clone(),
-                resources: resp.resources,
-                resource_versions: Vec::new(),
-                reply,
-            });
-            match answer.await {
-                Ok(v) => v,
+            let pushed = inbox.apply(source, &resp.version_info, resp.resources, Vec::new());
+            match pushed.await {
+                Some(v) => v,
                 // The worker is gone: the process is stopping.
-                Err(_) => return End::Stopped,
+                None => return End::Stopped,
             }
         };
         let req = match verdict {
@@ -328,7 +350,7 @@ async fn stream_once(
             }
         };
         if tx.send(req).await.is_err() {
-            return ended(got_data, "request channel closed".into());
+            return End::after(got_data, "request channel closed".into());
         }
     }
 }
@@ -344,13 +366,10 @@ async fn stream_once_delta(
     inbox: &Inbox,
     versions: &mut BTreeMap<String, String>,
 ) -> End {
-    let channel = match super::grpc::connect(target).await {
+    let mut client = match sds_client(target).await {
         Ok(c) => c,
         Err(e) => return End::NoData(e),
     };
-    let mut client = SecretDiscoveryServiceClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
     let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
     let mut subscribed = names.borrow_and_update().clone();
     versions.retain(|n, _| subscribed.contains(n));
@@ -375,13 +394,6 @@ async fn stream_once_delta(
     };
     tracing::info!(cluster = %source.cluster, "delta SDS stream open to {target}");
     let mut got_data = false;
-    let ended = |got_data: bool, why: String| {
-        if got_data {
-            End::AfterData(why)
-        } else {
-            End::NoData(why)
-        }
-    };
     loop {
         let resp: DeltaDiscoveryResponse = tokio::select! {
             changed = names.changed() => {
@@ -404,14 +416,14 @@ async fn stream_once_delta(
                     ..Default::default()
                 });
                 if tx.send(req).await.is_err() {
-                    return ended(got_data, "request channel closed".into());
+                    return End::after(got_data, "request channel closed".into());
                 }
                 continue;
             }
             msg = responses.message() => match msg {
                 Ok(Some(r)) => r,
-                Ok(None) => return ended(got_data, "server closed the stream".into()),
-                Err(s) => return ended(got_data, format!("{}: {}", s.code(), s.message())),
+                Ok(None) => return End::after(got_data, "server closed the stream".into()),
+                Err(s) => return End::after(got_data, format!("{}: {}", s.code(), s.message())),
             },
         };
         got_data = true;
@@ -432,16 +444,14 @@ async fn stream_once_delta(
                     named.push((r.name, r.version));
                 }
             }
-            let (reply, answer) = oneshot::channel();
-            inbox.push(Event::Push {
-                source: source.clone(),
-                version: resp.system_version_info.clone(),
+            let pushed = inbox.apply(
+                source,
+                &resp.system_version_info,
                 resources,
                 resource_versions,
-                reply,
-            });
-            match answer.await {
-                Ok(Ok(())) => {
+            );
+            match pushed.await {
+                Some(Ok(())) => {
                     for (name, version) in named {
                         if subscribed.contains(&name) {
                             versions.insert(name, version);
@@ -449,9 +459,9 @@ async fn stream_once_delta(
                     }
                     Ok(())
                 }
-                Ok(Err(e)) => Err(e),
+                Some(Err(e)) => Err(e),
                 // The worker is gone: the process is stopping.
-                Err(_) => return End::Stopped,
+                None => return End::Stopped,
             }
         };
         let mut req = later(DeltaDiscoveryRequest {
@@ -467,7 +477,7 @@ async fn stream_once_delta(
             });
         }
         if tx.send(req).await.is_err() {
-            return ended(got_data, "request channel closed".into());
+            return End::after(got_data, "request channel closed".into());
         }
     }
 }
