@@ -12,11 +12,13 @@ pub mod health;
 pub mod istio;
 pub mod lb;
 pub mod live;
+pub mod matcher;
 pub mod protojson;
 pub mod proxy;
 pub mod router;
 pub mod server;
 pub mod snapshot;
+pub mod units;
 pub mod uuid;
 pub mod xds;
 
@@ -78,3 +80,6 @@ pub fn release_freed_memory() {
         libc::malloc_trim(0);
     }
 }
+
+#[cfg(test)]
+mod layering_tests;

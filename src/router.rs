@@ -2,35 +2,8 @@
 
 use http::HeaderMap;
 
-use crate::snapshot::route::{
-    HeaderMatch, HeaderMatcher, PathMatch, Pseudo, QueryMatch, Route, RouteTable, VirtualHost,
-};
-
-/// What routing needs to know of a request. `host` is lowercase.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestView<'a> {
-    /// The authority as vhost selection sees it: lowercase, port stripped as configured.
-    pub host: &'a str,
-    /// The authority as received, for `:authority` header matchers.
-    pub authority: &'a str,
-    /// The `:path` as received, query string included.
-    pub path: &'a str,
-    pub method: &'a str,
-    pub scheme: &'a str,
-    pub headers: &'a HeaderMap,
-}
-
-impl<'a> RequestView<'a> {
-    fn path_only(&self) -> &'a str {
-        let end = self.path.find(['?', '#']).unwrap_or(self.path.len());
-        &self.path[..end]
-    }
-
-    fn query(&self) -> Option<&'a str> {
-        let q = self.path.split_once('?')?.1;
-        Some(q.split_once('#').map_or(q, |(q, _)| q))
-    }
-}
+pub use crate::matcher::{header_matches, RequestView};
+use crate::snapshot::route::{PathMatch, QueryMatch, Route, RouteTable, VirtualHost};
 
 /// Envoy's order: pick the vhost by authority, then the first route whose every condition holds.
 pub fn route<'t>(
@@ -98,48 +71,6 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v == "application/grpc" || v.starts_with("application/grpc+"))
-}
-
-pub fn header_matches(h: &HeaderMatcher, req: &RequestView<'_>) -> bool {
-    if let Some(p) = h.pseudo {
-        let v = match p {
-            Pseudo::Authority => req.authority,
-            Pseudo::Path => req.path,
-            Pseudo::Method => req.method,
-            Pseudo::Scheme => req.scheme,
-        };
-        return value_matches(h, v) != h.invert;
-    }
-    let Some(name) = &h.name else {
-        // A name no request can carry: the header is always missing.
-        return if h.treat_missing_as_empty {
-            value_matches(h, "") != h.invert
-        } else {
-            matches!(h.kind, HeaderMatch::Present(p) if p == h.invert)
-        };
-    };
-    let mut values = req.headers.get_all(name).iter().peekable();
-    if values.peek().is_none() {
-        if h.treat_missing_as_empty {
-            return value_matches(h, "") != h.invert;
-        }
-        // A missing header matches only "present_match: false" (or its inversion).
-        return matches!(h.kind, HeaderMatch::Present(p) if p == h.invert);
-    }
-    // Envoy matches each header line on its own: the matcher holds if any line matches.
-    let any = values.any(|v| value_matches(h, &String::from_utf8_lossy(v.as_bytes())));
-    any != h.invert
-}
-
-fn value_matches(h: &HeaderMatcher, value: &str) -> bool {
-    match &h.kind {
-        HeaderMatch::LegacyExact(s) => s.is_empty() || value == s.as_str(),
-        HeaderMatch::String(m) => m.matches(value),
-        HeaderMatch::Range { start, end } => {
-            value.parse::<i64>().is_ok_and(|v| v >= *start && v < *end)
-        }
-        HeaderMatch::Present(p) => *p,
-    }
 }
 
 fn query_matches(r: &Route, req: &RequestView<'_>) -> bool {

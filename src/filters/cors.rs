@@ -14,9 +14,8 @@ use http::HeaderName;
 use prost::Message;
 
 use super::{Decision, FilterDecl, FilterState, LocalReply, Request, Translated};
-use crate::snapshot::route::Action;
 
-use crate::snapshot::route::{string_matcher, StringMatch};
+use crate::matcher::{string_matcher, StringMatch};
 
 pub const FILTER: &str = "envoy.filters.http.cors";
 /// The filter's own config (no fields).
@@ -56,7 +55,7 @@ fn per_million(
     f: Option<&envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent>,
 ) -> Result<u32, String> {
     // No fraction: the policy applies to every request.
-    crate::snapshot::per_million(f, 1_000_000).map_err(|e| format!("filter_enabled: {e}"))
+    crate::units::per_million(f, 1_000_000).map_err(|e| format!("filter_enabled: {e}"))
 }
 
 fn from_typed(name: &str, any: &Any) -> Result<Policy, String> {
@@ -241,10 +240,10 @@ impl CorsFilter {
         if self.disabled {
             return Decision::Continue;
         }
-        let Some(cors) = req.route.and_then(|r| match &r.action {
-            Action::Forward(f) => f.cors.as_ref()?.for_filter(&self.name),
-            _ => None,
-        }) else {
+        let Some(cors) = req
+            .route
+            .and_then(|r| r.cors.as_ref()?.for_filter(&self.name))
+        else {
             return Decision::Continue;
         };
         if cors.enabled_per_million < 1_000_000

@@ -16,8 +16,8 @@ use http::HeaderMap;
 use prost::Message;
 
 use super::{Decision, FilterDecl, FilterState, LocalReply, Request, Translated};
-use crate::router::RequestView;
-use crate::snapshot::route::HeaderMatcher;
+use crate::matcher::HeaderMatcher;
+use crate::matcher::RequestView;
 
 pub const FAULT_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault";
 pub const FILTER_CONFIG_TYPE: &str = "type.googleapis.com/envoy.config.route.v3.FilterConfig";
@@ -150,7 +150,7 @@ impl Fault {
             .iter()
             .enumerate()
             .map(|(i, h)| {
-                crate::snapshot::route::header_matcher(h)
+                crate::matcher::header_matcher(h)
                     .map_err(|e| format!("headers[{i}] '{}': {e}", h.name))
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -182,7 +182,7 @@ impl Fault {
         if !self
             .headers
             .iter()
-            .all(|h| crate::router::header_matches(h, req))
+            .all(|h| crate::matcher::header_matches(h, req))
         {
             return false;
         }
@@ -292,7 +292,7 @@ fn delay(d: &cfpb::FaultDelay) -> Result<Delay, String> {
     use cfpb::fault_delay::FaultDelaySecifier as S;
     let kind = match &d.fault_delay_secifier {
         Some(S::FixedDelay(t)) => {
-            let t = crate::snapshot::duration(t).map_err(|e| format!("fixed_delay: {e}"))?;
+            let t = crate::units::duration(t).map_err(|e| format!("fixed_delay: {e}"))?;
             if t.is_zero() {
                 return Err("fixed_delay: value must be greater than 0s".into());
             }
@@ -474,8 +474,7 @@ impl FaultFilter {
         let entry = req
             .picked
             .and_then(|(_, e)| e)
-            .and_then(|e| e.faults.iter().find(|(n, _)| *n == self.name))
-            .map(|(_, p)| p);
+            .and_then(|e| e.fault_override(&self.name));
         let routed = req.route.and_then(|r| r.fault_override(&self.name));
         let disabled = entry
             .and_then(|p| p.disabled)

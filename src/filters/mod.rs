@@ -28,8 +28,7 @@ use bytes::Bytes;
 use envoy_types::pb::google::protobuf::Any;
 use http::{HeaderName, HeaderValue};
 
-use crate::router::RequestView;
-use crate::snapshot::route::{ClusterEntry, Route};
+use crate::matcher::RequestView;
 
 /// One filter of a connection manager's chain that acts per request, built once at
 /// translation.
@@ -124,12 +123,34 @@ pub fn lookup(config: &Any) -> Option<&'static Registration> {
     REGISTRY.iter().find(|r| r.type_url == t)
 }
 
-/// What the request path hands every filter: the request as routing sees it, the route it
-/// matched and the cluster it picked (weighted entry resolved), all from one snapshot.
+/// What a route (or a weighted cluster entry) says to the chain's filters, by filter name:
+/// its `typed_per_filter_config` levels resolved at translation (route over virtual host over
+/// route configuration). A filter with per-route config keeps its part here.
+#[derive(Debug, Default)]
+pub struct RouteFilters {
+    /// Fault filter overrides.
+    pub faults: Vec<(String, fault::PerRoute)>,
+    /// Local rate limit overrides, most specific level first.
+    pub rate_limits: Vec<(String, Arc<local_ratelimit::LocalRateLimit>)>,
+    /// CORS policies (None: no level sets one). Only forwarding routes carry them: their
+    /// route entry is where Envoy's CORS filter looks.
+    pub cors: Option<Arc<cors::RoutePolicies>>,
+}
+
+impl RouteFilters {
+    /// The word on the fault filter named `name`, if any.
+    pub fn fault_override(&self, name: &str) -> Option<&fault::PerRoute> {
+        self.faults.iter().find(|(n, _)| n == name).map(|(_, p)| p)
+    }
+}
+
+/// What the request path hands every filter: the request as routing sees it, what the route
+/// it matched says to the filters, and the cluster it picked with the weighted entry's own
+/// word, all from one snapshot.
 pub struct Request<'a> {
     pub view: &'a RequestView<'a>,
-    pub route: Option<&'a Route>,
-    pub picked: Option<(&'a str, Option<&'a ClusterEntry>)>,
+    pub route: Option<&'a RouteFilters>,
+    pub picked: Option<(&'a str, Option<&'a RouteFilters>)>,
 }
 
 /// A filter's word on a request.

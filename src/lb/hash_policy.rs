@@ -261,7 +261,7 @@ fn translate_one(p: &rpb::route_action::HashPolicy) -> Result<Option<HashPolicy>
             let ttl = match &c.ttl {
                 None => None,
                 Some(d) => {
-                    Some(crate::snapshot::duration(d).map_err(|e| format!("cookie.ttl: {e}"))?)
+                    Some(crate::units::duration(d).map_err(|e| format!("cookie.ttl: {e}"))?)
                 }
             };
             let attributes = c

@@ -1464,8 +1464,8 @@ impl ProxyHttp for Gateway {
         // The connection manager's HTTP filters, in chain order; the router is the last.
         let filter_req = filters::Request {
             view: &view,
-            route: matched,
-            picked: picked.map(|(c, e)| (c.as_ref(), e)),
+            route: matched.map(|r| &r.filters),
+            picked: picked.map(|(c, e)| (c.as_ref(), e.map(|e| &e.filters))),
         };
         let stats = filters::Stats {
             fault: &self.hcm_stats.fault,

@@ -21,13 +21,14 @@ pub mod validation;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3 as corepb;
 
 use cluster::Cluster;
 use listener::ListenerDef;
 use route::RouteTable;
+
+pub use crate::units::{duration, per_million};
 
 /// A rejected resource: which one, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,32 +73,6 @@ pub struct Snapshot {
     pub listeners: HashMap<String, Arc<ActiveListener>>,
     /// Persistent, so an EDS update replaces one entry and shares the rest.
     pub clusters: imbl::HashMap<Arc<str>, Arc<Cluster>>,
-}
-
-/// A runtime fraction's default value in millionths (capped at the whole), or `absent` when
-/// it has none: each policy has its own default (mirrors and CORS: all; rate limits: none).
-pub fn per_million(
-    f: Option<&corepb::RuntimeFractionalPercent>,
-    absent: u32,
-) -> Result<u32, String> {
-    use envoy_types::pb::envoy::r#type::v3::fractional_percent::DenominatorType as D;
-    let Some(v) = f.and_then(|f| f.default_value.as_ref()) else {
-        return Ok(absent);
-    };
-    let scale = match D::try_from(v.denominator) {
-        Ok(D::Hundred) => 10_000,
-        Ok(D::TenThousand) => 100,
-        Ok(D::Million) => 1,
-        Err(_) => return Err(format!("unknown denominator {}", v.denominator)),
-    };
-    Ok(v.numerator.saturating_mul(scale).min(1_000_000))
-}
-
-pub fn duration(d: &envoy_types::pb::google::protobuf::Duration) -> Result<Duration, String> {
-    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
-        return Err(format!("invalid duration {}s {}ns", d.seconds, d.nanos));
-    }
-    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
 }
 
 /// A `socket_address`'s host and port; named ports and pipes are rejected.

@@ -17,7 +17,12 @@ use regex::Regex;
 use super::headers::{self, HeaderOps, HeaderPlan};
 use super::retry::RetryPolicy;
 use super::TranslateError;
-use crate::filters::fault::{self, PerRoute};
+use crate::filters::{fault, RouteFilters};
+use crate::matcher::{check_repeat_limit, regex_matcher};
+pub use crate::matcher::{
+    compile_full_regex, header_matcher, string_matcher, HeaderMatch, HeaderMatcher, Pseudo,
+    StringMatch,
+};
 
 /// A compiled `RouteConfiguration`.
 #[derive(Debug)]
@@ -137,18 +142,12 @@ pub struct Route {
     /// Custom request/response headers of this route, its vhost and its route config, in
     /// the order Envoy applies them.
     pub header_plan: Arc<HeaderPlan>,
-    /// Local rate limit overrides by filter name, most specific level first resolved.
-    pub rate_limits: Vec<(String, Arc<crate::filters::local_ratelimit::LocalRateLimit>)>,
-    /// Fault filter overrides by filter name (route over vhost over route config).
-    pub faults: Vec<(String, PerRoute)>,
+    /// What the route says to the chain's HTTP filters (`typed_per_filter_config` of the
+    /// route, its virtual host and its route configuration, resolved).
+    pub filters: RouteFilters,
 }
 
 impl Route {
-    /// This route's word on the fault filter named `name`, if any.
-    pub fn fault_override(&self, name: &str) -> Option<&PerRoute> {
-        self.faults.iter().find(|(n, _)| n == name).map(|(_, p)| p)
-    }
-
     /// How much of the path `prefix_rewrite` replaces: the matched prefix, or the whole path
     /// for an exact match. Regex routes have no prefix to replace.
     pub fn rewrite_len(&self) -> Option<usize> {
@@ -200,9 +199,6 @@ pub struct Forward {
     pub retry: Option<Arc<RetryPolicy>>,
     /// `request_mirror_policies`: the route's own, else its virtual host's.
     pub mirrors: Arc<[Mirror]>,
-    /// The CORS policies of the route, by the name of the CORS filter they configure (None:
-    /// no level sets one).
-    pub cors: Option<Arc<crate::filters::cors::RoutePolicies>>,
     /// The virtual host's `include_request_attempt_count` / `include_attempt_count_in_response`.
     pub attempt_count_to_upstream: bool,
     pub attempt_count_to_client: bool,
@@ -372,7 +368,8 @@ pub struct WeightedClusters {
 pub struct ClusterEntry {
     pub request_headers: Option<Arc<HeaderOps>>,
     pub response_headers: Option<Arc<HeaderOps>>,
-    pub faults: Vec<(String, PerRoute)>,
+    /// The entry's own `typed_per_filter_config` (faults only), over the route's.
+    pub filters: RouteFilters,
 }
 
 impl WeightedClusters {
@@ -408,36 +405,6 @@ pub struct Redirect {
 }
 
 #[derive(Debug)]
-pub struct HeaderMatcher {
-    /// Lowercase header name (None: a name no request can carry), unless `pseudo` is set.
-    pub name: Option<http::HeaderName>,
-    pub pseudo: Option<Pseudo>,
-    pub kind: HeaderMatch,
-    pub invert: bool,
-    pub treat_missing_as_empty: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pseudo {
-    Authority,
-    Path,
-    Method,
-    Scheme,
-}
-
-#[derive(Debug)]
-pub enum HeaderMatch {
-    /// Legacy `exact_match`: an empty value matches any value.
-    LegacyExact(String),
-    String(StringMatch),
-    Range {
-        start: i64,
-        end: i64,
-    },
-    Present(bool),
-}
-
-#[derive(Debug)]
 pub struct QueryMatcher {
     pub name: String,
     pub kind: QueryMatch,
@@ -449,89 +416,6 @@ pub enum QueryMatch {
     Present,
     /// `present_match: false`: the parameter must be absent.
     Absent,
-}
-
-/// `envoy.type.matcher.v3.StringMatcher`.
-#[derive(Debug)]
-pub enum StringMatch {
-    Exact(String, bool),
-    Prefix(String, bool),
-    Suffix(String, bool),
-    Contains(String, bool),
-    Regex(Regex),
-}
-
-impl StringMatch {
-    pub fn matches(&self, value: &str) -> bool {
-        match self {
-            StringMatch::Exact(s, false) => value == s,
-            StringMatch::Exact(s, true) => value.eq_ignore_ascii_case(s),
-            StringMatch::Prefix(s, false) => value.starts_with(s.as_str()),
-            StringMatch::Prefix(s, true) => {
-                value.len() >= s.len()
-                    && value.as_bytes()[..s.len()].eq_ignore_ascii_case(s.as_bytes())
-            }
-            StringMatch::Suffix(s, false) => value.ends_with(s.as_str()),
-            StringMatch::Suffix(s, true) => {
-                value.len() >= s.len()
-                    && value.as_bytes()[value.len() - s.len()..].eq_ignore_ascii_case(s.as_bytes())
-            }
-            StringMatch::Contains(s, false) => value.contains(s.as_str()),
-            // `s` was lowercased at translation.
-            StringMatch::Contains(s, true) => value.to_ascii_lowercase().contains(s.as_str()),
-            StringMatch::Regex(r) => r.is_match(value),
-        }
-    }
-}
-
-/// Compiles an RE2-style regex for a whole-string match, as Envoy's `safe_regex` does.
-/// RE2 refuses repetition counts over 1000 (`{1001}`), which the regex crate would accept.
-fn check_repeat_limit(re: &str) -> Result<(), String> {
-    let b = re.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'\\' => i += 2,
-            b'{' => {
-                let digits: String = re[i + 1..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == ',')
-                    .collect();
-                if !digits.is_empty() && re[i + 1 + digits.len()..].starts_with('}') {
-                    for n in digits.split(',').filter(|n| !n.is_empty()) {
-                        if n.parse::<u64>().map_or(true, |n| n > 1000) {
-                            return Err(format!(
-                                "invalid regex '{re}': bad repetition operator: {{{digits}}}"
-                            ));
-                        }
-                    }
-                }
-                i += 1;
-            }
-            _ => i += 1,
-        }
-    }
-    Ok(())
-}
-
-pub fn compile_full_regex(re: &str) -> Result<Regex, String> {
-    check_repeat_limit(re)?;
-    regex::RegexBuilder::new(&format!("^(?:{re})$"))
-        .size_limit(1 << 20)
-        .build()
-        .map_err(|e| {
-            // The regex crate's message is multi-line with a caret diagram; keep the last line.
-            let msg = e.to_string();
-            let reason = msg
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid regex")
-                .trim()
-                .trim_start_matches("error: ")
-                .to_string();
-            format!("invalid regex '{re}': {reason}")
-        })
 }
 
 /// `regex_rewrite`: every match in the path (not the query) replaced, as RE2's GlobalReplace.
@@ -605,45 +489,6 @@ impl RegexRewrite {
             .replace_all(path, self.substitution.as_str())
             .into_owned()
     }
-}
-
-fn regex_matcher(m: &mpb::RegexMatcher) -> Result<Regex, String> {
-    if m.regex.is_empty() {
-        return Err("regex must not be empty".into());
-    }
-    compile_full_regex(&m.regex)
-}
-
-pub fn string_matcher(m: &mpb::StringMatcher) -> Result<StringMatch, String> {
-    use mpb::string_matcher::MatchPattern as P;
-    let ic = m.ignore_case;
-    Ok(match &m.match_pattern {
-        Some(P::Exact(s)) => StringMatch::Exact(s.clone(), ic),
-        Some(P::Prefix(s)) if !s.is_empty() => StringMatch::Prefix(s.clone(), ic),
-        Some(P::Suffix(s)) if !s.is_empty() => StringMatch::Suffix(s.clone(), ic),
-        Some(P::Contains(s)) if !s.is_empty() => StringMatch::Contains(
-            if ic {
-                s.to_ascii_lowercase()
-            } else {
-                s.clone()
-            },
-            ic,
-        ),
-        Some(P::Prefix(_)) | Some(P::Suffix(_)) | Some(P::Contains(_)) => {
-            return Err("string matcher: prefix, suffix and contains must not be empty".into())
-        }
-        Some(P::SafeRegex(_)) if ic => {
-            return Err("string matcher: ignore_case has no effect for safe_regex".into())
-        }
-        Some(P::SafeRegex(r)) => StringMatch::Regex(regex_matcher(r)?),
-        Some(P::Custom(c)) => {
-            return Err(format!(
-                "string matcher: custom matcher '{}' is not supported",
-                c.name
-            ))
-        }
-        None => return Err("string matcher: no match pattern set".into()),
-    })
 }
 
 impl RouteTable {
@@ -776,15 +621,15 @@ impl RouteTable {
                 ));
                 let own = fault::per_route(&r.typed_per_filter_config)
                     .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
-                route.faults = fault::layer(&[&rc_faults, &vh_faults, &own]);
+                route.filters.faults = fault::layer(&[&rc_faults, &vh_faults, &own]);
                 let own_limits =
                     crate::filters::local_ratelimit::per_route(&r.typed_per_filter_config)
                         .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
-                route.rate_limits = own_limits;
+                route.filters.rate_limits = own_limits;
                 for level in [&vh_limits, &rc_limits] {
                     for (name, c) in level.iter() {
-                        if !route.rate_limits.iter().any(|(n, _)| n == name) {
-                            route.rate_limits.push((name.clone(), c.clone()));
+                        if !route.filters.rate_limits.iter().any(|(n, _)| n == name) {
+                            route.filters.rate_limits.push((name.clone(), c.clone()));
                         }
                     }
                 }
@@ -879,12 +724,10 @@ struct VhostCtx<'a> {
 fn translate_route(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
     let mut route = translate_route_inner(r, vh)?;
     // Only forwarding routes have a route entry, which is where Envoy's CORS filter looks.
-    if let (Action::Forward(f), Some(rpb::route::Action::Route(ra))) =
-        (&mut route.action, &r.action)
-    {
+    if let (Action::Forward(_), Some(rpb::route::Action::Route(ra))) = (&route.action, &r.action) {
         #[allow(deprecated)]
         let own = ra.cors.as_ref();
-        f.cors = crate::filters::cors::resolve(
+        route.filters.cors = crate::filters::cors::resolve(
             &r.typed_per_filter_config,
             vh.filter_configs,
             vh.config_filter_configs,
@@ -975,57 +818,7 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
         grpc_only: m.grpc.is_some(),
         action,
         header_plan: Arc::default(),
-        rate_limits: Vec::new(),
-        faults: Vec::new(),
-    })
-}
-
-pub(crate) fn header_matcher(h: &rpb::HeaderMatcher) -> Result<HeaderMatcher, String> {
-    #[allow(deprecated)]
-    use rpb::header_matcher::HeaderMatchSpecifier as H;
-    if h.name.is_empty() {
-        return Err("name must not be empty".into());
-    }
-    let lname = h.name.to_ascii_lowercase();
-    let pseudo = match lname.as_str() {
-        ":authority" | "host" => Some(Pseudo::Authority),
-        ":path" => Some(Pseudo::Path),
-        ":method" => Some(Pseudo::Method),
-        ":scheme" => Some(Pseudo::Scheme),
-        n if n.starts_with(':') => return Err("unknown pseudo-header".into()),
-        _ => None,
-    };
-    // A name no request can carry (a space, say) is valid config to Envoy; it never matches.
-    let name = if pseudo.is_some() {
-        Some(http::HeaderName::from_static("host"))
-    } else {
-        http::HeaderName::from_bytes(lname.as_bytes()).ok()
-    };
-    #[allow(deprecated)]
-    let kind = match &h.header_match_specifier {
-        Some(H::ExactMatch(s)) => HeaderMatch::LegacyExact(s.clone()),
-        Some(H::SafeRegexMatch(r)) => HeaderMatch::String(StringMatch::Regex(regex_matcher(r)?)),
-        Some(H::RangeMatch(r)) => HeaderMatch::Range {
-            start: r.start,
-            end: r.end,
-        },
-        Some(H::PresentMatch(p)) => HeaderMatch::Present(*p),
-        Some(H::PrefixMatch(s) | H::SuffixMatch(s) | H::ContainsMatch(s)) if s.is_empty() => {
-            return Err("prefix_match, suffix_match and contains_match must not be empty".into())
-        }
-        Some(H::PrefixMatch(s)) => HeaderMatch::String(StringMatch::Prefix(s.clone(), false)),
-        Some(H::SuffixMatch(s)) => HeaderMatch::String(StringMatch::Suffix(s.clone(), false)),
-        Some(H::ContainsMatch(s)) => HeaderMatch::String(StringMatch::Contains(s.clone(), false)),
-        Some(H::StringMatch(s)) => HeaderMatch::String(string_matcher(s)?),
-        // No specifier: Envoy treats the matcher as "header is present".
-        None => HeaderMatch::Present(true),
-    };
-    Ok(HeaderMatcher {
-        name,
-        pseudo,
-        kind,
-        invert: h.invert_match,
-        treat_missing_as_empty: h.treat_missing_header_as_empty,
+        filters: RouteFilters::default(),
     })
 }
 
@@ -1078,7 +871,10 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
                 entries.push(ClusterEntry {
                     request_headers,
                     response_headers,
-                    faults: fault::per_route(&c.typed_per_filter_config).map_err(wctx)?,
+                    filters: RouteFilters {
+                        faults: fault::per_route(&c.typed_per_filter_config).map_err(wctx)?,
+                        ..Default::default()
+                    },
                 });
             }
             // total_weight is deprecated and ignored by Envoy 1.40.
@@ -1153,7 +949,6 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         timeout,
         timeouts,
         mirrors,
-        cors: None,
         regex_rewrite,
         prefix_rewrite: (!ra.prefix_rewrite.is_empty()).then(|| ra.prefix_rewrite.clone()),
         host_rewrite,

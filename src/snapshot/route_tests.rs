@@ -1568,8 +1568,8 @@ fn fault_overrides_layer_route_over_vhost() {
     vh.typed_per_filter_config
         .insert("envoy.filters.http.fault".into(), fault(503));
     let t = translate(&config("rc", vec![vh.clone()]));
-    let status = |r: &Route| match r.fault_override("envoy.filters.http.fault") {
-        Some(PerRoute {
+    let status = |r: &Route| match r.filters.fault_override("envoy.filters.http.fault") {
+        Some(crate::filters::fault::PerRoute {
             config: Some(c), ..
         }) => c.abort.as_ref().map(|a| a.kind.clone()),
         _ => None,
@@ -1582,7 +1582,10 @@ fn fault_overrides_layer_route_over_vhost() {
         status(&t.vhosts[0].routes[1]),
         Some(fault::AbortKind::Http(503))
     );
-    assert!(t.vhosts[0].routes[0].fault_override("other").is_none());
+    assert!(t.vhosts[0].routes[0]
+        .filters
+        .fault_override("other")
+        .is_none());
     vh.routes[0]
         .typed_per_filter_config
         .insert("envoy.filters.http.fault".into(), fault(700));

@@ -1,0 +1,110 @@
+//! The layering the design promises, checked on the source tree: config, balancing, matching,
+//! the HTTP filters and live state never reach up into the proxy, the admin, the xDS client or
+//! the server; the xDS side never reaches into the proxy; and the lower modules do not import
+//! the snapshot, so there are no cycles between them.
+
+use std::path::{Path, PathBuf};
+
+/// (files under `src/`, module paths they must not use, why)
+const RULES: &[(&str, &[&str], &str)] = &[
+    (
+        "snapshot",
+        &["proxy", "admin", "xds", "server", "health"],
+        "translation and assembly read only their inputs",
+    ),
+    (
+        "lb",
+        &["proxy", "admin", "xds", "server", "snapshot"],
+        "below the snapshot",
+    ),
+    (
+        "filters",
+        &[
+            "proxy", "admin", "xds", "server", "snapshot", "router", "live",
+        ],
+        "below the snapshot",
+    ),
+    (
+        "live",
+        &["proxy", "admin", "xds", "server", "snapshot", "health"],
+        "below the snapshot",
+    ),
+    (
+        "matcher.rs",
+        &[
+            "proxy", "admin", "xds", "server", "snapshot", "router", "filters",
+        ],
+        "a leaf",
+    ),
+    (
+        "units.rs",
+        &[
+            "proxy", "admin", "xds", "server", "snapshot", "lb", "filters",
+        ],
+        "a leaf",
+    ),
+    (
+        "router.rs",
+        &["proxy", "admin", "xds", "server"],
+        "a pure function of table and request",
+    ),
+    (
+        "xds",
+        &["proxy"],
+        "the commit point drives listeners through a trait",
+    ),
+];
+
+fn files(p: &Path, out: &mut Vec<PathBuf>) {
+    if p.is_dir() {
+        let mut entries: Vec<_> = std::fs::read_dir(p)
+            .expect("readable source dir")
+            .map(|e| e.expect("dir entry").path())
+            .collect();
+        entries.sort();
+        for e in entries {
+            files(&e, out);
+        }
+    } else if p.extension().is_some_and(|e| e == "rs") {
+        out.push(p.to_path_buf());
+    }
+}
+
+/// The code of a line, without its `//` comment (doc comments may name any module).
+fn code(line: &str) -> &str {
+    match line.find("//") {
+        Some(i) => &line[..i],
+        None => line,
+    }
+}
+
+#[test]
+fn layers_only_look_down() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut broken = Vec::new();
+    for (dir, banned, why) in RULES {
+        let mut found = Vec::new();
+        files(&src.join(dir), &mut found);
+        assert!(!found.is_empty(), "src/{dir} has no Rust files");
+        for f in found {
+            let text = std::fs::read_to_string(&f).expect("readable source");
+            for (n, line) in text.lines().enumerate() {
+                let line = code(line);
+                for m in *banned {
+                    if line.contains(&format!("crate::{m}::"))
+                        || line.contains(&format!("crate::{m};"))
+                        || line.contains(&format!("crate::{m}}}"))
+                        || line.contains(&format!("crate::{{{m}"))
+                    {
+                        broken.push(format!(
+                            "{}:{}: uses crate::{m} ({dir}: {why})",
+                            f.strip_prefix(&src).unwrap_or(&f).display(),
+                            n + 1
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "layering broken:\n{}", broken.join("\n"));
+}
