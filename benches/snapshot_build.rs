@@ -109,7 +109,7 @@ fn apply(store: &Store, kind: Kind, version: &str, resources: &[Any]) -> Store {
 /// (d): an EDS push of one assignment on top of the live store, then the next snapshot.
 fn eds_change(f: &Fixture) -> (Store, Snapshot) {
     let next = apply(&f.committed, Kind::Endpoint, "eds-2", &f.one);
-    let snap = next.assemble(&f.snapshot, 2, &|n| f.stats.cluster(n));
+    let snap = next.assemble(&f.snapshot, 2, &f.stats);
     (next, snap)
 }
 
@@ -122,7 +122,7 @@ fn fixture() -> &'static Fixture {
         let after_cds = apply(&Store::default(), Kind::Cluster, "cds-1", &cds);
         let full = apply(&after_cds, Kind::Endpoint, "eds-1", &eds);
         let stats = Stats::new();
-        let snapshot = full.assemble(&Snapshot::default(), 1, &|n| stats.cluster(n));
+        let snapshot = full.assemble(&Snapshot::default(), 1, &stats);
         assert_eq!(
             snapshot.clusters.len(),
             CLUSTERS,
@@ -182,9 +182,7 @@ fn snapshot_build(c: &mut Criterion) {
         b.iter_batched(
             Stats::new,
             |stats| {
-                let snap = f
-                    .full
-                    .assemble(&Snapshot::default(), 1, &|n| stats.cluster(n));
+                let snap = f.full.assemble(&Snapshot::default(), 1, &stats);
                 (snap, stats)
             },
             BatchSize::PerIteration,

@@ -68,6 +68,17 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
         }
         "/stats/prometheus" => {
             let snap = state.snapshot.load_full();
+            // Envoy lists a configured limiter's counters before its first request: bind the
+            // serving chains' limiters to theirs (routes' overrides bind on first use).
+            for l in snap.listeners.values() {
+                for c in &l.chains {
+                    for f in c.def.hcm().map_or(&[][..], |h| &h.filters) {
+                        if let crate::filters::HttpFilter::LocalRateLimit(rl) = f {
+                            rl.config.stats();
+                        }
+                    }
+                }
+            }
             let text = state.stats.render(&|name| {
                 snap.clusters
                     .get(name)

@@ -50,7 +50,9 @@ pub fn all_stats() -> Vec<(String, Arc<RateLimitStats>)> {
 #[derive(Debug)]
 pub struct LocalRateLimit {
     pub stat_prefix: String,
-    pub stats: Arc<RateLimitStats>,
+    /// Found by prefix on first use rather than at translation (which touches nothing
+    /// live); configs with one prefix share their counters, as Envoy's stats share a name.
+    stats: OnceLock<Arc<RateLimitStats>>,
     pub status: u16,
     pub bucket: Option<TokenBucket>,
     pub enabled_per_million: u32,
@@ -142,7 +144,7 @@ fn per_million(
     f: Option<&envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent>,
 ) -> Result<u32, String> {
     // Envoy: absent means 0% (the filter is off unless a fraction turns it on).
-    crate::snapshot::per_million(f, 0)
+    crate::units::per_million(f, 0)
 }
 
 fn header_list(
@@ -192,7 +194,7 @@ impl LocalRateLimit {
                     .fill_interval
                     .as_ref()
                     .ok_or("token_bucket.fill_interval is required")?;
-                let interval = crate::snapshot::duration(interval)
+                let interval = crate::units::duration(interval)
                     .map_err(|e| format!("token_bucket.fill_interval: {e}"))?;
                 if interval.is_zero() {
                     return Err("token_bucket.fill_interval: value must be greater than 0s".into());
@@ -216,7 +218,7 @@ impl LocalRateLimit {
             _ => 429,
         };
         Ok(LocalRateLimit {
-            stats: stats_for(&c.stat_prefix),
+            stats: OnceLock::new(),
             stat_prefix: c.stat_prefix.clone(),
             status,
             bucket,
@@ -235,6 +237,11 @@ impl LocalRateLimit {
         })
     }
 
+    /// The counters of this config's `stat_prefix`.
+    pub fn stats(&self) -> &RateLimitStats {
+        self.stats.get_or_init(|| stats_for(&self.stat_prefix))
+    }
+
     /// Whether this request is limited, and whether that is enforced: (limited, enforced).
     /// `None` when the filter is not enabled for it.
     pub fn check(&self) -> Option<(bool, bool)> {
@@ -242,7 +249,7 @@ impl LocalRateLimit {
         if !draw(self.enabled_per_million) {
             return None;
         }
-        let s = &self.stats;
+        let s = self.stats();
         s.enabled.fetch_add(1, Relaxed);
         // No bucket: nothing limits (Envoy allows every request).
         let allowed = self.bucket.as_ref().is_none_or(TokenBucket::consume);

@@ -3,6 +3,10 @@
 //! The snapshot holds config only and refers to these by `Arc` handle, kept across pushes by
 //! name; `admin::stats` renders them with Envoy's names.
 
+pub mod health;
+pub mod outlier;
+pub mod slow_start;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -76,16 +80,16 @@ pub struct ClusterStats {
     pub rq_pending_active: AtomicU64,
     /// Wakes a waiting request when a slot frees.
     pub cx_freed: tokio::sync::Notify,
-    pub outlier: crate::snapshot::outlier::OutlierHosts,
+    pub outlier: outlier::OutlierHosts,
     /// Slow start: when each host turned healthy.
-    pub healthy_since: crate::snapshot::load::HealthySince,
+    pub healthy_since: slow_start::HealthySince,
     /// Picks that found their priority level in panic.
     pub lb_healthy_panic: AtomicU64,
     /// Requests for which the balancer found no host (Envoy's 503 `no healthy upstream`).
     pub cx_none_healthy: AtomicU64,
     /// ORIGINAL_DST: requests whose host header was not `ip:port`.
     pub original_dst_host_invalid: AtomicU64,
-    pub health: crate::snapshot::health_check::HealthHosts,
+    pub health: health::HealthHosts,
 }
 
 impl ClusterStats {

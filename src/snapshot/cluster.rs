@@ -397,7 +397,7 @@ pub struct Cluster {
     pub active: Vec<AtomicU32>,
     pub stats: Arc<ClusterStats>,
     /// Outlier-detection state per host (empty without `outlier_detection`).
-    pub outlier: Vec<Arc<super::outlier::HostOutlier>>,
+    pub outlier: Vec<Arc<crate::live::outlier::HostOutlier>>,
     /// Active health check flags per host as built (empty without `health_checks`; None for a
     /// host whose checks are disabled), and the checker generation they were read at.
     pub hc: Vec<Option<super::health_check::HcFlags>>,
@@ -415,29 +415,52 @@ pub struct Cluster {
     pub internal_hosts: bool,
 }
 
+/// What the cluster's live state says of its hosts when it is built, read at the commit
+/// point (`crate::xds::commit`) and handed in, so that building a cluster reads nothing live.
+#[derive(Debug, Default)]
+pub struct HostState {
+    /// Active health check flags per host (empty without `health_checks`; None for a host
+    /// whose checks are disabled), and the checker generation they were read at.
+    pub hc: Vec<Option<super::health_check::HcFlags>>,
+    pub hc_generation: u64,
+    /// Slow start: when each host turned healthy (empty without slow start).
+    pub healthy_since: Vec<Option<std::time::Instant>>,
+    /// Outlier-detection state per host (empty without `outlier_detection`).
+    pub outlier: Vec<Arc<crate::live::outlier::HostOutlier>>,
+}
+
 impl Cluster {
+    /// A cluster with no live host state: for tests and tools (real builds go through
+    /// [`Cluster::build`] with what the commit point read).
     pub fn new(
         def: Arc<ClusterDef>,
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
     ) -> Cluster {
-        Cluster::with_sockets(def, endpoints, stats, Default::default())
+        Cluster::build(
+            def,
+            endpoints,
+            stats,
+            Default::default(),
+            HostState::default(),
+        )
     }
 
-    /// `new`, with the sockets built from SDS secrets (see `TransportSockets::resolve`).
-    pub fn with_sockets(
+    /// The cluster from its definition, endpoints, the sockets built with their SDS secrets
+    /// (see `TransportSockets::resolve`) and its hosts' live state.
+    pub fn build(
         def: Arc<ClusterDef>,
         endpoints: Arc<LoadAssignment>,
         stats: Arc<ClusterStats>,
         sockets: Arc<super::upstream_tls::Resolved>,
+        live: HostState,
     ) -> Cluster {
-        let (hc_generation, hc) = match &def.health_check {
-            Some(_) => (
-                stats.health.generation(),
-                stats.health.flags_for(&endpoints),
-            ),
-            None => (0, Vec::new()),
-        };
+        let HostState {
+            hc,
+            hc_generation,
+            healthy_since: since,
+            outlier,
+        } = live;
         // Active checks change what the balancers see of a host's health, not the endpoints.
         let checked: Vec<Host>;
         let hosts = if hc.is_empty() {
@@ -445,14 +468,6 @@ impl Cluster {
         } else {
             checked = super::health_check::apply(&endpoints.hosts, &hc);
             &checked
-        };
-        let since = match def.lb.slow_start {
-            // A host failed by its active checks starts a new ramp when it passes again, as
-            // Envoy restarts slow start from the last passing check.
-            Some(_) => stats.healthy_since.resolve(hosts, |i| {
-                hc.get(i).is_some_and(|f| f.is_some_and(|f| f.failed))
-            }),
-            None => Vec::new(),
         };
         let make = |eligible: Eligible| {
             // Hashing balancers place hosts by address, as Envoy does (`ip:port`, or
@@ -481,12 +496,6 @@ impl Cluster {
             // The one slot the hosts requests name share (ORIGINAL_DST clusters have no others).
             active.push(AtomicU32::new(0));
         }
-        let outlier = if def.outlier.is_some() {
-            let addrs: Vec<SocketAddr> = hosts.iter().map(|h| h.addr).collect();
-            stats.outlier.resolve(&addrs)
-        } else {
-            Vec::new()
-        };
         let transport = if def.transport.matches.is_empty() {
             Vec::new()
         } else {
@@ -926,7 +935,7 @@ impl ClusterDef {
             thresholds.and_then(f).unwrap_or(default)
         };
         let outlier = match &c.outlier_detection {
-            Some(o) => Some(super::outlier::OutlierConfig::translate(o).map_err(err)?),
+            Some(o) => Some(super::outlier::translate(o).map_err(err)?),
             None => None,
         };
         let health_check = super::health_check::HealthCheckConfig::translate(&c.health_checks)

@@ -14,15 +14,15 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3 as corepb;
 use envoy_types::pb::envoy::config::endpoint::v3 as epb;
 
-use super::cluster::{ClusterDef, Health, LoadAssignment};
+use super::cluster::{Health, LoadAssignment};
 use super::headers::HeaderOps;
+pub use crate::live::health::{HcFlags, HealthHosts, Transition};
 
 /// One translated `HealthCheck`.
 #[derive(Debug, Clone, PartialEq)]
@@ -490,33 +490,6 @@ pub enum Outcome {
     Passive,
 }
 
-/// Envoy's `HealthTransition`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transition {
-    Unchanged,
-    Changed,
-    ChangePending,
-}
-
-/// A host's active-check flags, as Envoy's host health flags name them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct HcFlags {
-    pub failed: bool,
-    pub degraded: bool,
-    pub timeout: bool,
-    pub immediate: bool,
-}
-
-impl HcFlags {
-    /// A host just added to a cluster with a health checker.
-    pub const NEW: HcFlags = HcFlags {
-        failed: true,
-        degraded: false,
-        timeout: false,
-        immediate: false,
-    };
-}
-
 /// One host's checker state (Envoy's `ActiveHealthCheckSession`).
 #[derive(Debug, Clone)]
 pub struct Machine {
@@ -695,190 +668,6 @@ pub fn flags_text(eds: Health, hc: Option<&HcFlags>) -> String {
         s.push_str("healthy");
     }
     s
-}
-
-// ---------------------------------------------------------------------------------------------
-// State shared between the checkers and cluster builds
-
-/// One cluster's health-check state, kept in its stats (which outlive snapshots): the flags of
-/// every checked host by address, whether the first round is done, and Envoy's counters.
-#[derive(Debug, Default)]
-pub struct HealthHosts {
-    inner: Mutex<Inner>,
-    /// Bumped whenever a build would come out different: a cluster is reused only at the
-    /// generation it was built at.
-    generation: AtomicU64,
-    pub attempt: AtomicU64,
-    pub success: AtomicU64,
-    pub failure: AtomicU64,
-    pub network_failure: AtomicU64,
-    pub passive_failure: AtomicU64,
-    pub verify_cluster: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    /// The definition the current checker runs for: a changed cluster is a new cluster to
-    /// Envoy, with every host failed again until checked.
-    owner: Option<Arc<ClusterDef>>,
-    initialized: bool,
-    /// Check results still awaited before the first round counts as done.
-    pending: usize,
-    hosts: HashMap<SocketAddr, HostEntry>,
-}
-
-#[derive(Debug)]
-struct HostEntry {
-    flags: HcFlags,
-    /// Where a passive failure is sent, to the host's check task.
-    passive: Option<tokio::sync::mpsc::UnboundedSender<()>>,
-}
-
-impl HealthHosts {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn generation(&self) -> u64 {
-        self.generation.load(Relaxed)
-    }
-
-    fn bump(&self) {
-        self.generation.fetch_add(1, Relaxed);
-    }
-
-    /// Whether `def` can be built: its checker has finished the first round.
-    pub fn ready_for(&self, def: &Arc<ClusterDef>) -> bool {
-        let g = self.lock();
-        g.initialized && g.owner.as_ref().is_some_and(|o| Arc::ptr_eq(o, def))
-    }
-
-    /// Whether a checker currently runs for this cluster.
-    pub fn active(&self) -> bool {
-        self.lock().owner.is_some()
-    }
-
-    pub fn owner_is(&self, def: &Arc<ClusterDef>) -> bool {
-        self.lock()
-            .owner
-            .as_ref()
-            .is_some_and(|o| Arc::ptr_eq(o, def))
-    }
-
-    /// A new checker for `def` (or none): every host starts over.
-    pub fn reset(&self, def: Option<Arc<ClusterDef>>) {
-        let mut g = self.lock();
-        *g = Inner {
-            owner: def,
-            ..Default::default()
-        };
-        drop(g);
-        self.bump();
-    }
-
-    /// A checked host joins; it is failed until its first check passes.
-    pub fn add(&self, addr: SocketAddr, passive: tokio::sync::mpsc::UnboundedSender<()>) {
-        let mut g = self.lock();
-        if !g.initialized {
-            g.pending += 1;
-        }
-        g.hosts.insert(
-            addr,
-            HostEntry {
-                flags: HcFlags::NEW,
-                passive: Some(passive),
-            },
-        );
-        drop(g);
-        self.bump();
-    }
-
-    /// A host left (or is checked elsewhere now). Returns whether the first round completed.
-    pub fn remove(&self, addr: &SocketAddr, never_checked: bool) -> bool {
-        let mut g = self.lock();
-        g.hosts.remove(addr);
-        let done = never_checked && self.settle(&mut g);
-        drop(g);
-        self.bump();
-        done
-    }
-
-    /// The first round completes when no result is awaited any more; true when it just did.
-    pub fn finish_if_idle(&self) -> bool {
-        let mut g = self.lock();
-        if !g.initialized && g.owner.is_some() && g.pending == 0 {
-            g.initialized = true;
-            drop(g);
-            self.bump();
-            return true;
-        }
-        false
-    }
-
-    fn settle(&self, g: &mut Inner) -> bool {
-        if g.initialized || g.pending == 0 {
-            return false;
-        }
-        g.pending -= 1;
-        if g.pending == 0 {
-            g.initialized = true;
-            return true;
-        }
-        false
-    }
-
-    /// A check result for `addr`. Envoy counts the first round down by results (not hosts)
-    /// and rebuilds host sets only on `Changed`. Returns whether the cluster must be rebuilt.
-    pub fn report(&self, addr: &SocketAddr, flags: HcFlags, t: Transition) -> bool {
-        let mut g = self.lock();
-        let Some(e) = g.hosts.get_mut(addr) else {
-            return false;
-        };
-        e.flags = flags;
-        let finished = self.settle(&mut g);
-        let rebuild = finished || (g.initialized && t == Transition::Changed);
-        drop(g);
-        if rebuild {
-            self.bump();
-        }
-        rebuild
-    }
-
-    /// The flags of each host of `la` (new hosts fail until checked; hosts with checks
-    /// disabled have none).
-    pub fn flags_for(&self, la: &LoadAssignment) -> Vec<Option<HcFlags>> {
-        let g = self.lock();
-        la.hosts
-            .iter()
-            .map(|h| {
-                if la.check(&h.addr).is_some_and(|c| c.disabled) {
-                    return None;
-                }
-                Some(g.hosts.get(&h.addr).map_or(HcFlags::NEW, |e| e.flags))
-            })
-            .collect()
-    }
-
-    /// The live flags of one host (admin), None when it is not checked.
-    pub fn flags_of(&self, addr: &SocketAddr) -> Option<HcFlags> {
-        self.lock().hosts.get(addr).map(|e| e.flags)
-    }
-
-    /// Hosts checked and passing (Envoy's `health_check.healthy` gauge) and degraded.
-    pub fn gauges(&self) -> (u64, u64) {
-        let g = self.lock();
-        let healthy = g.hosts.values().filter(|e| !e.flags.failed).count() as u64;
-        let degraded = g.hosts.values().filter(|e| e.flags.degraded).count() as u64;
-        (healthy, degraded)
-    }
-
-    /// A proxied response from `addr` carried `x-envoy-immediate-health-check-fail`.
-    pub fn passive_failure(&self, addr: &SocketAddr) {
-        let g = self.lock();
-        if let Some(tx) = g.hosts.get(addr).and_then(|e| e.passive.as_ref()) {
-            let _ = tx.send(());
-        }
-    }
 }
 
 impl LoadAssignment {

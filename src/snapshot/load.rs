@@ -10,11 +10,7 @@
 //! The result is a plan built once per endpoint set: the request path draws one number and
 //! walks a handful of buckets.
 
-use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
 use std::sync::atomic::AtomicU32;
-use std::sync::Mutex;
-use std::time::Instant;
 
 use super::cluster::{Health, Host};
 use crate::lb::{Balancer, Eligible, Policy};
@@ -34,38 +30,6 @@ impl Default for LoadPolicy {
             overprovisioning: 140,
             weighted_priority_health: false,
         }
-    }
-}
-
-/// When each host of a cluster was first seen healthy, kept across endpoint updates for slow
-/// start (Envoy keeps a host's time while the host stays in the cluster).
-#[derive(Debug, Default)]
-pub struct HealthySince {
-    hosts: Mutex<HashMap<SocketAddr, Instant>>,
-}
-
-impl HealthySince {
-    /// Each host's time (`None` for hosts not healthy); forgets hosts that left, and those
-    /// `reset` names (failed by active health checks), so that they ramp again.
-    pub fn resolve(&self, hosts: &[Host], reset: impl Fn(usize) -> bool) -> Vec<Option<Instant>> {
-        let mut map = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        let out = hosts
-            .iter()
-            .enumerate()
-            .map(|(i, h)| {
-                if reset(i) {
-                    map.remove(&h.addr);
-                }
-                match h.health {
-                    Health::Healthy => Some(*map.entry(h.addr).or_insert(now)),
-                    _ => None,
-                }
-            })
-            .collect();
-        let present: HashSet<SocketAddr> = hosts.iter().map(|h| h.addr).collect();
-        map.retain(|a, _| present.contains(a));
-        out
     }
 }
 

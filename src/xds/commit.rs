@@ -9,7 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::store::{Applied, Rejected, Store};
+use super::store::{Applied, LiveClusters, Rejected, Store};
+use crate::live::ClusterStats;
+use crate::snapshot::cluster::HostState;
 use crate::snapshot::cluster::{ClusterDef, DiscoveryKind, LoadAssignment};
 use crate::snapshot::listener::ListenAddr;
 use crate::snapshot::Snapshot;
@@ -97,7 +99,7 @@ impl ConfigWorker {
         self.version += 1;
         let prev = self.state.snapshot.load_full();
         let stats = &self.state.stats;
-        let snap = Arc::new(next.assemble(&prev, self.version, &|n| stats.cluster(n)));
+        let snap = Arc::new(next.assemble(&prev, self.version, stats));
         self.state.snapshot.store(snap.clone());
         self.listeners.reconcile(&snap);
         let mut next = next;
@@ -285,4 +287,67 @@ async fn resolve(def: &ClusterDef) -> LoadAssignment {
         }
     }
     LoadAssignment::from_dns(spec, &resolved)
+}
+
+/// Assembly reads the clusters' live state through here: the health checkers' results, slow
+/// start clocks and outlier detectors, kept in each cluster's stats across pushes.
+impl LiveClusters for crate::admin::stats::Stats {
+    fn stats(&self, cluster: &str) -> Arc<ClusterStats> {
+        self.cluster(cluster)
+    }
+
+    fn health_round(&self, cluster: &str, def: &Arc<ClusterDef>) -> Option<u64> {
+        let s = self.cluster(cluster);
+        s.health.ready_for(def).then(|| s.health.generation())
+    }
+
+    fn hosts(&self, cluster: &str, def: &ClusterDef, endpoints: &LoadAssignment) -> HostState {
+        host_state(&self.cluster(cluster), def, endpoints)
+    }
+}
+
+/// What `live` says of the hosts of `def` over `endpoints`; only the parts the cluster's
+/// config uses are read.
+pub fn host_state(live: &ClusterStats, def: &ClusterDef, endpoints: &LoadAssignment) -> HostState {
+    let (hc_generation, hc) = match &def.health_check {
+        Some(_) => (
+            live.health.generation(),
+            live.health.flags(endpoints.hosts.iter().map(|h| {
+                let disabled = endpoints.check(&h.addr).is_some_and(|c| c.disabled);
+                (h.addr, disabled)
+            })),
+        ),
+        None => (0, Vec::new()),
+    };
+    let failed = |i: usize| hc.get(i).is_some_and(|f| f.is_some_and(|f| f.failed));
+    let healthy_since = match def.lb.slow_start {
+        // A host failed by its active checks starts a new ramp when it passes again, as Envoy
+        // restarts slow start from the last passing check.
+        Some(_) => live
+            .healthy_since
+            .resolve(endpoints.hosts.iter().enumerate().map(|(i, h)| {
+                let health = crate::snapshot::health_check::effective(
+                    h.health,
+                    hc.get(i).and_then(Option::as_ref),
+                );
+                (
+                    h.addr,
+                    health == crate::snapshot::cluster::Health::Healthy,
+                    failed(i),
+                )
+            })),
+        None => Vec::new(),
+    };
+    let outlier = if def.outlier.is_some() {
+        let addrs: Vec<std::net::SocketAddr> = endpoints.hosts.iter().map(|h| h.addr).collect();
+        live.outlier.resolve(&addrs)
+    } else {
+        Vec::new()
+    };
+    HostState {
+        hc,
+        hc_generation,
+        healthy_since,
+        outlier,
+    }
 }

@@ -21,7 +21,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::types::{self, Kind, Raw};
 use crate::live::ClusterStats;
-use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, LoadAssignment};
+use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, HostState, LoadAssignment};
 use crate::snapshot::listener::{ListenAddr, ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
 use crate::snapshot::sds::{SdsCluster, SdsRef, SdsSource};
@@ -66,6 +66,19 @@ pub struct Touched {
     pub health: BTreeSet<String>,
     /// Secret names a push carried: the clusters built from them are rebuilt.
     pub secrets: BTreeSet<String>,
+}
+
+/// The live state snapshot assembly needs, handed in by the commit point
+/// (`crate::xds::commit` implements it over the process's stats): assembling reads nothing
+/// live itself, so it is a function of the store, the serving snapshot and this.
+pub trait LiveClusters {
+    /// The cluster's counters and live state, kept across pushes by name.
+    fn stats(&self, cluster: &str) -> Arc<ClusterStats>;
+    /// A cluster with active health checks: the generation of its checker's results once
+    /// the first round for `def` is done, None while it is not (the cluster warms).
+    fn health_round(&self, cluster: &str, def: &Arc<ClusterDef>) -> Option<u64>;
+    /// What the live state says of the hosts a build of `def` over `endpoints` has.
+    fn hosts(&self, cluster: &str, def: &ClusterDef, endpoints: &LoadAssignment) -> HostState;
 }
 
 #[derive(Debug, Clone, Default)]
@@ -1041,15 +1054,11 @@ impl Store {
         }
     }
 
-    /// Builds the snapshot. Anything unchanged since `prev` is shared, not rebuilt. A cluster
+    /// Builds the snapshot from the store, the serving snapshot and what `live` says of the
+    /// clusters' hosts (the only live state it sees). Anything unchanged since `prev` is shared, not rebuilt. A cluster
     /// whose endpoints have not arrived, or a listener whose routes have not, is warming: the
     /// previous version keeps serving if there is one, otherwise it is not routable yet.
-    pub fn assemble(
-        &self,
-        prev: &Snapshot,
-        version: u64,
-        stats: &dyn Fn(&str) -> Arc<ClusterStats>,
-    ) -> Snapshot {
+    pub fn assemble(&self, prev: &Snapshot, version: u64, live: &dyn LiveClusters) -> Snapshot {
         let lookup = self.secret_lookup();
         let build = |name: &str, def: &Arc<ClusterDef>| {
             let mut endpoints = self.cluster_endpoints(name, def);
@@ -1090,13 +1099,13 @@ impl Store {
             // With health checks: warming until the first round is done, and rebuilt when a
             // check changes a host's health.
             let hc_generation = match &def.health_check {
-                Some(_) => {
-                    let s = stats(name);
-                    if !s.health.ready_for(def) {
+                Some(_) => match live.health_round(name, def) {
+                    Some(g) => g,
+                    None => {
                         endpoints = None;
+                        0
                     }
-                    s.health.generation()
-                }
+                },
                 None => 0,
             };
             match (endpoints, old, sockets) {
@@ -1108,12 +1117,16 @@ impl Store {
                 {
                     Some(old.clone())
                 }
-                (Some(eps), _, Some(sockets)) => Some(Arc::new(Cluster::with_sockets(
-                    def.clone(),
-                    eps,
-                    stats(name),
-                    sockets,
-                ))),
+                (Some(eps), _, Some(sockets)) => {
+                    let hosts = live.hosts(name, def, &eps);
+                    Some(Arc::new(Cluster::build(
+                        def.clone(),
+                        eps,
+                        live.stats(name),
+                        sockets,
+                        hosts,
+                    )))
+                }
                 (_, Some(old), _) => Some(old.clone()),
                 (_, None, _) => None,
             }

@@ -211,9 +211,11 @@ fn nack(s: &Store, kind: Kind, resources: &[Any]) -> Vec<String> {
 }
 
 fn snap(s: &Store, prev: &Snapshot) -> Snapshot {
-    s.assemble(prev, prev.version + 1, &|_| {
-        Arc::new(ClusterStats::default())
-    })
+    s.assemble(
+        prev,
+        prev.version + 1,
+        &crate::admin::stats::Stats::default(),
+    )
 }
 
 fn names<V: Clone>(t: &imbl::OrdMap<String, V>) -> Vec<&str> {
@@ -893,15 +895,25 @@ fn changed_cluster_definition_rebuilds_the_cluster() {
 #[test]
 fn stats_are_requested_only_for_new_clusters() {
     let s = full_store();
-    let calls = std::cell::RefCell::new(Vec::new());
-    let stats = |n: &str| {
-        calls.borrow_mut().push(n.to_string());
-        Arc::new(ClusterStats::default())
-    };
-    let first = s.assemble(&Snapshot::default(), 1, &stats);
-    assert_eq!(*calls.borrow(), ["c"]);
-    s.assemble(&first, 2, &stats);
-    assert_eq!(calls.borrow().len(), 1);
+    /// Fresh live state, recording which clusters assembly asked for.
+    struct Counting(std::cell::RefCell<Vec<String>>);
+    impl LiveClusters for Counting {
+        fn stats(&self, cluster: &str) -> Arc<ClusterStats> {
+            self.0.borrow_mut().push(cluster.to_string());
+            Arc::default()
+        }
+        fn health_round(&self, _: &str, _: &Arc<ClusterDef>) -> Option<u64> {
+            Some(0)
+        }
+        fn hosts(&self, _: &str, _: &ClusterDef, _: &LoadAssignment) -> HostState {
+            HostState::default()
+        }
+    }
+    let live = Counting(Default::default());
+    let first = s.assemble(&Snapshot::default(), 1, &live);
+    assert_eq!(*live.0.borrow(), ["c"]);
+    s.assemble(&first, 2, &live);
+    assert_eq!(live.0.borrow().len(), 1);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,198 @@
+//! Outlier detection's live state: each host's consecutive-error counts and ejection, shared
+//! by every build of its cluster (they survive EDS and CDS updates, as Envoy keeps a host's
+//! detector state while the host stays). Resolved per host when a cluster is built, so the
+//! request path only touches atomics. The config is translated in `snapshot::outlier`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The consecutive-error detectors' parameters (`Cluster.outlier_detection`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutlierConfig {
+    pub consecutive_5xx: u32,
+    pub enforcing_5xx: u32,
+    pub consecutive_gateway: u32,
+    pub enforcing_gateway: u32,
+    pub interval: Duration,
+    pub base_ejection: Duration,
+    pub max_ejection: Duration,
+    pub max_ejection_percent: u32,
+}
+
+/// One host's detector state, shared by every build of its cluster.
+#[derive(Debug, Default)]
+pub struct HostOutlier {
+    consecutive_5xx: AtomicU32,
+    consecutive_gateway: AtomicU32,
+    /// Milliseconds since [`epoch`] until which the host is out; 0 when it is not.
+    ejected_until: AtomicU64,
+    ejections: AtomicU32,
+}
+
+/// The cluster-wide part: every host's state by address, and how many are out.
+#[derive(Debug, Default)]
+pub struct OutlierHosts {
+    hosts: Mutex<HashMap<SocketAddr, Arc<HostOutlier>>>,
+    pub ejected: AtomicU32,
+    pub ejections_enforced_total: AtomicU64,
+    pub ejections_enforced_5xx: AtomicU64,
+    pub ejections_enforced_gateway: AtomicU64,
+    pub ejections_detected_5xx: AtomicU64,
+    pub ejections_detected_gateway: AtomicU64,
+    pub ejections_overflow: AtomicU64,
+}
+
+fn epoch() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+fn now_ms() -> u64 {
+    epoch().elapsed().as_millis() as u64 + 1
+}
+
+impl OutlierHosts {
+    /// The state of each of `addrs`, in order (cluster build time, not per request). Hosts no
+    /// longer in the cluster are forgotten, as Envoy forgets removed hosts.
+    pub fn resolve(&self, addrs: &[SocketAddr]) -> Vec<Arc<HostOutlier>> {
+        let mut map = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
+        let out: Vec<Arc<HostOutlier>> = addrs
+            .iter()
+            .map(|a| map.entry(*a).or_default().clone())
+            .collect();
+        map.retain(|a, _| addrs.contains(a));
+        let ejected = map
+            .values()
+            .filter(|h| h.ejected_until.load(Relaxed) != 0)
+            .count();
+        self.ejected.store(ejected as u32, Relaxed);
+        out
+    }
+}
+
+impl HostOutlier {
+    /// Whether the host is out now; an ejection that has run its time is lifted here.
+    pub fn is_ejected(&self, cluster: &OutlierHosts) -> bool {
+        let until = self.ejected_until.load(Relaxed);
+        if until == 0 {
+            return false;
+        }
+        if now_ms() < until {
+            return true;
+        }
+        if self
+            .ejected_until
+            .compare_exchange(until, 0, Relaxed, Relaxed)
+            .is_ok()
+        {
+            cluster.ejected.fetch_sub(1, Relaxed);
+        }
+        false
+    }
+
+    /// One upstream outcome (an HTTP status; 503 for a connect failure, 504 for a timeout).
+    pub fn record(&self, status: u16, cfg: &OutlierConfig, cluster: &OutlierHosts, hosts: usize) {
+        if !(500..600).contains(&status) {
+            self.consecutive_5xx.store(0, Relaxed);
+            self.consecutive_gateway.store(0, Relaxed);
+            return;
+        }
+        let n5 = self.consecutive_5xx.fetch_add(1, Relaxed) + 1;
+        let gateway = matches!(status, 502..=504);
+        let ng = if gateway {
+            self.consecutive_gateway.fetch_add(1, Relaxed) + 1
+        } else {
+            self.consecutive_gateway.store(0, Relaxed);
+            0
+        };
+        // Envoy checks the gateway detector first; each ejection resets both counters.
+        if gateway && cfg.consecutive_gateway > 0 && ng == cfg.consecutive_gateway {
+            cluster.ejections_detected_gateway.fetch_add(1, Relaxed);
+            if enforced(cfg.enforcing_gateway) && self.eject(cfg, cluster, hosts) {
+                cluster.ejections_enforced_gateway.fetch_add(1, Relaxed);
+            }
+        } else if cfg.consecutive_5xx > 0 && n5 == cfg.consecutive_5xx {
+            cluster.ejections_detected_5xx.fetch_add(1, Relaxed);
+            if enforced(cfg.enforcing_5xx) && self.eject(cfg, cluster, hosts) {
+                cluster.ejections_enforced_5xx.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    fn eject(&self, cfg: &OutlierConfig, cluster: &OutlierHosts, hosts: usize) -> bool {
+        if self.ejected_until.load(Relaxed) != 0 {
+            return false;
+        }
+        let out = cluster.ejected.load(Relaxed) as usize;
+        if hosts == 0 || out * 100 / hosts >= cfg.max_ejection_percent as usize {
+            cluster.ejections_overflow.fetch_add(1, Relaxed);
+            return false;
+        }
+        let n = self.ejections.fetch_add(1, Relaxed) + 1;
+        let time = cfg.base_ejection.saturating_mul(n).min(cfg.max_ejection);
+        // Envoy lifts ejections on its interval timer: a host comes back at the first tick
+        // after its time is up.
+        let interval = cfg.interval.as_millis().max(1) as u64;
+        let ms = (time.as_millis() as u64).div_ceil(interval) * interval;
+        self.ejected_until.store(now_ms() + ms, Relaxed);
+        self.consecutive_5xx.store(0, Relaxed);
+        self.consecutive_gateway.store(0, Relaxed);
+        cluster.ejected.fetch_add(1, Relaxed);
+        cluster.ejections_enforced_total.fetch_add(1, Relaxed);
+        true
+    }
+}
+
+fn enforced(percent: u32) -> bool {
+    percent >= 100 || (percent > 0 && fastrand::u32(..100) < percent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> OutlierConfig {
+        OutlierConfig {
+            consecutive_5xx: 3,
+            enforcing_5xx: 100,
+            consecutive_gateway: 5,
+            enforcing_gateway: 0,
+            interval: Duration::from_millis(10),
+            base_ejection: Duration::from_millis(50),
+            max_ejection: Duration::from_secs(300),
+            max_ejection_percent: 50,
+        }
+    }
+
+    #[test]
+    fn consecutive_errors_eject_for_a_while_and_successes_reset_the_count() {
+        let cluster = OutlierHosts::default();
+        let a: SocketAddr = "10.0.0.1:80".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:80".parse().unwrap();
+        let hosts = cluster.resolve(&[a, b]);
+        let c = cfg();
+        hosts[0].record(500, &c, &cluster, 2);
+        hosts[0].record(500, &c, &cluster, 2);
+        hosts[0].record(200, &c, &cluster, 2);
+        hosts[0].record(500, &c, &cluster, 2);
+        assert!(!hosts[0].is_ejected(&cluster));
+        hosts[0].record(503, &c, &cluster, 2);
+        hosts[0].record(500, &c, &cluster, 2);
+        assert!(hosts[0].is_ejected(&cluster));
+        // 50% of two hosts is out already: the other one stays in.
+        for _ in 0..3 {
+            hosts[1].record(500, &c, &cluster, 2);
+        }
+        assert!(!hosts[1].is_ejected(&cluster));
+        assert_eq!(cluster.ejections_overflow.load(Relaxed), 1);
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(!hosts[0].is_ejected(&cluster));
+        assert_eq!(cluster.ejected.load(Relaxed), 0);
+        // A rebuild keeps the state of hosts that stay.
+        let again = cluster.resolve(&[a]);
+        assert!(Arc::ptr_eq(&again[0], &hosts[0]));
+    }
+}
