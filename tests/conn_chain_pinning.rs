@@ -518,3 +518,59 @@ async fn an_idle_connection_on_a_changed_chain_is_closed_when_the_drain_ends() {
     assert_eq!(r.body_str(), "a");
     assert_ne!(r.header("connection"), Some("close"), "not drained");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_level_change_drains_every_chain_and_routes_still_reach_them() {
+    let s = two_chains(IMMEDIATE).await;
+    let port = s.mesh.port;
+    let mut on_a = H1 {
+        io: tls_connect(&s.pki, port, "a.example", &["http/1.1"]).await,
+    };
+    let mut on_b = H1 {
+        io: tls_connect(&s.pki, port, "b.example", &["http/1.1"]).await,
+    };
+    assert_eq!(on_a.get("a.example").await.expect("a").body_str(), "a");
+    assert_eq!(on_b.get("b.example").await.expect("b").body_str(), "b");
+
+    // The same chains; only the listener's own config changes (its buffer limit), which
+    // Envoy treats as a new listener rather than a filter-chain-only update.
+    let mut l = tls_listener(
+        port,
+        vec![
+            chain("a", "a.example", &s.a, Routes::Rds("route-a")),
+            chain("b", "b.example", &s.b, Routes::Rds("route-b")),
+        ],
+    );
+    l.per_connection_buffer_limit_bytes =
+        Some(envoy_types::pb::google::protobuf::UInt32Value { value: 1 << 20 });
+    s.mesh.ads.set_listeners("2", &[l]);
+    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    // A route push while the old connections drain reaches them too.
+    s.mesh.ads.set_routes(
+        "2",
+        &[
+            answering("route-a", "a2"),
+            answering("route-b", "b"),
+            answering("route-b2", "b2"),
+        ],
+    );
+    s.mesh.ads.wait_for_ack(RDS, "2", PROPAGATION).await;
+    wait_fresh(&s.pki, port, "a.example", "a2").await;
+
+    let r = on_a
+        .get("a.example")
+        .await
+        .expect("request on the draining connection");
+    assert_eq!(
+        (r.body_str(), r.header("connection")),
+        ("a2".to_string(), Some("close"))
+    );
+    let r = on_b
+        .get("b.example")
+        .await
+        .expect("request on the other draining connection");
+    assert_eq!(
+        (r.body_str(), r.header("connection")),
+        ("b".to_string(), Some("close"))
+    );
+}

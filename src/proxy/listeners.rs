@@ -111,6 +111,9 @@ pub struct ListenerManager {
     bound: HashMap<SocketAddr, std::net::TcpListener>,
     running: HashMap<String, Running>,
     drain: Drain,
+    /// Chains whose connections are draining, while any connection holds them: RDS pushes
+    /// still reach them, as Envoy's draining listeners keep their route providers.
+    draining: Vec<std::sync::Weak<PinnedChain>>,
 }
 
 impl ListenerManager {
@@ -131,6 +134,7 @@ impl ListenerManager {
             bound: HashMap::new(),
             running: HashMap::new(),
             drain: Drain::default(),
+            draining: Vec::new(),
         }
     }
 
@@ -175,6 +179,7 @@ impl ListenerManager {
     /// listener uses any more.
     pub fn reconcile(&mut self, snap: &Snapshot) {
         let (workers, drain) = (self.workers.clone(), self.drain);
+        let draining = &mut self.draining;
         self.running.retain(|name, r| {
             let keep = snap
                 .listeners
@@ -184,6 +189,7 @@ impl ListenerManager {
                 tracing::info!(listener = %name, addrs = ?r.addrs, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
                 for c in r.chains.drain(..) {
+                    draining.push(Arc::downgrade(&c.pinned));
                     c.stop(&workers, drain);
                 }
             }
@@ -267,6 +273,7 @@ impl ListenerManager {
                 },
             );
         }
+        self.refresh_draining(snap);
         // Last, so a listener replaced at the same address reuses the socket.
         let serving: Vec<SocketAddr> = self
             .running
@@ -304,6 +311,7 @@ impl ListenerManager {
             tracing::info!(listener = %name, chains = old.len(), "filter chains changed or removed; draining their connections");
         }
         for gone in old {
+            self.draining.push(Arc::downgrade(&gone.pinned));
             gone.stop(&self.workers, self.drain);
         }
         let Some(r) = self.running.get_mut(name) else {
@@ -314,6 +322,36 @@ impl ListenerManager {
         }
         r.chains = chains;
         r.listener = l.clone();
+    }
+
+    /// Draining chains that take their routes over RDS get the table `snap` has under that
+    /// name (from any chain serving it); chains no connection holds any more are forgotten.
+    fn refresh_draining(&mut self, snap: &Snapshot) {
+        use crate::snapshot::listener::RouteSource;
+        self.draining.retain(|weak| {
+            let Some(pinned) = weak.upgrade() else {
+                return false;
+            };
+            let Some(RouteSource::Rds(name)) = pinned.def.hcm().map(|h| &h.routes) else {
+                return true;
+            };
+            let current = snap
+                .listeners
+                .values()
+                .flat_map(|l| &l.chains)
+                .find(|c| matches!(c.def.hcm().map(|h| &h.routes), Some(RouteSource::Rds(n)) if n == name))
+                .map(|c| &c.routes);
+            let last = pinned.last.load();
+            if let Some(routes) = current.filter(|r| !Arc::ptr_eq(r, &last.routes)) {
+                pinned.last.store(Arc::new(ActiveChain {
+                    def: last.def.clone(),
+                    routes: routes.clone(),
+                    tls: last.tls.clone(),
+                    secrets: last.secrets.clone(),
+                }));
+            }
+            true
+        });
     }
 
     /// Everything a chain is served with, on every worker.

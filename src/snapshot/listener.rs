@@ -61,6 +61,10 @@ pub struct ListenerDef {
     /// internal connection it restores the local address from the `local` field of the
     /// `envoy.filters.listener.original_dst` metadata the connection carries.
     pub original_dst: bool,
+    /// The listener's own config: its proto without `filter_chains` and
+    /// `default_filter_chain`. When a push changes it, Envoy replaces the whole listener and
+    /// drains every connection; when only chains change, only theirs.
+    pub level: lpb::Listener,
 }
 
 /// One listening socket of a listener.
@@ -258,6 +262,11 @@ impl ListenerDef {
     /// connections accepted on it stay on it, and a request finds it in the next snapshot
     /// without comparing configs.
     pub fn keep_unchanged_chains(&mut self, prev: &ListenerDef) {
+        // Envoy updates filter chains in place only when nothing else of the listener changed
+        // (`ListenerMessageUtil::filterChainOnlyChange`); otherwise every chain is new.
+        if self.level != prev.level {
+            return;
+        }
         for chain in &mut self.chains {
             if let Some(same) = prev
                 .chains
@@ -612,6 +621,11 @@ impl ListenerDef {
             }
         };
         Ok(ListenerDef {
+            level: lpb::Listener {
+                filter_chains: Vec::new(),
+                default_filter_chain: None,
+                ..l.clone()
+            },
             name: l.name.clone(),
             addr,
             binds,

@@ -1816,4 +1816,22 @@ fn a_push_keeps_the_identity_of_unchanged_chains_wherever_they_move() {
     let mut moved = ok(&l);
     moved.keep_unchanged_chains(&next);
     assert!(!Arc::ptr_eq(&moved.chains[1], &next.chains[1]));
+    // A change to the listener itself (here its per-connection buffer limit) replaces every
+    // chain, as Envoy replaces the whole listener.
+    l.per_connection_buffer_limit_bytes =
+        Some(envoy_types::pb::google::protobuf::UInt32Value { value: 65536 });
+    let mut relimited = ok(&l);
+    relimited.keep_unchanged_chains(&moved);
+    assert!(!relimited
+        .chains
+        .iter()
+        .any(|c| moved.chains.iter().any(|p| Arc::ptr_eq(c, p))));
+    // Unchanged again: everything is kept.
+    let mut same = ok(&l);
+    same.keep_unchanged_chains(&relimited);
+    assert!(same
+        .chains
+        .iter()
+        .zip(&relimited.chains)
+        .all(|(a, b)| Arc::ptr_eq(a, b)));
 }
