@@ -27,11 +27,19 @@ use std::time::{Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 
+/// The serving config: the snapshot requests read, and the store it was assembled from (what
+/// `/config_dump` shows). Swapped as one at the commit point (`xds::commit`), so no reader
+/// sees the snapshot of one push with the store of another.
+#[derive(Debug, Default)]
+pub struct Serving {
+    pub snapshot: std::sync::Arc<snapshot::Snapshot>,
+    pub store: std::sync::Arc<xds::store::Store>,
+}
+
 /// What the data path and the admin endpoint share with the control side.
 #[derive(Debug)]
 pub struct State {
-    pub snapshot: ArcSwap<snapshot::Snapshot>,
-    pub store: ArcSwap<xds::store::Store>,
+    pub serving: ArcSwap<Serving>,
     pub stats: admin::stats::Stats,
     /// True once every subscribed xDS type was accepted once; never goes back.
     pub ready: AtomicBool,
@@ -45,14 +53,18 @@ impl State {
         bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>,
     ) -> State {
         State {
-            snapshot: ArcSwap::from_pointee(snapshot::Snapshot::default()),
-            store: ArcSwap::from_pointee(xds::store::Store::default()),
+            serving: ArcSwap::from_pointee(Serving::default()),
             stats: admin::stats::Stats::new(),
             ready: AtomicBool::new(false),
             bootstrap,
             started: Instant::now(),
             started_at: SystemTime::now(),
         }
+    }
+
+    /// The serving snapshot (one atomic load and a reference count).
+    pub fn snapshot(&self) -> std::sync::Arc<snapshot::Snapshot> {
+        self.serving.load().snapshot.clone()
     }
 
     pub fn bootstrap_node_json(&self) -> serde_json::Value {

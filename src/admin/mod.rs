@@ -67,7 +67,7 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
             }
         }
         "/stats/prometheus" => {
-            let snap = state.snapshot.load_full();
+            let snap = state.snapshot();
             // Envoy lists a configured limiter's counters before its first request: bind the
             // serving chains' limiters to theirs (routes' overrides bind on first use).
             for l in snap.listeners.values() {
@@ -121,7 +121,7 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
 /// Envoy's `/listeners`: one `name::address` line per listening address, the listener's
 /// `address` first, then its `additional_addresses`.
 fn listeners_text(state: &State) -> String {
-    let store = state.store.load_full();
+    let store = state.serving.load().store.clone();
     let mut out = String::new();
     for (name, item) in store.listeners.iter() {
         for b in &item.value.binds {
@@ -133,7 +133,7 @@ fn listeners_text(state: &State) -> String {
 
 /// `/listeners?format=json`: Envoy's `admin.v3.Listeners`.
 fn listeners_json(state: &State) -> String {
-    let store = state.store.load_full();
+    let store = state.serving.load().store.clone();
     let addr = |a: &std::net::SocketAddr| serde_json::json!({"socket_address": {"address": a.ip().to_string(), "port_value": a.port()}});
     let statuses: Vec<serde_json::Value> = store
         .listeners
@@ -159,7 +159,7 @@ fn listeners_json(state: &State) -> String {
 
 /// Envoy's `/clusters` text format: one `cluster::host::stat::value` line per fact.
 fn clusters(state: &State) -> String {
-    let snap = state.snapshot.load_full();
+    let snap = state.snapshot();
     let mut names: Vec<_> = snap.clusters.keys().collect();
     names.sort();
     let mut out = String::new();
@@ -280,8 +280,8 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
     use serde_json::json;
     // Held for the whole dump, so each resource reuses one decoded descriptor pool.
     let _pool = crate::protojson::pool().map_err(|e| e.to_string())?;
-    let store = state.store.load_full();
-    let snap = state.snapshot.load_full();
+    let serving = state.serving.load_full();
+    let (store, snap) = (&serving.store, &serving.snapshot);
     let version = |k| store.versions.get(&k).cloned().unwrap_or_default();
     let mut configs = Vec::new();
     if let Some(b) = &state.bootstrap {
@@ -313,7 +313,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
         }
     }
     // Refused clusters that have no good version: their error alone.
-    dynamic_clusters.extend(refused_only(&store, Kind::Cluster, |n| {
+    dynamic_clusters.extend(refused_only(store, Kind::Cluster, |n| {
         store.clusters.contains_key(n)
     }));
     configs.push(json!({
@@ -381,7 +381,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
             entry
         })
         .collect();
-    routes.extend(refused_only(&store, Kind::Route, |n| {
+    routes.extend(refused_only(store, Kind::Route, |n| {
         store.routes.contains_key(n)
     }));
     configs.push(json!({
@@ -479,7 +479,7 @@ pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value
                 entry
             })
             .collect();
-        eps.extend(refused_only(&store, Kind::Endpoint, |n| {
+        eps.extend(refused_only(store, Kind::Endpoint, |n| {
             store.endpoints.contains_key(n)
         }));
         configs.push(json!({

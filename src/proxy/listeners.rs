@@ -569,7 +569,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
         ChainStats::Http(s) => s,
         ChainStats::Tcp(s) => {
             if let Some(proxy) = active.def.tcp() {
-                let snap = conns.state.snapshot.load_full();
+                let snap = conns.state.snapshot();
                 // Closed when the drain time of its chain (or listener) is over.
                 let close = server.signals.close.subscribe();
                 match &active.tls {

@@ -1307,7 +1307,7 @@ impl ProxyHttp for Gateway {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         self.hcm_stats.start();
         ctx.counted_active = true;
-        let snap = self.state.snapshot.load_full();
+        let snap = self.state.snapshot();
         // The connection's own chain, whatever later pushes did to the listener's others.
         let listener = self.chain.in_snapshot(&snap);
         ctx.snapshot = Some(snap.clone());

@@ -1,7 +1,7 @@
 //! The one commit point: a push the store accepted (resource by resource) becomes the serving
 //! config here. `ConfigWorker::commit` binds what new listeners need, assembles the snapshot
-//! against the serving one, swaps it in (one `ArcSwap` store that the request path and
-//! `/config_dump` read), then hands it to the listener manager, the health checkers and the
+//! against the serving one, swaps it in together with the store it came from (one `ArcSwap`
+//! store of `crate::Serving`, which the request path and `/config_dump` read), then hands it to the listener manager, the health checkers and the
 //! SDS streams. The ADS and SDS streams only ever reach the serving config through here.
 
 use std::collections::BTreeMap;
@@ -97,11 +97,9 @@ impl ConfigWorker {
             return Err(failed.into_iter().map(|(_, e)| e).collect());
         }
         self.version += 1;
-        let prev = self.state.snapshot.load_full();
+        let prev = self.state.snapshot();
         let stats = &self.state.stats;
         let snap = Arc::new(next.assemble(&prev, self.version, stats));
-        self.state.snapshot.store(snap.clone());
-        self.listeners.reconcile(&snap);
         let mut next = next;
         let all_clusters = next.touched.all_clusters;
         // Which SDS secrets are wanted only changes with listeners or clusters: an EDS push
@@ -113,7 +111,11 @@ impl ConfigWorker {
         // The snapshot now reflects every change; the next commit starts from it.
         next.touched = Default::default();
         self.store = Arc::new(next);
-        self.state.store.store(self.store.clone());
+        self.state.serving.store(Arc::new(crate::Serving {
+            snapshot: snap.clone(),
+            store: self.store.clone(),
+        }));
+        self.listeners.reconcile(&snap);
         // Checked clusters only come with a cluster push; an endpoint push matters only when
         // some cluster is checked (this keeps a one-endpoint change off a walk of every cluster).
         if all_clusters || self.health.is_checking() {
