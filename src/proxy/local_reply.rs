@@ -10,7 +10,8 @@ use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::upstream::{TimeoutKind, OVERFLOW};
+use super::timeouts::TimeoutKind;
+use super::upstream::OVERFLOW;
 use super::{filter_response_headers, hbone, Ctx, Gateway};
 use crate::filters::{self, LocalReply};
 

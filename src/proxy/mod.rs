@@ -1,29 +1,32 @@
 //! The HTTP request path: a pingora `ProxyHttp` whose hooks run Envoy's HTTP connection
 //! manager and router as a pipeline of phases, on one snapshot per request.
 //!
-//! A request goes through, in order (pingora hook, then the phase's module):
+//! A request goes through these phases, in order (the pingora hook that runs each, and the
+//! module that holds it):
 //!
-//! 1. `request_filter` ([`Gateway::begin`], here): loads the snapshot, the one the request uses
+//! 1. `request_filter`, `Gateway::begin` here: loads the snapshot, the one the request uses
 //!    from its first filter to its last retry and for its mirrors (`Ctx::snapshot`), and finds
 //!    in it the filter chain the connection was accepted on (`PinnedChain`).
-//! 2. `request_filter`, [`downstream`]: the codec's refusals, header names, path
-//!    normalization, `x-forwarded-proto`, `require_tls`, XFCC; then upgrades once routed.
-//! 3. `request_filter`, [`routing`]: route match (`router::route`) and the weighted-cluster pick.
-//! 4. `request_filter`, the HTTP filters: `filters::run` runs the connection manager's
-//!    `http_filters` in chain order; each filter lives in `src/filters/` (a new one goes
-//!    there and in its registry, not here). The router is the terminal filter: what follows.
-//! 5. `request_filter`, [`routing`]: the route's action: direct response, redirect, or forward
-//!    with its rewrites, retry policy and headers; [`upstream`] picks the cluster's host,
-//!    [`mirror`] the mirror clusters; [`downstream`] sets the connection manager's request
-//!    headers and [`upstream`] the timeouts.
-//! 6. `upstream_peer`, `connected_to_upstream`, `upstream_request_filter` ([`upstream`]): the
-//!    attempt's host (a new one on a retry), its connection and circuit breakers, the upstream
-//!    request's headers ([`routing`] applies the rewrites); the request body goes to mirrors.
-//! 7. `upstream_response_filter`, `error_while_proxy`, `fail_to_connect` ([`upstream`]): the
-//!    outcome per host and whether to retry; `response_filter`: the response headers.
-//! 8. `fail_to_proxy` ([`local_reply`]): Envoy's reply for a failed request. Every phase that
-//!    answers itself does so through [`local_reply`] (HTTP, or trailers-only gRPC).
-//! 9. `logging` (here): releases what the request held (stats, slots, active counts).
+//! 2. `request_filter`, `downstream`: the codec's refusals, header names, path normalization,
+//!    `x-forwarded-proto`, `require_tls`, XFCC; upgrades once the route is known.
+//! 3. `request_filter`, `routing`: route match (`router::route`), weighted-cluster pick.
+//! 4. `request_filter`: the HTTP filters. `filters::run` runs the connection manager's
+//!    `http_filters` in chain order; each lives in `src/filters/`, and a new filter goes there
+//!    (its module and a registry line), not here. The router is the terminal filter:
+//! 5. `request_filter`, `routing`: the route's action (direct response, redirect, or forward
+//!    with its rewrites, retry policy and headers); `upstream` chooses the cluster's host,
+//!    `mirror` the mirror clusters; `downstream` sets the connection manager's request
+//!    headers and `timeouts` the request's timers.
+//! 6. `upstream_peer`, `connected_to_upstream`, `upstream_request_filter`: `upstream` picks
+//!    each attempt's connection (a new host on a retry, from `retries`) and writes the
+//!    upstream request's headers (`routing` applies the rewrites); `request_body_filter`
+//!    copies the body for `mirror`.
+//! 7. `upstream_response_filter`, `error_while_proxy`, `fail_to_connect`: `retries` records
+//!    each attempt's outcome and decides whether to try again; `response_filter`:
+//!    `upstream` writes the response headers.
+//! 8. `fail_to_proxy`: `local_reply` answers a request that failed upstream. Every phase
+//!    that answers itself goes through `local_reply` (HTTP, or trailers-only gRPC).
+//! 9. `logging`, here: releases what the request held (slots, active counts, stats).
 //!
 //! The other modules serve connections: `listeners` (runtime listeners, filter chain
 //! selection, drains), `tls`, `client_cert`, `proxy_protocol`, `tcp` (tcp_proxy), `hbone`
@@ -38,8 +41,10 @@ mod local_reply;
 mod mirror;
 mod normalize;
 pub mod proxy_protocol;
+mod retries;
 mod routing;
 pub mod tcp;
+mod timeouts;
 pub mod tls;
 mod upgrade;
 mod upstream;
@@ -163,7 +168,7 @@ pub struct Ctx {
     /// The stream idle timeout (route `idle_timeout`, else the connection manager's).
     idle: Option<std::time::Duration>,
     /// Which timeout bounds the current attempt's wait for the upstream.
-    timeout_kind: upstream::TimeoutKind,
+    timeout_kind: timeouts::TimeoutKind,
     /// This request is the last its upstream connection may carry
     /// (`max_requests_per_connection`).
     close_upstream: bool,
@@ -246,12 +251,14 @@ impl ProxyHttp for Gateway {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let listener = self.begin(session, ctx);
+        // Downstream, then routing, then the HTTP filters, then the router (module comment).
         if self.downstream_checks(session, ctx, &listener).await? {
             return Ok(true);
         }
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = downstream::expects_continue(session.req_header());
+        // The route and its weighted-cluster pick, before any filter runs.
         let host = downstream::authority(session, &listener);
         let view = routing::request_view(session.req_header(), &host);
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
@@ -277,7 +284,7 @@ impl ProxyHttp for Gateway {
         {
             return self.filter_reply(session, ctx, reply).await;
         }
-        // The router.
+        // The router: the route's action; a forward gets its host, mirrors, headers and timers.
         let Some(route) = matched else {
             self.hcm_stats.no_route.fetch_add(1, Relaxed);
             return self.local_reply(session, ctx, 404, None, &[]).await;
@@ -307,7 +314,7 @@ impl ProxyHttp for Gateway {
         routing::forward(session, ctx, &listener, route, fwd);
         mirror::choose_targets(session, ctx, fwd);
         downstream::request_headers(session, hcm, expect_continue).await?;
-        upstream::arm_timers(session, ctx, fwd, hcm)?;
+        timeouts::arm_timers(session, ctx, fwd, hcm)?;
         routing::request_headers(session, ctx, route, entry, &fmt)?;
         Ok(false)
     }

@@ -1,8 +1,8 @@
-//! Upstream: choosing the host and its connection (circuit breakers, TLS, internal
-//! listeners, keepalive, `max_requests_per_connection`), retries, the request's timeouts, and
-//! the upstream request and response headers. pingora calls these through `upstream_peer`,
-//! `connected_to_upstream`, `upstream_request_filter`, `upstream_response_filter`,
-//! `error_while_proxy`, `fail_to_connect` and `response_filter`.
+//! Upstream: choosing the host (`choose_host` when routed, `choose_peer` for each attempt) and
+//! its connection (circuit breakers, TLS, internal listeners, bind address, keepalive,
+//! `max_requests_per_connection`), and the upstream request and response headers. pingora calls
+//! these through `upstream_peer`, `connected_to_upstream`, `upstream_request_filter` and
+//! `response_filter`; retries are in `retries`, timeouts in `timeouts`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -10,202 +10,19 @@ use std::time::Instant;
 
 use http::header::HeaderName;
 use pingora_core::upstreams::peer::HttpPeer;
-use pingora_error::{Error, ErrorSource, ErrorType, Result};
+use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
 use super::downstream::{strip_request, strip_response};
+use super::timeouts::TimeoutKind;
 use super::{filter_response_headers, hbone, upgrade, upstream_tls, Ctx, Gateway};
-use crate::snapshot::retry::{Failure, RetryPolicy};
 use crate::snapshot::route::Forward;
 
-/// The timeouts that can end a wait for the upstream, each answered as Envoy answers it.
-#[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum TimeoutKind {
-    #[default]
-    Route,
-    PerTry,
-    /// The stream's maximum duration: 504 `downstream duration timeout`.
-    Stream,
-    /// The stream idle timeout: 504 `stream timeout`.
-    Idle,
-}
-
-static X_UPSTREAM_RQ_TIMEOUT: HeaderName =
-    HeaderName::from_static("x-envoy-upstream-rq-timeout-ms");
-static X_UPSTREAM_PER_TRY_TIMEOUT: HeaderName =
-    HeaderName::from_static("x-envoy-upstream-rq-per-try-timeout-ms");
-static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
-static X_EXPECTED_TIMEOUT: HeaderName = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
 static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
 static X_ATTEMPT_COUNT: HeaderName = HeaderName::from_static("x-envoy-attempt-count");
 /// A circuit breaker overflowed: Envoy's `reset reason: overflow`.
 pub(super) const OVERFLOW: ErrorType = ErrorType::Custom("upstream overflow");
-
-/// A `grpc-timeout` value (gRPC's HTTP/2 spec: up to 8 digits and a unit), as Envoy reads it.
-fn parse_grpc_timeout(v: &http::HeaderValue) -> Option<std::time::Duration> {
-    use std::time::Duration;
-    let v = v.as_bytes();
-    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
-    Some(match unit {
-        b"H" => Duration::from_secs(n * 3600),
-        b"M" => Duration::from_secs(n * 60),
-        b"S" => Duration::from_secs(n),
-        b"m" => Duration::from_millis(n),
-        // Envoy works in whole milliseconds and rounds smaller units up.
-        b"u" => Duration::from_millis(n.div_ceil(1000)),
-        b"n" => Duration::from_millis(n.div_ceil(1_000_000)),
-        _ => return None,
-    })
-}
-
-/// Envoy's `grpc-timeout` form: milliseconds, or a larger unit when it would not fit 8 digits.
-fn grpc_timeout_value(d: std::time::Duration) -> String {
-    const MAX: u128 = 99_999_999;
-    let mut t = d.as_millis();
-    for (unit, next) in [('m', 1000), ('S', 60), ('M', 60)] {
-        if t <= MAX {
-            return format!("{t}{unit}");
-        }
-        t /= next;
-    }
-    format!("{}H", t.min(MAX))
-}
-
-/// A non-negative integer header (Envoy's `SimpleAtoi`), in milliseconds.
-fn header_ms(req: &RequestHeader, name: &HeaderName) -> Option<Option<std::time::Duration>> {
-    let v = req.headers.get(name)?;
-    Some(
-        v.to_str()
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .map(std::time::Duration::from_millis),
-    )
-}
-
-/// Envoy's timeouts for a routed request: the router's (`finalTimeout`: route timeout or the
-/// gRPC header under `max_grpc_timeout`, `x-envoy-upstream-rq-timeout-ms`, per-try timeout)
-/// and the connection manager's stream timers (`max_stream_duration`, `grpc-timeout` under
-/// `grpc_timeout_header_max`, stream idle timeout). Control headers are consumed here; they
-/// are only still present on internal requests.
-fn set_timeouts(
-    ctx: &mut Ctx,
-    req: &mut RequestHeader,
-    fwd: &Forward,
-    hcm: &crate::snapshot::listener::Hcm,
-) -> Result<()> {
-    use std::time::Duration;
-    let now = Instant::now();
-    let t = &fwd.timeouts;
-    let grpc_header = if ctx.grpc_request {
-        req.headers.get(&GRPC_TIMEOUT).and_then(parse_grpc_timeout)
-    } else {
-        None
-    };
-    let legacy_grpc = t.max_stream.is_none() && ctx.grpc_request && t.max_grpc.is_some();
-    // With max_stream_duration on the route, Envoy's "new timeouts" leave no route timeout.
-    let mut global = match (&t.max_stream, t.max_grpc) {
-        (Some(_), _) => None,
-        (None, Some(max)) if ctx.grpc_request => {
-            let mut g = grpc_header.unwrap_or(Duration::ZERO);
-            if let Some(off) = t.grpc_offset.filter(|off| *off < g) {
-                g -= off;
-            }
-            if !max.is_zero() && (g.is_zero() || g > max) {
-                g = max;
-            }
-            Some(g)
-        }
-        _ => fwd.timeout,
-    }
-    .filter(|d| !d.is_zero());
-    if let Some(v) = header_ms(req, &X_UPSTREAM_RQ_TIMEOUT) {
-        if let Some(ms) = v {
-            global = (!ms.is_zero()).then_some(ms);
-        }
-        req.remove_header(&X_UPSTREAM_RQ_TIMEOUT);
-    }
-    let mut per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
-    if let Some(v) = header_ms(req, &X_UPSTREAM_PER_TRY_TIMEOUT) {
-        if let Some(ms) = v {
-            per_try = Some(ms);
-        }
-        req.remove_header(&X_UPSTREAM_PER_TRY_TIMEOUT);
-    }
-    // A per-try timeout as long as the whole one means nothing.
-    per_try = per_try.filter(|p| !p.is_zero() && global.is_none_or(|g| *p < g));
-    ctx.timeout = global;
-    ctx.deadline = global.map(|g| now + g);
-    ctx.per_try = per_try;
-    match per_try.or(global) {
-        Some(expected) => {
-            req.insert_header(X_EXPECTED_TIMEOUT.clone(), expected.as_millis().to_string())?;
-            if legacy_grpc {
-                req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(expected))?;
-            }
-        }
-        None => {
-            req.remove_header(&X_EXPECTED_TIMEOUT);
-        }
-    }
-    let header_max = t.max_stream.as_ref().and_then(|m| m.grpc_header_max);
-    let stream = match (grpc_header, header_max) {
-        (Some(mut d), Some(max)) => {
-            if !max.is_zero() && d > max {
-                d = max;
-            }
-            if let Some(off) = t.max_stream.as_ref().and_then(|m| m.grpc_header_offset) {
-                if !d.is_zero() {
-                    d = d.saturating_sub(off);
-                }
-            }
-            Some(d)
-        }
-        _ => match t.max_stream.as_ref().and_then(|m| m.duration) {
-            Some(route) => route,
-            None => hcm.max_stream_duration,
-        },
-    };
-    if let (Some(d), true) = (stream, t.max_stream.is_some() && ctx.grpc_request) {
-        req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(d))?;
-    }
-    ctx.stream_deadline = stream.map(|d| now + d);
-    ctx.idle = match t.idle {
-        Some(route) => route,
-        None => hcm.stream_idle_timeout,
-    };
-    Ok(())
-}
-
-/// The request's timers once it is routed (`set_timeouts`). An upgrade's differ: Envoy arms
-/// the route and per-try timeouts when the request ends, which an upgrade request never does;
-/// nor does it retry a request still streaming. The stream idle timeout (and
-/// max_stream_duration) still bound it, both ways.
-pub(super) fn arm_timers(
-    session: &mut Session,
-    ctx: &mut Ctx,
-    fwd: &Forward,
-    hcm: &crate::snapshot::listener::Hcm,
-) -> Result<()> {
-    // Envoy announces the per-try timeout when there is one, else the route's.
-    set_timeouts(ctx, session.req_header_mut(), fwd, hcm)?;
-    if ctx.upgrade {
-        ctx.timeout = None;
-        ctx.deadline = None;
-        ctx.per_try = None;
-        ctx.retry = None;
-        // pingora's 60 s body-read default would cut a quiet client of the tunnel; Envoy
-        // leaves it to the stream idle timeout.
-        if let pingora_core::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
-            h1.set_read_timeout(ctx.idle);
-        }
-    }
-    Ok(())
-}
 
 thread_local! {
     /// Requests carried so far per upstream connection of this worker, by socket. Each worker
@@ -310,43 +127,6 @@ impl Gateway {
         Ok(false)
     }
 
-    /// Whether the request may be tried again under `policy`, counting Envoy's retry stats:
-    /// retries left, the cluster's concurrent-retry circuit breaker, a body that can be
-    /// resent (pingora buffers it up to its retry buffer size), and time left.
-    fn may_retry(&self, session: &Session, ctx: &mut Ctx, policy: &RetryPolicy) -> bool {
-        let Some(cluster) = ctx.cluster.clone() else {
-            return false;
-        };
-        if ctx.attempts > policy.num_retries {
-            cluster.stats.rq_retry_limit_exceeded.fetch_add(1, Relaxed);
-            return false;
-        }
-        if session.as_ref().retry_buffer_truncated() {
-            return false;
-        }
-        if ctx.deadline.is_some_and(|d| Instant::now() >= d) {
-            return false;
-        }
-        if !ctx.retry_slot {
-            let active = cluster.stats.retry_active.fetch_add(1, Relaxed);
-            let max = match &cluster.def.retry_budget {
-                Some(b) => b.max(
-                    cluster.stats.rq_active.load(Relaxed)
-                        + cluster.stats.rq_pending_active.load(Relaxed),
-                ),
-                None => u64::from(cluster.def.max_retries),
-            };
-            if active >= max {
-                cluster.stats.retry_active.fetch_sub(1, Relaxed);
-                cluster.stats.rq_retry_overflow.fetch_add(1, Relaxed);
-                return false;
-            }
-            ctx.retry_slot = true;
-        }
-        cluster.stats.rq_retry.fetch_add(1, Relaxed);
-        true
-    }
-
     /// The cluster's circuit breakers, as Envoy's connection pool applies them: over
     /// `max_requests` active requests, or with every `max_connections` slot busy and
     /// `max_pending_requests` already waiting, the request overflows (503,
@@ -414,56 +194,6 @@ impl Gateway {
         }
         ctx.cx_slot = taken.is_ok();
         taken
-    }
-
-    /// Before a retry: Envoy's back-off, then a host of the same cluster, avoiding the hosts
-    /// already tried when the policy has the previous_hosts predicate.
-    async fn next_attempt(&self, ctx: &mut Ctx) -> Result<()> {
-        let (Some(policy), Some(cluster)) = (ctx.retry.clone(), ctx.cluster.clone()) else {
-            return Ok(());
-        };
-        let wait = policy.backoff(ctx.attempts - 1, fastrand::u64(..));
-        if !wait.is_zero() {
-            tokio::time::sleep(wait).await;
-        }
-        if cluster.def.original_dst.is_some() {
-            // The request still names the same host: Envoy's retry asks the original-dst
-            // balancer again and gets it back, whatever the retry host predicates say.
-            cluster.stats.start();
-            return Ok(());
-        }
-        ctx.tried.push(ctx.host_index);
-        // A hashing cluster keeps the request's hash (a new random one without it) and, as
-        // Envoy, walks the ring or flips the table hash for each host the predicate refuses.
-        let hash = cluster
-            .hashes()
-            .then(|| ctx.request_hash.unwrap_or_else(|| fastrand::u64(..)));
-        let choose = |attempt: u32| match hash {
-            Some(h) => cluster.pick_hashed_attempt(Some(h), attempt),
-            None => cluster.pick(),
-        };
-        let mut pick = choose(0);
-        if policy.previous_hosts {
-            for attempt in 1..=policy.host_selection_attempts {
-                match pick {
-                    Some((i, _)) if ctx.tried.contains(&i) => pick = choose(attempt),
-                    _ => break,
-                }
-            }
-        }
-        let Some((idx, addr)) = pick else {
-            return Error::e_explain(
-                ErrorType::ConnectNoRoute,
-                "no healthy upstream for the retry",
-            );
-        };
-        cluster.active[ctx.host_index].fetch_sub(1, Relaxed);
-        cluster.active[idx].fetch_add(1, Relaxed);
-        ctx.host_index = idx;
-        ctx.peer = Some(addr);
-        // Envoy counts every attempt as an upstream request.
-        cluster.stats.start();
-        Ok(())
     }
 
     /// pingora's `upstream_peer`: the attempt's host (a new one on a retry), its connection
@@ -567,133 +297,6 @@ impl Gateway {
             peer.options.tcp_keepalive = Some(tcp_keepalive(k));
         }
         Ok(Box::new(peer))
-    }
-
-    /// pingora's `upstream_response_filter`: the host's outcome (outlier detection, passive
-    /// health checks), and whether the retry policy tries again for this answer.
-    pub(super) fn upstream_response(
-        &self,
-        session: &mut Session,
-        resp: &ResponseHeader,
-        ctx: &mut Ctx,
-    ) -> Result<()> {
-        let status = resp.status.as_u16();
-        if let Some(c) = &ctx.cluster {
-            c.record_outcome(ctx.host_index, status);
-            // Envoy's passive health check: the upstream asks to be taken out now.
-            if !c.hc.is_empty()
-                && resp
-                    .headers
-                    .contains_key("x-envoy-immediate-health-check-fail")
-            {
-                if let Some(h) = c.endpoints.hosts.get(ctx.host_index) {
-                    c.stats.health.passive_failure(&h.addr);
-                }
-            }
-        }
-        let Some(policy) = ctx.retry.clone() else {
-            return Ok(());
-        };
-        let grpc_status = resp
-            .headers
-            .get("grpc-status")
-            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok());
-        // Envoy never retries an answer that says the upstream is overloaded or rate limited.
-        let refused = resp.headers.contains_key("x-envoy-overloaded")
-            || resp.headers.contains_key("x-envoy-ratelimited");
-        if refused || !policy.retries_status(status, grpc_status) {
-            if ctx.attempts > 1 {
-                if let Some(c) = &ctx.cluster {
-                    c.stats.rq_retry_success.fetch_add(1, Relaxed);
-                }
-            }
-            return Ok(());
-        }
-        if !self.may_retry(session, ctx, &policy) {
-            return Ok(());
-        }
-        // This attempt's answer is counted now; the client will see the next one.
-        if let Some(c) = &ctx.cluster {
-            c.stats.record_code(status);
-        }
-        ctx.retrying = true;
-        Error::e_explain(
-            ErrorType::Custom("retriable upstream response"),
-            format!("upstream answered {status}, retrying"),
-        )
-    }
-
-    /// pingora's `error_while_proxy`: the host's outcome, and whether to retry after a reset or
-    /// a per-try timeout.
-    pub(super) fn upstream_error(
-        &self,
-        peer: &HttpPeer,
-        session: &mut Session,
-        e: Box<Error>,
-        ctx: &mut Ctx,
-    ) -> Box<Error> {
-        let mut e = e.more_context(format!("Peer: {peer}"));
-        if std::mem::take(&mut ctx.retrying) {
-            e.set_retry(true);
-            return e;
-        }
-        let upstream = e.esource() == &ErrorSource::Upstream;
-        let timed_out = matches!(
-            e.etype(),
-            ErrorType::ReadTimedout | ErrorType::WriteTimedout
-        );
-        let per_try = timed_out && ctx.timeout_kind == TimeoutKind::PerTry;
-        if per_try {
-            if let Some(c) = &ctx.cluster {
-                c.stats.rq_per_try_timeout.fetch_add(1, Relaxed);
-            }
-        }
-        if upstream && session.response_written().is_none() {
-            if let Some(c) = &ctx.cluster {
-                // Timeouts count as 504, resets and broken connections as 503.
-                c.record_outcome(ctx.host_index, if timed_out { 504 } else { 503 });
-            }
-        }
-        // A reset, a broken connection or a per-try timeout before the response started.
-        let retry = (per_try || upstream && !timed_out)
-            && session.response_written().is_none()
-            && ctx.retry.clone().is_some_and(|p| {
-                p.retries_failure(Failure::Reset) && self.may_retry(session, ctx, &p)
-            });
-        e.set_retry(retry);
-        e
-    }
-
-    /// pingora's `fail_to_connect`: the host's outcome, and whether to retry.
-    pub(super) fn connect_failed(
-        &self,
-        session: &mut Session,
-        ctx: &mut Ctx,
-        mut e: Box<Error>,
-    ) -> Box<Error> {
-        // A failed HBONE tunnel is, to Envoy's router, an internal connection that came up and
-        // then closed before any response: a reset, not a connect failure (the tunnel's own
-        // cluster counts the failed connect).
-        let tunnel = *e.etype() == hbone::TUNNEL_FAILURE;
-        if let Some(c) = &ctx.cluster {
-            if !tunnel {
-                c.stats.cx_connect_fail.fetch_add(1, Relaxed);
-            }
-            // A local-origin failure counts as a 503 for outlier detection, as in Envoy.
-            c.record_outcome(ctx.host_index, 503);
-        }
-        let failure = if tunnel {
-            Failure::Reset
-        } else {
-            Failure::ConnectFailure
-        };
-        // Envoy retries only when a retry policy says so.
-        let retry = ctx
-            .retry
-            .clone()
-            .is_some_and(|p| p.retries_failure(failure) && self.may_retry(session, ctx, &p));
-        e.set_retry(retry);
-        e
     }
 }
 
@@ -813,30 +416,4 @@ pub(super) fn response_headers(
         resp.append_header(http::header::SET_COOKIE, c)?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_timeouts_parse_and_format_as_envoy() {
-        let v = |s: &'static str| parse_grpc_timeout(&http::HeaderValue::from_static(s));
-        let ms = std::time::Duration::from_millis;
-        assert_eq!(v("300m"), Some(ms(300)));
-        assert_eq!(v("2S"), Some(ms(2000)));
-        assert_eq!(v("1M"), Some(ms(60_000)));
-        assert_eq!(v("1H"), Some(ms(3_600_000)));
-        assert_eq!(v("1500u"), Some(ms(2)), "sub-millisecond units round up");
-        assert_eq!(v("1n"), Some(ms(1)));
-        for bad in ["", "m", "10", "123456789m", "1x", "-1m", "1.5S"] {
-            assert_eq!(v(bad), None, "{bad}");
-        }
-        assert_eq!(grpc_timeout_value(ms(400)), "400m");
-        assert_eq!(grpc_timeout_value(ms(100_000_000)), "100000S");
-        assert_eq!(
-            grpc_timeout_value(std::time::Duration::from_secs(100_000_000)),
-            "1666666M"
-        );
-    }
 }
