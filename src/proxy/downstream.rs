@@ -1,0 +1,577 @@
+//! Downstream: what Envoy's codec and HTTP connection manager do with a request before and
+//! around routing. The codec's refusals (`reject`), header-name and path normalization,
+//! `x-forwarded-proto`, `require_tls`, XFCC, upgrades, the authority and its port, and the
+//! request headers the connection manager sets (XFF, internal and edge requests, request id);
+//! also hop-by-hop headers both ways.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+
+use bytes::Bytes;
+use http::header::HeaderName;
+use pingora_error::{ErrorType, OrErr, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+
+use super::{client_cert, normalize, upgrade, Ctx, Gateway};
+use crate::snapshot::listener::Hcm;
+use crate::snapshot::route::Route;
+use crate::snapshot::ActiveChain;
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub(super) static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_ENVOY_INTERNAL: HeaderName = HeaderName::from_static("x-envoy-internal");
+static X_ENVOY_EXTERNAL_ADDRESS: HeaderName = HeaderName::from_static("x-envoy-external-address");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// Control headers Envoy removes from requests that are not internal.
+const UNTRUSTED_ENVOY_HEADERS: &[&str] = &[
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-internal",
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-force-trace",
+    "x-envoy-ip-tags",
+    "x-envoy-upstream-alt-stat-name",
+];
+
+/// Headers Envoy also removes from edge requests (with `use_remote_address`).
+const EDGE_STRIPPED_HEADERS: &[&str] = &[
+    "x-envoy-decorator-operation",
+    "x-envoy-original-path",
+    "x-envoy-downstream-service-cluster",
+    "x-envoy-downstream-service-node",
+];
+
+/// Envoy's default limits: 60 KiB of request headers, 100 headers.
+const MAX_REQUEST_HEADERS_BYTES: usize = 60 * 1024;
+const MAX_REQUEST_HEADERS: usize = 100;
+
+impl Gateway {
+    /// Before routing, as Envoy's codec and connection manager: refusals, header names with
+    /// underscores, path normalization, then `x-forwarded-proto`, `require_tls` and XFCC,
+    /// which route matchers see. `Ok(true)`: answered locally.
+    pub(super) async fn downstream_checks(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        listener: &ActiveChain,
+    ) -> Result<bool> {
+        if let pingora_core::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
+            // Serve pipelined requests in order instead of dropping them, as Envoy does.
+            h1.set_pipelining_enabled(true);
+            // Envoy answers Expect: 100-continue itself; upstream 1xx are not relayed.
+            h1.set_ignore_info_resp(true);
+        }
+        if let Some((status, body, close)) = reject(session) {
+            if close {
+                session.set_keepalive(None);
+            }
+            let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
+            return self.local_reply(session, ctx, status, body, &[]).await;
+        }
+        let Some(hcm) = listener.def.hcm() else {
+            return Ok(false);
+        };
+        if underscores_refused(session, hcm) {
+            // Envoy's codec refuses the request and closes the connection.
+            session.set_keepalive(None);
+            return self.local_reply(session, ctx, 400, None, &[]).await;
+        }
+        // Envoy normalizes :path before any filter or route sees it.
+        if hcm.path.is_active() {
+            let req = session.req_header();
+            let original = req.uri.path_and_query().map_or("/", |p| p.as_str());
+            match normalize::apply(&hcm.path, original) {
+                normalize::Action::Continue(None) => {}
+                normalize::Action::Continue(Some(p)) => {
+                    if set_path(session.req_header_mut(), &p).is_err() {
+                        return self.local_reply(session, ctx, 400, None, &[]).await;
+                    }
+                }
+                normalize::Action::Reject => {
+                    return self.local_reply(session, ctx, 400, None, &[]).await;
+                }
+                normalize::Action::Redirect(p) => {
+                    return self
+                        .local_reply(session, ctx, 307, None, &[(http::header::LOCATION, p)])
+                        .await;
+                }
+            }
+        }
+        // x-forwarded-proto is settled before routing: `require_tls` and header matchers
+        // read it.
+        let req = session.req_header_mut();
+        if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
+            // The chain terminating TLS is what makes the connection https, as in Envoy.
+            let proto = if listener.def.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
+        }
+        if listener.routes.any_require_tls && self.needs_tls(session, listener, hcm) {
+            let req = session.req_header();
+            let location = format!(
+                "https://{}{}",
+                raw_authority(req),
+                req.uri.path_and_query().map_or("/", |p| p.as_str())
+            );
+            return self
+                .local_reply(
+                    session,
+                    ctx,
+                    301,
+                    None,
+                    &[(http::header::LOCATION, location)],
+                )
+                .await;
+        }
+        // Envoy's connection manager settles x-forwarded-client-cert before routing, so route
+        // matchers see what the upstream will.
+        use crate::snapshot::listener::ForwardClientCert as F;
+        // Only the modes that keep or write the header look at the certificate.
+        let peer = match hcm.xfcc.mode {
+            F::Sanitize | F::AlwaysForwardOnly => None,
+            _ => client_cert::of(session.digest()),
+        };
+        client_cert::mutate(session.req_header_mut(), &hcm.xfcc, peer.as_deref())?;
+        Ok(false)
+    }
+
+    /// Envoy decides an upgrade when it builds the filter chain, once the route is known and
+    /// before any filter runs. False: refused, a bare 403 on a connection that then closes,
+    /// since the bytes after the request belong to the other protocol.
+    pub(super) fn admit_upgrade(
+        &self,
+        session: &Session,
+        ctx: &mut Ctx,
+        hcm: &Hcm,
+        route: Option<&Route>,
+    ) -> bool {
+        let Some(up) = upgrade::requested(session) else {
+            return true;
+        };
+        if !upgrade::permitted(&hcm.upgrades, route, up) {
+            self.hcm_stats.ws_on_non_ws_route.fetch_add(1, Relaxed);
+            return false;
+        }
+        ctx.upgrade = true;
+        self.hcm_stats.upgrades_total.fetch_add(1, Relaxed);
+        self.hcm_stats.upgrades_active.fetch_add(1, Relaxed);
+        true
+    }
+}
+
+/// `headers_with_underscores_action`: whether the request is refused; under `DROP_HEADER` the
+/// names with underscores are removed here.
+fn underscores_refused(session: &mut Session, hcm: &Hcm) -> bool {
+    use crate::snapshot::listener::Underscores;
+    if hcm.underscores == Underscores::Allow {
+        return false;
+    }
+    let req = session.req_header();
+    if !req.headers.keys().any(|k| k.as_str().contains('_')) {
+        return false;
+    }
+    if hcm.underscores == Underscores::Reject {
+        return true;
+    }
+    let names: Vec<HeaderName> = req
+        .headers
+        .keys()
+        .filter(|k| k.as_str().contains('_'))
+        .cloned()
+        .collect();
+    let req = session.req_header_mut();
+    for n in names {
+        req.remove_header(&n);
+    }
+    false
+}
+
+/// Whether the request asks for `100 Continue`, which the connection manager sends itself once
+/// the request is routed upstream.
+pub(super) fn expects_continue(req: &RequestHeader) -> bool {
+    req.headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
+/// The request headers as Envoy's connection manager mutates them for a request going upstream:
+/// `100 Continue`, `x-envoy-*` control headers kept only from internal clients, edge headers,
+/// XFF and `x-envoy-external-address`, `x-request-id`.
+pub(super) async fn request_headers(
+    session: &mut Session,
+    hcm: &Hcm,
+    expect_continue: bool,
+) -> Result<()> {
+    let client_ip = session
+        .client_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.ip());
+    if expect_continue {
+        session
+            .write_response_header(Box::new(ResponseHeader::build(100, Some(0))?), false)
+            .await?;
+        session
+            .req_header_mut()
+            .remove_header(&http::header::EXPECT);
+    }
+    let req = session.req_header_mut();
+    // Envoy trusts x-envoy-* control headers only from internal clients; Envoy 1.40 has no
+    // internal address ranges unless internal_address_config names some.
+    let internal = is_internal_request(&req.headers, client_ip, hcm);
+    if internal {
+        req.insert_header(X_ENVOY_INTERNAL.clone(), "true")?;
+    } else if req
+        .headers
+        .keys()
+        .any(|k| k.as_str().starts_with("x-envoy-"))
+    {
+        for h in UNTRUSTED_ENVOY_HEADERS {
+            req.remove_header(*h);
+        }
+    }
+    let edge = hcm.use_remote_address && !internal;
+    if edge {
+        for h in EDGE_STRIPPED_HEADERS {
+            req.remove_header(*h);
+        }
+    }
+    if let (true, Some(ip)) = (hcm.use_remote_address, client_ip) {
+        let prior = req
+            .headers
+            .get(&X_FORWARDED_FOR)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map(str::to_string);
+        if !hcm.skip_xff_append {
+            let value = match &prior {
+                Some(prev) => format!("{prev},{ip}"),
+                None => ip.to_string(),
+            };
+            req.insert_header(X_FORWARDED_FOR.clone(), value)?;
+        }
+        // With trusted hops, the client is that many entries back from the peer in XFF.
+        let mut client = ip.to_string();
+        if hcm.xff_num_trusted_hops > 0 {
+            if let Some(prev) = &prior {
+                let hops: Vec<&str> = prev.split(',').map(str::trim).collect();
+                let back = hcm.xff_num_trusted_hops as usize;
+                if let Some(addr) = hops.len().checked_sub(back).and_then(|i| hops.get(i)) {
+                    if addr.parse::<std::net::IpAddr>().is_ok() {
+                        client = addr.to_string();
+                    }
+                }
+            }
+        }
+        // Only edge requests: an internal client is not entering the trusted network.
+        if edge {
+            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
+        }
+    }
+    let regenerate = edge && !hcm.preserve_external_request_id;
+    if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
+        let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
+            .or_err(ErrorType::InternalError, "request id")?;
+        req.insert_header(X_REQUEST_ID.clone(), id)?;
+    }
+    Ok(())
+}
+
+/// Requests Envoy's codec refuses before routing: (status, body, close the connection).
+fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
+    let req = session.req_header();
+    let h1 = matches!(
+        session.as_downstream(),
+        pingora_core::protocols::http::ServerSession::H1(_)
+    );
+    if h1 && req.version == http::Version::HTTP_10 {
+        return Some((426, "Upgrade Required", true));
+    }
+    if has_fragment(session) {
+        return Some((400, "", true));
+    }
+    let size: usize = req.raw_path().len()
+        + req
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum::<usize>();
+    if size > MAX_REQUEST_HEADERS_BYTES || req.headers.len() > MAX_REQUEST_HEADERS {
+        return Some((431, "Request Header Fields Too Large", true));
+    }
+    if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
+        return Some((400, "Bad Request", true));
+    }
+    if h1 && !req.headers.contains_key(http::header::HOST) && req.uri.authority().is_none() {
+        return Some((400, "", true));
+    }
+    let authority = raw_authority(req);
+    if authority.bytes().any(|b| b <= b' ' || b == 0x7f) {
+        return Some((400, "Bad Request", true));
+    }
+    let raw = req.raw_path();
+    // Envoy's HTTP/1 codec refuses a request target holding raw non-ASCII bytes (UTF-8 not
+    // percent-encoded), which pingora's parser lets through; control bytes it refuses itself.
+    if h1 && raw.iter().any(|b| *b >= 0x80) {
+        return Some((400, "Bad Request", true));
+    }
+    if req.method != http::Method::OPTIONS
+        && req.method != http::Method::CONNECT
+        && raw.first() != Some(&b'/')
+    {
+        return Some((400, "Bad Request", true));
+    }
+    if let Some(te) = req.headers.get(http::header::TRANSFER_ENCODING) {
+        if !te.as_bytes().eq_ignore_ascii_case(b"chunked") {
+            return Some((501, "Not Implemented", true));
+        }
+        // The parser drops Content-Length next to chunked; the raw head still shows both.
+        if req.headers.contains_key(http::header::CONTENT_LENGTH)
+            || raw_head_has(session, b"content-length:")
+        {
+            return Some((400, "Bad Request", true));
+        }
+    }
+    // Upgrades are decided after routing (`upgrade::permitted`): the route has a say.
+    None
+}
+
+/// Replaces the request's path and query, keeping its scheme and authority (HTTP/2).
+fn set_path(req: &mut RequestHeader, path: &str) -> std::result::Result<(), http::Error> {
+    let mut parts = req.uri.clone().into_parts();
+    parts.path_and_query = Some(http::uri::PathAndQuery::try_from(path)?);
+    req.set_uri(http::Uri::from_parts(parts)?);
+    Ok(())
+}
+
+/// The request's authority, lowercased, with the port stripped as the HCM asks.
+pub(super) fn authority<'a>(
+    session: &'a Session,
+    listener: &ActiveChain,
+) -> std::borrow::Cow<'a, str> {
+    let req = session.req_header();
+    let raw = raw_authority(req);
+    let host = match split_port(raw) {
+        (host, Some(_))
+            if listener.routes.ignore_port
+                || hcm_strips_port(raw, listener, local_port(session)) =>
+        {
+            host
+        }
+        _ => raw,
+    };
+    // Most clients already send a lowercase host: borrow it then.
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        std::borrow::Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        std::borrow::Cow::Borrowed(host)
+    }
+}
+
+/// The port the connection came in on (a PROXY header's destination when one was read), as
+/// Envoy's `strip_matching_host_port` compares it: a listener with additional addresses may
+/// listen on several ports.
+pub(super) fn local_port(session: &Session) -> Option<u16> {
+    session
+        .server_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.port())
+}
+
+/// Whether the HCM's `strip_any_host_port` / `strip_matching_host_port` removes the port of
+/// this authority: that changes the Host sent upstream too, unlike `ignore_port_in_host_matching`.
+pub(super) fn hcm_strips_port(raw: &str, listener: &ActiveChain, local_port: Option<u16>) -> bool {
+    let Some(hcm) = listener.def.hcm() else {
+        return false;
+    };
+    match split_port(raw).1 {
+        Some(_) if hcm.strip_any_host_port => true,
+        Some(port) => {
+            hcm.strip_matching_host_port
+                && port.parse::<u16>().ok() == Some(local_port.unwrap_or(listener.def.addr.port()))
+        }
+        None => false,
+    }
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) to remove, including those named in `Connection`.
+/// Returns the names to drop and whether `te: trailers` must be set in place of `te`.
+pub(super) fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
+    let mut names: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for h in [
+        &http::header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &http::header::UPGRADE,
+    ] {
+        if headers.contains_key(h) {
+            names.push(h.clone());
+        }
+    }
+    let mut te_trailers = false;
+    if let Some(te) = headers.get(http::header::TE) {
+        // Only "trailers" may travel on.
+        te_trailers = te
+            .to_str()
+            .is_ok_and(|v| v.split(',').any(|t| t.trim() == "trailers"));
+        names.push(http::header::TE);
+    }
+    (names, te_trailers)
+}
+
+pub(super) fn strip_request(req: &mut RequestHeader) -> Result<()> {
+    let (names, te) = hop_by_hop(&req.headers);
+    for n in &names {
+        req.remove_header(n);
+    }
+    if te {
+        req.insert_header(http::header::TE, "trailers")?;
+    }
+    Ok(())
+}
+
+/// Envoy removes only the connection-level headers from responses; headers a `Connection`
+/// header names, and `te`, pass.
+pub(super) fn strip_response(resp: &mut ResponseHeader) {
+    for h in [
+        &http::header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &http::header::UPGRADE,
+    ] {
+        resp.remove_header(h);
+    }
+}
+
+/// Whether the raw HTTP/1 request head has a header line starting with `name` (lowercase,
+/// with its colon), whatever the parser kept of it.
+fn raw_head_has(session: &Session, name: &[u8]) -> bool {
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => {
+            let raw = h1.get_headers_raw_bytes();
+            raw.split(|b| *b == b'\n').skip(1).any(|line| {
+                line.len() >= name.len() && line[..name.len()].eq_ignore_ascii_case(name)
+            })
+        }
+        _ => false,
+    }
+}
+
+/// Whether the HTTP/1 request line carries a `#fragment`, which the URI parser drops silently
+/// but Envoy answers with 400.
+fn has_fragment(session: &Session) -> bool {
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => {
+            let raw = h1.get_headers_raw_bytes();
+            let line_end = raw.iter().position(|b| *b == b'\n').unwrap_or(raw.len());
+            raw[..line_end].contains(&b'#')
+        }
+        _ => false,
+    }
+}
+
+/// The authority as the client sent it (`:authority` or `Host`).
+pub(super) fn raw_authority(req: &RequestHeader) -> &str {
+    req.uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| {
+            req.headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+        })
+        .unwrap_or("")
+}
+
+/// `host[:port]` into host and port; IPv6 literals keep their brackets.
+pub(super) fn split_port(authority: &str) -> (&str, Option<&str>) {
+    let colon = if authority.starts_with('[') {
+        authority.find("]:").map(|i| i + 1)
+    } else {
+        authority.rfind(':')
+    };
+    match colon {
+        Some(i) => (&authority[..i], Some(&authority[i + 1..])),
+        None => (authority, None),
+    }
+}
+
+/// Envoy's downstream remote address: the peer with `use_remote_address` (or the XFF entry
+/// `xff_num_trusted_hops` back), otherwise the last XFF address, else the peer. Addresses
+/// taken from XFF have port 0, as in Envoy.
+pub(super) fn downstream_remote(
+    headers: &http::HeaderMap,
+    peer: Option<SocketAddr>,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Option<SocketAddr> {
+    let skip = if hcm.use_remote_address {
+        match hcm.xff_num_trusted_hops.checked_sub(1) {
+            Some(n) => n as usize,
+            None => return peer,
+        }
+    } else {
+        hcm.xff_num_trusted_hops as usize
+    };
+    // Several XFF lines count as one comma-joined list, as Envoy's header map keeps them.
+    let from_xff = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .rev()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.rsplit(','))
+        .nth(skip)
+        .and_then(|hop| hop.trim().parse::<std::net::IpAddr>().ok())
+        .map(|ip| SocketAddr::new(ip, 0));
+    from_xff.or(peer)
+}
+
+/// Envoy's internal-request rule: with `use_remote_address` the request must carry no XFF and
+/// come from an internal peer; without it XFF must hold exactly one address, an internal one.
+/// Internal ranges come only from `internal_address_config` (Envoy 1.40 has none by default).
+pub(super) fn is_internal_request(
+    headers: &http::HeaderMap,
+    peer: Option<std::net::IpAddr>,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> bool {
+    if hcm.internal_ranges.is_empty() {
+        return false;
+    }
+    let remote = if hcm.use_remote_address {
+        if headers.contains_key(&X_FORWARDED_FOR) {
+            return false;
+        }
+        peer
+    } else {
+        let mut entries = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','));
+        match (entries.next(), entries.next()) {
+            (Some(one), None) => one.trim().parse().ok(),
+            _ => None,
+        }
+    };
+    remote.is_some_and(|ip| hcm.internal_ranges.iter().any(|c| c.contains(ip)))
+}
+
+#[cfg(test)]
+#[path = "downstream_tests.rs"]
+mod downstream_tests;

@@ -1,0 +1,98 @@
+//! Unit tests for the downstream phase.
+
+use super::*;
+
+#[test]
+fn downstream_remote_follows_envoys_xff_rules() {
+    use crate::snapshot::listener::{Codec, Hcm, RouteSource};
+    let hcm = |use_remote_address: bool, hops: u32| Hcm {
+        stat_prefix: "p".into(),
+        routes: RouteSource::Rds("r".into()),
+        codec: Codec::Auto,
+        use_remote_address,
+        skip_xff_append: false,
+        xff_num_trusted_hops: hops,
+        generate_request_id: true,
+        preserve_external_request_id: false,
+        strip_any_host_port: false,
+        strip_matching_host_port: false,
+        server_name: "envoy".into(),
+        filters: Vec::new(),
+        stream_idle_timeout: None,
+        max_stream_duration: None,
+        internal_ranges: Vec::new(),
+        upgrades: Default::default(),
+        xfcc: Default::default(),
+        path: Default::default(),
+        alpn: None,
+        underscores: Default::default(),
+    };
+    let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
+    let mut h = http::HeaderMap::new();
+    let ip = |a: Option<SocketAddr>| a.map(|a| a.to_string());
+    // No XFF: the peer either way.
+    assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
+    h.insert(
+        X_FORWARDED_FOR.clone(),
+        http::HeaderValue::from_static("10.0.0.1, 10.0.0.2"),
+    );
+    // Without use_remote_address: the last entry (port 0), or `hops` back from it.
+    assert_eq!(
+        ip(downstream_remote(&h, peer, &hcm(false, 0))).as_deref(),
+        Some("10.0.0.2:0")
+    );
+    assert_eq!(
+        ip(downstream_remote(&h, peer, &hcm(false, 1))).as_deref(),
+        Some("10.0.0.1:0")
+    );
+    // With use_remote_address: the peer, unless hops are trusted.
+    assert_eq!(ip(downstream_remote(&h, peer, &hcm(true, 0))), ip(peer));
+    assert_eq!(
+        ip(downstream_remote(&h, peer, &hcm(true, 1))).as_deref(),
+        Some("10.0.0.2:0")
+    );
+    // Too few entries or garbage: the peer.
+    assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 5))), ip(peer));
+    h.insert(
+        X_FORWARDED_FOR.clone(),
+        http::HeaderValue::from_static("junk"),
+    );
+    assert_eq!(ip(downstream_remote(&h, peer, &hcm(false, 0))), ip(peer));
+    // Several XFF lines read as one list: the last entry of the last line, then back.
+    h.insert(
+        X_FORWARDED_FOR.clone(),
+        http::HeaderValue::from_static("1.1.1.1, 2.2.2.2"),
+    );
+    h.append(
+        X_FORWARDED_FOR.clone(),
+        http::HeaderValue::from_static("3.3.3.3"),
+    );
+    assert_eq!(
+        ip(downstream_remote(&h, peer, &hcm(false, 0))).as_deref(),
+        Some("3.3.3.3:0")
+    );
+    assert_eq!(
+        ip(downstream_remote(&h, peer, &hcm(false, 1))).as_deref(),
+        Some("2.2.2.2:0")
+    );
+}
+
+#[test]
+fn hop_by_hop_headers_are_removed() {
+    let mut h = RequestHeader::build("GET", b"/", None).expect("valid request");
+    h.insert_header("connection", "close, x-private")
+        .expect("valid");
+    h.insert_header("x-private", "1").expect("valid");
+    h.insert_header("keep-alive", "timeout=5").expect("valid");
+    h.insert_header("te", "gzip, trailers").expect("valid");
+    h.insert_header("x-keep", "1").expect("valid");
+    strip_request(&mut h).expect("strip");
+    assert!(h.headers.get("connection").is_none());
+    assert!(h.headers.get("x-private").is_none());
+    assert!(h.headers.get("keep-alive").is_none());
+    assert_eq!(
+        h.headers.get("te").and_then(|v| v.to_str().ok()),
+        Some("trailers")
+    );
+    assert!(h.headers.get("x-keep").is_some());
+}

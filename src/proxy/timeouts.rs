@@ -1,0 +1,224 @@
+//! The request's timeouts, as Envoy's router and connection manager set them: the route
+//! timeout (or the gRPC one), per-try timeout, `x-envoy-upstream-rq-*-timeout-ms`,
+//! `max_stream_duration` and `grpc-timeout`, the stream idle timeout. Each attempt's wait for
+//! the upstream is bounded by the first of them to run out (`upstream::choose_peer`), and
+//! answered for it (`local_reply`).
+
+use std::time::Instant;
+
+use http::header::HeaderName;
+use pingora_error::Result;
+use pingora_http::RequestHeader;
+use pingora_proxy::Session;
+
+use super::Ctx;
+use crate::snapshot::route::Forward;
+
+/// The timeouts that can end a wait for the upstream, each answered as Envoy answers it.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum TimeoutKind {
+    #[default]
+    Route,
+    PerTry,
+    /// The stream's maximum duration: 504 `downstream duration timeout`.
+    Stream,
+    /// The stream idle timeout: 504 `stream timeout`.
+    Idle,
+}
+
+static X_UPSTREAM_RQ_TIMEOUT: HeaderName =
+    HeaderName::from_static("x-envoy-upstream-rq-timeout-ms");
+static X_UPSTREAM_PER_TRY_TIMEOUT: HeaderName =
+    HeaderName::from_static("x-envoy-upstream-rq-per-try-timeout-ms");
+static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+static X_EXPECTED_TIMEOUT: HeaderName = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
+/// A `grpc-timeout` value (gRPC's HTTP/2 spec: up to 8 digits and a unit), as Envoy reads it.
+fn parse_grpc_timeout(v: &http::HeaderValue) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let v = v.as_bytes();
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b"H" => Duration::from_secs(n * 3600),
+        b"M" => Duration::from_secs(n * 60),
+        b"S" => Duration::from_secs(n),
+        b"m" => Duration::from_millis(n),
+        // Envoy works in whole milliseconds and rounds smaller units up.
+        b"u" => Duration::from_millis(n.div_ceil(1000)),
+        b"n" => Duration::from_millis(n.div_ceil(1_000_000)),
+        _ => return None,
+    })
+}
+
+/// Envoy's `grpc-timeout` form: milliseconds, or a larger unit when it would not fit 8 digits.
+fn grpc_timeout_value(d: std::time::Duration) -> String {
+    const MAX: u128 = 99_999_999;
+    let mut t = d.as_millis();
+    for (unit, next) in [('m', 1000), ('S', 60), ('M', 60)] {
+        if t <= MAX {
+            return format!("{t}{unit}");
+        }
+        t /= next;
+    }
+    format!("{}H", t.min(MAX))
+}
+
+/// A non-negative integer header (Envoy's `SimpleAtoi`), in milliseconds.
+fn header_ms(req: &RequestHeader, name: &HeaderName) -> Option<Option<std::time::Duration>> {
+    let v = req.headers.get(name)?;
+    Some(
+        v.to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(std::time::Duration::from_millis),
+    )
+}
+
+/// Envoy's timeouts for a routed request: the router's (`finalTimeout`: route timeout or the
+/// gRPC header under `max_grpc_timeout`, `x-envoy-upstream-rq-timeout-ms`, per-try timeout)
+/// and the connection manager's stream timers (`max_stream_duration`, `grpc-timeout` under
+/// `grpc_timeout_header_max`, stream idle timeout). Control headers are consumed here; they
+/// are only still present on internal requests.
+fn set_timeouts(
+    ctx: &mut Ctx,
+    req: &mut RequestHeader,
+    fwd: &Forward,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Result<()> {
+    use std::time::Duration;
+    let now = Instant::now();
+    let t = &fwd.timeouts;
+    let grpc_header = if ctx.grpc_request {
+        req.headers.get(&GRPC_TIMEOUT).and_then(parse_grpc_timeout)
+    } else {
+        None
+    };
+    let legacy_grpc = t.max_stream.is_none() && ctx.grpc_request && t.max_grpc.is_some();
+    // With max_stream_duration on the route, Envoy's "new timeouts" leave no route timeout.
+    let mut global = match (&t.max_stream, t.max_grpc) {
+        (Some(_), _) => None,
+        (None, Some(max)) if ctx.grpc_request => {
+            let mut g = grpc_header.unwrap_or(Duration::ZERO);
+            if let Some(off) = t.grpc_offset.filter(|off| *off < g) {
+                g -= off;
+            }
+            if !max.is_zero() && (g.is_zero() || g > max) {
+                g = max;
+            }
+            Some(g)
+        }
+        _ => fwd.timeout,
+    }
+    .filter(|d| !d.is_zero());
+    if let Some(v) = header_ms(req, &X_UPSTREAM_RQ_TIMEOUT) {
+        if let Some(ms) = v {
+            global = (!ms.is_zero()).then_some(ms);
+        }
+        req.remove_header(&X_UPSTREAM_RQ_TIMEOUT);
+    }
+    let mut per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
+    if let Some(v) = header_ms(req, &X_UPSTREAM_PER_TRY_TIMEOUT) {
+        if let Some(ms) = v {
+            per_try = Some(ms);
+        }
+        req.remove_header(&X_UPSTREAM_PER_TRY_TIMEOUT);
+    }
+    // A per-try timeout as long as the whole one means nothing.
+    per_try = per_try.filter(|p| !p.is_zero() && global.is_none_or(|g| *p < g));
+    ctx.timeout = global;
+    ctx.deadline = global.map(|g| now + g);
+    ctx.per_try = per_try;
+    match per_try.or(global) {
+        Some(expected) => {
+            req.insert_header(X_EXPECTED_TIMEOUT.clone(), expected.as_millis().to_string())?;
+            if legacy_grpc {
+                req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(expected))?;
+            }
+        }
+        None => {
+            req.remove_header(&X_EXPECTED_TIMEOUT);
+        }
+    }
+    let header_max = t.max_stream.as_ref().and_then(|m| m.grpc_header_max);
+    let stream = match (grpc_header, header_max) {
+        (Some(mut d), Some(max)) => {
+            if !max.is_zero() && d > max {
+                d = max;
+            }
+            if let Some(off) = t.max_stream.as_ref().and_then(|m| m.grpc_header_offset) {
+                if !d.is_zero() {
+                    d = d.saturating_sub(off);
+                }
+            }
+            Some(d)
+        }
+        _ => match t.max_stream.as_ref().and_then(|m| m.duration) {
+            Some(route) => route,
+            None => hcm.max_stream_duration,
+        },
+    };
+    if let (Some(d), true) = (stream, t.max_stream.is_some() && ctx.grpc_request) {
+        req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(d))?;
+    }
+    ctx.stream_deadline = stream.map(|d| now + d);
+    ctx.idle = match t.idle {
+        Some(route) => route,
+        None => hcm.stream_idle_timeout,
+    };
+    Ok(())
+}
+
+/// The request's timers once it is routed (`set_timeouts`). An upgrade's differ: Envoy arms
+/// the route and per-try timeouts when the request ends, which an upgrade request never does;
+/// nor does it retry a request still streaming. The stream idle timeout (and
+/// max_stream_duration) still bound it, both ways.
+pub(super) fn arm_timers(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    fwd: &Forward,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Result<()> {
+    // Envoy announces the per-try timeout when there is one, else the route's.
+    set_timeouts(ctx, session.req_header_mut(), fwd, hcm)?;
+    if ctx.upgrade {
+        ctx.timeout = None;
+        ctx.deadline = None;
+        ctx.per_try = None;
+        ctx.retry = None;
+        // pingora's 60 s body-read default would cut a quiet client of the tunnel; Envoy
+        // leaves it to the stream idle timeout.
+        if let pingora_core::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
+            h1.set_read_timeout(ctx.idle);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_and_format_as_envoy() {
+        let v = |s: &'static str| parse_grpc_timeout(&http::HeaderValue::from_static(s));
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(v("300m"), Some(ms(300)));
+        assert_eq!(v("2S"), Some(ms(2000)));
+        assert_eq!(v("1M"), Some(ms(60_000)));
+        assert_eq!(v("1H"), Some(ms(3_600_000)));
+        assert_eq!(v("1500u"), Some(ms(2)), "sub-millisecond units round up");
+        assert_eq!(v("1n"), Some(ms(1)));
+        for bad in ["", "m", "10", "123456789m", "1x", "-1m", "1.5S"] {
+            assert_eq!(v(bad), None, "{bad}");
+        }
+        assert_eq!(grpc_timeout_value(ms(400)), "400m");
+        assert_eq!(grpc_timeout_value(ms(100_000_000)), "100000S");
+        assert_eq!(
+            grpc_timeout_value(std::time::Duration::from_secs(100_000_000)),
+            "1666666M"
+        );
+    }
+}

@@ -1,0 +1,419 @@
+//! Upstream: choosing the host (`choose_host` when routed, `choose_peer` for each attempt) and
+//! its connection (circuit breakers, TLS, internal listeners, bind address, keepalive,
+//! `max_requests_per_connection`), and the upstream request and response headers. pingora calls
+//! these through `upstream_peer`, `connected_to_upstream`, `upstream_request_filter` and
+//! `response_filter`; retries are in `retries`, timeouts in `timeouts`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+use http::header::HeaderName;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::{Error, ErrorType, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+
+use super::downstream::{strip_request, strip_response};
+use super::timeouts::TimeoutKind;
+use super::{filter_response_headers, hbone, upgrade, upstream_tls, Ctx, Gateway};
+use crate::snapshot::route::Forward;
+
+static X_UPSTREAM_TIME: HeaderName = HeaderName::from_static("x-envoy-upstream-service-time");
+static X_ATTEMPT_COUNT: HeaderName = HeaderName::from_static("x-envoy-attempt-count");
+/// A circuit breaker overflowed: Envoy's `reset reason: overflow`.
+pub(super) const OVERFLOW: ErrorType = ErrorType::Custom("upstream overflow");
+
+thread_local! {
+    /// Requests carried so far per upstream connection of this worker, by socket. Each worker
+    /// has its own connection pool, so a connection is only ever reused on the thread that
+    /// opened it; a new connection on a recycled descriptor starts again at one.
+    static CONNECTION_USES: std::cell::RefCell<std::collections::HashMap<i32, u32>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// Counts one more request on the connection `fd`; true when it is the last one allowed.
+fn count_connection_use(fd: i32, reused: bool, max: u32) -> bool {
+    CONNECTION_USES.with(|uses| {
+        let mut uses = uses.borrow_mut();
+        let n = if reused {
+            uses.get(&fd).copied().unwrap_or(0) + 1
+        } else {
+            1
+        };
+        if n >= max {
+            uses.remove(&fd);
+            true
+        } else {
+            uses.insert(fd, n);
+            false
+        }
+    })
+}
+
+/// Envoy leaves unset keepalive fields to the kernel; pingora needs all three, so unset ones
+/// take Linux's defaults (7200 s idle, 75 s between probes, 9 probes).
+fn tcp_keepalive(
+    k: crate::snapshot::cluster::TcpKeepalive,
+) -> pingora_core::protocols::TcpKeepalive {
+    use std::time::Duration;
+    pingora_core::protocols::TcpKeepalive {
+        idle: Duration::from_secs(u64::from(k.time.unwrap_or(7200))),
+        interval: Duration::from_secs(u64::from(k.interval.unwrap_or(75))),
+        count: k.probes.unwrap_or(9) as usize,
+        #[cfg(target_os = "linux")]
+        user_timeout: Duration::ZERO,
+    }
+}
+
+/// The connection's original destination when a listener filter restored it (Envoy's
+/// `localAddressRestored`: the original_dst or proxy_protocol listener filter); ORIGINAL_DST
+/// clusters fall back to it without a host header. Portico runs neither filter, so the
+/// address a connection was accepted on never counts, as in Envoy without them.
+fn restored_local(_session: &Session) -> Option<SocketAddr> {
+    None
+}
+
+impl Gateway {
+    /// The route's cluster (in the request's snapshot) and a host in it: by the request's
+    /// original destination, its hash, or the cluster's balancer. `Ok(true)`: answered locally
+    /// (no such cluster, no healthy host).
+    pub(super) async fn choose_host(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        listener: &crate::snapshot::ActiveChain,
+        fwd: &Forward,
+        cluster_name: &str,
+    ) -> Result<bool> {
+        let cluster = ctx
+            .snapshot
+            .as_ref()
+            .and_then(|snap| snap.clusters.get(cluster_name))
+            .cloned();
+        let Some(cluster) = cluster else {
+            // Envoy's cluster_not_found_response_code default.
+            return self.local_reply(session, ctx, 503, None, &[]).await;
+        };
+        let picked = if let Some(od) = &cluster.def.original_dst {
+            cluster.pick_original_dst(od, &session.req_header().headers, restored_local(session))
+        } else if cluster.hashes() {
+            let hash = super::routing::request_hash(session, listener, fwd, &mut ctx.set_cookies);
+            ctx.request_hash = hash;
+            cluster.pick_hashed(hash)
+        } else {
+            cluster.pick()
+        };
+        let Some((idx, addr)) = picked else {
+            // Envoy counts the code (upstream_rq_503), though no upstream request started.
+            cluster.stats.cx_none_healthy.fetch_add(1, Relaxed);
+            cluster.stats.record_code(503);
+            return self
+                .local_reply(
+                    session,
+                    ctx,
+                    503,
+                    Some(bytes::Bytes::from_static(b"no healthy upstream")),
+                    &[],
+                )
+                .await;
+        };
+        cluster.active[idx].fetch_add(1, Relaxed);
+        cluster.stats.rq_active.fetch_add(1, Relaxed);
+        cluster.stats.start();
+        ctx.host_index = idx;
+        ctx.peer = Some(addr);
+        ctx.cluster = Some(cluster);
+        Ok(false)
+    }
+
+    /// The cluster's circuit breakers, as Envoy's connection pool applies them: over
+    /// `max_requests` active requests, or with every `max_connections` slot busy and
+    /// `max_pending_requests` already waiting, the request overflows (503,
+    /// `x-envoy-overloaded`); otherwise it waits for a slot, within the route timeout.
+    async fn take_connection_slot(&self, ctx: &mut Ctx) -> Result<()> {
+        let Some(cluster) = ctx.cluster.clone() else {
+            return Ok(());
+        };
+        let (def, s) = (&cluster.def, &cluster.stats);
+        if s.rq_active.load(Relaxed) > u64::from(def.max_requests) {
+            s.rq_active_overflow.fetch_add(1, Relaxed);
+            // It never becomes an upstream request: Envoy does not count it in rq_total.
+            s.rq_total.fetch_sub(1, Relaxed);
+            return Error::e_explain(OVERFLOW, "max_requests circuit breaker open");
+        }
+        // HTTP/2 multiplexes requests: only max_requests limits them.
+        if ctx.upstream_h2 {
+            return Ok(());
+        }
+        let max = u64::from(def.max_connections);
+        let mut waiting = false;
+        let taken = loop {
+            let busy = s.cx_busy.load(Relaxed);
+            if busy < max {
+                if s.cx_busy
+                    .compare_exchange(busy, busy + 1, Relaxed, Relaxed)
+                    .is_ok()
+                {
+                    break Ok(());
+                }
+                continue;
+            }
+            if !waiting {
+                s.cx_overflow.fetch_add(1, Relaxed);
+                let pending = s.rq_pending_active.fetch_add(1, Relaxed);
+                if pending >= u64::from(def.max_pending_requests) {
+                    s.rq_pending_active.fetch_sub(1, Relaxed);
+                    s.rq_pending_overflow.fetch_add(1, Relaxed);
+                    s.rq_total.fetch_sub(1, Relaxed);
+                    return Error::e_explain(OVERFLOW, "max_pending_requests circuit breaker open");
+                }
+                waiting = true;
+            }
+            let freed = s.cx_freed.notified();
+            tokio::pin!(freed);
+            // Registered before the re-check, so a slot freed in between is not missed.
+            freed.as_mut().enable();
+            if s.cx_busy.load(Relaxed) < max {
+                continue;
+            }
+            match ctx.deadline {
+                Some(d) => {
+                    if tokio::time::timeout_at(d.into(), freed).await.is_err() {
+                        break Error::e_explain(
+                            ErrorType::ReadTimedout,
+                            "route timeout while waiting for a connection slot",
+                        );
+                    }
+                }
+                None => freed.await,
+            }
+        };
+        if waiting {
+            s.rq_pending_active.fetch_sub(1, Relaxed);
+        }
+        ctx.cx_slot = taken.is_ok();
+        taken
+    }
+
+    /// pingora's `upstream_peer`: the attempt's host (a new one on a retry), its connection
+    /// slot, and how to connect to it (TLS, internal listener, bind address, timeouts).
+    pub(super) async fn choose_peer(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> Result<Box<HttpPeer>> {
+        ctx.attempts += 1;
+        if ctx.attempts > 1 {
+            self.next_attempt(ctx).await?;
+        }
+        // use_downstream_protocol_config: HTTP/2 upstream for an HTTP/2 client.
+        ctx.upstream_h2 = ctx.cluster.as_ref().is_some_and(|c| {
+            c.def.http2 || (c.def.downstream_protocol && session.as_downstream().is_http2())
+        });
+        if !ctx.cx_slot {
+            self.take_connection_slot(ctx).await?;
+        }
+        let (Some(addr), Some(cluster)) = (ctx.peer, &ctx.cluster) else {
+            return Error::e_explain(ErrorType::InternalError, "no upstream chosen");
+        };
+        // An ORIGINAL_DST host is named by the request, so its TLS settings are made for it.
+        let named_tls;
+        let tls = if cluster.def.original_dst.is_some() {
+            named_tls = cluster.original_dst_tls(addr);
+            named_tls.as_ref()
+        } else {
+            cluster.tls_for(ctx.host_index)
+        };
+        // An internal listener's endpoint: through that listener's chain (HBONE).
+        let internal = match &ctx.snapshot {
+            Some(snap)
+                if cluster
+                    .endpoints
+                    .hosts
+                    .get(ctx.host_index)
+                    .is_some_and(|h| h.internal.is_some()) =>
+            {
+                Some(hbone::peer(snap, cluster, ctx.host_index)?)
+            }
+            _ => None,
+        };
+        let direct = internal.is_none();
+        let mut peer = match (internal, tls) {
+            (Some(p), _) => p,
+            (None, Some(tls)) => {
+                // istio.alpn: the connection manager's list for the protocol spoken upstream.
+                let alpn = ctx
+                    .listener
+                    .as_ref()
+                    .and_then(|l| l.def.hcm())
+                    .and_then(|h| h.alpn.as_ref())
+                    .filter(|a| a.for_protocol(cluster.def.http2).is_some())
+                    .map(|a| (a.clone(), cluster.def.http2));
+                upstream_tls::peer(tls, alpn, cluster.def.connect_timeout)?
+            }
+            (None, None) => HttpPeer::new(addr, false, String::new()),
+        };
+        peer.options.connection_timeout = Some(cluster.def.connect_timeout);
+        // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
+        // and within what is left of the route timeout.
+        let now = Instant::now();
+        let left = |d: Option<Instant>| d.map(|d| d.saturating_duration_since(now));
+        let bounds = [
+            (ctx.per_try, TimeoutKind::PerTry),
+            (left(ctx.deadline), TimeoutKind::Route),
+            (left(ctx.stream_deadline), TimeoutKind::Stream),
+            (ctx.idle, TimeoutKind::Idle),
+        ];
+        let first = bounds
+            .into_iter()
+            .filter_map(|(d, kind)| Some((d?, kind)))
+            .min_by_key(|(d, _)| *d);
+        peer.options.read_timeout = first.map(|(d, _)| d);
+        ctx.timeout_kind = first.map_or(TimeoutKind::Route, |(_, kind)| kind);
+        // A TLS connection binds in the relay's connector (`EndpointTls::bind`); an internal
+        // connection binds nothing (its tunnel is the other cluster's connection).
+        if let (Some(b), None, true) = (&cluster.def.bind, tls, direct) {
+            use std::hash::{Hash, Hasher};
+            let from = b.for_peer(addr);
+            let mut bind = pingora_core::connectors::l4::BindTo::default();
+            bind.addr = Some(from);
+            peer.options.bind_to = Some(bind);
+            // pingora's pool key leaves out the bind address: keep connections from different
+            // sources apart.
+            let mut h = std::hash::DefaultHasher::new();
+            from.hash(&mut h);
+            peer.group_key = h.finish();
+        }
+        if ctx.upstream_h2 {
+            peer.options.set_http_version(2, 2);
+            // pingora's default of one stream per connection would open a connection per
+            // concurrent request; Envoy multiplexes them.
+            peer.options.max_h2_streams = cluster.def.h2_max_streams as usize;
+        }
+        peer.options.idle_timeout = cluster.def.idle_timeout;
+        // A TLS connection sets its keepalive on the TCP socket under the relay.
+        if let (Some(k), None, true) = (cluster.def.tcp_keepalive, tls, direct) {
+            peer.options.tcp_keepalive = Some(tcp_keepalive(k));
+        }
+        Ok(Box::new(peer))
+    }
+}
+
+/// pingora's `connected_to_upstream`: counts the request on its connection, which it closes
+/// when `max_requests_per_connection` is reached.
+pub(super) fn count_request(ctx: &mut Ctx, reused: bool, fd: i32) {
+    let limit = ctx
+        .cluster
+        .as_ref()
+        .filter(|_| !ctx.upstream_h2)
+        .and_then(|c| c.def.max_requests_per_connection);
+    #[cfg(unix)]
+    if let (Some(max), true) = (limit, fd >= 0) {
+        ctx.close_upstream = count_connection_use(fd, reused, max);
+    }
+}
+
+/// The upstream request's hop-by-hop headers, as Envoy forwards them: an upgrade's as they came
+/// (bar two), otherwise stripped with `te: trailers`, `trailer` and `proxy-authorization` put
+/// back; `connection: close` on a connection's last request.
+pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
+    if ctx.upgrade {
+        // Envoy forwards an upgrade's hop-by-hop headers as they came, bar two.
+        return upgrade::forward_hop_by_hop(&session.req_header().headers, upstream);
+    }
+    strip_request(upstream)?;
+    if ctx.close_upstream {
+        // pingora keeps no connection whose request asked to close it.
+        upstream.insert_header(http::header::CONNECTION, "close")?;
+    }
+    // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
+    // `trailer` and `proxy-authorization` (unless `Connection` names them).
+    let down = &session.req_header().headers;
+    let restorable = [
+        http::header::TE,
+        http::header::TRAILER,
+        http::header::PROXY_AUTHORIZATION,
+    ];
+    // Most requests carry none of these: skip the Connection parsing for them.
+    if restorable.iter().any(|h| down.contains_key(h)) {
+        let (nominated, te_trailers) = super::downstream::hop_by_hop(down);
+        if te_trailers {
+            upstream.insert_header(http::header::TE, "trailers")?;
+        }
+        for name in &restorable[1..] {
+            if nominated.contains(name) {
+                continue;
+            }
+            for v in down.get_all(name) {
+                upstream.append_header(name.clone(), v.clone())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The router's last request headers: the attempt count and the HTTP filters' own.
+pub(super) fn attempt_headers(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
+    if ctx.attempt_count_to_upstream {
+        upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
+    }
+    for (k, v, append) in ctx.filters.upstream_request_headers() {
+        if *append {
+            upstream.append_header(k.clone(), v.clone())?;
+        } else {
+            upstream.insert_header(k.clone(), v.clone())?;
+        }
+    }
+    Ok(())
+}
+
+/// pingora's `response_filter`: the response as the client gets it (an upgrade's switch,
+/// connection headers, stats, `x-envoy-upstream-service-time`, the route's and the filters'
+/// headers, `server`, generated cookies).
+pub(super) fn response_headers(
+    session: &mut Session,
+    resp: &mut ResponseHeader,
+    ctx: &mut Ctx,
+) -> Result<()> {
+    let switching = ctx.upgrade && upgrade::is_switch(resp);
+    if switching {
+        upgrade::switch_response(resp)?;
+    } else {
+        strip_response(resp);
+    }
+    if ctx.upgrade && !switching {
+        // Envoy 1.40 relays a refused upgrade's head with an empty body and closes the
+        // connection, whose remaining bytes were meant for the other protocol.
+        upgrade::refused_head(resp)?;
+        session.set_keepalive(None);
+        ctx.discard_body = true;
+    }
+    if let Some(c) = &ctx.cluster {
+        // Counted on headers, as Envoy does, so a scrape right after a response sees it.
+        c.stats.record_code(resp.status.as_u16());
+        ctx.code_recorded = true;
+    }
+    // Envoy measures from the end of the request, which an upgrade has not reached.
+    if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
+        resp.insert_header(
+            X_UPSTREAM_TIME.clone(),
+            start.elapsed().as_millis().to_string(),
+        )?;
+    }
+    // After x-envoy-upstream-service-time, before the connection manager's `server`.
+    if let Some(rh) = &ctx.resp_headers {
+        rh.apply(resp, session.req_header());
+    }
+    if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+        resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
+    }
+    if ctx.attempt_count_to_client && ctx.attempts > 0 {
+        resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
+    }
+    filter_response_headers(resp, ctx)?;
+    for c in ctx.set_cookies.drain(..) {
+        resp.append_header(http::header::SET_COOKIE, c)?;
+    }
+    Ok(())
+}
