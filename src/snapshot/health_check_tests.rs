@@ -1,6 +1,7 @@
 //! Health check translation, the per-host state machine and the interval rules.
 
 use super::*;
+use crate::snapshot::sources::NoFiles;
 
 use corepb::health_check::{HealthChecker as HC, HttpHealthCheck, TcpHealthCheck};
 use envoy_types::pb::envoy::r#type::v3::Int64Range;
@@ -415,10 +416,13 @@ fn eds_health_wins_over_active_checks() {
 #[test]
 fn the_first_round_completes_after_one_result_per_host() {
     let def = Arc::new(
-        ClusterDef::translate(&envoy_types::pb::envoy::config::cluster::v3::Cluster {
-            name: "c".into(),
-            ..Default::default()
-        })
+        ClusterDef::translate(
+            &envoy_types::pb::envoy::config::cluster::v3::Cluster {
+                name: "c".into(),
+                ..Default::default()
+            },
+            &NoFiles,
+        )
         .expect("a plain cluster translates"),
     );
     let h = HealthHosts::default();
