@@ -151,7 +151,7 @@ fn cluster(policies: bool) -> Cluster {
     if policies {
         c.lb_policy = cluster::LbPolicy::RingHash as i32;
     }
-    let def = match ClusterDef::translate(&c) {
+    let def = match ClusterDef::translate(&c, &portico::snapshot::sources::NoFiles) {
         Ok(d) => d,
         Err(e) => panic!("bench cluster is invalid: {e}"),
     };

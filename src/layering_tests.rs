@@ -108,3 +108,44 @@ fn layers_only_look_down() {
     }
     assert!(broken.is_empty(), "layering broken:\n{}", broken.join("\n"));
 }
+
+/// Translation reads no files and no environment (`snapshot::sources`): the edge does.
+#[test]
+fn the_snapshot_reads_no_files_or_environment() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for dir in [
+        "snapshot",
+        "filters",
+        "lb",
+        "live",
+        "router.rs",
+        "matcher.rs",
+        "units.rs",
+    ] {
+        files(&src.join(dir), &mut found);
+    }
+    let mut broken = Vec::new();
+    for f in found {
+        let name = f.to_string_lossy();
+        if name.ends_with("_tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).expect("readable source");
+        // Unit tests inside a module may read fixtures; only the module's own code counts.
+        let text = text.split("#[cfg(test)]").next().unwrap_or("");
+        for (n, line) in text.lines().enumerate() {
+            let line = code(line);
+            for io in ["std::fs", "std::env", "File::open", "env::var"] {
+                if line.contains(io) {
+                    broken.push(format!("{name}:{}: {io}", n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "I/O below the edge:\n{}",
+        broken.join("\n")
+    );
+}

@@ -690,7 +690,10 @@ impl Cluster {
 }
 
 impl ClusterDef {
-    pub fn translate(c: &cpb::Cluster) -> Result<ClusterDef, TranslateError> {
+    pub fn translate(
+        c: &cpb::Cluster,
+        src: &dyn super::sources::DataSources,
+    ) -> Result<ClusterDef, TranslateError> {
         let err = |d: String| TranslateError::new(format!("cluster '{}'", c.name), d);
         if c.name.is_empty() {
             return Err(TranslateError::new("cluster ''", "name must not be empty"));
@@ -945,7 +948,8 @@ impl ClusterDef {
             super::health_check::inline_checks_unsupported(la).map_err(err)?;
         }
         // After the protocol: Envoy offers it by ALPN when the socket lists no protocols.
-        let transport = super::upstream_tls::TransportSockets::translate(c, http2).map_err(err)?;
+        let transport =
+            super::upstream_tls::TransportSockets::translate(c, http2, src).map_err(err)?;
         if downstream_protocol && transport.alpn_fallback_used() {
             return Err(err(format!(
                 "typed_extension_protocol_options['{HTTP_PROTOCOL_OPTIONS}'].use_downstream_protocol_config \

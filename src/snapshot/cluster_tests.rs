@@ -1,6 +1,7 @@
 //! `ClusterDef::translate` and ClusterLoadAssignment translation.
 
 use super::*;
+use crate::snapshot::sources::NoFiles;
 
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{
     ClusterDiscoveryType as CDT, CommonLbConfig, CustomClusterType, DiscoveryType as DT,
@@ -98,12 +99,12 @@ fn socket(name: &str, type_url: &str) -> corepb::TransportSocket {
 }
 
 fn ok(c: &cpb::Cluster) -> ClusterDef {
-    ClusterDef::translate(c).unwrap_or_else(|e| panic!("unexpected rejection: {e}"))
+    ClusterDef::translate(c, &NoFiles).unwrap_or_else(|e| panic!("unexpected rejection: {e}"))
 }
 
 #[track_caller]
 fn rejected(c: &cpb::Cluster, needle: &str) -> String {
-    let e = match ClusterDef::translate(c) {
+    let e = match ClusterDef::translate(c, &NoFiles) {
         Ok(d) => panic!("expected a rejection, got {d:?}"),
         Err(e) => e,
     };
@@ -922,7 +923,7 @@ fn istio_1_18_dump_clusters_translate() {
                 let c: cpb::Cluster =
                     crate::protojson::from_json("envoy.config.cluster.v3.Cluster", &body)
                         .unwrap_or_else(|e| panic!("{}: {e}", body["name"]));
-                let def = ClusterDef::translate(&c)
+                let def = ClusterDef::translate(&c, &NoFiles)
                     .unwrap_or_else(|e| panic!("istiod's cluster was refused: {e}"));
                 *kinds.entry(format!("{:?}", def.kind)).or_insert(0) += 1;
                 total += 1;
@@ -956,7 +957,7 @@ fn custom_cluster_type_is_rejected() {
 
 #[test]
 fn empty_name_is_rejected() {
-    let e = ClusterDef::translate(&cluster("")).unwrap_err();
+    let e = ClusterDef::translate(&cluster(""), &NoFiles).unwrap_err();
     assert_eq!(e.to_string(), "cluster '': name must not be empty");
 }
 

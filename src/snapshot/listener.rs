@@ -12,6 +12,7 @@ use prost::Message;
 
 use super::filter_chain::{select, ChainMatch, Conn};
 use super::route::RouteTable;
+use super::sources::DataSources;
 use super::tcp_proxy::{TcpProxy, TCP_PROXY_TYPE};
 use super::tls::{DownstreamTls, DOWNSTREAM_TLS_TYPE, TLS_INSPECTOR_TYPE};
 use super::{socket_address, TranslateError};
@@ -466,7 +467,10 @@ const TLS_INSPECTOR: &str = "envoy.filters.listener.tls_inspector";
 const TLS_TRANSPORT: &str = "envoy.transport_sockets.tls";
 
 impl ListenerDef {
-    pub fn translate(l: &lpb::Listener) -> Result<ListenerDef, TranslateError> {
+    pub fn translate(
+        l: &lpb::Listener,
+        src: &dyn DataSources,
+    ) -> Result<ListenerDef, TranslateError> {
         let err = |d: String| TranslateError::new(format!("listener '{}'", l.name), d);
         if l.name.is_empty() {
             return Err(TranslateError::new("listener ''", "name must not be empty"));
@@ -576,7 +580,9 @@ impl ListenerDef {
                 ChainMatch::translate(c.filter_chain_match.as_ref())
                     .map_err(|e| err(format!("{at}: {e}")))?,
             );
-            chains.push(Arc::new(ChainDef::translate(c, addr, &at).map_err(err)?));
+            chains.push(Arc::new(
+                ChainDef::translate(c, addr, &at, src).map_err(err)?,
+            ));
         }
         let named: Vec<(&str, &ChainMatch)> = l
             .filter_chains
@@ -599,7 +605,7 @@ impl ListenerDef {
         }
         if let Some(c) = &l.default_filter_chain {
             chains.push(Arc::new(
-                ChainDef::translate(c, addr, "default_filter_chain").map_err(err)?,
+                ChainDef::translate(c, addr, "default_filter_chain", src).map_err(err)?,
             ));
         }
         if internal {
@@ -737,7 +743,12 @@ fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
 }
 
 impl ChainDef {
-    fn translate(chain: &lpb::FilterChain, addr: SocketAddr, at: &str) -> Result<ChainDef, String> {
+    fn translate(
+        chain: &lpb::FilterChain,
+        addr: SocketAddr,
+        at: &str,
+        src: &dyn DataSources,
+    ) -> Result<ChainDef, String> {
         let tls = match &chain.transport_socket {
             None => None,
             Some(ts) if super::cluster::is_raw_buffer(ts) => None,
@@ -745,7 +756,7 @@ impl ChainDef {
                 Some(corepb::transport_socket::ConfigType::TypedConfig(a))
                     if a.type_url == DOWNSTREAM_TLS_TYPE =>
                 {
-                    Some(Arc::new(DownstreamTls::from_any(a).map_err(|e| {
+                    Some(Arc::new(DownstreamTls::from_any(a, src).map_err(|e| {
                         format!("{at}.transport_socket '{}': {e}", ts.name)
                     })?))
                 }
@@ -837,7 +848,7 @@ impl ChainDef {
             // the TLS handshake settled on `istio-peer-exchange`. Portico does not speak that
             // exchange, so it does not offer that protocol: peers then send the plain stream,
             // which Envoy's filter passes through untouched (as with PILOT_DISABLE_MX_ALPN).
-            Some(_) if mx => Some(Arc::new(without_mx_alpn(chain, at)?)),
+            Some(_) if mx => Some(Arc::new(without_mx_alpn(chain, at, src)?)),
             other => other,
         };
         Ok(ChainDef {
@@ -852,7 +863,11 @@ impl ChainDef {
 }
 
 /// The chain's DownstreamTlsContext without `istio-peer-exchange` in its ALPN list.
-fn without_mx_alpn(chain: &lpb::FilterChain, at: &str) -> Result<DownstreamTls, String> {
+fn without_mx_alpn(
+    chain: &lpb::FilterChain,
+    at: &str,
+    src: &dyn DataSources,
+) -> Result<DownstreamTls, String> {
     use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::DownstreamTlsContext;
     let Some(corepb::transport_socket::ConfigType::TypedConfig(a)) = chain
         .transport_socket
@@ -869,7 +884,7 @@ fn without_mx_alpn(chain: &lpb::FilterChain, at: &str) -> Result<DownstreamTls, 
         type_url: DOWNSTREAM_TLS_TYPE.to_string(),
         value: ctx.encode_to_vec(),
     };
-    DownstreamTls::from_any(&any).map_err(|e| format!("{at}.transport_socket: {e}"))
+    DownstreamTls::from_any(&any, src).map_err(|e| format!("{at}.transport_socket: {e}"))
 }
 
 const MX_ALPN: &str = "istio-peer-exchange";

@@ -5,6 +5,7 @@ use crate::filters::alpn::{AlpnFilterConfig, AlpnOverrideProto, ALPN_FILTER_TYPE
 use crate::filters::cors::CORS_TYPE;
 use crate::filters::fault::FaultFilter;
 use crate::filters::telemetry::{TypedStruct, TYPED_STRUCTS, WASM_HTTP_TYPE};
+use crate::snapshot::sources::NoFiles;
 
 use envoy_types::pb::envoy::config::route::v3 as rpb;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -117,13 +118,13 @@ fn listener() -> lpb::Listener {
 }
 
 fn ok(l: &lpb::Listener) -> ListenerDef {
-    ListenerDef::translate(l).unwrap_or_else(|e| panic!("unexpected rejection: {e}"))
+    ListenerDef::translate(l, &NoFiles).unwrap_or_else(|e| panic!("unexpected rejection: {e}"))
 }
 
 /// Asserts `l` is rejected with an error naming listener 'l' and mentioning `needle`.
 #[track_caller]
 fn rejected(l: &lpb::Listener, needle: &str) -> String {
-    let e = match ListenerDef::translate(l) {
+    let e = match ListenerDef::translate(l, &NoFiles) {
         Ok(d) => panic!("expected a rejection, got {d:?}"),
         Err(e) => e,
     };
@@ -439,7 +440,7 @@ fn router_is_recognised_by_type_url_not_name() {
 fn empty_name_is_rejected() {
     let mut l = listener();
     l.name.clear();
-    let e = ListenerDef::translate(&l).unwrap_err();
+    let e = ListenerDef::translate(&l, &NoFiles).unwrap_err();
     assert_eq!(e.to_string(), "listener '': name must not be empty");
 }
 
@@ -694,7 +695,7 @@ fn tcp_proxy_behind_tls_termination_is_accepted() {
         ))),
     });
     // Istio's SIMPLE TLS server with tcp routes: the chain terminates, tcp_proxy carries on.
-    let def = ListenerDef::translate(&l).expect("accepted");
+    let def = ListenerDef::translate(&l, &NoFiles).expect("accepted");
     assert!(def.chains[0].tls.is_some() && def.chains[0].tcp().is_some());
 }
 
@@ -895,7 +896,9 @@ fn first_error_wins_in_listener_order() {
     let mut l = listener();
     l.address = None;
     l.filter_chains.clear();
-    let e = ListenerDef::translate(&l).unwrap_err().to_string();
+    let e = ListenerDef::translate(&l, &NoFiles)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("address"), "{e}");
 }
 
@@ -1648,7 +1651,7 @@ fn istio_dump_listeners_translate_or_are_refused_with_a_reason() {
                     .unwrap_or_else(|e| panic!("{file}: listener '{name}' does not decode: {e}"));
             let proto = lpb::Listener::decode(msg.encode_to_vec().as_slice())
                 .unwrap_or_else(|e| panic!("{file}: '{name}': {e}"));
-            match ListenerDef::translate(&proto) {
+            match ListenerDef::translate(&proto, &NoFiles) {
                 Ok(_) => translated += 1,
                 Err(e) => {
                     let text = e.to_string();
@@ -1834,4 +1837,68 @@ fn a_push_keeps_the_identity_of_unchanged_chains_wherever_they_move() {
         .iter()
         .zip(&relimited.chains)
         .all(|(a, b)| Arc::ptr_eq(a, b)));
+}
+
+#[test]
+fn tls_certificate_files_come_from_the_supplied_sources() {
+    use crate::snapshot::sources::MemorySources;
+    use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tlspb;
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = rcgen::CertificateParams::new(vec!["a.example.com".to_string()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("cert");
+    let ds = |s: Specifier| {
+        Some(corepb::DataSource {
+            specifier: Some(s),
+            ..Default::default()
+        })
+    };
+    let tls = DownstreamTlsContext {
+        common_tls_context: Some(tlspb::CommonTlsContext {
+            tls_certificates: vec![tlspb::TlsCertificate {
+                certificate_chain: ds(Specifier::Filename("/virtual/cert.pem".into())),
+                // A variable every process has: the supplied value is used, not the process's.
+                private_key: ds(Specifier::EnvironmentVariable("HOME".into())),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut l = listener();
+    l.filter_chains[0].transport_socket = Some(corepb::TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(corepb::transport_socket::ConfigType::TypedConfig(any(
+            TLS_TYPE, &tls,
+        ))),
+    });
+    let src = MemorySources::default()
+        .with_file("/virtual/cert.pem", cert.pem())
+        .with_env("HOME", &key.serialize_pem());
+    let def = ListenerDef::translate(&l, &src).expect("accepted");
+    let chain_tls = def.chains[0].tls.as_ref().expect("TLS");
+    assert!(
+        chain_tls.inline_config.is_some(),
+        "built from the served bytes"
+    );
+
+    let mut no_file = src.clone();
+    no_file.files.clear();
+    let e = ListenerDef::translate(&l, &no_file).expect_err("refused");
+    assert_eq!(e.resource, "listener 'l'");
+    assert!(
+        e.detail.starts_with(
+            "filter_chains[0].transport_socket 'envoy.transport_sockets.tls': tls_certificates[0]: certificate_chain: cannot read file '/virtual/cert.pem': "
+        ),
+        "{e}"
+    );
+    let mut no_env = src;
+    no_env.env.clear();
+    let e = ListenerDef::translate(&l, &no_env).expect_err("refused");
+    assert_eq!(
+        e.detail,
+        "filter_chains[0].transport_socket 'envoy.transport_sockets.tls': tls_certificates[0]: private_key: environment variable 'HOME' is not set"
+    );
 }

@@ -1,7 +1,9 @@
 //! The immutable routing snapshot and its translation from xDS protos.
 //!
 //! Translation is pure: protos in, plain Rust structs (or a [`TranslateError`] naming the
-//! resource and field) out. The request path reads only these structs.
+//! resource and field) out. The files and environment variables a resource names come from
+//! the caller's [`sources::DataSources`]; nothing here reads the disk or the environment. The
+//! request path reads only these structs.
 
 pub mod cluster;
 pub mod filter_chain;
@@ -13,6 +15,7 @@ pub mod outlier;
 pub mod retry;
 pub mod route;
 pub mod sds;
+pub mod sources;
 pub mod tcp_proxy;
 pub mod tls;
 pub mod upgrade;

@@ -6,13 +6,13 @@
 
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3 as corepb;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tlspb;
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
 
+use super::sources::{data_source, DataSources, NoFiles};
 use super::validation::{CertValidation, Side};
 
 pub const DOWNSTREAM_TLS_TYPE: &str =
@@ -100,23 +100,6 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads a `DataSource` (inline or a file). Files are read at translation time, as Envoy reads
-/// them when it loads the config.
-pub fn data_source(d: Option<&corepb::DataSource>, field: &str) -> Result<Vec<u8>, String> {
-    use corepb::data_source::Specifier as S;
-    match d.and_then(|d| d.specifier.as_ref()) {
-        Some(S::InlineBytes(b)) => Ok(b.clone()),
-        Some(S::InlineString(s)) => Ok(s.clone().into_bytes()),
-        Some(S::Filename(f)) => {
-            std::fs::read(f).map_err(|e| format!("{field}: cannot read file '{f}': {e}"))
-        }
-        Some(S::EnvironmentVariable(v)) => std::env::var(v)
-            .map(String::into_bytes)
-            .map_err(|_| format!("{field}: environment variable '{v}' is not set")),
-        None => Err(format!("{field}: a data source is required")),
-    }
-}
-
 /// Parses a PEM certificate chain and private key into a key rustls can sign with, checking
 /// that they belong together.
 pub fn certified_key(chain_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, String> {
@@ -143,15 +126,18 @@ pub fn certified_key(chain_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKe
 }
 
 /// A `TlsCertificate` (inline, a file, or an SDS secret's `tls_certificate`).
-pub fn tls_certificate(c: &tlspb::TlsCertificate) -> Result<Arc<CertifiedKey>, String> {
+pub fn tls_certificate(
+    c: &tlspb::TlsCertificate,
+    src: &dyn DataSources,
+) -> Result<Arc<CertifiedKey>, String> {
     if c.private_key_provider.is_some() {
         return Err("private_key_provider is not supported".into());
     }
     if c.password.is_some() {
         return Err("password (encrypted private keys) is not supported".into());
     }
-    let chain = data_source(c.certificate_chain.as_ref(), "certificate_chain")?;
-    let key = data_source(c.private_key.as_ref(), "private_key")?;
+    let chain = data_source(c.certificate_chain.as_ref(), "certificate_chain", src)?;
+    let key = data_source(c.private_key.as_ref(), "private_key", src)?;
     certified_key(&chain, &key)
 }
 
@@ -325,7 +311,7 @@ pub fn cipher_suites(
 
 impl DownstreamTls {
     /// The `typed_config` of an `envoy.transport_sockets.tls` transport socket.
-    pub fn from_any(any: &Any) -> Result<DownstreamTls, String> {
+    pub fn from_any(any: &Any, src: &dyn DataSources) -> Result<DownstreamTls, String> {
         if any.type_url != DOWNSTREAM_TLS_TYPE {
             return Err(format!(
                 "typed_config: expected {DOWNSTREAM_TLS_TYPE}, got {}",
@@ -334,10 +320,13 @@ impl DownstreamTls {
         }
         let ctx = tlspb::DownstreamTlsContext::decode(any.value.as_slice())
             .map_err(|e| format!("typed_config: cannot decode: {e}"))?;
-        DownstreamTls::translate(&ctx)
+        DownstreamTls::translate(&ctx, src)
     }
 
-    pub fn translate(ctx: &tlspb::DownstreamTlsContext) -> Result<DownstreamTls, String> {
+    pub fn translate(
+        ctx: &tlspb::DownstreamTlsContext,
+        src: &dyn DataSources,
+    ) -> Result<DownstreamTls, String> {
         // `require_sni` is accepted and not enforced: Envoy 1.40 does not implement it either
         // (not-implemented-hide in its API; it serves clients without SNI).
         if ctx.ocsp_staple_policy != 0 {
@@ -345,7 +334,7 @@ impl DownstreamTls {
         }
         let empty = tlspb::CommonTlsContext::default();
         let c = ctx.common_tls_context.as_ref().unwrap_or(&empty);
-        let validation = client_validation(c)?;
+        let validation = client_validation(c, src)?;
         if matches!(
             ctx.session_ticket_keys_type,
             Some(
@@ -373,7 +362,7 @@ impl DownstreamTls {
                     .iter()
                     .enumerate()
                     .map(|(i, c)| {
-                        tls_certificate(c).map_err(|e| format!("tls_certificates[{i}]: {e}"))
+                        tls_certificate(c, src).map_err(|e| format!("tls_certificates[{i}]: {e}"))
                     })
                     .collect::<Result<_, _>>()?,
             ),
@@ -534,13 +523,16 @@ impl DownstreamTls {
 }
 
 /// The chain's client certificate validation, as configured.
-fn client_validation(c: &tlspb::CommonTlsContext) -> Result<ClientValidation, String> {
+fn client_validation(
+    c: &tlspb::CommonTlsContext,
+    src: &dyn DataSources,
+) -> Result<ClientValidation, String> {
     use tlspb::common_tls_context::ValidationContextType as V;
     let at = "common_tls_context";
     Ok(match &c.validation_context_type {
         None => ClientValidation::None,
         Some(V::ValidationContext(vc)) => ClientValidation::Inline(Arc::new(
-            CertValidation::parse(vc, &mut Vec::new(), Side::Downstream)
+            CertValidation::parse(vc, &mut Vec::new(), Side::Downstream, src)
                 .map_err(|e| format!("{at}.{e}"))?,
         )),
         Some(V::ValidationContextSdsSecretConfig(sds)) => ClientValidation::Sds {
@@ -571,7 +563,11 @@ fn client_validation(c: &tlspb::CommonTlsContext) -> Result<ClientValidation, St
                         "{at}.combined_validation_context.validation_context_sds_secret_config"
                     ),
                 )?,
-                default: cv.default_validation_context.clone().map(Box::new),
+                // Envoy parses this half only merged with each secret; its CA is read now.
+                default: cv
+                    .default_validation_context
+                    .as_ref()
+                    .map(|d| Box::new(super::validation::read_sources(d, src))),
             }
         }
         Some(_) => {
@@ -582,7 +578,8 @@ fn client_validation(c: &tlspb::CommonTlsContext) -> Result<ClientValidation, St
     })
 }
 
-/// Resolves an SDS validation context: the secret's, merged over the default half.
+/// Resolves an SDS validation context: the secret's, merged over the default half. Both were
+/// read at translation, so nothing is read here.
 pub fn sds_validation(
     default: Option<&tlspb::CertificateValidationContext>,
     secret: &tlspb::CertificateValidationContext,
@@ -591,7 +588,7 @@ pub fn sds_validation(
         Some(d) => super::validation::combine(d, secret),
         None => secret.clone(),
     };
-    CertValidation::parse(&vc, &mut Vec::new(), Side::Downstream).map(Arc::new)
+    CertValidation::parse(&vc, &mut Vec::new(), Side::Downstream, &NoFiles).map(Arc::new)
 }
 
 /// The client verifier for a chain: None when clients are not asked for a certificate.
@@ -821,7 +818,10 @@ pub struct SecretDef {
 }
 
 impl SecretDef {
-    pub fn translate(s: &tlspb::Secret) -> Result<SecretDef, super::TranslateError> {
+    pub fn translate(
+        s: &tlspb::Secret,
+        src: &dyn DataSources,
+    ) -> Result<SecretDef, super::TranslateError> {
         use tlspb::secret::Type;
         let err = |d: String| super::TranslateError::new(format!("secret '{}'", s.name), d);
         if s.name.is_empty() {
@@ -832,12 +832,14 @@ impl SecretDef {
         }
         let (cert, validation) = match &s.r#type {
             Some(Type::TlsCertificate(c)) => (
-                Some(tls_certificate(c).map_err(|e| err(format!("tls_certificate: {e}")))?),
+                Some(tls_certificate(c, src).map_err(|e| err(format!("tls_certificate: {e}")))?),
                 None,
             ),
             Some(Type::ValidationContext(vc)) => {
                 // The CA and pins are checked here, so a bad bundle is refused by its name;
                 // SAN matchers may rely on the CA of the context the secret completes.
+                // Kept with its CA read, so the contexts it completes read nothing.
+                let vc = super::validation::read_sources(vc, src);
                 let mut alone = vc.clone();
                 alone.match_typed_subject_alt_names.clear();
                 #[allow(deprecated)]
@@ -846,9 +848,10 @@ impl SecretDef {
                     &alone,
                     &mut Vec::new(),
                     super::validation::Side::Downstream,
+                    src,
                 )
                 .map_err(err)?;
-                (None, Some(Arc::new(vc.clone())))
+                (None, Some(Arc::new(vc)))
             }
             // Session ticket keys and generic secrets: accepted, used by nothing.
             Some(_) => (None, None),

@@ -1,6 +1,7 @@
 //! `DownstreamTlsContext` and SDS secret translation, with certificates made by rcgen.
 
 use super::*;
+use envoy_types::pb::envoy::config::core::v3 as corepb;
 use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
 use tlspb::tls_parameters::TlsProtocol;
 
@@ -53,7 +54,7 @@ fn params(min: TlsProtocol, max: TlsProtocol) -> Option<tlspb::TlsParameters> {
 fn inline_certificate_builds_a_config_with_alpn() {
     let mut c = with_cert();
     c.alpn_protocols = vec!["h2".into(), "http/1.1".into()];
-    let t = DownstreamTls::translate(&ctx(c)).expect("valid");
+    let t = DownstreamTls::translate(&ctx(c), &NoFiles).expect("valid");
     let server = t.inline_config.expect("built");
     assert_eq!(
         server.with_alpn.alpn_protocols,
@@ -74,36 +75,121 @@ fn inline_certificate_builds_a_config_with_alpn() {
     );
 }
 
+fn ds(s: Specifier) -> Option<corepb::DataSource> {
+    Some(corepb::DataSource {
+        specifier: Some(s),
+        ..Default::default()
+    })
+}
+
 #[test]
-fn certificate_from_a_file() {
+fn certificate_from_a_file_or_variable_of_the_supplied_sources() {
+    use crate::snapshot::sources::MemorySources;
     let (c, k) = cert("a.example.com");
-    let dir = std::env::temp_dir().join(format!("portico-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    std::fs::write(dir.join("c.pem"), c).expect("write");
-    std::fs::write(dir.join("k.pem"), k).expect("write");
-    let file = |p: &str| {
-        Some(corepb::DataSource {
-            specifier: Some(Specifier::Filename(dir.join(p).display().to_string())),
-            ..Default::default()
-        })
-    };
+    let file = |p: &str| ds(Specifier::Filename(p.into()));
     let common = tlspb::CommonTlsContext {
         tls_certificates: vec![tlspb::TlsCertificate {
-            certificate_chain: file("c.pem"),
-            private_key: file("k.pem"),
+            certificate_chain: file("/virtual/c.pem"),
+            private_key: ds(Specifier::EnvironmentVariable("KEY".into())),
             ..Default::default()
         }],
         ..Default::default()
     };
-    assert!(DownstreamTls::translate(&ctx(common.clone())).is_ok());
-    let mut missing = common;
-    missing.tls_certificates[0].private_key = file("nope.pem");
-    let e = DownstreamTls::translate(&ctx(missing)).unwrap_err();
+    let src = MemorySources::default()
+        .with_file("/virtual/c.pem", c.clone())
+        .with_env("KEY", &k);
+    let t = DownstreamTls::translate(&ctx(common.clone()), &src).expect("valid");
+    assert!(t.inline_config.is_some());
+    let e = DownstreamTls::translate(&ctx(common.clone()), &NoFiles).unwrap_err();
     assert!(
-        e.contains("tls_certificates[0]: private_key: cannot read file"),
+        e.starts_with(
+            "tls_certificates[0]: certificate_chain: cannot read file '/virtual/c.pem': "
+        ),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(dir);
+    let mut missing = common;
+    missing.tls_certificates[0].certificate_chain = ds(Specifier::InlineString(c));
+    let e = DownstreamTls::translate(&ctx(missing.clone()), &NoFiles).unwrap_err();
+    assert_eq!(
+        e,
+        "tls_certificates[0]: private_key: environment variable 'KEY' is not set"
+    );
+    missing.tls_certificates[0].private_key = file("/virtual/nope.pem");
+    let e = DownstreamTls::translate(&ctx(missing), &src).unwrap_err();
+    assert!(
+        e.contains("tls_certificates[0]: private_key: cannot read file '/virtual/nope.pem'"),
+        "{e}"
+    );
+}
+
+#[test]
+fn contexts_kept_for_sds_hold_their_ca_bytes() {
+    use crate::snapshot::sources::MemorySources;
+    use tlspb::common_tls_context::{CombinedCertificateValidationContext, ValidationContextType};
+    let (ca, _) = cert("client CA");
+    let src = MemorySources::default().with_file("/virtual/ca.pem", ca.clone());
+    let vc = tlspb::CertificateValidationContext {
+        trusted_ca: ds(Specifier::Filename("/virtual/ca.pem".into())),
+        ..Default::default()
+    };
+    let inline_ca = ds(Specifier::InlineBytes(ca.clone().into_bytes()));
+    // A secret's context: read at translation, then combined and parsed with nothing to read.
+    let secret = tlspb::Secret {
+        name: "ca".into(),
+        r#type: Some(tlspb::secret::Type::ValidationContext(vc.clone())),
+    };
+    let e = SecretDef::translate(&secret, &NoFiles)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(
+            "secret 'ca': validation_context.trusted_ca: cannot read file '/virtual/ca.pem'"
+        ),
+        "{e}"
+    );
+    let def = SecretDef::translate(&secret, &src).expect("valid");
+    let kept = def.validation.expect("a validation context");
+    assert_eq!(kept.trusted_ca, inline_ca);
+    assert!(sds_validation(None, &kept).is_ok_and(|v| v.roots.is_some()));
+    // The default half of a combined context: its CA read with the listener.
+    let mut common = with_cert();
+    common.validation_context_type = Some(ValidationContextType::CombinedValidationContext(
+        CombinedCertificateValidationContext {
+            default_validation_context: Some(vc),
+            validation_context_sds_secret_config: Some(tlspb::SdsSecretConfig {
+                name: "kubernetes://cred-cacert".into(),
+                sds_config: ads(),
+            }),
+            ..Default::default()
+        },
+    ));
+    let t = DownstreamTls::translate(&ctx(common.clone()), &src).expect("combined");
+    let ClientValidation::Sds {
+        default: Some(default),
+        ..
+    } = &t.validation
+    else {
+        panic!("an SDS validation context with a default half");
+    };
+    assert_eq!(default.trusted_ca, inline_ca);
+    let v = sds_validation(Some(default), &Default::default()).expect("the default's CA");
+    assert!(v.roots.is_some());
+    // Envoy reads that half only merged with the secret: a file it cannot read fails the
+    // merge, unless the secret brings its own CA.
+    let t = DownstreamTls::translate(&ctx(common), &NoFiles).expect("accepted");
+    let ClientValidation::Sds {
+        default: Some(default),
+        ..
+    } = &t.validation
+    else {
+        panic!("an SDS validation context with a default half");
+    };
+    let e = sds_validation(Some(default), &Default::default()).unwrap_err();
+    assert!(
+        e.starts_with("validation_context.trusted_ca: cannot read file '/virtual/ca.pem'"),
+        "{e}"
+    );
+    assert!(sds_validation(Some(default), &kept).is_ok());
 }
 
 #[test]
@@ -114,7 +200,7 @@ fn a_key_that_does_not_match_or_parse_is_rejected() {
         tls_certificates: vec![tls_cert(&c, &other_key)],
         ..Default::default()
     };
-    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(common), &NoFiles).unwrap_err();
     assert!(
         e.contains("private_key does not match certificate_chain"),
         "{e}"
@@ -123,7 +209,7 @@ fn a_key_that_does_not_match_or_parse_is_rejected() {
         tls_certificates: vec![tls_cert(&c, "not a key")],
         ..Default::default()
     };
-    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(common), &NoFiles).unwrap_err();
     assert!(e.contains("private_key: no private key found"), "{e}");
 }
 
@@ -131,19 +217,19 @@ fn a_key_that_does_not_match_or_parse_is_rejected() {
 fn protocol_versions() {
     let mut c = with_cert();
     c.tls_params = params(TlsProtocol::TlSv13, TlsProtocol::TlSv13);
-    let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
+    let t = DownstreamTls::translate(&ctx(c.clone()), &NoFiles).expect("valid");
     assert_eq!(t.versions, vec![&rustls::version::TLS13]);
     c.tls_params = params(TlsProtocol::TlsAuto, TlsProtocol::TlSv12);
-    let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
+    let t = DownstreamTls::translate(&ctx(c.clone()), &NoFiles).expect("valid");
     assert_eq!(t.versions, vec![&rustls::version::TLS12]);
     c.tls_params = params(TlsProtocol::TlSv10, TlsProtocol::TlsAuto);
-    let e = DownstreamTls::translate(&ctx(c.clone())).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(c.clone()), &NoFiles).unwrap_err();
     assert!(
         e.contains("tls_params.tls_minimum_protocol_version: TLSv1_0 is not supported"),
         "{e}"
     );
     c.tls_params = params(TlsProtocol::TlSv13, TlsProtocol::TlSv12);
-    assert!(DownstreamTls::translate(&ctx(c)).is_err());
+    assert!(DownstreamTls::translate(&ctx(c), &NoFiles).is_err());
 }
 
 #[test]
@@ -156,7 +242,7 @@ fn cipher_suites_rustls_lacks_are_left_out_and_unknown_ones_rejected() {
         ],
         ..Default::default()
     });
-    let t = DownstreamTls::translate(&ctx(c.clone())).expect("valid");
+    let t = DownstreamTls::translate(&ctx(c.clone()), &NoFiles).expect("valid");
     assert_eq!(t.tls12_suites.as_ref().map(Vec::len), Some(3));
     // istiod's default list: the two RSA key exchange suites are left out, the rest applies.
     c.tls_params = Some(tlspb::TlsParameters {
@@ -172,14 +258,14 @@ fn cipher_suites_rustls_lacks_are_left_out_and_unknown_ones_rejected() {
         .to_vec(),
         ..Default::default()
     });
-    let t = DownstreamTls::translate(&ctx(c.clone())).expect("istiod's list");
+    let t = DownstreamTls::translate(&ctx(c.clone()), &NoFiles).expect("istiod's list");
     assert_eq!(t.tls12_suites.as_ref().map(Vec::len), Some(4));
     // Only suites rustls lacks: nothing left to offer.
     c.tls_params = Some(tlspb::TlsParameters {
         cipher_suites: vec!["AES128-SHA".into()],
         ..Default::default()
     });
-    let e = DownstreamTls::translate(&ctx(c.clone())).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(c.clone()), &NoFiles).unwrap_err();
     assert!(
         e.starts_with("tls_params.cipher_suites: none of AES128-SHA is supported"),
         "{e}"
@@ -188,7 +274,7 @@ fn cipher_suites_rustls_lacks_are_left_out_and_unknown_ones_rejected() {
         cipher_suites: vec!["ECDHE-RSA-AES128-GCM-SHA256".into(), "NOT-A-SUITE".into()],
         ..Default::default()
     });
-    let e = DownstreamTls::translate(&ctx(c)).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(c), &NoFiles).unwrap_err();
     assert_eq!(
         e,
         "tls_params.cipher_suites[1]: 'NOT-A-SUITE' is not a known cipher suite"
@@ -209,13 +295,13 @@ fn sds_certificates_need_a_config_source() {
         }],
         ..Default::default()
     };
-    let t = DownstreamTls::translate(&ctx(sds(true))).expect("valid");
+    let t = DownstreamTls::translate(&ctx(sds(true)), &NoFiles).expect("valid");
     assert_eq!(
         t.sds_names().collect::<Vec<_>>(),
         vec!["kubernetes://bookinfo-cert"]
     );
     assert!(t.inline_config.is_none());
-    let e = DownstreamTls::translate(&ctx(sds(false))).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(sds(false)), &NoFiles).unwrap_err();
     assert!(e.contains("sds_config: is required"), "{e}");
 }
 
@@ -226,12 +312,17 @@ fn secrets_translate_and_bad_keys_name_the_secret() {
         name: "kubernetes://bookinfo-cert".into(),
         r#type: Some(tlspb::secret::Type::TlsCertificate(tls_cert(&c, &k))),
     };
-    assert!(SecretDef::translate(&good).expect("valid").cert.is_some());
+    assert!(SecretDef::translate(&good, &NoFiles)
+        .expect("valid")
+        .cert
+        .is_some());
     let bad = tlspb::Secret {
         name: "kubernetes://bookinfo-cert".into(),
         r#type: Some(tlspb::secret::Type::TlsCertificate(tls_cert(&c, "garbage"))),
     };
-    let e = SecretDef::translate(&bad).unwrap_err().to_string();
+    let e = SecretDef::translate(&bad, &NoFiles)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.starts_with("secret 'kubernetes://bookinfo-cert': tls_certificate: private_key"),
         "{e}"
@@ -241,7 +332,10 @@ fn secrets_translate_and_bad_keys_name_the_secret() {
         name: "ROOTCA".into(),
         r#type: Some(tlspb::secret::Type::ValidationContext(Default::default())),
     };
-    assert!(SecretDef::translate(&ca).expect("valid").cert.is_none());
+    assert!(SecretDef::translate(&ca, &NoFiles)
+        .expect("valid")
+        .cert
+        .is_none());
 }
 
 fn ads() -> Option<corepb::ConfigSource> {
@@ -270,7 +364,7 @@ fn client_validation_inline_sds_and_combined() {
     let mut c = ctx(common.clone());
     c.require_client_certificate =
         Some(envoy_types::pb::google::protobuf::BoolValue { value: true });
-    let t = DownstreamTls::translate(&c).expect("inline mTLS");
+    let t = DownstreamTls::translate(&c, &NoFiles).expect("inline mTLS");
     assert!(t.require_client_cert);
     assert!(matches!(t.validation, ClientValidation::Inline(_)));
     // Built at once: nothing to wait for.
@@ -287,7 +381,7 @@ fn client_validation_inline_sds_and_combined() {
             ..Default::default()
         },
     ));
-    let t = DownstreamTls::translate(&ctx(common.clone())).expect("combined");
+    let t = DownstreamTls::translate(&ctx(common.clone()), &NoFiles).expect("combined");
     assert_eq!(
         t.sds_names().collect::<Vec<_>>(),
         vec!["kubernetes://cred-cacert"]
@@ -298,7 +392,7 @@ fn client_validation_inline_sds_and_combined() {
     common.validation_context_type = Some(ValidationContextType::CombinedValidationContext(
         CombinedCertificateValidationContext::default(),
     ));
-    let e = DownstreamTls::translate(&ctx(common.clone())).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(common.clone()), &NoFiles).unwrap_err();
     assert!(
         e.contains("combined_validation_context.validation_context_sds_secret_config is required"),
         "{e}"
@@ -320,7 +414,7 @@ fn client_validation_inline_sds_and_combined() {
             ..Default::default()
         },
     ));
-    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(common), &NoFiles).unwrap_err();
     assert!(
         e.starts_with("common_tls_context.validation_context:"),
         "{e}"
@@ -342,7 +436,9 @@ fn validation_secrets_are_checked_by_name() {
             },
         )),
     };
-    let e = SecretDef::translate(&bad).unwrap_err().to_string();
+    let e = SecretDef::translate(&bad, &NoFiles)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.starts_with("secret 'ROOTCA': validation_context.trusted_ca"),
         "{e}"
@@ -368,7 +464,7 @@ fn ecdh_curves_pick_the_groups_offered() {
     assert!(e.contains("none of P-521"), "{e}");
     let mut common = with_cert();
     common.tls_params = Some(params(&["P-384"]));
-    let t = DownstreamTls::translate(&ctx(common)).expect("P-384 only");
+    let t = DownstreamTls::translate(&ctx(common), &NoFiles).expect("P-384 only");
     assert!(t.inline_config.is_some());
 }
 
@@ -380,19 +476,19 @@ fn several_certificates_translate_and_may_not_be_mixed() {
         tls_certificates: vec![tls_cert(&c1, &k1), tls_cert(&c2, &k2)],
         ..Default::default()
     };
-    let t = DownstreamTls::translate(&ctx(common.clone())).expect("two certificates");
+    let t = DownstreamTls::translate(&ctx(common.clone()), &NoFiles).expect("two certificates");
     assert!(matches!(&t.cert, CertSource::Inline(v) if v.len() == 2));
     assert!(t.inline_config.is_some());
     common.tls_certificate_sds_secret_configs = vec![tlspb::SdsSecretConfig {
         name: "s".into(),
         sds_config: ads(),
     }];
-    let e = DownstreamTls::translate(&ctx(common)).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(common), &NoFiles).unwrap_err();
     assert!(e.contains("may not be mixed"), "{e}");
     let bad = tlspb::CommonTlsContext {
         tls_certificates: vec![tls_cert(&c1, &k1), tls_cert(&c2, "garbage")],
         ..Default::default()
     };
-    let e = DownstreamTls::translate(&ctx(bad)).unwrap_err();
+    let e = DownstreamTls::translate(&ctx(bad), &NoFiles).unwrap_err();
     assert!(e.starts_with("tls_certificates[1]: private_key"), "{e}");
 }

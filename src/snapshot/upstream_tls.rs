@@ -207,10 +207,14 @@ pub fn labels(m: Option<&corepb::Metadata>) -> Option<Vec<(String, Label)>> {
 impl TransportSockets {
     /// `http2`: what the cluster speaks upstream, offered by ALPN when a socket has no
     /// `alpn_protocols` (Envoy's fallback: `h2` or `http/1.1`).
-    pub fn translate(c: &cpb::Cluster, http2: bool) -> Result<TransportSockets, String> {
+    pub fn translate(
+        c: &cpb::Cluster,
+        http2: bool,
+        src: &dyn DataSources,
+    ) -> Result<TransportSockets, String> {
         let fallback: &[u8] = if http2 { b"h2" } else { b"http/1.1" };
         let (default, default_internal) = match &c.transport_socket {
-            Some(ts) => socket(ts, fallback).map_err(|e| format!("transport_socket: {e}"))?,
+            Some(ts) => socket(ts, fallback, src).map_err(|e| format!("transport_socket: {e}"))?,
             None => (None, None),
         };
         let mut matches = Vec::with_capacity(c.transport_socket_matches.len());
@@ -218,7 +222,7 @@ impl TransportSockets {
             let at = format!("transport_socket_matches[{i}] '{}'", m.name);
             let (socket, internal) = match &m.transport_socket {
                 Some(ts) => {
-                    socket(ts, fallback).map_err(|e| format!("{at}.transport_socket: {e}"))?
+                    socket(ts, fallback, src).map_err(|e| format!("{at}.transport_socket: {e}"))?
                 }
                 None => (None, None),
             };
@@ -306,7 +310,11 @@ const INTERNAL_UPSTREAM_TYPE: &str =
 /// `internal_upstream` socket around it.
 type Socket = (Option<Arc<UpstreamTls>>, Option<InternalUpstream>);
 
-fn socket(ts: &corepb::TransportSocket, alpn_fallback: &[u8]) -> Result<Socket, String> {
+fn socket(
+    ts: &corepb::TransportSocket,
+    alpn_fallback: &[u8],
+    src: &dyn DataSources,
+) -> Result<Socket, String> {
     use corepb::transport_socket::ConfigType;
     match &ts.config_type {
         Some(ConfigType::TypedConfig(a)) if a.type_url == RAW_BUFFER_TYPE => Ok((None, None)),
@@ -315,12 +323,12 @@ fn socket(ts: &corepb::TransportSocket, alpn_fallback: &[u8]) -> Result<Socket, 
                 .map_err(|e| format!("typed_config: cannot decode: {e}"))?;
             let mut identity = ts.encode_to_vec();
             identity.extend_from_slice(alpn_fallback);
-            UpstreamTls::translate(&ctx, alpn_fallback, &mut identity)
+            UpstreamTls::translate(&ctx, alpn_fallback, &mut identity, src)
                 .map(|t| (Some(Arc::new(t)), None))
                 .map_err(|e| format!("'{}': {e}", ts.name))
         }
         Some(ConfigType::TypedConfig(a)) if a.type_url == INTERNAL_UPSTREAM_TYPE => {
-            internal_upstream(&a.value).map_err(|e| format!("'{}': {e}", ts.name))
+            internal_upstream(&a.value, src).map_err(|e| format!("'{}': {e}", ts.name))
         }
         Some(ConfigType::TypedConfig(a)) => Err(format!(
             "'{}': typed_config {} is not supported",
@@ -331,7 +339,7 @@ fn socket(ts: &corepb::TransportSocket, alpn_fallback: &[u8]) -> Result<Socket, 
     }
 }
 
-fn internal_upstream(bytes: &[u8]) -> Result<Socket, String> {
+fn internal_upstream(bytes: &[u8], src: &dyn DataSources) -> Result<Socket, String> {
     use envoy_types::pb::envoy::extensions::transport_sockets::internal_upstream::v3::InternalUpstreamTransport;
     use envoy_types::pb::envoy::r#type::metadata::v3::metadata_kind::Kind as MK;
     let t = InternalUpstreamTransport::decode(bytes)
@@ -363,7 +371,7 @@ fn internal_upstream(bytes: &[u8]) -> Result<Socket, String> {
     // HBONE) is not implemented.
     match &t.transport_socket {
         None => {}
-        Some(inner) => match socket(inner, b"")? {
+        Some(inner) => match socket(inner, b"", src)? {
             (None, None) => {}
             (Some(_), _) => {
                 return Err(
@@ -461,13 +469,15 @@ impl rustls::client::ResolvesClientCert for ClientCert {
     }
 }
 
+use super::sources::{DataSources, NoFiles};
 use super::validation::read;
 
 fn validator(
     vc: &tlspb::CertificateValidationContext,
     identity: &mut Vec<u8>,
+    src: &dyn DataSources,
 ) -> Result<Validator, String> {
-    let v = CertValidation::parse(vc, identity, Side::Upstream)?;
+    let v = CertValidation::parse(vc, identity, Side::Upstream, src)?;
     let provider = rustls::crypto::ring::default_provider();
     let chain = match &v.roots {
         Some(roots) => Some(
@@ -505,6 +515,7 @@ impl UpstreamTls {
         ctx: &tlspb::UpstreamTlsContext,
         alpn_fallback: &[u8],
         identity: &mut Vec<u8>,
+        src: &dyn DataSources,
     ) -> Result<UpstreamTls, String> {
         if ctx.allow_renegotiation {
             return Err("allow_renegotiation is not supported".into());
@@ -535,7 +546,7 @@ impl UpstreamTls {
         let validation = match &c.validation_context_type {
             None => ValidationPart::Inline(Arc::new(no_validation())),
             Some(V::ValidationContext(vc)) => ValidationPart::Inline(Arc::new(
-                validator(vc, identity).map_err(|e| format!("common_tls_context.{e}"))?,
+                validator(vc, identity, src).map_err(|e| format!("common_tls_context.{e}"))?,
             )),
             Some(V::ValidationContextSdsSecretConfig(sds)) => ValidationPart::Sds {
                 secret: sds_ref(sds, "validation_context_sds_secret_config")?,
@@ -563,11 +574,13 @@ impl UpstreamTls {
                 };
                 // The default half alone must be valid apart from what the secret brings
                 // (the CA), so its own mistakes are refused with the cluster.
+                // Kept with its CA read, so the secret completes it without reading.
+                let default = super::validation::read_sources(default, src);
                 let mut alone = default.clone();
                 alone.match_typed_subject_alt_names.clear();
                 #[allow(deprecated)]
                 alone.match_subject_alt_names.clear();
-                CertValidation::parse(&alone, &mut Vec::new(), Side::Upstream)
+                CertValidation::parse(&alone, &mut Vec::new(), Side::Upstream, src)
                     .map_err(|e| format!("{at}.default_{e}"))?;
                 let typed = default
                     .match_typed_subject_alt_names
@@ -585,7 +598,7 @@ impl UpstreamTls {
                         sds,
                         "combined_validation_context.validation_context_sds_secret_config",
                     )?,
-                    default: Box::new(default.clone()),
+                    default: Box::new(default),
                 }
             }
             // The deprecated certificate provider fields.
@@ -608,6 +621,7 @@ impl UpstreamTls {
                             Some(d),
                             "common_tls_context.tls_certificates[0].certificate_chain",
                             identity,
+                            src,
                         )?)),
                         ..Default::default()
                     });
@@ -618,12 +632,13 @@ impl UpstreamTls {
                             Some(d),
                             "common_tls_context.tls_certificates[0].private_key",
                             identity,
+                            src,
                         )?)),
                         ..Default::default()
                     });
                 }
                 CertPart::Inline(
-                    super::tls::tls_certificate(&cert)
+                    super::tls::tls_certificate(&cert, &NoFiles)
                         .map_err(|e| format!("common_tls_context.tls_certificates[0]: {e}"))?,
                 )
             }
@@ -764,12 +779,14 @@ impl UpstreamTls {
                     )
                 })?;
                 let combined = super::validation::combine(default, vc);
-                Arc::new(validator(&combined, &mut Vec::new()).map_err(|e| {
-                    format!(
+                Arc::new(
+                    validator(&combined, &mut Vec::new(), &NoFiles).map_err(|e| {
+                        format!(
                         "common_tls_context: the validation context completed by secret '{}': {e}",
                         secret.name
                     )
-                })?)
+                    })?,
+                )
             }
         };
         let config = parts.build(cert, validator)?;

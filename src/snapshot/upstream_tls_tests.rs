@@ -47,7 +47,7 @@ fn cluster(ts: corepb::TransportSocket) -> cpb::Cluster {
 }
 
 fn translate(ctx: tlspb::UpstreamTlsContext) -> Result<TransportSockets, String> {
-    TransportSockets::translate(&cluster(tls(ctx)), false)
+    TransportSockets::translate(&cluster(tls(ctx)), false, &NoFiles)
 }
 
 fn rejected(ctx: tlspb::UpstreamTlsContext, needle: &str) {
@@ -73,7 +73,8 @@ fn sni_empty_means_none_and_alpn_falls_back_to_the_cluster_protocol() {
         s.config.as_ref().expect("built").alpn_protocols,
         vec![b"http/1.1".to_vec()]
     );
-    let h2 = TransportSockets::translate(&cluster(tls(Default::default())), true).expect("ok");
+    let h2 =
+        TransportSockets::translate(&cluster(tls(Default::default())), true, &NoFiles).expect("ok");
     let s2 = h2.default.expect("tls");
     assert_eq!(
         s2.config.as_ref().expect("built").alpn_protocols,
@@ -324,7 +325,7 @@ fn rejections_name_the_field() {
             value: vec![0xff, 0xff],
         })),
     };
-    let e = TransportSockets::translate(&cluster(bad), false).expect_err("bad bytes");
+    let e = TransportSockets::translate(&cluster(bad), false, &NoFiles).expect_err("bad bytes");
     assert!(e.contains("typed_config: cannot decode"), "{e}");
     let e = TransportSockets::translate(
         &cpb::Cluster {
@@ -332,6 +333,7 @@ fn rejections_name_the_field() {
             ..Default::default()
         },
         false,
+        &NoFiles,
     )
     .expect_err("matcher");
     assert!(
@@ -399,7 +401,7 @@ fn matches_pick_by_endpoint_then_locality_metadata() {
         ],
         ..Default::default()
     };
-    let t = TransportSockets::translate(&c, false).expect("ok");
+    let t = TransportSockets::translate(&c, false, &NoFiles).expect("ok");
     let l = |e: Option<&[(&str, &str)]>, loc: Option<&[(&str, &str)]>| SocketLabels {
         endpoint: e.and_then(|p| labels(Some(&meta(p)))),
         locality: loc.and_then(|p| labels(Some(&meta(p)))),
@@ -440,7 +442,7 @@ fn matches_pick_by_endpoint_then_locality_metadata() {
         }],
         ..Default::default()
     };
-    let t = TransportSockets::translate(&c, false).expect("ok");
+    let t = TransportSockets::translate(&c, false, &NoFiles).expect("ok");
     assert_eq!(t.pick(None), 1);
 }
 
@@ -550,6 +552,7 @@ fn the_validator_checks_the_chain_and_never_the_name() {
             ..Default::default()
         },
         &mut id,
+        &NoFiles,
     )
     .expect("validator");
     assert!(check(&trusted, &good), "the name is not checked");
@@ -565,6 +568,7 @@ fn the_validator_checks_the_chain_and_never_the_name() {
             ..Default::default()
         },
         &mut id,
+        &NoFiles,
     )
     .expect("validator");
     assert!(!check(&with_san, &good), "SANs, not the SNI, decide");
@@ -672,7 +676,12 @@ impl Secrets {
     fn new(list: Vec<tlspb::Secret>) -> Secrets {
         Secrets(
             list.into_iter()
-                .map(|s| (SecretDef::translate(&s).expect("secret"), s.encode_to_vec()))
+                .map(|s| {
+                    (
+                        SecretDef::translate(&s, &NoFiles).expect("secret"),
+                        s.encode_to_vec(),
+                    )
+                })
                 .collect(),
         )
     }
@@ -739,7 +748,8 @@ const REVIEWS: &str = "spiffe://cluster.local/ns/default/sa/reviews";
 
 #[test]
 fn istio_mutual_is_accepted_and_waits_for_its_secrets() {
-    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false).expect("ok");
+    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false, &NoFiles)
+        .expect("ok");
     assert!(t.needs_sds());
     let refs: Vec<(&str, &str)> = t
         .sds_refs()
@@ -808,7 +818,8 @@ fn istio_mutual_is_accepted_and_waits_for_its_secrets() {
 
 #[test]
 fn the_combined_context_checks_the_secrets_ca_and_the_default_sans() {
-    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false).expect("ok");
+    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false, &NoFiles)
+        .expect("ok");
     let s = t.matches[0].socket.as_ref().expect("tls");
     let Some(ValidationPart::Sds { default, secret }) = s.sds.as_ref().map(|p| &p.validation)
     else {
@@ -817,10 +828,11 @@ fn the_combined_context_checks_the_secrets_ca_and_the_default_sans() {
     assert_eq!(secret.name, "ROOTCA");
     let (ca, ca_key) = ca();
     let (rogue, rogue_key) = self::ca();
-    let root = SecretDef::translate(&root_secret("ROOTCA", &ca)).expect("root");
+    let root = SecretDef::translate(&root_secret("ROOTCA", &ca), &NoFiles).expect("root");
     let v = validator(
         &super::super::validation::combine(default, root.validation.as_deref().expect("vc")),
         &mut Vec::new(),
+        &NoFiles,
     )
     .expect("validator");
     let leaf = |uri: &str, issuer: &rcgen::Certificate, key: &rcgen::KeyPair| {
@@ -851,7 +863,8 @@ fn the_combined_context_checks_the_secrets_ca_and_the_default_sans() {
 
 #[test]
 fn secrets_of_the_wrong_kind_or_an_incomplete_context_are_errors_naming_them() {
-    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false).expect("ok");
+    let t = TransportSockets::translate(&istio_cluster(istio_mutual(REVIEWS)), false, &NoFiles)
+        .expect("ok");
     let (ca, ca_key) = ca();
     let cert = cert_secret("default", &ca, &ca_key, "spiffe://x");
     let e = Secrets::new(vec![
@@ -938,5 +951,37 @@ fn sds_on_upstream_tls_rejections() {
     rejected(
         bad_default,
         "combined_validation_context.default_validation_context.crl is not supported",
+    );
+}
+
+#[test]
+fn the_ca_file_comes_from_the_supplied_sources_and_keys_the_socket() {
+    use crate::snapshot::sources::MemorySources;
+    let (a, _) = ca();
+    let (b, _) = ca();
+    let c = cluster(tls(with_validation(tlspb::CertificateValidationContext {
+        trusted_ca: Some(corepb::DataSource {
+            specifier: Some(corepb::data_source::Specifier::Filename(
+                "/virtual/ca.pem".into(),
+            )),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })));
+    let with = |ca: &rcgen::Certificate| {
+        let src = MemorySources::default().with_file("/virtual/ca.pem", ca.pem());
+        TransportSockets::translate(&c, false, &src)
+            .expect("ok")
+            .default
+            .expect("tls")
+    };
+    let (first, again, other) = (with(&a), with(&a), with(&b));
+    assert_eq!(first.group_key, again.group_key);
+    // The same file name with other contents is another socket.
+    assert_ne!(first.group_key, other.group_key);
+    let e = TransportSockets::translate(&c, false, &NoFiles).expect_err("unreadable");
+    assert!(
+        e.contains("validation_context.trusted_ca: cannot read file '/virtual/ca.pem'"),
+        "{e}"
     );
 }

@@ -9,6 +9,7 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tlspb;
 use prost::Message;
 
 use super::route::StringMatch;
+use super::sources::{data_source, inlined, DataSources};
 
 /// A SAN matcher: the SAN type and the string matcher.
 #[derive(Debug)]
@@ -131,10 +132,29 @@ pub(crate) fn read(
     d: Option<&corepb::DataSource>,
     field: &str,
     identity: &mut Vec<u8>,
+    src: &dyn DataSources,
 ) -> Result<Vec<u8>, String> {
-    let bytes = super::tls::data_source(d, field)?;
+    let bytes = data_source(d, field, src)?;
     identity.extend_from_slice(&bytes);
     Ok(bytes)
+}
+
+/// `vc` with the file or variable its `trusted_ca` names read from `src` and inlined, for a
+/// context kept as a proto and parsed after translation (a secret's, or the default half of a
+/// combined context). One that cannot be read is left as configured, so parsing it still
+/// refuses it by name; a secret that replaces it makes the failure moot, as in Envoy, which
+/// reads the merged context.
+pub fn read_sources(
+    vc: &tlspb::CertificateValidationContext,
+    src: &dyn DataSources,
+) -> tlspb::CertificateValidationContext {
+    let mut out = vc.clone();
+    if let Some(ca) = &vc.trusted_ca {
+        if let Ok(d) = inlined(ca, "validation_context.trusted_ca", src) {
+            out.trusted_ca = Some(d);
+        }
+    }
+    out
 }
 
 /// The context an SDS validation secret completes: the default half first, then the secret's
@@ -173,11 +193,13 @@ pub fn sha256_hex(der: &[u8]) -> String {
 
 impl CertValidation {
     /// `identity` collects the bytes of every file read, so an unchanged context compares
-    /// equal across pushes (the upstream side keys its connection pools on it).
+    /// equal across pushes (the upstream side keys its connection pools on it). Files and
+    /// variables come from `src`.
     pub fn parse(
         vc: &tlspb::CertificateValidationContext,
         identity: &mut Vec<u8>,
         side: Side,
+        src: &dyn DataSources,
     ) -> Result<CertValidation, String> {
         let at = |f: &str| format!("validation_context.{f} is not supported");
         if vc.crl.is_some() {
@@ -209,7 +231,7 @@ impl CertValidation {
         }
         let roots = match &vc.trusted_ca {
             Some(ca) => {
-                let pem = read(Some(ca), "validation_context.trusted_ca", identity)?;
+                let pem = read(Some(ca), "validation_context.trusted_ca", identity, src)?;
                 let mut roots = rustls::RootCertStore::empty();
                 for c in rustls_pemfile::certs(&mut &pem[..]) {
                     let c = c.map_err(|e| {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::snapshot::sources::NoFiles;
 use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher::MatchPattern, StringMatcher};
 
 fn exact(s: &str) -> StringMatcher {
@@ -71,6 +72,7 @@ fn pinned_hashes_and_spkis_accept_only_their_certificate() {
             },
             &mut Vec::new(),
             Side::Downstream,
+            &NoFiles,
         )
         .expect("parse");
         assert!(v.checks_anything());
@@ -88,6 +90,7 @@ fn pinned_hashes_and_spkis_accept_only_their_certificate() {
         },
         &mut Vec::new(),
         Side::Downstream,
+        &NoFiles,
     )
     .expect("parse");
     // Either list matching is enough.
@@ -114,6 +117,7 @@ fn san_matchers_need_a_trusted_ca() {
         },
         &mut Vec::new(),
         Side::Downstream,
+        &NoFiles,
     )
     .expect_err("insecure");
     assert!(err.contains("without trusted CA"), "{err}");
@@ -124,6 +128,7 @@ fn san_matchers_need_a_trusted_ca() {
         },
         &mut Vec::new(),
         Side::Upstream,
+        &NoFiles,
     )
     .expect_err("short hash");
     assert!(bad.contains("verify_certificate_hash[0]"), "{bad}");

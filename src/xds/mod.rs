@@ -4,5 +4,6 @@ pub mod client;
 pub mod commit;
 pub mod grpc;
 pub mod sds;
+pub mod sources;
 pub mod store;
 pub mod types;

@@ -19,12 +19,14 @@ use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret as SecretProto;
 use envoy_types::pb::google::protobuf::Any;
 
+use super::sources::Sources;
 use super::types::{self, Kind, Raw};
 use crate::live::ClusterStats;
 use crate::snapshot::cluster::{Cluster, ClusterDef, DiscoveryKind, HostState, LoadAssignment};
 use crate::snapshot::listener::{ListenAddr, ListenerDef, RouteSource};
 use crate::snapshot::route::RouteTable;
 use crate::snapshot::sds::{SdsCluster, SdsRef, SdsSource};
+use crate::snapshot::sources::DataSources;
 use crate::snapshot::tls::{CertSource, ClientValidation, DownstreamTls, SecretDef, TlsServer};
 use crate::snapshot::upstream_tls::Resolved;
 use crate::snapshot::{ActiveChain, ActiveListener, Snapshot, TranslateError};
@@ -101,6 +103,8 @@ pub struct Store {
     /// Resources whose last update was refused, by kind and name, until one is accepted.
     pub failures: imbl::OrdMap<(Kind, String), Arc<Failure>>,
     pub touched: Touched,
+    /// The files and variables resources name, read when they are translated.
+    pub sources: Sources,
 }
 
 /// Translates one resource, reusing the previous translation when the proto is unchanged.
@@ -108,7 +112,7 @@ trait Translate: prost::Message + prost::Name + Default + Sized {
     type Out;
     const URL: &'static str;
     fn name(&self) -> &str;
-    fn translate(&self) -> Result<Self::Out, TranslateError>;
+    fn translate(&self, src: &dyn DataSources) -> Result<Self::Out, TranslateError>;
     /// Carries what must outlive a change over from the previous translation.
     fn carry_over(_next: &mut Self::Out, _prev: &Self::Out) {}
 }
@@ -119,8 +123,8 @@ impl Translate for ListenerProto {
     fn name(&self) -> &str {
         &self.name
     }
-    fn translate(&self) -> Result<ListenerDef, TranslateError> {
-        ListenerDef::translate(self)
+    fn translate(&self, src: &dyn DataSources) -> Result<ListenerDef, TranslateError> {
+        ListenerDef::translate(self, src)
     }
     fn carry_over(next: &mut ListenerDef, prev: &ListenerDef) {
         next.keep_unchanged_chains(prev);
@@ -133,7 +137,7 @@ impl Translate for RouteConfiguration {
     fn name(&self) -> &str {
         &self.name
     }
-    fn translate(&self) -> Result<RouteTable, TranslateError> {
+    fn translate(&self, _: &dyn DataSources) -> Result<RouteTable, TranslateError> {
         RouteTable::translate(self)
     }
 }
@@ -144,8 +148,8 @@ impl Translate for ClusterProto {
     fn name(&self) -> &str {
         &self.name
     }
-    fn translate(&self) -> Result<ClusterDef, TranslateError> {
-        ClusterDef::translate(self)
+    fn translate(&self, src: &dyn DataSources) -> Result<ClusterDef, TranslateError> {
+        ClusterDef::translate(self, src)
     }
 }
 
@@ -155,8 +159,8 @@ impl Translate for SecretProto {
     fn name(&self) -> &str {
         &self.name
     }
-    fn translate(&self) -> Result<SecretDef, TranslateError> {
-        SecretDef::translate(self)
+    fn translate(&self, src: &dyn DataSources) -> Result<SecretDef, TranslateError> {
+        SecretDef::translate(self, src)
     }
 }
 
@@ -166,7 +170,7 @@ impl Translate for ClusterLoadAssignment {
     fn name(&self) -> &str {
         &self.cluster_name
     }
-    fn translate(&self) -> Result<LoadAssignment, TranslateError> {
+    fn translate(&self, _: &dyn DataSources) -> Result<LoadAssignment, TranslateError> {
         LoadAssignment::translate(self)
     }
 }
@@ -262,6 +266,7 @@ fn apply_table<P: Translate>(
     removal: Removal<'_>,
     now: SystemTime,
     rejected: &mut Vec<Rejected>,
+    src: &dyn DataSources,
 ) -> Result<TablePush<P>, Vec<String>> {
     let what = kind.noun();
     let mut whole = Vec::new();
@@ -340,7 +345,7 @@ fn apply_table<P: Translate>(
             Some(prev) if prev.proto.bytes() == &*bytes => continue,
             _ => {}
         }
-        match proto.translate() {
+        match proto.translate(src) {
             Ok(mut value) => {
                 if let Some(prev) = old.get(&name) {
                     P::carry_over(&mut value, &prev.value);
@@ -450,14 +455,14 @@ impl Store {
                 // Envoy names an unnamed static listener with a random UUID.
                 l.name = crate::uuid::v4();
             }
-            let r = l.translate().map(|v| {
+            let r = l.translate(&*self.sources).map(|v| {
                 self.listeners
                     .insert(l.name.clone(), static_item(l.clone(), v, now));
             });
             add(r);
         }
         for c in clusters {
-            let r = c.translate().map(|v| {
+            let r = c.translate(&*self.sources).map(|v| {
                 self.clusters
                     .insert(c.name.clone(), static_item(c.clone(), v, now));
             });
@@ -539,8 +544,15 @@ impl Store {
         let mut next = self.clone();
         let seen = match kind {
             Kind::Listener => {
-                let (table, seen) =
-                    apply_table(&self.listeners, kind, &items, removal, now, &mut rejected)?;
+                let (table, seen) = apply_table(
+                    &self.listeners,
+                    kind,
+                    &items,
+                    removal,
+                    now,
+                    &mut rejected,
+                    &*self.sources,
+                )?;
                 next.listeners = table;
                 // Only listeners this push adds or changes are checked, as Envoy checks a
                 // listener when it is added or updated; a failing one keeps its old version.
@@ -562,8 +574,15 @@ impl Store {
                 seen
             }
             Kind::Route => {
-                let (routes, pushed) =
-                    apply_table(&self.routes, kind, &items, removal, now, &mut rejected)?;
+                let (routes, pushed) = apply_table(
+                    &self.routes,
+                    kind,
+                    &items,
+                    removal,
+                    now,
+                    &mut rejected,
+                    &*self.sources,
+                )?;
                 next.routes = routes;
                 // Route tables nothing asks for are dropped, as Envoy ignores them.
                 let wanted = next.wanted_routes();
@@ -595,8 +614,15 @@ impl Store {
                 pushed
             }
             Kind::Cluster => {
-                let (table, seen) =
-                    apply_table(&self.clusters, kind, &items, removal, now, &mut rejected)?;
+                let (table, seen) = apply_table(
+                    &self.clusters,
+                    kind,
+                    &items,
+                    removal,
+                    now,
+                    &mut rejected,
+                    &*self.sources,
+                )?;
                 next.clusters = table;
                 let failed = next.check_sds_clusters(
                     |_| false,
@@ -613,8 +639,15 @@ impl Store {
             }
             Kind::Secret => next.apply_secrets(&SdsSource::Ads, &items, now, &mut rejected)?,
             Kind::Endpoint => {
-                let (endpoints, pushed) =
-                    apply_table(&self.endpoints, kind, &items, removal, now, &mut rejected)?;
+                let (endpoints, pushed) = apply_table(
+                    &self.endpoints,
+                    kind,
+                    &items,
+                    removal,
+                    now,
+                    &mut rejected,
+                    &*self.sources,
+                )?;
                 next.endpoints = endpoints;
                 for name in &pushed {
                     if next.eds_users.contains_key(name) {
@@ -724,8 +757,15 @@ impl Store {
         rejected: &mut Vec<Rejected>,
     ) -> Result<BTreeSet<String>, Vec<String>> {
         let old = self.secrets.clone();
-        let (secrets, pushed) =
-            apply_table(&old, Kind::Secret, items, Removal::None, now, rejected)?;
+        let (secrets, pushed) = apply_table(
+            &old,
+            Kind::Secret,
+            items,
+            Removal::None,
+            now,
+            rejected,
+            &*self.sources,
+        )?;
         self.secrets = secrets;
         let wanted = self.wanted_from(source);
         for name in pushed.iter().filter(|n| !wanted.contains(*n)) {

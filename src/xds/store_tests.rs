@@ -1577,6 +1577,57 @@ mod sds {
             ["secret 'cert': tls_certificate: private_key: no private key found"]
         );
     }
+
+    #[test]
+    fn secret_files_come_from_the_stores_sources() {
+        use crate::snapshot::sources::MemorySources;
+        let k = rcgen::KeyPair::generate().expect("key");
+        let c = rcgen::CertificateParams::new(vec!["a.example.com".to_string()])
+            .expect("params")
+            .self_signed(&k)
+            .expect("cert");
+        let file = |p: &str| {
+            Some(corepb::DataSource {
+                specifier: Some(corepb::data_source::Specifier::Filename(p.into())),
+                ..Default::default()
+            })
+        };
+        let secret = any(
+            types::SECRET,
+            &tlspb::Secret {
+                name: "cert".into(),
+                r#type: Some(tlspb::secret::Type::TlsCertificate(tlspb::TlsCertificate {
+                    certificate_chain: file("/virtual/cert.pem"),
+                    private_key: file("/virtual/key.pem"),
+                    ..Default::default()
+                })),
+            },
+        );
+        let mut s = push(
+            &Store::default(),
+            Kind::Listener,
+            &lds(&[sds_listener("l", 1, "cert")]),
+        );
+        // The local files: there is no such file, so the secret is refused by its field.
+        let errors = nack(&s, Kind::Secret, std::slice::from_ref(&secret));
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].starts_with(
+                "secret 'cert': tls_certificate: certificate_chain: cannot read file '/virtual/cert.pem': "
+            ),
+            "{errors:?}"
+        );
+        s.sources = crate::xds::sources::Sources::new(
+            MemorySources::default()
+                .with_file("/virtual/cert.pem", c.pem())
+                .with_file("/virtual/key.pem", k.serialize_pem()),
+        );
+        let s = push(&s, Kind::Secret, &[secret]);
+        assert!(s
+            .secrets
+            .get("cert")
+            .is_some_and(|i| i.value.cert.is_some()));
+    }
 }
 
 #[test]
