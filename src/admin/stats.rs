@@ -867,6 +867,113 @@ mod tests {
             "envoy_response_code=\"503\",envoy_cluster_name=\"outbound|9080|v1|reviews\"} 1"
         ));
         assert!(text.contains("envoy_cluster_membership_total{envoy_cluster_name=\"ratings\"} 2"));
-        assert!(text.contains("envoy_cluster_manager_cds_update_success 1"));
+        assert!(text.contains("envoy_cluster_manager_cds_update_success{} 1"));
+    }
+
+    fn sample() -> StatList {
+        let stats = Stats::new();
+        let c = stats.cluster("outbound|80||web.default.svc.cluster.local");
+        c.start();
+        c.record_code(200);
+        stats.xds.cds[SUCCESS].inc();
+        stats.xds.rds[SUCCESS].with_label_values(&["http.80"]).inc();
+        stats.xds.eds[REJECTED].with_label_values(&["web"]).inc();
+        stats.listener("0.0.0.0_8080").cx_active.store(2, Relaxed);
+        let mut list = StatList::default();
+        stats.collect(
+            &Context {
+                membership: &|_| Some((1, 1)),
+                rds_prefix: &|r| (r == "http.80").then(|| "outbound_0.0.0.0_80".to_string()),
+            },
+            &mut list,
+        );
+        list.add_used(Kind::Gauge, "server.state", 0);
+        list.gauge("listener_manager.workers_started", 1);
+        list.text("cluster_manager.cds.version_text", "v1");
+        list
+    }
+
+    #[test]
+    fn text_format_sorts_like_envoy_and_names_by_dots() {
+        let list = sample();
+        let text = list.text_format(&Select::default());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "cluster_manager.cds.version_text: \"v1\"");
+        let names: Vec<&str> = lines[1..]
+            .iter()
+            .map(|l| l.split(": ").next().unwrap())
+            .collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted, "counters and gauges together, by name");
+        for want in [
+            "cluster.outbound|80||web.default.svc.cluster.local.upstream_rq_200: 1",
+            "cluster.outbound|80||web.default.svc.cluster.local.upstream_rq_2xx: 1",
+            "cluster.web.update_rejected: 1",
+            "cluster_manager.cds.update_success: 1",
+            "http.outbound_0.0.0.0_80.rds.http.80.update_success: 1",
+            "listener.0.0.0.0_8080.downstream_cx_active: 2",
+            "listener.0.0.0.0_8080.ssl.handshake: 0",
+            "server.state: 0",
+        ] {
+            assert!(lines.contains(&want), "{want} missing in\n{text}");
+        }
+    }
+
+    #[test]
+    fn usedonly_and_filter_answer_pilot_agents_queries() {
+        let list = sample();
+        let ready = Select {
+            used_only: true,
+            filter: Some(
+                regex::Regex::new(r"^(server\.state|listener_manager\.workers_started)").unwrap(),
+            ),
+        };
+        assert_eq!(
+            list.text_format(&ready),
+            "listener_manager.workers_started: 1\nserver.state: 0\n"
+        );
+        let updates = Select {
+            used_only: true,
+            filter: Some(
+                regex::Regex::new(
+                    r"^(cluster_manager\.cds|listener_manager\.lds)\.(update_success|update_rejected)$",
+                )
+                .unwrap(),
+            ),
+        };
+        // Counters never incremented are not "used": lds is absent, as in Envoy.
+        assert_eq!(
+            list.text_format(&updates),
+            "cluster_manager.cds.update_success: 1\n"
+        );
+    }
+
+    #[test]
+    fn json_and_prometheus_come_from_the_same_list() {
+        let list = sample();
+        let sel = Select {
+            used_only: false,
+            filter: Some(regex::Regex::new(r"^(server\.state|cluster_manager\.cds\.update_success|cluster_manager\.cds\.version_text)$").unwrap()),
+        };
+        assert_eq!(
+            list.json_format(&sel),
+            r#"{"stats":[{"name":"cluster_manager.cds.version_text","value":"v1"},{"name":"cluster_manager.cds.update_success","value":1},{"name":"server.state","value":0}]}"#
+        );
+        assert_eq!(
+            list.prometheus(&sel),
+            "# TYPE envoy_cluster_manager_cds_update_success counter\n\
+             envoy_cluster_manager_cds_update_success{} 1\n\
+             # TYPE envoy_server_state gauge\n\
+             envoy_server_state{} 0\n"
+        );
+        let all = list.prometheus(&Select::default());
+        assert!(all.contains(
+            "envoy_cluster_default_svc_cluster_local_upstream_rq{envoy_response_code=\"200\",envoy_cluster_name=\"outbound|80||web\"} 1"
+        ), "{all}");
+        assert!(all.contains("envoy_http_rds_update_success{envoy_rds_route_config=\"http.80\"} 1"));
+        // Counters first, then gauges, as Envoy writes them.
+        let first_gauge = all.find(" gauge\n").unwrap();
+        assert!(!all[first_gauge..].contains(" counter\n"));
     }
 }
