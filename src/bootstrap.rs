@@ -215,14 +215,66 @@ pub fn parse(text: &str, format: Format) -> Result<Bootstrap, BootstrapError> {
             serde_json::to_value(yaml).map_err(|e| syntax(e.to_string()))?
         }
     };
-    from_value(value)
+    from_value(value, None)
 }
 
-fn from_value(value: Json) -> Result<Bootstrap, BootstrapError> {
+/// As [`load`], with Envoy's `--config-yaml` merged over the file: both are read as
+/// Bootstrap protos and the second is merged into the first with protobuf's merge (set
+/// scalars replace, messages merge field by field, repeated fields append, a oneof takes the
+/// override's member), as Envoy's `MergeFrom` does.
+pub fn load_with_override(path: &Path, config_yaml: &str) -> Result<Bootstrap, BootstrapError> {
+    if config_yaml.trim().is_empty() {
+        return load(path);
+    }
+    let text = std::fs::read_to_string(path).map_err(|error| BootstrapError::Read {
+        path: path.to_owned(),
+        error,
+    })?;
+    let format = Format::from_path(path).unwrap_or(Format::Json);
+    let _pool = crate::protojson::pool().map_err(|e| invalid("", e.to_string()))?;
+    let yaml = |text: &str, format| -> Result<Json, BootstrapError> {
+        let syntax = |message: String| BootstrapError::Syntax {
+            file: None,
+            format,
+            message,
+        };
+        let yaml: serde_yaml::Value =
+            serde_yaml::from_str(text).map_err(|e| syntax(e.to_string()))?;
+        serde_json::to_value(yaml).map_err(|e| syntax(e.to_string()))
+    };
+    let base = match format {
+        Format::Json => {
+            serde_json::from_str::<Json>(&text).map_err(|e| BootstrapError::Syntax {
+                file: Some(path.to_owned()),
+                format,
+                message: e.to_string(),
+            })?
+        }
+        Format::Yaml => yaml(&text, format).map_err(|e| e.with_file(path))?,
+    };
+    // JSON is YAML: Envoy reads the flag's text as YAML whatever it holds.
+    let over = yaml(config_yaml, Format::Yaml)?;
+    if over.is_null() {
+        return from_value(base, None).map_err(|e| e.with_file(path));
+    }
+    let over = protojson::dynamic_from_json(BOOTSTRAP_TYPE, &over)?;
+    from_value(base, Some(over)).map_err(|e| e.with_file(path))
+}
+
+fn from_value(
+    value: Json,
+    over: Option<prost_reflect::DynamicMessage>,
+) -> Result<Bootstrap, BootstrapError> {
     if value.is_null() {
         return Err(invalid("", "bootstrap is empty"));
     }
-    let dynamic = protojson::dynamic_from_json(BOOTSTRAP_TYPE, &value)?;
+    let mut dynamic = protojson::dynamic_from_json(BOOTSTRAP_TYPE, &value)?;
+    if let Some(over) = over {
+        use prost::Message;
+        dynamic
+            .merge(over.encode_to_vec().as_slice())
+            .map_err(|e| invalid("", format!("cannot merge --config-yaml: {e}")))?;
+    }
     let proto: BootstrapProto = dynamic.transcode_to().map_err(|e| {
         invalid(
             "",

@@ -46,6 +46,12 @@ pub struct State {
     pub bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>,
     pub started: Instant,
     pub started_at: SystemTime,
+    /// Envoy's global health-check-fail flag (`POST /healthcheck/fail`, `/healthcheck/ok`):
+    /// `/ready` answers DRAINING and `server.state` is 1 while set. Envoy's HTTP
+    /// `health_check` filter would answer 503 by it; Portico has no such filter yet.
+    pub health_check_failed: AtomicBool,
+    /// `POST /quitquitquit`: the server stops as on SIGTERM.
+    pub quit: tokio::sync::Notify,
 }
 
 impl State {
@@ -59,6 +65,8 @@ impl State {
             bootstrap,
             started: Instant::now(),
             started_at: SystemTime::now(),
+            health_check_failed: AtomicBool::new(false),
+            quit: tokio::sync::Notify::new(),
         }
     }
 

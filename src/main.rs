@@ -34,15 +34,23 @@ struct Cli {
     /// trace, debug, info, warning/warn, error, critical, off.
     #[arg(short = 'l', long = "log-level", default_value = "info", global = true)]
     log_level: String,
+    /// Per-logger levels over -l, Envoy's logger names: `upstream:debug,config:trace`.
+    /// Loggers with no Portico counterpart (e.g. misc) are accepted and govern nothing.
+    #[arg(long, value_name = "LOGGER:LEVEL,...")]
+    component_log_level: Option<String>,
     /// Worker threads (default: number of cores).
     #[arg(long, global = true)]
     concurrency: Option<usize>,
-    /// Accepted for Envoy compatibility; Portico has no hot restart.
-    #[arg(long, hide = true)]
+    /// Accepted for Envoy compatibility: Portico has no hot restart.
+    #[arg(long)]
     disable_hot_restart: bool,
-    /// Accepted for Envoy compatibility; unknown fields are always reported.
-    #[arg(long, hide = true)]
+    /// Accepted for Envoy compatibility: unknown bootstrap fields are always reported, never
+    /// fatal.
+    #[arg(long)]
     allow_unknown_static_fields: bool,
+    /// Accepted for Envoy compatibility: Portico emits no deprecation logs.
+    #[arg(long)]
+    skip_deprecated_logs: bool,
     /// Envoy flags Portico accepts and ignores (reported as a warning).
     #[arg(long, hide = true)]
     base_id: Option<String>,
@@ -54,16 +62,31 @@ struct Cli {
     /// the drain time) or `immediate` (all are told at once, as istio-agent asks).
     #[arg(long, value_name = "STRATEGY")]
     drain_strategy: Option<String>,
-    #[arg(long, hide = true)]
-    parent_shutdown_time_s: Option<String>,
-    #[arg(long, hide = true)]
+    /// Accepted for Envoy compatibility: the hot-restart parent's lifetime; Portico has no
+    /// hot restart.
+    #[arg(long, value_name = "SECONDS")]
+    parent_shutdown_time_s: Option<u64>,
+    /// v4 or v6, checked and accepted: Portico takes local addresses from its sockets.
+    #[arg(long, value_name = "VERSION", value_parser = ["v4", "v6"])]
     local_address_ip_version: Option<String>,
-    #[arg(long, hide = true)]
-    file_flush_interval_msec: Option<String>,
-    #[arg(long, hide = true)]
+    /// Accepted for Envoy compatibility: Portico writes no access log files yet.
+    #[arg(long, value_name = "MSEC")]
+    file_flush_interval_msec: Option<u64>,
+    /// Accepted for Envoy compatibility: Portico writes no access log files yet.
+    #[arg(long, value_name = "KB")]
+    file_flush_min_size_kb: Option<u64>,
+    /// Accepted for Envoy compatibility: Portico keeps its own log line format.
+    #[arg(long, value_name = "FORMAT")]
     log_format: Option<String>,
-    #[arg(long, hide = true)]
-    component_log_level: Option<String>,
+    /// The node's `cluster`, over the bootstrap's (as Envoy).
+    #[arg(long, value_name = "NAME")]
+    service_cluster: Option<String>,
+    /// The node's `id`, over the bootstrap's (as Envoy).
+    #[arg(long, value_name = "NAME")]
+    service_node: Option<String>,
+    /// A bootstrap (YAML or JSON) merged over -c's with protobuf's merge, as Envoy does.
+    #[arg(long, value_name = "YAML")]
+    config_yaml: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -198,16 +221,25 @@ fn check_config(
     Ok(())
 }
 
-fn log_filter(level: &str) -> anyhow::Result<&'static str> {
-    Ok(match level.to_ascii_lowercase().as_str() {
-        "trace" => "trace",
-        "debug" => "debug",
-        "info" => "info",
-        "warning" | "warn" => "warn",
-        "error" | "critical" => "error",
-        "off" => "off",
-        other => anyhow::bail!("--log-level: invalid value '{other}' (expected trace, debug, info, warning, error, critical or off)"),
-    })
+/// The subscriber, with a reload handle `/logging` changes levels through. `PORTICO_LOG`, when
+/// set, replaces the start-up directives (a later `/logging` change replaces it in turn).
+fn init_logging(levels: portico::admin::logging::Levels) {
+    use tracing_subscriber::prelude::*;
+    use tracing_subscriber::{reload, EnvFilter};
+    let filter = EnvFilter::try_from_env("PORTICO_LOG")
+        .unwrap_or_else(|_| EnvFilter::new(levels.directives()));
+    let (filter, handle) = reload::Layer::new(filter);
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .init();
+    portico::admin::logging::install(
+        levels,
+        Box::new(move |directives| {
+            let f = EnvFilter::try_new(directives).map_err(|e| e.to_string())?;
+            handle.reload(f).map_err(|e| e.to_string())
+        }),
+    );
 }
 
 fn main() -> ExitCode {
@@ -222,18 +254,19 @@ fn main() -> ExitCode {
 
 fn real_main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = log_filter(&cli.log_level)?;
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PORTICO_LOG").unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new(format!(
-                    "portico={filter},{}",
-                    if filter == "off" { "off" } else { "warn" }
-                ))
-            }),
+    let level = portico::admin::logging::level(&cli.log_level).with_context(|| {
+        format!(
+            "--log-level: invalid value '{}' (expected trace, debug, info, warning, error, critical or off)",
+            cli.log_level
         )
-        .with_writer(std::io::stderr)
-        .init();
+    })?;
+    let mut levels = portico::admin::logging::Levels::new(level);
+    if let Some(list) = &cli.component_log_level {
+        levels
+            .set_list(list)
+            .map_err(|e| anyhow::anyhow!("--component-log-level: {e}"))?;
+    }
+    init_logging(levels);
     let concurrency = match cli.concurrency {
         Some(0) => anyhow::bail!("--concurrency must be at least 1"),
         Some(n) => n,
@@ -255,26 +288,8 @@ fn real_main() -> anyhow::Result<()> {
         }) => return control_plane(config_dir, listen, bind_address, check, gateway_labels),
         None => {}
     }
-    for (flag, set) in [
-        ("--base-id", cli.base_id.is_some()),
-        (
-            "--parent-shutdown-time-s",
-            cli.parent_shutdown_time_s.is_some(),
-        ),
-        (
-            "--local-address-ip-version",
-            cli.local_address_ip_version.is_some(),
-        ),
-        (
-            "--file-flush-interval-msec",
-            cli.file_flush_interval_msec.is_some(),
-        ),
-        ("--log-format", cli.log_format.is_some()),
-        ("--component-log-level", cli.component_log_level.is_some()),
-    ] {
-        if set {
-            tracing::warn!("{flag} is accepted for Envoy compatibility and ignored");
-        }
+    if cli.base_id.is_some() {
+        tracing::warn!("--base-id is accepted for Envoy compatibility and ignored");
     }
     let mut drain = portico::proxy::Drain::default();
     if let Some(t) = cli.drain_time_s {
@@ -290,7 +305,23 @@ fn real_main() -> anyhow::Result<()> {
     let path = cli
         .config_path
         .context("no bootstrap given: pass -c/--config-path FILE (or run `portico demo`)")?;
-    let bootstrap = portico::bootstrap::load(&path)?;
+    let mut bootstrap = match &cli.config_yaml {
+        Some(over) => portico::bootstrap::load_with_override(&path, over)
+            .map_err(|e| anyhow::anyhow!("{e} (with --config-yaml)"))?,
+        None => portico::bootstrap::load(&path)?,
+    };
+    // As Envoy: the flags win over the bootstrap's node.
+    if cli.service_cluster.is_some() || cli.service_node.is_some() {
+        let node = bootstrap.proto.node.get_or_insert_with(Default::default);
+        if let Some(c) = cli.service_cluster {
+            node.cluster = c.clone();
+            bootstrap.node.cluster = c;
+        }
+        if let Some(n) = cli.service_node {
+            node.id = n.clone();
+            bootstrap.node.id = n;
+        }
+    }
     for w in &bootstrap.warnings {
         tracing::warn!("{w}");
     }

@@ -128,7 +128,10 @@ pub fn run_drained(
                 });
             }
         }
-        stop.await;
+        tokio::select! {
+            _ = stop => {}
+            _ = state.quit.notified() => {}
+        }
         tracing::info!("shutting down");
         Ok::<(), ServerError>(())
     })?;

@@ -1,12 +1,13 @@
 //! The Envoy-style admin endpoint: `/ready`, `/stats/prometheus`, `/config_dump`, `/clusters`,
 //! `/server_info`.
 
+pub mod logging;
 pub mod stats;
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -33,15 +34,24 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
         };
         let state = state.clone();
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(&req, &state)) }
-            });
+            let quit = Arc::new(AtomicBool::new(false));
+            let svc = {
+                let (state, quit) = (state.clone(), quit.clone());
+                hyper::service::service_fn(move |req| {
+                    let (state, quit) = (state.clone(), quit.clone());
+                    async move { Ok::<_, Infallible>(handle(&req, &state, &quit)) }
+                })
+            };
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
                 .await
             {
                 tracing::debug!("admin connection: {e}");
+            }
+            // `/quitquitquit` answered with `connection: close`: its answer is written once
+            // the connection is done, and only then the server stops.
+            if quit.load(Ordering::Relaxed) {
+                state.quit.notify_one();
             }
         });
     }
@@ -56,54 +66,137 @@ fn reply(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Fu
     r
 }
 
-fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
+const TEXT: &str = "text/plain; charset=UTF-8";
+
+/// The query's parameters, percent-decoded, in order; a bare key (`usedonly`) has an empty
+/// value.
+pub fn params(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Envoy's `server.state`: 0 LIVE, 1 DRAINING (health check failed), 2 PRE_INITIALIZING.
+fn server_state(state: &State) -> (u64, &'static str) {
+    if state.health_check_failed.load(Ordering::Relaxed) {
+        (1, "DRAINING")
+    } else if state.ready.load(Ordering::Relaxed) {
+        (0, "LIVE")
+    } else {
+        (2, "PRE_INITIALIZING")
+    }
+}
+
+/// Endpoints that change the server: Envoy refuses them but by POST.
+const POST_ONLY: &[&str] = &[
+    "/healthcheck/fail",
+    "/healthcheck/ok",
+    "/quitquitquit",
+    "/logging",
+    "/drain_listeners",
+    "/runtime_modify",
+    "/reset_counters",
+];
+
+fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response<Full<Bytes>> {
     let query = req.uri().query().unwrap_or("");
-    match req.uri().path() {
-        "/ready" => {
-            if state.ready.load(Ordering::Relaxed) {
-                reply(200, "text/plain; charset=UTF-8", "LIVE\n")
-            } else {
-                reply(503, "text/plain; charset=UTF-8", "PRE_INITIALIZING\n")
-            }
-        }
+    let path = req.uri().path();
+    if POST_ONLY.contains(&path) && req.method() != http::Method::POST {
+        return reply(
+            405,
+            TEXT,
+            format!("Method {} not allowed, POST required.", req.method()),
+        );
+    }
+    match path {
+        "/ready" => match server_state(state) {
+            (0, name) => reply(200, TEXT, format!("{name}\n")),
+            (_, name) => reply(503, TEXT, format!("{name}\n")),
+        },
+        "/stats" => stats(state, query),
         "/stats/prometheus" => {
-            let snap = state.snapshot();
-            // Envoy lists a configured limiter's counters before its first request: bind the
-            // serving chains' limiters to theirs (routes' overrides bind on first use).
-            for l in snap.listeners.values() {
-                for c in &l.chains {
-                    for f in c.def.hcm().map_or(&[][..], |h| &h.filters) {
-                        if let crate::filters::HttpFilter::LocalRateLimit(rl) = f {
-                            rl.config.stats();
-                        }
-                    }
-                }
-            }
-            let text = state.stats.render(&|name| {
-                snap.clusters
-                    .get(name)
-                    .map(|c| (c.healthy_count(), c.endpoints.hosts.len()))
-            });
-            reply(200, "text/plain; version=0.0.4", text)
+            let list = stat_list(state);
+            reply(
+                200,
+                "text/plain; version=0.0.4",
+                list.prometheus(&stats::Select::default()),
+            )
         }
+        "/healthcheck/fail" | "/healthcheck/ok" => {
+            state
+                .health_check_failed
+                .store(path == "/healthcheck/fail", Ordering::Relaxed);
+            reply(200, TEXT, "OK\n")
+        }
+        "/quitquitquit" => {
+            quit.store(true, Ordering::Relaxed);
+            let mut r = reply(200, TEXT, "OK\n");
+            r.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+            r
+        }
+        "/logging" => logging(query),
+        "/memory" => reply(200, "application/json", pretty(&memory())),
+        "/runtime" => reply(200, "application/json", pretty(&runtime(state))),
         "/config_dump" => match config_dump(state, query.contains("include_eds")) {
             Ok(v) => {
                 // The descriptor pool the dump needed is gone again: give its memory back.
                 crate::release_freed_memory();
-                reply(200, "application/json", serde_json::to_string_pretty(&v).unwrap_or_default())
+                reply(
+                    200,
+                    "application/json",
+                    serde_json::to_string_pretty(&v).unwrap_or_default(),
+                )
             }
             Err(e) => reply(500, "text/plain", format!("config dump failed: {e}\n")),
         },
+        "/clusters"
+            if params(query)
+                .iter()
+                .any(|(k, v)| k == "format" && v == "json") =>
+        {
+            reply(200, "application/json", pretty(&clusters_json(state)))
+        }
         "/clusters" => reply(200, "text/plain", clusters(state)),
         "/listeners" if query.split('&').any(|p| p == "format=json") => {
             reply(200, "application/json", listeners_json(state))
         }
         "/listeners" => reply(200, "text/plain", listeners_text(state)),
         "/server_info" => {
-            let state_name = if state.ready.load(Ordering::Relaxed) { "LIVE" } else { "PRE_INITIALIZING" };
             let v = serde_json::json!({
                 "version": concat!("portico/", env!("CARGO_PKG_VERSION")),
-                "state": state_name,
+                "state": server_state(state).1,
                 "uptime_current_epoch": format!("{}s", state.started.elapsed().as_secs()),
                 "node": state.bootstrap_node_json(),
             });
@@ -112,10 +205,392 @@ fn handle(req: &Request<Incoming>, state: &State) -> Response<Full<Bytes>> {
         "/" => reply(
             200,
             "text/plain",
-            "admin commands are:\n  /clusters\n  /config_dump\n  /listeners\n  /ready\n  /server_info\n  /stats/prometheus\n",
+            format!("admin commands are:\n{}", menu()),
         ),
-        _ => reply(404, "text/plain", "invalid path. admin commands are: /clusters /config_dump /listeners /ready /server_info /stats/prometheus\n"),
+        _ => reply(
+            404,
+            "text/plain",
+            format!("invalid path. admin commands are:\n{}", menu()),
+        ),
     }
+}
+
+fn menu() -> String {
+    [
+        "/clusters",
+        "/config_dump",
+        "/healthcheck/fail",
+        "/healthcheck/ok",
+        "/listeners",
+        "/logging",
+        "/memory",
+        "/quitquitquit",
+        "/ready",
+        "/runtime",
+        "/server_info",
+        "/stats",
+        "/stats/prometheus",
+    ]
+    .iter()
+    .map(|p| format!("  {p}\n"))
+    .collect()
+}
+
+/// JSON as Envoy's admin pretty-prints it: one space per level.
+fn pretty(v: &serde_json::Value) -> String {
+    let mut buf = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(
+        &mut buf,
+        serde_json::ser::PrettyFormatter::with_indent(b" "),
+    );
+    match serde::Serialize::serialize(v, &mut ser) {
+        Ok(()) => {
+            buf.push(b'\n');
+            String::from_utf8_lossy(&buf).into_owned()
+        }
+        Err(_) => v.to_string(),
+    }
+}
+
+/// Every stat of the process: the request and xDS counters, and the server's own.
+fn stat_list(state: &State) -> stats::StatList {
+    let snap = state.snapshot();
+    // Envoy lists a configured limiter's counters before its first request: bind the
+    // serving chains' limiters to theirs (routes' overrides bind on first use).
+    let hcms = || {
+        snap.listeners
+            .values()
+            .flat_map(|l| l.chains.iter())
+            .filter_map(|c| c.def.hcm())
+    };
+    for h in hcms() {
+        for f in &h.filters {
+            if let crate::filters::HttpFilter::LocalRateLimit(rl) = f {
+                rl.config.stats();
+            }
+        }
+    }
+    let mut list = stats::StatList::default();
+    let membership = |name: &str| {
+        snap.clusters
+            .get(name)
+            .map(|c| (c.healthy_count(), c.endpoints.hosts.len()))
+    };
+    let rds_prefix = |route: &str| {
+        hcms()
+            .find(|h| matches!(&h.routes, crate::snapshot::listener::RouteSource::Rds(r) if r == route))
+            .map(|h| h.stat_prefix.clone())
+    };
+    state.stats.collect(
+        &stats::Context {
+            membership: &membership,
+            rds_prefix: &rds_prefix,
+        },
+        &mut list,
+    );
+    let (server_state, _) = server_state(state);
+    let ready = state.ready.load(Ordering::Relaxed);
+    use stats::Kind::Gauge;
+    // pilot-agent's readiness: `server.state` 0 and `listener_manager.workers_started` 1.
+    // Envoy starts its workers when initialisation is done, so the gauge is set (and listed
+    // by `usedonly`) from then on.
+    list.add_used(Gauge, "server.state", server_state);
+    list.gauge("listener_manager.workers_started", u64::from(ready));
+    list.add_used(Gauge, "server.live", u64::from(server_state == 0));
+    list.add_used(Gauge, "server.uptime", state.started.elapsed().as_secs());
+    list.gauge(
+        "listener_manager.total_listeners_active",
+        snap.listeners.len() as u64,
+    );
+    list.gauge(
+        "cluster_manager.active_clusters",
+        snap.clusters.len() as u64,
+    );
+    let mem = memory_numbers();
+    list.add_used(Gauge, "server.memory_allocated", mem.allocated);
+    list.add_used(Gauge, "server.memory_heap_size", mem.heap_size);
+    list.add_used(Gauge, "server.memory_physical_size", mem.physical);
+    let store = state.serving.load().store.clone();
+    use crate::xds::types::Kind;
+    for (name, kind) in [
+        ("cluster_manager.cds.version_text", Kind::Cluster),
+        ("listener_manager.lds.version_text", Kind::Listener),
+    ] {
+        list.text(name, store.versions.get(&kind).map_or("", |v| v.as_ref()));
+    }
+    list
+}
+
+/// `/stats`: Envoy's text (default), `format=json` or `format=prometheus`, with `usedonly`
+/// and `filter=<regex>` (RE2 syntax, searched in the dotted name).
+fn stats(state: &State, query: &str) -> Response<Full<Bytes>> {
+    const USAGE: &str = "usage: /stats?format=(html|active-html|json|prometheus|text)\n\n";
+    let mut sel = stats::Select::default();
+    let mut format = "text".to_string();
+    for (k, v) in params(query) {
+        match k.as_str() {
+            "usedonly" => sel.used_only = true,
+            "filter" if !v.is_empty() => match regex::Regex::new(&v) {
+                Ok(r) => sel.filter = Some(r),
+                Err(e) => {
+                    return reply(
+                        400,
+                        TEXT,
+                        format!("Invalid re2 regex: {}\n{USAGE}", regex_error(&e)),
+                    )
+                }
+            },
+            "format" => format = v,
+            _ => {}
+        }
+    }
+    let list = stat_list(state);
+    match format.as_str() {
+        "text" => reply(200, TEXT, list.text_format(&sel)),
+        "json" => reply(200, "application/json", list.json_format(&sel)),
+        "prometheus" => reply(200, "text/plain; version=0.0.4", list.prometheus(&sel)),
+        _ => reply(400, TEXT, USAGE),
+    }
+}
+
+/// The regex crate's error in one line.
+fn regex_error(e: &regex::Error) -> String {
+    e.to_string()
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// `/logging` (POST): without parameters the listing; `level=<l>` sets every logger,
+/// `<logger>=<level>` one, `paths=a:l,b:l` several. Envoy takes one parameter at a time.
+fn logging(query: &str) -> Response<Full<Bytes>> {
+    let ps = params(query);
+    let result = match ps.as_slice() {
+        [] => Ok(()),
+        [(k, v)] if k == "level" => match logging::level(v) {
+            Some(l) => logging::update(|levels| {
+                levels.set_all(l);
+                Ok(())
+            }),
+            None => Err("unknown logger level".to_string()),
+        },
+        [(k, v)] if k == "paths" => logging::update(|levels| levels.set_list(v)),
+        [(k, v)] => match (logging::LOGGERS.contains(&k.as_str()), logging::level(v)) {
+            (false, _) => Err("unknown logger name".to_string()),
+            (true, None) => Err("unknown logger level".to_string()),
+            (true, Some(_)) => logging::update(|levels| levels.set(k, v)),
+        },
+        _ => Err("invalid number of parameters".to_string()),
+    };
+    let listing = logging::current().listing();
+    match result {
+        Ok(()) => reply(200, TEXT, listing),
+        Err(e) => reply(
+            400,
+            TEXT,
+            format!(
+                "error: {e}\n\n\
+                 usage: /logging?<name>=<level> (change single level)\n\
+                 usage: /logging?paths=name1:level1,name2:level2,... (change multiple levels)\n\
+                 usage: /logging?level=<level> (change all levels)\n\
+                 levels: {} \n{listing}",
+                logging::LEVELS.join(" ")
+            ),
+        ),
+    }
+}
+
+struct Memory {
+    allocated: u64,
+    heap_size: u64,
+    physical: u64,
+}
+
+/// What the allocator holds: mimalloc's committed memory stands for both `allocated` and
+/// `heap_size` (mimalloc counts no live bytes without its statistics build); the resident
+/// set comes from /proc.
+fn memory_numbers() -> Memory {
+    let (mut rss, mut commit) = (0usize, 0usize);
+    let mut unused = [0usize; 6];
+    let [a, b, c, d, e, f] = &mut unused;
+    // SAFETY: mi_process_info only writes the eight usize out-parameters given to it.
+    unsafe {
+        libmimalloc_sys::mi_process_info(a, b, c, &mut rss, d, &mut commit, e, f);
+    }
+    let page = 4096u64;
+    let physical = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(rss as u64, |pages| pages * page);
+    Memory {
+        allocated: commit as u64,
+        heap_size: commit as u64,
+        physical,
+    }
+}
+
+/// `/memory` in Envoy's shape (numbers as strings, as proto-JSON writes uint64). The
+/// tcmalloc-only figures (`pageheap_*`, `total_thread_cache`) are 0.
+fn memory() -> serde_json::Value {
+    let m = memory_numbers();
+    serde_json::json!({
+        "allocated": m.allocated.to_string(),
+        "heap_size": m.heap_size.to_string(),
+        "pageheap_unmapped": "0",
+        "pageheap_free": "0",
+        "total_thread_cache": "0",
+        "total_physical_bytes": m.physical.to_string(),
+    })
+}
+
+/// `/runtime`: the bootstrap's `layered_runtime` layers and every key of its static layers,
+/// flattened as Envoy flattens them (`a: {b: 1}` is `a.b`). Disk, admin and RTDS layers
+/// contribute no keys (Portico reads none of them).
+fn runtime(state: &State) -> serde_json::Value {
+    use envoy_types::pb::envoy::config::bootstrap::v3::runtime_layer::LayerSpecifier;
+    let layers: Vec<_> = state
+        .bootstrap
+        .as_ref()
+        .and_then(|b| b.layered_runtime.as_ref())
+        .map(|r| r.layers.iter().collect())
+        .unwrap_or_default();
+    let mut values: Vec<std::collections::BTreeMap<String, String>> = Vec::new();
+    for l in &layers {
+        let mut m = Default::default();
+        if let Some(LayerSpecifier::StaticLayer(s)) = &l.layer_specifier {
+            flatten("", s, &mut m);
+        }
+        values.push(m);
+    }
+    let mut entries = serde_json::Map::new();
+    let keys: std::collections::BTreeSet<&String> = values.iter().flat_map(|m| m.keys()).collect();
+    for k in keys {
+        let per: Vec<&str> = values
+            .iter()
+            .map(|m| m.get(k).map_or("", |v| v.as_str()))
+            .collect();
+        let last = per
+            .iter()
+            .rev()
+            .find(|v| !v.is_empty())
+            .copied()
+            .unwrap_or("");
+        entries.insert(
+            k.clone(),
+            serde_json::json!({ "final_value": last, "layer_values": per }),
+        );
+    }
+    serde_json::json!({
+        "entries": entries,
+        "layers": layers.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
+    })
+}
+
+fn flatten(
+    prefix: &str,
+    s: &envoy_types::pb::google::protobuf::Struct,
+    out: &mut std::collections::BTreeMap<String, String>,
+) {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    for (k, v) in &s.fields {
+        let key = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        let text = match &v.kind {
+            Some(Kind::StructValue(inner)) => {
+                flatten(&key, inner, out);
+                continue;
+            }
+            Some(Kind::StringValue(s)) => s.clone(),
+            Some(Kind::NumberValue(n)) => n.to_string(),
+            Some(Kind::BoolValue(b)) => b.to_string(),
+            // Envoy refuses lists and nulls in a static layer; nothing to show.
+            _ => continue,
+        };
+        out.insert(key, text);
+    }
+}
+
+/// `/clusters?format=json`: Envoy's `admin.v3.Clusters`, from the facts the text form shows.
+fn clusters_json(state: &State) -> serde_json::Value {
+    use crate::snapshot::cluster::Health;
+    let snap = state.snapshot();
+    let mut names: Vec<_> = snap.clusters.keys().collect();
+    names.sort();
+    let statuses: Vec<_> = names
+        .into_iter()
+        .filter_map(|name| snap.clusters.get(name).map(|c| (name, c)))
+        .map(|(name, c)| {
+            let hosts: Vec<_> = c
+                .endpoints
+                .hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    let active = c.active.get(i).map_or(0, |v| v.load(Ordering::Relaxed));
+                    let mut rq_active = serde_json::json!({"type": "GAUGE", "name": "rq_active"});
+                    if active != 0 {
+                        rq_active["value"] = active.to_string().into();
+                    }
+                    let mut health = serde_json::json!({
+                        "eds_health_status": match h.health {
+                            Health::Healthy => "HEALTHY",
+                            Health::Unhealthy => "UNHEALTHY",
+                            Health::Degraded => "DEGRADED",
+                        }
+                    });
+                    if let Some(Some(_)) = c.hc.get(i) {
+                        let f = c
+                            .stats
+                            .health
+                            .flags_of(&h.addr)
+                            .unwrap_or(crate::snapshot::health_check::HcFlags::NEW);
+                        for (set, key) in [
+                            (f.failed, "failed_active_health_check"),
+                            (f.degraded, "failed_active_degraded_check"),
+                            (f.timeout, "active_hc_timeout"),
+                            (f.immediate, "excluded_via_immediate_hc_fail"),
+                        ] {
+                            if set {
+                                health[key] = true.into();
+                            }
+                        }
+                    }
+                    let mut v = serde_json::json!({
+                        "address": {"socket_address": {
+                            "address": h.addr.ip().to_string(),
+                            "port_value": h.addr.port(),
+                        }},
+                        "stats": [rq_active],
+                        "health_status": health,
+                        "weight": h.weight,
+                        "locality": {},
+                    });
+                    if h.priority != 0 {
+                        v["priority"] = h.priority.into();
+                    }
+                    v
+                })
+                .collect();
+            let mut v = serde_json::json!({
+                "name": &**name,
+                "observability_name": &**name,
+            });
+            if !hosts.is_empty() {
+                v["host_statuses"] = hosts.into();
+            }
+            v
+        })
+        .collect();
+    serde_json::json!({ "cluster_statuses": statuses })
 }
 
 /// Envoy's `/listeners`: one `name::address` line per listening address, the listener's

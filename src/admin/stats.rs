@@ -1,12 +1,12 @@
-//! Request counters kept as plain atomics on the request path, rendered in Prometheus text
-//! format with Envoy's metric names. Control-plane counters use the `prometheus` crate.
+//! Request counters kept as plain atomics on the request path, and the xDS counters; one
+//! list of them (Envoy's dotted names with their Prometheus form) feeds every `/stats` format.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
-use prometheus::{Encoder, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
+use prometheus::{IntCounter, IntCounterVec, Opts};
 
 pub use crate::live::{
     ClusterStats, CodeCounters, FaultStats, HcmStats, ListenerStats, SslStats, TcpStats,
@@ -36,7 +36,6 @@ pub struct Stats {
     tcps: Mutex<HashMap<String, Arc<TcpStats>>>,
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     pub xds: XdsCounters,
-    registry: Registry,
 }
 
 impl Default for Stats {
@@ -45,44 +44,28 @@ impl Default for Stats {
     }
 }
 
-fn counter_vec(registry: &Registry, name: &str, label: &str) -> IntCounterVec {
-    let v = IntCounterVec::new(Opts::new(name, name), &[label])
-        .unwrap_or_else(|e| panic!("static metric definition {name} is invalid: {e}"));
-    // Registration only fails on duplicate names, which these constants cannot have.
-    let _ = registry.register(Box::new(v.clone()));
-    v
+// Read back by `collect_xds`, which names them for every format; no registry needed.
+fn counter_vec(name: &str, label: &str) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, name), &[label])
+        .unwrap_or_else(|e| panic!("static metric definition {name} is invalid: {e}"))
 }
 
-fn counter(registry: &Registry, name: &str) -> IntCounter {
-    let v = IntCounter::new(name, name)
-        .unwrap_or_else(|e| panic!("static metric definition {name} is invalid: {e}"));
-    let _ = registry.register(Box::new(v.clone()));
-    v
+fn counter(name: &str) -> IntCounter {
+    IntCounter::new(name, name)
+        .unwrap_or_else(|e| panic!("static metric definition {name} is invalid: {e}"))
 }
 
 const OUTCOMES: [&str; 3] = ["update_attempt", "update_success", "update_rejected"];
 
 impl Stats {
     pub fn new() -> Stats {
-        let registry = Registry::new();
         let xds = XdsCounters {
-            cds: OUTCOMES.map(|o| counter(&registry, &format!("envoy_cluster_manager_cds_{o}"))),
-            lds: OUTCOMES.map(|o| counter(&registry, &format!("envoy_listener_manager_lds_{o}"))),
-            rds: OUTCOMES.map(|o| {
-                counter_vec(
-                    &registry,
-                    &format!("envoy_http_rds_{o}"),
-                    "envoy_rds_route_config",
-                )
-            }),
-            eds: OUTCOMES.map(|o| {
-                counter_vec(
-                    &registry,
-                    &format!("envoy_cluster_{o}"),
-                    "envoy_cluster_name",
-                )
-            }),
-            rejected_resources: counter_vec(&registry, "portico_xds_rejected_resources", "type"),
+            cds: OUTCOMES.map(|o| counter(&format!("envoy_cluster_manager_cds_{o}"))),
+            lds: OUTCOMES.map(|o| counter(&format!("envoy_listener_manager_lds_{o}"))),
+            rds: OUTCOMES
+                .map(|o| counter_vec(&format!("envoy_http_rds_{o}"), "envoy_rds_route_config")),
+            eds: OUTCOMES.map(|o| counter_vec(&format!("envoy_cluster_{o}"), "envoy_cluster_name")),
+            rejected_resources: counter_vec("portico_xds_rejected_resources", "type"),
         };
         Stats {
             clusters: Mutex::default(),
@@ -90,7 +73,6 @@ impl Stats {
             tcps: Mutex::default(),
             listeners: Mutex::default(),
             xds,
-            registry,
         }
     }
 
@@ -120,23 +102,27 @@ impl Stats {
         m.retain(|k, _| live(k));
     }
 
-    /// Prometheus text. `membership` gives (healthy, total) hosts per cluster.
-    pub fn render(&self, membership: &dyn Fn(&str) -> Option<(usize, usize)>) -> String {
+    /// Every stat Portico keeps, under Envoy's dotted name and its Prometheus form (metric and
+    /// labels after Envoy's default tag extraction), into `out`. One list feeds `/stats` (text,
+    /// JSON) and `/stats/prometheus`, so the formats cannot disagree on what exists.
+    pub fn collect(&self, ctx: &Context<'_>, out: &mut StatList) {
         let clusters: Vec<(String, Arc<ClusterStats>)> = sorted(&self.clusters);
         let hcms: Vec<(String, Arc<HcmStats>)> = sorted(&self.hcms);
         let tcps: Vec<(String, Arc<TcpStats>)> = sorted(&self.tcps);
         let listeners: Vec<(String, Arc<ListenerStats>)> = sorted(&self.listeners);
-        let mut f = Families::default();
         // The PROXY protocol listener filter's counters, at the root scope as Envoy keeps them:
         // `downstream_cx_proxy_proto_error` and `proxy_proto.[<stat_prefix>.]...`.
         let mut proto_errors = None;
         for (prefix, s) in crate::proxy::proxy_protocol::all_stats() {
             *proto_errors.get_or_insert(0) += s.downstream_cx_proxy_proto_error.load(Relaxed);
             // Envoy's tag extraction turns the version (and a stat_prefix) into labels.
-            let scope = if prefix.is_empty() {
-                String::new()
+            let (scope, dotted) = if prefix.is_empty() {
+                (String::new(), "proxy_proto".to_string())
             } else {
-                format!("envoy_proxy_protocol_prefix=\"{}\"", esc(&prefix))
+                (
+                    format!("envoy_proxy_protocol_prefix=\"{}\"", esc(&prefix)),
+                    format!("proxy_proto.{prefix}"),
+                )
             };
             let with = |extra: &str| match (scope.is_empty(), extra.is_empty()) {
                 (true, _) => extra.to_string(),
@@ -147,8 +133,9 @@ impl Stats {
                 ("not_found_allowed", &s.not_found_allowed),
                 ("not_found_disallowed", &s.not_found_disallowed),
             ] {
-                f.add(
-                    "counter",
+                out.add(
+                    Kind::Counter,
+                    format!("{dotted}.{stat}"),
                     format!("envoy_proxy_proto_{stat}"),
                     with(""),
                     v.load(Relaxed),
@@ -161,8 +148,9 @@ impl Stats {
                     ("disallowed", &vs.disallowed),
                     ("error", &vs.error),
                 ] {
-                    f.add(
-                        "counter",
+                    out.add(
+                        Kind::Counter,
+                        format!("{dotted}.versions.v{version}.{stat}"),
                         format!("envoy_proxy_proto_{stat}"),
                         label.clone(),
                         v.load(Relaxed),
@@ -171,9 +159,10 @@ impl Stats {
             }
         }
         if let Some(n) = proto_errors {
-            f.add(
-                "counter",
-                "envoy_downstream_cx_proxy_proto_error".to_string(),
+            out.add(
+                Kind::Counter,
+                "downstream_cx_proxy_proto_error".into(),
+                "envoy_downstream_cx_proxy_proto_error".into(),
                 String::new(),
                 n,
             );
@@ -181,30 +170,43 @@ impl Stats {
         for (n, s) in &listeners {
             let label = format!("envoy_listener_address=\"{}\"", esc(n));
             for (kind, stat, v) in [
-                ("counter", "downstream_cx_total", &s.cx_total),
-                ("counter", "downstream_cx_destroy", &s.cx_destroy),
-                ("gauge", "downstream_cx_active", &s.cx_active),
-                ("counter", "no_filter_chain_match", &s.no_filter_chain_match),
-                ("counter", "ssl_handshake", &s.ssl.handshake),
-                ("counter", "ssl_connection_error", &s.ssl.connection_error),
-                ("counter", "ssl_no_certificate", &s.ssl.no_certificate),
-                ("counter", "ssl_fail_verify_error", &s.ssl.fail_verify_error),
+                (Kind::Counter, "downstream_cx_total", &s.cx_total),
+                (Kind::Counter, "downstream_cx_destroy", &s.cx_destroy),
+                (Kind::Gauge, "downstream_cx_active", &s.cx_active),
                 (
-                    "counter",
-                    "ssl_fail_verify_no_cert",
+                    Kind::Counter,
+                    "no_filter_chain_match",
+                    &s.no_filter_chain_match,
+                ),
+                (Kind::Counter, "ssl.handshake", &s.ssl.handshake),
+                (
+                    Kind::Counter,
+                    "ssl.connection_error",
+                    &s.ssl.connection_error,
+                ),
+                (Kind::Counter, "ssl.no_certificate", &s.ssl.no_certificate),
+                (
+                    Kind::Counter,
+                    "ssl.fail_verify_error",
+                    &s.ssl.fail_verify_error,
+                ),
+                (
+                    Kind::Counter,
+                    "ssl.fail_verify_no_cert",
                     &s.ssl.fail_verify_no_cert,
                 ),
-                ("counter", "ssl_fail_verify_san", &s.ssl.fail_verify_san),
+                (Kind::Counter, "ssl.fail_verify_san", &s.ssl.fail_verify_san),
                 (
-                    "counter",
-                    "ssl_fail_verify_cert_hash",
+                    Kind::Counter,
+                    "ssl.fail_verify_cert_hash",
                     &s.ssl.fail_verify_cert_hash,
                 ),
-                ("counter", "ssl_session_reused", &s.ssl.session_reused),
+                (Kind::Counter, "ssl.session_reused", &s.ssl.session_reused),
             ] {
-                f.add(
+                out.add(
                     kind,
-                    format!("envoy_listener_{stat}"),
+                    format!("listener.{n}.{stat}"),
+                    format!("envoy_listener_{}", stat.replace('.', "_")),
                     label.clone(),
                     v.load(Relaxed),
                 );
@@ -216,13 +218,18 @@ impl Stats {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone();
             for ((tag, value), count) in negotiated {
-                let (metric, tag) = match tag {
-                    "cipher" => ("envoy_listener_ssl_ciphers", "envoy_ssl_cipher"),
-                    "version" => ("envoy_listener_ssl_versions", "envoy_ssl_version"),
-                    _ => ("envoy_listener_ssl_curves", "envoy_ssl_curve"),
+                let (group, metric, tag) = match tag {
+                    "cipher" => ("ciphers", "envoy_listener_ssl_ciphers", "envoy_ssl_cipher"),
+                    "version" => (
+                        "versions",
+                        "envoy_listener_ssl_versions",
+                        "envoy_ssl_version",
+                    ),
+                    _ => ("curves", "envoy_listener_ssl_curves", "envoy_ssl_curve"),
                 };
-                f.add(
-                    "counter",
+                out.add(
+                    Kind::Counter,
+                    format!("listener.{n}.ssl.{group}.{value}"),
                     metric.to_string(),
                     format!("{tag}=\"{}\",{label}", esc(value)),
                     count,
@@ -230,16 +237,17 @@ impl Stats {
             }
         }
         for (n, s) in &tcps {
-            for (kind, stat, v) in [
-                ("counter", "downstream_cx_total", &s.cx_total),
-                ("counter", "downstream_cx_no_route", &s.cx_no_route),
-                ("counter", "idle_timeout", &s.idle_timeout),
-                ("counter", "downstream_cx_rx_bytes_total", &s.rx_bytes),
-                ("counter", "downstream_cx_tx_bytes_total", &s.tx_bytes),
+            for (stat, v) in [
+                ("downstream_cx_total", &s.cx_total),
+                ("downstream_cx_no_route", &s.cx_no_route),
+                ("idle_timeout", &s.idle_timeout),
+                ("downstream_cx_rx_bytes_total", &s.rx_bytes),
+                ("downstream_cx_tx_bytes_total", &s.tx_bytes),
             ] {
                 let (metric, tag) = tagged("tcp", n, stat);
-                f.add(
-                    kind,
+                out.add(
+                    Kind::Counter,
+                    format!("tcp.{n}.{stat}"),
                     metric,
                     format!("envoy_tcp_prefix=\"{}\"", esc(tag)),
                     v.load(Relaxed),
@@ -247,57 +255,44 @@ impl Stats {
             }
         }
         for (n, s) in &clusters {
-            let c = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
-                let (metric, tag) = tagged("cluster", n, stat);
-                f.add(
+            // `dotted` is the stat under `cluster.<name>.`; `prom` the metric's last part,
+            // `extra` the labels tag extraction took out of `dotted` (a response code).
+            let mut c = |kind, dotted: &str, prom: &str, extra: &str, v: u64| {
+                let (metric, tag) = tagged("cluster", n, prom);
+                out.add(
                     kind,
+                    format!("cluster.{n}.{dotted}"),
                     metric,
                     format!("{extra}envoy_cluster_name=\"{}\"", esc(tag)),
                     v,
                 );
             };
-            c(
-                &mut f,
-                "counter",
-                "upstream_rq_total",
-                "",
-                s.rq_total.load(Relaxed),
-            );
-            c(
-                &mut f,
-                "counter",
-                "upstream_cx_connect_fail",
-                "",
-                s.cx_connect_fail.load(Relaxed),
-            );
-            c(
-                &mut f,
-                "counter",
-                "upstream_rq_timeout",
-                "",
-                s.rq_timeout.load(Relaxed),
-            );
-            c(
-                &mut f,
-                "gauge",
-                "upstream_rq_active",
-                "",
-                s.rq_active.load(Relaxed),
-            );
-            c(
-                &mut f,
-                "gauge",
-                "outlier_detection_ejections_active",
-                "",
-                u64::from(s.outlier.ejected.load(Relaxed)),
-            );
-            c(
-                &mut f,
-                "gauge",
-                "upstream_rq_pending_active",
-                "",
-                s.rq_pending_active.load(Relaxed),
-            );
+            for (kind, stat, v) in [
+                (Kind::Counter, "upstream_rq_total", s.rq_total.load(Relaxed)),
+                (
+                    Kind::Counter,
+                    "upstream_cx_connect_fail",
+                    s.cx_connect_fail.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
+                    "upstream_rq_timeout",
+                    s.rq_timeout.load(Relaxed),
+                ),
+                (Kind::Gauge, "upstream_rq_active", s.rq_active.load(Relaxed)),
+                (
+                    Kind::Gauge,
+                    "outlier_detection.ejections_active",
+                    u64::from(s.outlier.ejected.load(Relaxed)),
+                ),
+                (
+                    Kind::Gauge,
+                    "upstream_rq_pending_active",
+                    s.rq_pending_active.load(Relaxed),
+                ),
+            ] {
+                c(kind, stat, &stat.replace('.', "_"), "", v);
+            }
             for (stat, v) in [
                 ("upstream_rq_retry", &s.rq_retry),
                 ("upstream_rq_retry_success", &s.rq_retry_success),
@@ -314,36 +309,42 @@ impl Stats {
                 ("upstream_cx_none_healthy", &s.cx_none_healthy),
                 ("original_dst_host_invalid", &s.original_dst_host_invalid),
                 (
-                    "outlier_detection_ejections_enforced_total",
+                    "outlier_detection.ejections_enforced_total",
                     &s.outlier.ejections_enforced_total,
                 ),
                 (
-                    "outlier_detection_ejections_enforced_consecutive_5xx",
+                    "outlier_detection.ejections_enforced_consecutive_5xx",
                     &s.outlier.ejections_enforced_5xx,
                 ),
                 (
-                    "outlier_detection_ejections_enforced_consecutive_gateway_failure",
+                    "outlier_detection.ejections_enforced_consecutive_gateway_failure",
                     &s.outlier.ejections_enforced_gateway,
                 ),
                 (
-                    "outlier_detection_ejections_detected_consecutive_5xx",
+                    "outlier_detection.ejections_detected_consecutive_5xx",
                     &s.outlier.ejections_detected_5xx,
                 ),
                 (
-                    "outlier_detection_ejections_detected_consecutive_gateway_failure",
+                    "outlier_detection.ejections_detected_consecutive_gateway_failure",
                     &s.outlier.ejections_detected_gateway,
                 ),
                 (
-                    "outlier_detection_ejections_overflow",
+                    "outlier_detection.ejections_overflow",
                     &s.outlier.ejections_overflow,
                 ),
             ] {
-                c(&mut f, "counter", stat, "", v.load(Relaxed));
+                c(
+                    Kind::Counter,
+                    stat,
+                    &stat.replace('.', "_"),
+                    "",
+                    v.load(Relaxed),
+                );
             }
             for (code, count) in s.codes.snapshot() {
                 c(
-                    &mut f,
-                    "counter",
+                    Kind::Counter,
+                    &format!("upstream_rq_{code}"),
                     "upstream_rq",
                     &format!("envoy_response_code=\"{code}\","),
                     count,
@@ -351,97 +352,153 @@ impl Stats {
             }
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
-                c(&mut f, "counter", "upstream_rq_xx", &class, x.load(Relaxed));
+                c(
+                    Kind::Counter,
+                    &format!("upstream_rq_{}xx", i + 1),
+                    "upstream_rq_xx",
+                    &class,
+                    x.load(Relaxed),
+                );
             }
             if s.health.active() {
                 let h = &s.health;
                 for (stat, v) in [
-                    ("health_check_attempt", &h.attempt),
-                    ("health_check_success", &h.success),
-                    ("health_check_failure", &h.failure),
-                    ("health_check_network_failure", &h.network_failure),
-                    ("health_check_passive_failure", &h.passive_failure),
-                    ("health_check_verify_cluster", &h.verify_cluster),
+                    ("health_check.attempt", &h.attempt),
+                    ("health_check.success", &h.success),
+                    ("health_check.failure", &h.failure),
+                    ("health_check.network_failure", &h.network_failure),
+                    ("health_check.passive_failure", &h.passive_failure),
+                    ("health_check.verify_cluster", &h.verify_cluster),
                 ] {
-                    c(&mut f, "counter", stat, "", v.load(Relaxed));
+                    c(
+                        Kind::Counter,
+                        stat,
+                        &stat.replace('.', "_"),
+                        "",
+                        v.load(Relaxed),
+                    );
                 }
                 let (healthy, degraded) = h.gauges();
-                c(&mut f, "gauge", "health_check_healthy", "", healthy);
-                c(&mut f, "gauge", "health_check_degraded", "", degraded);
+                c(
+                    Kind::Gauge,
+                    "health_check.healthy",
+                    "health_check_healthy",
+                    "",
+                    healthy,
+                );
+                c(
+                    Kind::Gauge,
+                    "health_check.degraded",
+                    "health_check_degraded",
+                    "",
+                    degraded,
+                );
             }
-            if let Some((healthy, total)) = membership(n) {
-                c(&mut f, "gauge", "membership_healthy", "", healthy as u64);
-                c(&mut f, "gauge", "membership_total", "", total as u64);
+            if let Some((healthy, total)) = (ctx.membership)(n) {
+                c(
+                    Kind::Gauge,
+                    "membership_healthy",
+                    "membership_healthy",
+                    "",
+                    healthy as u64,
+                );
+                c(
+                    Kind::Gauge,
+                    "membership_total",
+                    "membership_total",
+                    "",
+                    total as u64,
+                );
             }
         }
         for (n, s) in &hcms {
-            let h = |f: &mut Families, kind, stat: &str, extra: &str, v: u64| {
-                let (metric, tag) = tagged("http", n, stat);
-                f.add(
+            let mut h = |kind, dotted: &str, prom: &str, extra: &str, v: u64| {
+                let (metric, tag) = tagged("http", n, prom);
+                out.add(
                     kind,
+                    format!("http.{n}.{dotted}"),
                     metric,
                     format!("{extra}envoy_http_conn_manager_prefix=\"{}\"", esc(tag)),
                     v,
                 );
             };
-            h(
-                &mut f,
-                "counter",
-                "downstream_rq_total",
-                "",
-                s.rq_total.load(Relaxed),
-            );
-            h(
-                &mut f,
-                "counter",
-                "downstream_cx_total",
-                "",
-                s.cx_total.load(Relaxed),
-            );
-            h(&mut f, "counter", "no_route", "", s.no_route.load(Relaxed));
-            for (kind, stat, v) in [
+            let mut stats = vec![
                 (
-                    "counter",
-                    "downstream_rq_ws_on_non_ws_route",
-                    &s.ws_on_non_ws_route,
+                    Kind::Counter,
+                    "downstream_rq_total",
+                    s.rq_total.load(Relaxed),
                 ),
-                ("counter", "downstream_cx_ssl_total", &s.cx_ssl_total),
-                ("gauge", "downstream_cx_ssl_active", &s.cx_ssl_active),
-                ("counter", "downstream_cx_upgrades_total", &s.upgrades_total),
-                ("gauge", "downstream_cx_upgrades_active", &s.upgrades_active),
-            ] {
-                h(&mut f, kind, stat, "", v.load(Relaxed));
-            }
+                (
+                    Kind::Counter,
+                    "downstream_cx_total",
+                    s.cx_total.load(Relaxed),
+                ),
+                (Kind::Counter, "no_route", s.no_route.load(Relaxed)),
+                (
+                    Kind::Counter,
+                    "downstream_rq_ws_on_non_ws_route",
+                    s.ws_on_non_ws_route.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
+                    "downstream_cx_ssl_total",
+                    s.cx_ssl_total.load(Relaxed),
+                ),
+                (
+                    Kind::Gauge,
+                    "downstream_cx_ssl_active",
+                    s.cx_ssl_active.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
+                    "downstream_cx_upgrades_total",
+                    s.upgrades_total.load(Relaxed),
+                ),
+                (
+                    Kind::Gauge,
+                    "downstream_cx_upgrades_active",
+                    s.upgrades_active.load(Relaxed),
+                ),
+            ];
             if s.fault.enabled.load(Relaxed) {
                 let fs = &s.fault;
-                for (stat, v) in [
-                    ("fault_delays_injected", &fs.delays_injected),
-                    ("fault_aborts_injected", &fs.aborts_injected),
-                    ("fault_faults_overflow", &fs.faults_overflow),
-                    ("fault_response_rl_injected", &AtomicU64::new(0)),
-                ] {
-                    h(&mut f, "counter", stat, "", v.load(Relaxed));
-                }
-                h(
-                    &mut f,
-                    "gauge",
-                    "fault_active_faults",
-                    "",
-                    fs.active_faults.load(Relaxed),
-                );
+                stats.extend([
+                    (
+                        Kind::Counter,
+                        "fault.delays_injected",
+                        fs.delays_injected.load(Relaxed),
+                    ),
+                    (
+                        Kind::Counter,
+                        "fault.aborts_injected",
+                        fs.aborts_injected.load(Relaxed),
+                    ),
+                    (
+                        Kind::Counter,
+                        "fault.faults_overflow",
+                        fs.faults_overflow.load(Relaxed),
+                    ),
+                    (Kind::Counter, "fault.response_rl_injected", 0),
+                    (
+                        Kind::Gauge,
+                        "fault.active_faults",
+                        fs.active_faults.load(Relaxed),
+                    ),
+                ]);
             }
-            h(
-                &mut f,
-                "gauge",
+            stats.push((
+                Kind::Gauge,
                 "downstream_rq_active",
-                "",
                 s.rq_active.load(Relaxed),
-            );
+            ));
+            for (kind, stat, v) in stats {
+                h(kind, stat, &stat.replace('.', "_"), "", v);
+            }
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
                 h(
-                    &mut f,
-                    "counter",
+                    Kind::Counter,
+                    &format!("downstream_rq_{}xx", i + 1),
                     "downstream_rq_xx",
                     &class,
                     x.load(Relaxed),
@@ -450,28 +507,265 @@ impl Stats {
         }
         for (prefix, s) in crate::filters::local_ratelimit::all_stats() {
             for (stat, v) in [
-                ("enabled", &s.enabled),
-                ("enforced", &s.enforced),
-                ("ok", &s.ok),
-                ("rate_limited", &s.rate_limited),
-                ("shadow_mode", &AtomicU64::new(0)),
+                ("enabled", s.enabled.load(Relaxed)),
+                ("enforced", s.enforced.load(Relaxed)),
+                ("ok", s.ok.load(Relaxed)),
+                ("rate_limited", s.rate_limited.load(Relaxed)),
+                ("shadow_mode", 0),
             ] {
                 let (metric, tag) = tagged("http_local_rate_limit", &prefix, stat);
-                f.add(
-                    "counter",
+                out.add(
+                    Kind::Counter,
+                    format!("{prefix}.http_local_rate_limit.{stat}"),
                     metric,
                     format!("envoy_local_http_ratelimit_prefix=\"{}\"", esc(tag)),
-                    v.load(Relaxed),
+                    v,
                 );
             }
         }
-        let mut out = f.finish();
-        let mut buf = Vec::new();
-        if TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .is_ok()
-        {
-            out.push_str(&String::from_utf8_lossy(&buf));
+        self.collect_xds(ctx, out);
+    }
+
+    /// The xDS counters: `cluster_manager.cds.*`, `listener_manager.lds.*`,
+    /// `http.<stat_prefix>.rds.<route_config>.*`, `cluster.<name>.update_*` (EDS).
+    fn collect_xds(&self, ctx: &Context<'_>, out: &mut StatList) {
+        use prometheus::core::Collector;
+        let x = &self.xds;
+        for (i, o) in OUTCOMES.iter().enumerate() {
+            for (scope, c) in [
+                ("cluster_manager.cds", &x.cds[i]),
+                ("listener_manager.lds", &x.lds[i]),
+            ] {
+                out.add(
+                    Kind::Counter,
+                    format!("{scope}.{o}"),
+                    format!("envoy_{}_{o}", scope.replace('.', "_")),
+                    String::new(),
+                    c.get(),
+                );
+            }
+        }
+        // Each labelled counter as (label value, count).
+        let samples = |v: &IntCounterVec| -> Vec<(String, u64)> {
+            v.collect()
+                .iter()
+                .flat_map(|f| f.get_metric())
+                .map(|m| {
+                    let label = m.get_label().first().map(|l| l.value().to_string());
+                    (
+                        label.unwrap_or_default(),
+                        m.get_counter().get_value() as u64,
+                    )
+                })
+                .collect()
+        };
+        for (i, o) in OUTCOMES.iter().enumerate() {
+            for (route, n) in samples(&x.rds[i]) {
+                // Envoy scopes RDS under the connection manager that subscribed first.
+                let dotted = match (ctx.rds_prefix)(&route) {
+                    Some(p) => format!("http.{p}.rds.{route}.{o}"),
+                    None => format!("http.rds.{route}.{o}"),
+                };
+                out.add(
+                    Kind::Counter,
+                    dotted,
+                    format!("envoy_http_rds_{o}"),
+                    format!("envoy_rds_route_config=\"{}\"", esc(&route)),
+                    n,
+                );
+            }
+            for (cluster, n) in samples(&x.eds[i]) {
+                let (metric, tag) = tagged("cluster", &cluster, o);
+                out.add(
+                    Kind::Counter,
+                    format!("cluster.{cluster}.{o}"),
+                    metric,
+                    format!("envoy_cluster_name=\"{}\"", esc(tag)),
+                    n,
+                );
+            }
+        }
+        for (kind, n) in samples(&x.rejected_resources) {
+            out.add(
+                Kind::Counter,
+                format!("portico.xds.{kind}.rejected_resources"),
+                "portico_xds_rejected_resources".into(),
+                format!("type=\"{}\"", esc(&kind)),
+                n,
+            );
+        }
+    }
+
+    /// Prometheus text of every stat. `membership` gives (healthy, total) hosts per cluster.
+    pub fn render(&self, membership: &dyn Fn(&str) -> Option<(usize, usize)>) -> String {
+        let mut list = StatList::default();
+        self.collect(
+            &Context {
+                membership,
+                rds_prefix: &|_| None,
+            },
+            &mut list,
+        );
+        list.prometheus(&Select::default())
+    }
+}
+
+/// What [`Stats::collect`] needs from the current config.
+pub struct Context<'a> {
+    /// (healthy, total) hosts of a cluster.
+    pub membership: &'a dyn Fn(&str) -> Option<(usize, usize)>,
+    /// The `stat_prefix` of the connection manager a route configuration serves.
+    pub rds_prefix: &'a dyn Fn(&str) -> Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One stat: Envoy's dotted name (what `/stats` prints and `filter=` matches) and its
+/// Prometheus form after Envoy's tag extraction.
+#[derive(Debug, Clone)]
+pub struct Stat {
+    pub kind: Kind,
+    pub name: String,
+    pub metric: String,
+    /// Without braces: `envoy_cluster_name="a"`.
+    pub labels: String,
+    pub value: u64,
+    /// Envoy's "used" flag (`usedonly`): set once a counter was incremented or a gauge set.
+    /// Portico keeps no such flag; a non-zero value stands for it, except where the caller
+    /// knows better (`server.state` is always set, as Envoy sets it on every stats flush).
+    pub used: bool,
+}
+
+/// Which stats a request wants: `usedonly`, `filter=<regex>` on the dotted name.
+#[derive(Debug, Default)]
+pub struct Select {
+    pub used_only: bool,
+    pub filter: Option<regex::Regex>,
+}
+
+impl Select {
+    fn wants(&self, name: &str, used: bool) -> bool {
+        (used || !self.used_only) && self.filter.as_ref().is_none_or(|r| r.is_match(name))
+    }
+}
+
+/// Stats gathered for one admin answer: counters and gauges, and Envoy's text readouts
+/// (`cluster_manager.cds.version_text`).
+#[derive(Debug, Default)]
+pub struct StatList {
+    pub stats: Vec<Stat>,
+    pub texts: Vec<(String, String)>,
+}
+
+impl StatList {
+    pub fn add(&mut self, kind: Kind, name: String, metric: String, labels: String, value: u64) {
+        self.stats.push(Stat {
+            kind,
+            name,
+            metric,
+            labels,
+            value,
+            used: value != 0,
+        });
+    }
+
+    /// A stat Envoy marks used whatever its value.
+    pub fn add_used(&mut self, kind: Kind, name: &str, value: u64) {
+        self.stats.push(Stat {
+            kind,
+            name: name.to_string(),
+            metric: format!("envoy_{}", name.replace('.', "_")),
+            labels: String::new(),
+            value,
+            used: true,
+        });
+    }
+
+    /// A gauge at the root scope, `used` when non-zero.
+    pub fn gauge(&mut self, name: &str, value: u64) {
+        self.add(
+            Kind::Gauge,
+            name.to_string(),
+            format!("envoy_{}", name.replace('.', "_")),
+            String::new(),
+            value,
+        );
+    }
+
+    pub fn text(&mut self, name: &str, value: &str) {
+        self.texts.push((name.to_string(), value.to_string()));
+    }
+
+    fn sorted(&self, sel: &Select) -> (Vec<&(String, String)>, Vec<&Stat>) {
+        let mut texts: Vec<_> = self
+            .texts
+            .iter()
+            .filter(|(n, v)| sel.wants(n, !v.is_empty()))
+            .collect();
+        texts.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut stats: Vec<_> = self
+            .stats
+            .iter()
+            .filter(|s| sel.wants(&s.name, s.used))
+            .collect();
+        // Envoy lists counters and gauges together, by name.
+        stats.sort_by(|a, b| a.name.cmp(&b.name));
+        (texts, stats)
+    }
+
+    /// Envoy's `/stats` text: text readouts (`name: "value"`), then counters and gauges
+    /// (`name: value`), each sorted by name. Histograms: Portico keeps none.
+    pub fn text_format(&self, sel: &Select) -> String {
+        let (texts, stats) = self.sorted(sel);
+        let mut out = String::with_capacity(64 * (texts.len() + stats.len()));
+        for (n, v) in texts {
+            let _ = writeln!(out, "{n}: {}", serde_json::Value::from(v.as_str()));
+        }
+        for s in stats {
+            let _ = writeln!(out, "{}: {}", s.name, s.value);
+        }
+        out
+    }
+
+    /// Envoy's `/stats?format=json`: `{"stats":[{"name":..,"value":..},...]}`.
+    pub fn json_format(&self, sel: &Select) -> String {
+        let (texts, stats) = self.sorted(sel);
+        let mut v: Vec<serde_json::Value> = texts
+            .into_iter()
+            .map(|(n, v)| serde_json::json!({"name": n, "value": v}))
+            .collect();
+        v.extend(
+            stats
+                .into_iter()
+                .map(|s| serde_json::json!({"name": s.name, "value": s.value})),
+        );
+        serde_json::json!({ "stats": v }).to_string()
+    }
+
+    /// Prometheus text as Envoy writes it: counter families, then gauge families, each by
+    /// metric name, one `# TYPE` line per family. Text readouts are left out, as Envoy does
+    /// unless asked for them.
+    pub fn prometheus(&self, sel: &Select) -> String {
+        let mut families: [BTreeMap<&str, Vec<&Stat>>; 2] = Default::default();
+        for s in self.stats.iter().filter(|s| sel.wants(&s.name, s.used)) {
+            let i = match s.kind {
+                Kind::Counter => 0,
+                Kind::Gauge => 1,
+            };
+            families[i].entry(&s.metric).or_default().push(s);
+        }
+        let mut out = String::with_capacity(4096);
+        for (families, kind) in families.iter().zip(["counter", "gauge"]) {
+            for (name, samples) in families {
+                let _ = writeln!(out, "# TYPE {name} {kind}");
+                for s in samples {
+                    let _ = writeln!(out, "{name}{{{}}} {}", s.labels, s.value);
+                }
+            }
         }
         out
     }
@@ -510,30 +804,6 @@ pub fn tagged<'a>(scope: &str, name: &'a str, stat: &str) -> (String, &'a str) {
                 .collect();
             (format!("envoy_{scope}_{rest}_{stat}"), tag)
         }
-    }
-}
-
-/// Metric families in text format: one `# TYPE` line per name, samples grouped under it.
-#[derive(Default)]
-struct Families {
-    by_name: BTreeMap<String, (&'static str, Vec<String>)>,
-}
-
-impl Families {
-    fn add(&mut self, kind: &'static str, metric: String, labels: String, value: u64) {
-        let e = self.by_name.entry(metric).or_insert((kind, Vec::new()));
-        e.1.push(format!("{{{labels}}} {value}"));
-    }
-
-    fn finish(self) -> String {
-        let mut out = String::with_capacity(4096);
-        for (name, (kind, samples)) in self.by_name {
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            for s in samples {
-                let _ = writeln!(out, "{name}{s}");
-            }
-        }
-        out
     }
 }
 
@@ -597,6 +867,113 @@ mod tests {
             "envoy_response_code=\"503\",envoy_cluster_name=\"outbound|9080|v1|reviews\"} 1"
         ));
         assert!(text.contains("envoy_cluster_membership_total{envoy_cluster_name=\"ratings\"} 2"));
-        assert!(text.contains("envoy_cluster_manager_cds_update_success 1"));
+        assert!(text.contains("envoy_cluster_manager_cds_update_success{} 1"));
+    }
+
+    fn sample() -> StatList {
+        let stats = Stats::new();
+        let c = stats.cluster("outbound|80||web.default.svc.cluster.local");
+        c.start();
+        c.record_code(200);
+        stats.xds.cds[SUCCESS].inc();
+        stats.xds.rds[SUCCESS].with_label_values(&["http.80"]).inc();
+        stats.xds.eds[REJECTED].with_label_values(&["web"]).inc();
+        stats.listener("0.0.0.0_8080").cx_active.store(2, Relaxed);
+        let mut list = StatList::default();
+        stats.collect(
+            &Context {
+                membership: &|_| Some((1, 1)),
+                rds_prefix: &|r| (r == "http.80").then(|| "outbound_0.0.0.0_80".to_string()),
+            },
+            &mut list,
+        );
+        list.add_used(Kind::Gauge, "server.state", 0);
+        list.gauge("listener_manager.workers_started", 1);
+        list.text("cluster_manager.cds.version_text", "v1");
+        list
+    }
+
+    #[test]
+    fn text_format_sorts_like_envoy_and_names_by_dots() {
+        let list = sample();
+        let text = list.text_format(&Select::default());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "cluster_manager.cds.version_text: \"v1\"");
+        let names: Vec<&str> = lines[1..]
+            .iter()
+            .map(|l| l.split(": ").next().unwrap())
+            .collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted, "counters and gauges together, by name");
+        for want in [
+            "cluster.outbound|80||web.default.svc.cluster.local.upstream_rq_200: 1",
+            "cluster.outbound|80||web.default.svc.cluster.local.upstream_rq_2xx: 1",
+            "cluster.web.update_rejected: 1",
+            "cluster_manager.cds.update_success: 1",
+            "http.outbound_0.0.0.0_80.rds.http.80.update_success: 1",
+            "listener.0.0.0.0_8080.downstream_cx_active: 2",
+            "listener.0.0.0.0_8080.ssl.handshake: 0",
+            "server.state: 0",
+        ] {
+            assert!(lines.contains(&want), "{want} missing in\n{text}");
+        }
+    }
+
+    #[test]
+    fn usedonly_and_filter_answer_pilot_agents_queries() {
+        let list = sample();
+        let ready = Select {
+            used_only: true,
+            filter: Some(
+                regex::Regex::new(r"^(server\.state|listener_manager\.workers_started)").unwrap(),
+            ),
+        };
+        assert_eq!(
+            list.text_format(&ready),
+            "listener_manager.workers_started: 1\nserver.state: 0\n"
+        );
+        let updates = Select {
+            used_only: true,
+            filter: Some(
+                regex::Regex::new(
+                    r"^(cluster_manager\.cds|listener_manager\.lds)\.(update_success|update_rejected)$",
+                )
+                .unwrap(),
+            ),
+        };
+        // Counters never incremented are not "used": lds is absent, as in Envoy.
+        assert_eq!(
+            list.text_format(&updates),
+            "cluster_manager.cds.update_success: 1\n"
+        );
+    }
+
+    #[test]
+    fn json_and_prometheus_come_from_the_same_list() {
+        let list = sample();
+        let sel = Select {
+            used_only: false,
+            filter: Some(regex::Regex::new(r"^(server\.state|cluster_manager\.cds\.update_success|cluster_manager\.cds\.version_text)$").unwrap()),
+        };
+        assert_eq!(
+            list.json_format(&sel),
+            r#"{"stats":[{"name":"cluster_manager.cds.version_text","value":"v1"},{"name":"cluster_manager.cds.update_success","value":1},{"name":"server.state","value":0}]}"#
+        );
+        assert_eq!(
+            list.prometheus(&sel),
+            "# TYPE envoy_cluster_manager_cds_update_success counter\n\
+             envoy_cluster_manager_cds_update_success{} 1\n\
+             # TYPE envoy_server_state gauge\n\
+             envoy_server_state{} 0\n"
+        );
+        let all = list.prometheus(&Select::default());
+        assert!(all.contains(
+            "envoy_cluster_default_svc_cluster_local_upstream_rq{envoy_response_code=\"200\",envoy_cluster_name=\"outbound|80||web\"} 1"
+        ), "{all}");
+        assert!(all.contains("envoy_http_rds_update_success{envoy_rds_route_config=\"http.80\"} 1"));
+        // Counters first, then gauges, as Envoy writes them.
+        let first_gauge = all.find(" gauge\n").unwrap();
+        assert!(!all[first_gauge..].contains(" counter\n"));
     }
 }
