@@ -223,7 +223,20 @@ pub fn parse(text: &str, format: Format) -> Result<Bootstrap, BootstrapError> {
 /// scalars replace, messages merge field by field, repeated fields append, a oneof takes the
 /// override's member), as Envoy's `MergeFrom` does.
 pub fn load_with_override(path: &Path, config_yaml: &str) -> Result<Bootstrap, BootstrapError> {
-    if config_yaml.trim().is_empty() {
+    load_with(path, Some(config_yaml), false)
+}
+
+/// As [`load_with_override`] (`config_yaml` None or blank: none), and with Envoy's
+/// `--allow-unknown-static-fields` when `allow_unknown` is set: fields the schema does not
+/// know, in the file or the override, are dropped with a warning naming each, instead of
+/// refusing the bootstrap. pilot-agent always passes the flag.
+pub fn load_with(
+    path: &Path,
+    config_yaml: Option<&str>,
+    allow_unknown: bool,
+) -> Result<Bootstrap, BootstrapError> {
+    let config_yaml = config_yaml.filter(|y| !y.trim().is_empty());
+    if config_yaml.is_none() && !allow_unknown {
         return load(path);
     }
     let text = std::fs::read_to_string(path).map_err(|error| BootstrapError::Read {
@@ -242,7 +255,7 @@ pub fn load_with_override(path: &Path, config_yaml: &str) -> Result<Bootstrap, B
             serde_yaml::from_str(text).map_err(|e| syntax(e.to_string()))?;
         serde_json::to_value(yaml).map_err(|e| syntax(e.to_string()))
     };
-    let base = match format {
+    let mut base = match format {
         Format::Json => {
             serde_json::from_str::<Json>(&text).map_err(|e| BootstrapError::Syntax {
                 file: Some(path.to_owned()),
@@ -252,13 +265,32 @@ pub fn load_with_override(path: &Path, config_yaml: &str) -> Result<Bootstrap, B
         }
         Format::Yaml => yaml(&text, format).map_err(|e| e.with_file(path))?,
     };
-    // JSON is YAML: Envoy reads the flag's text as YAML whatever it holds.
-    let over = yaml(config_yaml, Format::Yaml)?;
-    if over.is_null() {
-        return from_value(base, None).map_err(|e| e.with_file(path));
+    let mut unknown = Vec::new();
+    if allow_unknown {
+        unknown = protojson::strip_unknown_fields(BOOTSTRAP_TYPE, &mut base)?;
     }
-    let over = protojson::dynamic_from_json(BOOTSTRAP_TYPE, &over)?;
-    from_value(base, Some(over)).map_err(|e| e.with_file(path))
+    // JSON is YAML: Envoy reads the flag's text as YAML whatever it holds.
+    let mut over = match config_yaml {
+        Some(y) => yaml(y, Format::Yaml)?,
+        None => Json::Null,
+    };
+    if allow_unknown && !over.is_null() {
+        let dropped = protojson::strip_unknown_fields(BOOTSTRAP_TYPE, &mut over)?;
+        unknown.extend(dropped.into_iter().map(|p| format!("--config-yaml {p}")));
+    }
+    let over = match over {
+        Json::Null => None,
+        over => Some(protojson::dynamic_from_json(BOOTSTRAP_TYPE, &over)?),
+    };
+    let mut b = from_value(base, over).map_err(|e| e.with_file(path))?;
+    // Envoy logs these as warnings and goes on.
+    b.warnings.splice(
+        0..0,
+        unknown.into_iter().map(|p| {
+            format!("{p}: unknown field, ignored (--allow-unknown-static-fields)")
+        }),
+    );
+    Ok(b)
 }
 
 fn from_value(
@@ -1410,5 +1442,64 @@ static_resources:
 "#;
         let err = yaml_err(text);
         assert!(err.contains("<<"), "{err}");
+    }
+
+    #[test]
+    fn allowed_unknown_fields_are_dropped_with_a_warning_each() {
+        let dir = std::env::temp_dir().join(format!("portico-unknown-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("b.yaml");
+        let text = r#"
+node: {id: n, cluster: c, not_a_node_field: 1}
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: 15000}}}
+future_top_level: {x: 1}
+static_resources:
+  clusters:
+  - name: a
+    type: STATIC
+    load_assignment: {cluster_name: a, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 1}}}, weird: true}]}]}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+        new_knob: 3
+"#;
+        std::fs::write(&f, text).unwrap();
+        // Without the flag the first unknown field refuses the file, as Envoy.
+        assert!(load(&f).unwrap_err().to_string().contains("unknown field"));
+        let b = load_with(&f, None, true).expect("accepted with the flag");
+        let mut unknown: Vec<&str> = b
+            .warnings
+            .iter()
+            .filter(|w| w.contains("--allow-unknown-static-fields"))
+            .map(|w| w.split(':').next().unwrap_or(""))
+            .collect();
+        unknown.sort_unstable();
+        assert_eq!(
+            unknown,
+            [
+                "future_top_level",
+                "node.not_a_node_field",
+                "static_resources.clusters[0].load_assignment.endpoints[0].lb_endpoints[0].weird",
+                "static_resources.clusters[0].typed_extension_protocol_options[\"envoy.extensions.upstreams.http.v3.HttpProtocolOptions\"].new_knob",
+            ]
+        );
+        assert_eq!(b.node.id, "n");
+        // What is known is kept, inside the Any too.
+        let c = &b.proto.static_resources.as_ref().unwrap().clusters[0];
+        assert_eq!(c.name, "a");
+        assert!(c.typed_extension_protocol_options.contains_key(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        ));
+        // The override's unknown fields too; malformed known fields still refuse.
+        let b = load_with(&f, Some("node: {id: m, also_unknown: 2}"), true).unwrap();
+        assert_eq!(b.node.id, "m");
+        assert!(b
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("--config-yaml node.also_unknown: unknown field")));
+        std::fs::write(&f, "node: {id: 5s, cluster: [1]}\n").unwrap();
+        assert!(load_with(&f, None, true).is_err());
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -44,8 +44,8 @@ struct Cli {
     /// Accepted for Envoy compatibility: Portico has no hot restart.
     #[arg(long)]
     disable_hot_restart: bool,
-    /// Accepted for Envoy compatibility: unknown bootstrap fields are always reported, never
-    /// fatal.
+    /// Unknown bootstrap fields (in -c and --config-yaml) are dropped with a warning naming
+    /// each instead of refusing the file, as Envoy does (pilot-agent always passes it).
     #[arg(long)]
     allow_unknown_static_fields: bool,
     /// Accepted for Envoy compatibility: Portico emits no deprecation logs.
@@ -305,11 +305,15 @@ fn real_main() -> anyhow::Result<()> {
     let path = cli
         .config_path
         .context("no bootstrap given: pass -c/--config-path FILE (or run `portico demo`)")?;
-    let mut bootstrap = match &cli.config_yaml {
-        Some(over) => portico::bootstrap::load_with_override(&path, over)
-            .map_err(|e| anyhow::anyhow!("{e} (with --config-yaml)"))?,
-        None => portico::bootstrap::load(&path)?,
-    };
+    let mut bootstrap = portico::bootstrap::load_with(
+        &path,
+        cli.config_yaml.as_deref(),
+        cli.allow_unknown_static_fields,
+    )
+    .map_err(|e| match &cli.config_yaml {
+        Some(_) => anyhow::anyhow!("{e} (with --config-yaml)"),
+        None => anyhow::anyhow!("{e}"),
+    })?;
     // As Envoy: the flags win over the bootstrap's node.
     if cli.service_cluster.is_some() || cli.service_node.is_some() {
         let node = bootstrap.proto.node.get_or_insert_with(Default::default);

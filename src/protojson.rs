@@ -121,6 +121,86 @@ pub fn dynamic_from_json(full_name: &str, value: &Json) -> Result<DynamicMessage
     })
 }
 
+/// Envoy's `--allow-unknown-static-fields`: removes from `value` (proto-JSON of `full_name`)
+/// every field its message does not have, inside `Any`s of known types too, and returns where
+/// each was (`admin.adress`), for the warnings Envoy logs instead of refusing the file.
+pub fn strip_unknown_fields(full_name: &str, value: &mut Json) -> Result<Vec<String>, ProtoJsonError> {
+    let desc = message_descriptor(full_name)?;
+    let mut removed = Vec::new();
+    strip_message(&desc, value, &mut String::new(), &mut removed);
+    Ok(removed)
+}
+
+fn strip_message(desc: &MessageDescriptor, value: &mut Json, path: &mut String, out: &mut Vec<String>) {
+    if has_special_json_mapping(desc) {
+        return;
+    }
+    let Json::Object(fields) = value else {
+        // Not an object: the decode reports it.
+        return;
+    };
+    let is_any = desc.full_name() == "google.protobuf.Any";
+    let desc = if is_any {
+        let name = fields
+            .get(TYPE_URL_KEY)
+            .and_then(Json::as_str)
+            .map(|t| type_url_message_name(t).to_owned());
+        match name.and_then(|n| desc.parent_pool().get_message_by_name(&n)) {
+            // Packed as {"@type", "value"}, or a type the decode will report.
+            Some(inner) if !has_special_json_mapping(&inner) => inner,
+            _ => return,
+        }
+    } else {
+        desc.clone()
+    };
+    fields.retain(|key, _| {
+        let known = (is_any && key == TYPE_URL_KEY)
+            || desc.get_field_by_json_name(key).is_some()
+            || desc.get_field_by_name(key).is_some();
+        if !known {
+            let mut at = path.clone();
+            push_field(&mut at, key);
+            out.push(at);
+        }
+        known
+    });
+    for (key, item) in fields.iter_mut() {
+        let Some(field) = desc
+            .get_field_by_json_name(key)
+            .or_else(|| desc.get_field_by_name(key))
+        else {
+            continue;
+        };
+        let len = path.len();
+        push_field(path, field.name());
+        match (field.kind(), item) {
+            (Kind::Message(entry), Json::Object(entries)) if field.is_map() => {
+                if let Kind::Message(m) = entry.map_entry_value_field().kind() {
+                    for (k, v) in entries.iter_mut() {
+                        let at = path.len();
+                        path.push_str(&format!("[{k:?}]"));
+                        strip_message(&m, v, path, out);
+                        path.truncate(at);
+                    }
+                }
+            }
+            (Kind::Message(m), Json::Array(elements)) if field.is_list() => {
+                for (i, e) in elements.iter_mut().enumerate() {
+                    let at = path.len();
+                    path.push_str(&format!("[{i}]"));
+                    strip_message(&m, e, path, out);
+                    path.truncate(at);
+                }
+            }
+            (Kind::Message(m), item) if !field.is_list() && !field.is_map() => {
+                strip_message(&m, item, path, out)
+            }
+            _ => {}
+        }
+        path.truncate(len);
+    }
+}
+
 /// prost message -> proto-JSON in Envoy's /config_dump style: proto field names, `Any` expanded
 /// with `@type`, fields at their default value omitted.
 pub fn to_json<M: Message>(full_name: &str, msg: &M) -> Result<Json, ProtoJsonError> {
