@@ -286,9 +286,9 @@ pub fn load_with(
     // Envoy logs these as warnings and goes on.
     b.warnings.splice(
         0..0,
-        unknown.into_iter().map(|p| {
-            format!("{p}: unknown field, ignored (--allow-unknown-static-fields)")
-        }),
+        unknown
+            .into_iter()
+            .map(|p| format!("{p}: unknown field, ignored (--allow-unknown-static-fields)")),
     );
     Ok(b)
 }
@@ -1488,9 +1488,9 @@ static_resources:
         // What is known is kept, inside the Any too.
         let c = &b.proto.static_resources.as_ref().unwrap().clusters[0];
         assert_eq!(c.name, "a");
-        assert!(c.typed_extension_protocol_options.contains_key(
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-        ));
+        assert!(c
+            .typed_extension_protocol_options
+            .contains_key("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"));
         // The override's unknown fields too; malformed known fields still refuse.
         let b = load_with(&f, Some("node: {id: m, also_unknown: 2}"), true).unwrap();
         assert_eq!(b.node.id, "m");

@@ -124,14 +124,22 @@ pub fn dynamic_from_json(full_name: &str, value: &Json) -> Result<DynamicMessage
 /// Envoy's `--allow-unknown-static-fields`: removes from `value` (proto-JSON of `full_name`)
 /// every field its message does not have, inside `Any`s of known types too, and returns where
 /// each was (`admin.adress`), for the warnings Envoy logs instead of refusing the file.
-pub fn strip_unknown_fields(full_name: &str, value: &mut Json) -> Result<Vec<String>, ProtoJsonError> {
+pub fn strip_unknown_fields(
+    full_name: &str,
+    value: &mut Json,
+) -> Result<Vec<String>, ProtoJsonError> {
     let desc = message_descriptor(full_name)?;
     let mut removed = Vec::new();
     strip_message(&desc, value, &mut String::new(), &mut removed);
     Ok(removed)
 }
 
-fn strip_message(desc: &MessageDescriptor, value: &mut Json, path: &mut String, out: &mut Vec<String>) {
+fn strip_message(
+    desc: &MessageDescriptor,
+    value: &mut Json,
+    path: &mut String,
+    out: &mut Vec<String>,
+) {
     if has_special_json_mapping(desc) {
         return;
     }
