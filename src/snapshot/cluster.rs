@@ -416,7 +416,7 @@ pub struct Cluster {
 }
 
 /// What the cluster's live state says of its hosts when it is built, read at the commit
-/// point (`crate::xds::commit`) and handed in, so that building a cluster reads nothing live.
+/// point (`xds/commit.rs`) and handed in, so that building a cluster reads nothing live.
 #[derive(Debug, Default)]
 pub struct HostState {
     /// Active health check flags per host (empty without `health_checks`; None for a host
