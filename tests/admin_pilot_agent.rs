@@ -150,26 +150,15 @@ async fn pilot_agent_probes_ready_and_drives_the_admin_api() {
     let gw = Proc::start(
         |admin| bootstrap_yaml(admin, ads.port),
         &[
-            "--drain-time-s",
-            "45",
-            "--drain-strategy",
-            "immediate",
-            "--local-address-ip-version",
-            "v4",
-            "--file-flush-interval-msec",
-            "1000",
-            "--disable-hot-restart",
-            "--allow-unknown-static-fields",
-            "-l",
-            "warning",
-            "--component-log-level",
-            "misc:error",
-            "--skip-deprecated-logs",
-            "--config-yaml",
-            r#"{"node":{"cluster":"from-config-yaml"}}"#,
-            "--concurrency",
-            "1",
-        ],
+            PILOT_AGENT_FLAGS,
+            &[
+                "--config-yaml",
+                r#"{"node":{"cluster":"from-config-yaml"}}"#,
+                "--concurrency",
+                "1",
+            ],
+        ]
+        .concat(),
     );
 
     eventually("pilot-agent's probe to pass", WAIT, || probe(&gw)).await;

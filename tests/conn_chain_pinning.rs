@@ -219,6 +219,29 @@ struct Setup {
     mesh: Mesh,
 }
 
+impl Setup {
+    /// a.example's chain as first pushed.
+    fn chain_a(&self) -> FilterChain {
+        chain("a", "a.example", &self.a, Routes::Rds("route-a"))
+    }
+
+    /// b.example's chain, over `routes`.
+    fn chain_b(&self, routes: Routes<'_>) -> FilterChain {
+        chain("b", "b.example", &self.b, routes)
+    }
+
+    /// Pushes `chains` as the listener (LDS version 2) and waits for the ACK.
+    async fn push(&self, chains: Vec<FilterChain>) {
+        self.push_listener(tls_listener(self.mesh.port, chains))
+            .await;
+    }
+
+    async fn push_listener(&self, l: Listener) {
+        self.mesh.ads.set_listeners("2", &[l]);
+        self.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    }
+}
+
 /// A listener with two TLS chains, a.example and b.example, over RDS `route-a` and `route-b`.
 async fn two_chains(args: &[&str]) -> Setup {
     let pki = Pki::new("pinning CA");
@@ -264,17 +287,8 @@ async fn a_connection_keeps_its_chain_when_the_chains_are_reordered() {
     assert_eq!(r.body_str(), "a");
 
     // The chains swap places and b.example's chain changes (its routes are another table).
-    s.mesh.ads.set_listeners(
-        "2",
-        &[tls_listener(
-            port,
-            vec![
-                chain("b", "b.example", &s.b, Routes::Rds("route-b2")),
-                chain("a", "a.example", &s.a, Routes::Rds("route-a")),
-            ],
-        )],
-    );
-    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    s.push(vec![s.chain_b(Routes::Rds("route-b2")), s.chain_a()])
+        .await;
     wait_fresh(&s.pki, port, "b.example", "b2").await;
 
     // The kept connection is on an unchanged chain: a.example's routes, and not drained.
@@ -307,22 +321,11 @@ async fn by_default_a_connection_whose_chain_changed_keeps_its_old_chain() {
         io: tls_connect(&s.pki, port, "b.example", &["http/1.1"]).await,
     };
     assert_eq!(on_b.get("b.example").await.expect("b").body_str(), "b");
-    s.mesh.ads.set_listeners(
-        "2",
-        &[tls_listener(
-            port,
-            vec![
-                chain("a", "a.example", &s.a, Routes::Rds("route-a")),
-                chain(
-                    "b",
-                    "b.example",
-                    &s.b,
-                    Routes::Inline(Box::new(answering("inline-b", "b-new"))),
-                ),
-            ],
-        )],
-    );
-    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    s.push(vec![
+        s.chain_a(),
+        s.chain_b(Routes::Inline(Box::new(answering("inline-b", "b-new")))),
+    ])
+    .await;
     wait_fresh(&s.pki, port, "b.example", "b-new").await;
     let r = on_b
         .get("b.example")
@@ -345,22 +348,11 @@ async fn an_http1_connection_whose_chain_changed_drains_on_its_old_chain() {
     assert_eq!(on_a.get("a.example").await.expect("a").body_str(), "a");
 
     // b.example's chain now answers from inline routes.
-    s.mesh.ads.set_listeners(
-        "2",
-        &[tls_listener(
-            port,
-            vec![
-                chain("a", "a.example", &s.a, Routes::Rds("route-a")),
-                chain(
-                    "b",
-                    "b.example",
-                    &s.b,
-                    Routes::Inline(Box::new(answering("inline-b", "b-new"))),
-                ),
-            ],
-        )],
-    );
-    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    s.push(vec![
+        s.chain_a(),
+        s.chain_b(Routes::Inline(Box::new(answering("inline-b", "b-new")))),
+    ])
+    .await;
     wait_fresh(&s.pki, port, "b.example", "b-new").await;
 
     // The old chain answers once more, asking the client to close. (Envoy 1.40 then leaves
@@ -419,17 +411,8 @@ async fn an_http2_connection_whose_chain_changed_gets_a_goaway() {
     assert_eq!(get(&mut on_b, "b.example").await.as_deref(), Ok("b"));
     assert_eq!(get(&mut on_a, "a.example").await.as_deref(), Ok("a"));
 
-    s.mesh.ads.set_listeners(
-        "2",
-        &[tls_listener(
-            port,
-            vec![
-                chain("a", "a.example", &s.a, Routes::Rds("route-a")),
-                chain("b", "b.example", &s.b, Routes::Rds("route-b2")),
-            ],
-        )],
-    );
-    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    s.push(vec![s.chain_a(), s.chain_b(Routes::Rds("route-b2"))])
+        .await;
     wait_fresh(&s.pki, port, "b.example", "b2").await;
     // Envoy says GOAWAY once the connection's next response is sent (its old chain answers,
     // with its routes as they were); Portico (pingora) says it as the drain starts, so the
@@ -501,17 +484,8 @@ async fn an_idle_connection_on_a_changed_chain_is_closed_when_the_drain_ends() {
         io: tls_connect(&s.pki, port, "a.example", &["http/1.1"]).await,
     };
     assert_eq!(on_a.get("a.example").await.expect("a").body_str(), "a");
-    s.mesh.ads.set_listeners(
-        "2",
-        &[tls_listener(
-            port,
-            vec![
-                chain("a", "a.example", &s.a, Routes::Rds("route-a")),
-                chain("b", "b.example", &s.b, Routes::Rds("route-b2")),
-            ],
-        )],
-    );
-    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    s.push(vec![s.chain_a(), s.chain_b(Routes::Rds("route-b2"))])
+        .await;
     // Nothing is said on an idle HTTP/1 connection; it is closed when the drain (2 s) ends.
     assert!(on_b.closed_by_server().await, "closed when the drain ends");
     let r = on_a.get("a.example").await.expect("a after the drain");
@@ -534,17 +508,10 @@ async fn a_listener_level_change_drains_every_chain_and_routes_still_reach_them(
 
     // The same chains; only the listener's own config changes (its buffer limit), which
     // Envoy treats as a new listener rather than a filter-chain-only update.
-    let mut l = tls_listener(
-        port,
-        vec![
-            chain("a", "a.example", &s.a, Routes::Rds("route-a")),
-            chain("b", "b.example", &s.b, Routes::Rds("route-b")),
-        ],
-    );
+    let mut l = tls_listener(port, vec![s.chain_a(), s.chain_b(Routes::Rds("route-b"))]);
     l.per_connection_buffer_limit_bytes =
         Some(envoy_types::pb::google::protobuf::UInt32Value { value: 1 << 20 });
-    s.mesh.ads.set_listeners("2", &[l]);
-    s.mesh.ads.wait_for_ack(LDS, "2", PROPAGATION).await;
+    s.push_listener(l).await;
     // A route push while the old connections drain reaches them too.
     s.mesh.ads.set_routes(
         "2",

@@ -58,6 +58,17 @@ fn per_million(
     crate::units::per_million(f, 1_000_000).map_err(|e| format!("filter_enabled: {e}"))
 }
 
+/// `allow_origin_string_match`, in both policy messages (the filter's and the route's
+/// deprecated one).
+fn allow_origins(
+    ms: &[envoy_types::pb::envoy::r#type::matcher::v3::StringMatcher],
+) -> Result<Vec<StringMatch>, String> {
+    ms.iter()
+        .map(string_matcher)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("cors allow_origin_string_match: {e}"))
+}
+
 fn from_typed(name: &str, any: &Any) -> Result<Policy, String> {
     if any.type_url != POLICY_TYPE {
         return Err(format!(
@@ -68,12 +79,7 @@ fn from_typed(name: &str, any: &Any) -> Result<Policy, String> {
     let p = cpb::CorsPolicy::decode(any.value.as_slice())
         .map_err(|e| format!("typed_per_filter_config['{name}']: {e}"))?;
     Ok(Policy {
-        allow_origins: p
-            .allow_origin_string_match
-            .iter()
-            .map(string_matcher)
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("cors allow_origin_string_match: {e}"))?,
+        allow_origins: allow_origins(&p.allow_origin_string_match)?,
         allow_methods: p.allow_methods,
         allow_headers: p.allow_headers,
         expose_headers: p.expose_headers,
@@ -87,12 +93,7 @@ fn from_typed(name: &str, any: &Any) -> Result<Policy, String> {
 
 fn from_deprecated(p: &rpb::CorsPolicy) -> Result<Policy, String> {
     Ok(Policy {
-        allow_origins: p
-            .allow_origin_string_match
-            .iter()
-            .map(string_matcher)
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("cors allow_origin_string_match: {e}"))?,
+        allow_origins: allow_origins(&p.allow_origin_string_match)?,
         allow_methods: p.allow_methods.clone(),
         allow_headers: p.allow_headers.clone(),
         expose_headers: p.expose_headers.clone(),

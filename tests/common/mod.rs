@@ -1201,6 +1201,26 @@ async fn send_delta(
 // Gateway process
 // ---------------------------------------------------------------------------
 
+/// The flags pilot-agent (Istio 1.30) passes to the proxy besides `-c`, `--config-yaml` and
+/// `--concurrency`, in its order.
+pub const PILOT_AGENT_FLAGS: &[&str] = &[
+    "--drain-time-s",
+    "45",
+    "--drain-strategy",
+    "immediate",
+    "--local-address-ip-version",
+    "v4",
+    "--file-flush-interval-msec",
+    "1000",
+    "--disable-hot-restart",
+    "--allow-unknown-static-fields",
+    "-l",
+    "warning",
+    "--component-log-level",
+    "misc:error",
+    "--skip-deprecated-logs",
+];
+
 pub fn gateway_bin() -> PathBuf {
     match std::env::var_os("PORTICO_GATEWAY_BIN") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
