@@ -30,6 +30,13 @@ const RULES: &[(&str, &[&str], &str)] = &[
         "below the snapshot",
     ),
     (
+        "telemetry",
+        &[
+            "proxy", "admin", "xds", "server", "snapshot", "router", "live",
+        ],
+        "below the snapshot: the request path hands it a record",
+    ),
+    (
         "matcher.rs",
         &[
             "proxy", "admin", "xds", "server", "snapshot", "router", "filters",

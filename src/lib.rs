@@ -18,6 +18,7 @@ pub mod proxy;
 pub mod router;
 pub mod server;
 pub mod snapshot;
+pub mod telemetry;
 pub mod units;
 pub mod uuid;
 pub mod xds;
