@@ -355,7 +355,7 @@ mod tests {
             narrow("resource=nothing").err().map(|r| r.status),
             Some(404)
         );
-        let r = narrow("resource=bootstrap").err().expect("refused");
+        let r = narrow("resource=bootstrap").expect_err("refused");
         assert_eq!(
             (r.status, r.message.as_str()),
             (

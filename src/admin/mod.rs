@@ -272,6 +272,67 @@ fn pretty(v: &serde_json::Value) -> String {
 }
 
 /// Every stat of the process: the request and xDS counters, and the server's own.
+/// The compressor filters' `http.<prefix>.compressor.<library>.<encoding>.*` counters, for
+/// the serving chains (one set per name).
+fn compressor_stats<'a>(
+    hcms: impl Iterator<Item = &'a crate::snapshot::listener::Hcm>,
+    list: &mut stats::StatList,
+) {
+    use crate::filters::HttpFilter;
+    let mut seen = std::collections::HashSet::new();
+    for h in hcms {
+        for f in &h.filters {
+            let HttpFilter::Compressor(c) = f else {
+                continue;
+            };
+            let enc = match c.algorithm.as_str() {
+                "br" => "brotli",
+                other => other,
+            };
+            let scope = format!("{}.{enc}", c.stats.library);
+            if !seen.insert((h.stat_prefix.clone(), scope.clone())) {
+                continue;
+            }
+            let s = &c.stats;
+            for (stat, v) in [
+                ("header_compressor_used", &s.header_compressor_used),
+                (
+                    "header_compressor_overshadowed",
+                    &s.header_compressor_overshadowed,
+                ),
+                ("header_identity", &s.header_identity),
+                ("header_not_valid", &s.header_not_valid),
+                ("header_wildcard", &s.header_wildcard),
+                ("no_accept_header", &s.no_accept_header),
+                ("response.compressed", &s.compressed),
+                ("response.not_compressed", &s.not_compressed),
+                (
+                    "response.content_length_too_small",
+                    &s.content_length_too_small,
+                ),
+                ("response.not_compressed_etag", &s.not_compressed_etag),
+                ("response.total_compressed_bytes", &s.total_compressed_bytes),
+                (
+                    "response.total_uncompressed_bytes",
+                    &s.total_uncompressed_bytes,
+                ),
+            ] {
+                let dotted = format!("compressor.{scope}.{stat}");
+                list.add(
+                    stats::Kind::Counter,
+                    format!("http.{}.{dotted}", h.stat_prefix),
+                    format!("envoy_http_{}", dotted.replace(['.', '-'], "_")),
+                    format!(
+                        "envoy_http_conn_manager_prefix=\"{}\"",
+                        h.stat_prefix.replace('\\', "\\\\").replace('"', "\\\"")
+                    ),
+                    v.load(std::sync::atomic::Ordering::Relaxed),
+                );
+            }
+        }
+    }
+}
+
 /// Every stat, as Envoy's admin shows it (counters since the last `/reset_counters`).
 fn stat_list(state: &State) -> stats::StatList {
     let mut list = raw_stat_list(state);
@@ -297,6 +358,7 @@ fn raw_stat_list(state: &State) -> stats::StatList {
         }
     }
     let mut list = stats::StatList::default();
+    compressor_stats(hcms(), &mut list);
     let membership = |name: &str| {
         snap.clusters
             .get(name)

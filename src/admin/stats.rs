@@ -847,6 +847,35 @@ pub fn tagged<'a>(scope: &str, name: &'a str, stat: &str) -> (String, &'a str) {
     }
 }
 
+/// A gRPC stats counter: its dotted name under `cluster.<name>.`, and its Prometheus name and
+/// labels after Envoy's default tag extraction (`cluster.*.grpc.$.**` takes the service,
+/// `cluster.*.grpc.*.$.**` the method, each one dot-separated token).
+fn grpc_stat(names: &str, stat: &str) -> (String, String, String) {
+    if names.is_empty() {
+        return (
+            format!("grpc.{stat}"),
+            format!("grpc_{stat}"),
+            String::new(),
+        );
+    }
+    let dotted = format!("grpc.{names}.{stat}");
+    let mut tokens = names.split('.');
+    let service = tokens.next().unwrap_or_default();
+    let method = tokens.next().unwrap_or_default();
+    let rest: Vec<&str> = tokens.collect();
+    let mut prom = String::from("grpc");
+    for t in rest.iter().copied().chain(std::iter::once(stat)) {
+        prom.push('_');
+        prom.push_str(t);
+    }
+    let extra = format!(
+        "envoy_grpc_bridge_method=\"{}\",envoy_grpc_bridge_service=\"{}\",",
+        esc(method),
+        esc(service)
+    );
+    (dotted, prom, extra)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1016,33 +1045,4 @@ mod tests {
         let first_gauge = all.find(" gauge\n").unwrap();
         assert!(!all[first_gauge..].contains(" counter\n"));
     }
-}
-
-/// A gRPC stats counter: its dotted name under `cluster.<name>.`, and its Prometheus name and
-/// labels after Envoy's default tag extraction (`cluster.*.grpc.$.**` takes the service,
-/// `cluster.*.grpc.*.$.**` the method, each one dot-separated token).
-fn grpc_stat(names: &str, stat: &str) -> (String, String, String) {
-    if names.is_empty() {
-        return (
-            format!("grpc.{stat}"),
-            format!("grpc_{stat}"),
-            String::new(),
-        );
-    }
-    let dotted = format!("grpc.{names}.{stat}");
-    let mut tokens = names.split('.');
-    let service = tokens.next().unwrap_or_default();
-    let method = tokens.next().unwrap_or_default();
-    let rest: Vec<&str> = tokens.collect();
-    let mut prom = String::from("grpc");
-    for t in rest.iter().copied().chain(std::iter::once(stat)) {
-        prom.push('_');
-        prom.push_str(t);
-    }
-    let extra = format!(
-        "envoy_grpc_bridge_method=\"{}\",envoy_grpc_bridge_service=\"{}\",",
-        esc(method),
-        esc(service)
-    );
-    (dotted, prom, extra)
 }

@@ -16,6 +16,7 @@
 //! admin renders them.
 
 pub mod alpn;
+pub mod compressor;
 pub mod cors;
 pub mod fault;
 pub mod grpc_stats;
@@ -40,6 +41,7 @@ pub enum HttpFilter {
     LocalRateLimit(local_ratelimit::RateLimitFilter),
     Cors(cors::CorsFilter),
     GrpcStats(grpc_stats::GrpcStatsFilter),
+    Compressor(compressor::CompressorFilter),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -88,6 +90,11 @@ pub static REGISTRY: &[Registration] = &[
         type_url: cors::CORS_TYPE,
         name: "envoy.filters.http.cors",
         translate: cors::translate_filter,
+    },
+    Registration {
+        type_url: compressor::TYPE,
+        name: "envoy.filters.http.compressor",
+        translate: compressor::translate_filter,
     },
     Registration {
         type_url: alpn::ALPN_FILTER_TYPE,
@@ -196,6 +203,10 @@ pub struct FilterState {
     pub delay_injected: bool,
     /// A gRPC call the gRPC stats filter counts (boxed: most requests are not).
     pub grpc: Option<Box<grpc_stats::GrpcCall>>,
+    /// The compressor filters' Accept-Encoding and, once decided, the response's encoder.
+    pub compress: Option<Box<compressor::CompressState>>,
+    /// A compressor filter removes Accept-Encoding from the upstream request.
+    pub remove_accept_encoding: bool,
 }
 
 impl FilterState {
@@ -242,6 +253,7 @@ impl HttpFilter {
             HttpFilter::LocalRateLimit(f) => &f.name,
             HttpFilter::Cors(f) => &f.name,
             HttpFilter::GrpcStats(f) => &f.name,
+            HttpFilter::Compressor(f) => &f.name,
         }
     }
 
@@ -252,6 +264,7 @@ impl HttpFilter {
             HttpFilter::LocalRateLimit(f) => f.decode(req, st),
             HttpFilter::Cors(f) => f.decode(req, st),
             HttpFilter::GrpcStats(f) => f.decode(req, st),
+            HttpFilter::Compressor(f) => f.decode(req, st),
         }
     }
 
@@ -264,9 +277,10 @@ impl HttpFilter {
     ) -> Decision {
         match self {
             HttpFilter::Fault(f) => f.after_delay(req, st, stats.fault),
-            HttpFilter::LocalRateLimit(_) | HttpFilter::Cors(_) | HttpFilter::GrpcStats(_) => {
-                Decision::Continue
-            }
+            HttpFilter::LocalRateLimit(_)
+            | HttpFilter::Cors(_)
+            | HttpFilter::GrpcStats(_)
+            | HttpFilter::Compressor(_) => Decision::Continue,
         }
     }
 }

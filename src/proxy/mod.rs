@@ -237,6 +237,42 @@ fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
 }
 
 impl Gateway {
+    /// The chain's compressor filters on an upstream response: at most one compresses it
+    /// (headers now, body in `response_body_filter`).
+    fn compress_response(
+        &self,
+        session: &Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let Some(cs) = ctx.filters.compress.as_mut() else {
+            return Ok(());
+        };
+        let Some(hcm) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) else {
+            return Ok(());
+        };
+        let status = resp.status.as_u16();
+        let empty = resp
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() == b"0");
+        let headers_only = session.req_header().method == http::Method::HEAD
+            || status < 200
+            || status == 204
+            || status == 304
+            || empty
+            || ctx.discard_body;
+        filters::compressor::response_headers(&hcm.filters, cs, resp, headers_only);
+        let h1 = matches!(
+            session.as_downstream(),
+            pingora_core::protocols::http::ServerSession::H1(_)
+        );
+        if cs.encoder.is_some() && h1 {
+            resp.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
+        }
+        Ok(())
+    }
+
     /// The request's one snapshot, kept in `ctx`, and the connection's own chain in it,
     /// whatever later pushes did to the listener's others.
     fn begin(&self, session: &mut Session, ctx: &mut Ctx) -> Arc<ActiveChain> {
@@ -424,7 +460,7 @@ impl ProxyHttp for Gateway {
         &self,
         _session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<Option<std::time::Duration>> {
         if ctx.discard_body {
@@ -432,6 +468,12 @@ impl ProxyHttp for Gateway {
         }
         if let Some(b) = body {
             observe::grpc_response_body(ctx, b);
+        }
+        if let Some(cs) = ctx.filters.compress.as_mut() {
+            if cs.encoder.is_some() && (body.is_some() || end_of_stream) {
+                let input = body.take().unwrap_or_default();
+                *body = cs.body(&input, end_of_stream);
+            }
         }
         Ok(None)
     }
@@ -445,7 +487,8 @@ impl ProxyHttp for Gateway {
         if self.chain.drain_close() {
             session.set_keepalive(None);
         }
-        upstream::response_headers(session, resp, ctx)
+        upstream::response_headers(session, resp, ctx)?;
+        self.compress_response(session, resp, ctx)
     }
 
     fn fail_to_connect(

@@ -364,6 +364,9 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
 
 /// The router's last request headers: the attempt count and the HTTP filters' own.
 pub(super) fn attempt_headers(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
+    if ctx.filters.remove_accept_encoding {
+        upstream.remove_header(&http::header::ACCEPT_ENCODING);
+    }
     if ctx.attempt_count_to_upstream {
         upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
     }
