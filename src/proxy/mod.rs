@@ -449,6 +449,7 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        observe::access_log(session, ctx);
         let code = ctx.info.response_code;
         if ctx.counted_active {
             self.hcm_stats.finish(code);

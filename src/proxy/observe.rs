@@ -149,3 +149,24 @@ pub(super) fn retries_exhausted(info: &mut StreamInfo, overflow: bool) {
         ResponseFlag::UpstreamRetryLimitExceeded
     });
 }
+
+/// The connection manager's access logs, once the record is finished.
+pub(super) fn access_log(session: &Session, ctx: &Ctx) {
+    let Some(hcm) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) else {
+        return;
+    };
+    if hcm.access_log.is_empty() {
+        return;
+    }
+    let req = session.req_header();
+    let authority = super::downstream::raw_authority(req);
+    let log = crate::telemetry::access_log::LogContext {
+        info: &ctx.info,
+        request: Some(super::routing::request_view(req, authority)),
+        response: session.response_written().map(|r| &r.headers),
+        // pingora keeps no downstream trailers; `%TRAILER(...)%` shows `-`.
+        trailers: None,
+        log_type: crate::telemetry::access_log::log_type::DOWNSTREAM_END,
+    };
+    hcm.access_log.log(&log);
+}

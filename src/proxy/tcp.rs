@@ -37,6 +37,7 @@ pub async fn serve<D>(
     let Some(up) = connect(proxy, &snap, stats, peer, &mut info).await else {
         // Envoy closes the downstream connection without a byte when no upstream is reached.
         info.last_downstream_tx = Some(info.elapsed());
+        access_log(proxy, &info);
         return;
     };
     drop(snap);
@@ -49,6 +50,22 @@ pub async fn serve<D>(
     info.bytes_received = moved.received;
     info.bytes_sent = moved.sent;
     info.last_downstream_tx = Some(info.elapsed());
+    access_log(proxy, &info);
+}
+
+/// tcp_proxy's `access_log`, once the connection is over.
+fn access_log(proxy: &TcpProxy, info: &StreamInfo) {
+    if !proxy.access_log.is_empty() {
+        proxy
+            .access_log
+            .log(&crate::telemetry::access_log::LogContext {
+                info,
+                request: None,
+                response: None,
+                trailers: None,
+                log_type: crate::telemetry::access_log::log_type::TCP_CONNECTION_END,
+            });
+    }
 }
 
 /// Bytes a connection moved: read from the downstream, and written to it.

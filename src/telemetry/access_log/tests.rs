@@ -113,7 +113,17 @@ fn operators_and_lengths() {
     );
     let mut tcp = info();
     tcp.protocol = Protocol::Tcp;
-    assert_eq!(text("%PROTOCOL% %REQ(:METHOD)%", &tcp), "- -");
+    let pieces = parse("%PROTOCOL% %REQ(:METHOD)% %BYTES_SENT%", Extensions::default()).unwrap();
+    let ctx = LogContext {
+        info: &tcp,
+        request: None,
+        response: None,
+        trailers: None,
+        log_type: log_type::TCP_CONNECTION_END,
+    };
+    let mut s = String::new();
+    format::write_text(&mut s, &pieces, &ctx, "-");
+    assert_eq!(s, "- - 335");
 }
 
 #[test]
