@@ -343,11 +343,17 @@ impl ProxyHttp for Gateway {
         _peer: &HttpPeer,
         #[cfg(unix)] fd: std::os::unix::io::RawFd,
         #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
-        _digest: Option<&pingora_core::protocols::Digest>,
+        digest: Option<&pingora_core::protocols::Digest>,
         ctx: &mut Ctx,
     ) -> Result<()> {
         #[cfg(unix)]
         upstream::count_request(ctx, reused, fd);
+        // `%UPSTREAM_LOCAL_ADDRESS%`: the attempt's connection's own address.
+        ctx.info.upstream_local = digest
+            .and_then(|d| d.socket_digest.as_ref())
+            .and_then(|s| s.local_addr())
+            .and_then(|a| a.as_inet())
+            .copied();
         Ok(())
     }
 
@@ -440,6 +446,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
         e: Box<Error>,
     ) -> Box<Error> {
+        observe::transport_failure(&mut ctx.info, &e);
         self.connect_failed(session, ctx, e)
     }
 

@@ -170,3 +170,15 @@ pub(super) fn access_log(session: &Session, ctx: &Ctx) {
     };
     hcm.access_log.log(&log);
 }
+
+/// `%UPSTREAM_TRANSPORT_FAILURE_REASON%` of a failed connect, in Envoy's words (the socket's
+/// error as Envoy's connection reports it). A timeout has none in Envoy.
+pub(super) fn transport_failure(info: &mut StreamInfo, e: &Error) {
+    use pingora_error::ErrorType;
+    let reason = match e.etype() {
+        ErrorType::ConnectRefused => "delayed connect error: Connection refused",
+        ErrorType::ConnectNoRoute => "delayed connect error: No route to host",
+        _ => return,
+    };
+    info.upstream_transport_failure_reason = Some(reason.to_string());
+}

@@ -460,9 +460,11 @@ pub fn eval<'a>(op: &Op, ctx: &LogContext<'a>) -> Value<'a> {
         Op::UpstreamClusterRaw => opt_str(info.upstream.as_ref().map(|u| &*u.name)),
         Op::UpstreamLocalAddress => addr(info.upstream_local),
         Op::UpstreamLocalAddressWithoutPort => ip(info.upstream_local),
-        Op::UpstreamTransportFailureReason => {
-            opt_str(info.upstream_transport_failure_reason.as_deref())
-        }
+        // Envoy writes the reason with its spaces as `_` (one token in a text line).
+        Op::UpstreamTransportFailureReason => match info.upstream_transport_failure_reason.as_deref() {
+            Some(r) if !r.is_empty() => Value::Str(Cow::Owned(r.replace(' ', "_"))),
+            _ => Value::Missing,
+        },
         Op::DownstreamLocalAddress => addr(info.downstream_local),
         Op::DownstreamLocalAddressWithoutPort => ip(info.downstream_local),
         Op::DownstreamLocalPort => port(info.downstream_local),

@@ -111,6 +111,12 @@ fn operators_and_lengths() {
         text("%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT% %DOWNSTREAM_LOCAL_PORT% %UPSTREAM_REQUEST_ATTEMPT_COUNT% %RESPONSE_TX_DURATION% %REQUEST_DURATION% 100%% %PROTOCOL%", &i),
         "127.0.0.1 18001 1 1 0 100% HTTP/1.1"
     );
+    let mut uf = info();
+    uf.upstream_transport_failure_reason = Some("delayed connect error: Connection refused".into());
+    assert_eq!(
+        text("%UPSTREAM_TRANSPORT_FAILURE_REASON%", &uf),
+        "delayed_connect_error:_Connection_refused"
+    );
     let mut tcp = info();
     tcp.protocol = Protocol::Tcp;
     let pieces = parse("%PROTOCOL% %REQ(:METHOD)% %BYTES_SENT%", Extensions::default()).unwrap();
