@@ -487,6 +487,19 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
     })
     .await;
 
+    // Envoy's access log file counters.
+    let stats = get(&mesh.gw.admin_url("/stats"), None, &[]).await.body;
+    let stat = |n: &str| {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{n}: ")))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {n} in /stats"))
+    };
+    assert!(stat("filesystem.write_buffered") >= 14, "{stats}");
+    assert!(stat("filesystem.write_completed") >= 1, "{stats}");
+    assert_eq!(stat("filesystem.write_failed"), 0, "{stats}");
+
     // tcp_proxy: one line when the connection is over.
     let req = format!("GET /tcp HTTP/1.1\r\nhost: {HOST}\r\nconnection: close\r\n\r\n");
     let mut got = Vec::new();

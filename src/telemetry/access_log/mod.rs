@@ -200,6 +200,37 @@ impl AccessLogs {
     }
 }
 
+/// The listener's access logs for a connection no filter chain took: Envoy's line for it has
+/// the `NR` flag and no request (istiod's listener log is filtered on exactly this flag).
+/// Envoy also writes the listener's logs for every other connection when it closes; Portico
+/// does not (see the README).
+pub fn log_unmatched(
+    logs: &AccessLogs,
+    peer: std::net::SocketAddr,
+    local: Option<std::net::SocketAddr>,
+    server_name: &str,
+) {
+    if logs.is_empty() {
+        return;
+    }
+    let mut info = StreamInfo::new(crate::telemetry::Protocol::Tcp);
+    info.downstream_remote = Some(peer);
+    info.downstream_direct_remote = Some(peer);
+    info.downstream_local = local;
+    if !server_name.is_empty() {
+        info.requested_server_name = Some(server_name.into());
+    }
+    info.flags.set(crate::telemetry::ResponseFlag::NoRouteFound);
+    info.last_downstream_tx = Some(info.elapsed());
+    logs.log(&LogContext {
+        info: &info,
+        request: None,
+        response: None,
+        trailers: None,
+        log_type: log_type::TCP_CONNECTION_END,
+    });
+}
+
 fn logger(any: &Any, at: &str) -> Result<(Format, bool, Target), String> {
     let t = any.type_url.as_str();
     let decode_err = |e: prost::DecodeError| format!("{at}.typed_config: cannot decode {t}: {e}");

@@ -60,8 +60,10 @@ pub struct SinkStats {
     /// Writes to a file that completed.
     pub write_completed: AtomicU64,
     pub write_failed: AtomicU64,
-    /// Flushes made by the timer.
+    /// Ticks of the flush timer (Envoy counts each, whether or not anything was waiting).
     pub flushed_by_timer: AtomicU64,
+    /// Bytes waiting in the writers' buffers (a gauge).
+    pub write_total_buffered: AtomicU64,
     pub reopen_failed: AtomicU64,
     /// Lines dropped because the writer's queue was full.
     pub dropped: AtomicU64,
@@ -214,7 +216,19 @@ fn run(path: String, rx: Receiver<Msg>) {
     let mut out = Out::open(&path);
     let mut buf: Vec<u8> = Vec::with_capacity(s.min_flush_bytes.min(1 << 20));
     let mut next = Instant::now() + s.flush_interval;
+    // What this writer adds to the process-wide `write_total_buffered` gauge.
+    let mut counted = 0u64;
     loop {
+        let now = buf.len() as u64;
+        if now != counted {
+            let g = &stats().write_total_buffered;
+            if now > counted {
+                g.fetch_add(now - counted, Relaxed);
+            } else {
+                g.fetch_sub(counted - now, Relaxed);
+            }
+            counted = now;
+        }
         let wait = next.saturating_duration_since(Instant::now());
         match rx.recv_timeout(wait) {
             Ok(Msg::Line(l)) => {
@@ -239,10 +253,10 @@ fn run(path: String, rx: Receiver<Msg>) {
                 let _ = done.try_send(());
             }
             Err(RecvTimeoutError::Timeout) => {
+                stats().flushed_by_timer.fetch_add(1, Relaxed);
                 if !buf.is_empty() {
                     out.write_all(&buf, &path);
                     buf.clear();
-                    stats().flushed_by_timer.fetch_add(1, Relaxed);
                 }
                 next = Instant::now() + s.flush_interval;
             }

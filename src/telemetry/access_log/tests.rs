@@ -330,3 +330,55 @@ fn filters() {
     let bad = filter::Filter::translate(&flags(&["XX"]), "filter").unwrap_err();
     assert_eq!(bad, "filter.response_flag_filter.flags: unknown response flag 'XX'");
 }
+
+#[test]
+fn writers_are_shared_flushed_and_reopened() {
+    let dir = std::env::temp_dir().join(format!("portico-alog-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("a.log");
+    let p = path.to_str().unwrap();
+    let w = sink::writer(p);
+    // One writer per path, whoever asks.
+    assert!(Arc::ptr_eq(&w, &sink::writer(p)));
+    w.write(b"one\n".to_vec());
+    sink::flush_all(Duration::from_secs(5));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\n");
+    // Log rotation: the file is moved away, SIGUSR1 reopens the path.
+    let rotated = dir.join("a.log.1");
+    std::fs::rename(&path, &rotated).unwrap();
+    sink::reopen_all();
+    w.write(b"two\n".to_vec());
+    sink::flush_all(Duration::from_secs(5));
+    assert_eq!(std::fs::read_to_string(&rotated).unwrap(), "one\n");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "two\n");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[allow(deprecated)]
+fn unmatched_connections_log_nr() {
+    let dir = std::env::temp_dir().join(format!("portico-alog-nr-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("l.log");
+    let mut a = file_log(Some(filepb::file_access_log::AccessLogFormat::Format(
+        "%RESPONSE_FLAGS% %PROTOCOL% %DOWNSTREAM_REMOTE_ADDRESS% %REQUESTED_SERVER_NAME%\n".into(),
+    )));
+    if let Some(apb::access_log::ConfigType::TypedConfig(any)) = &mut a.config_type {
+        let mut f = filepb::FileAccessLog::decode(any.value.as_slice()).unwrap();
+        f.path = path.to_str().unwrap().into();
+        any.value = f.encode_to_vec();
+    }
+    let logs = AccessLogs::translate(&[a], "access_log").expect("valid");
+    log_unmatched(
+        &logs,
+        "127.0.0.1:5555".parse().unwrap(),
+        None,
+        "sni.example",
+    );
+    sink::flush_all(Duration::from_secs(5));
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        "NR - 127.0.0.1:5555 sni.example\n"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
