@@ -213,6 +213,8 @@ pub struct Ctx {
     upstream_h2: bool,
     /// The request's record for access logs, metrics and traces (`observe`).
     pub(crate) info: crate::telemetry::StreamInfo,
+    /// The routed cluster's counters for this gRPC call (`envoy.filters.http.grpc_stats`).
+    grpc_counters: Option<Arc<crate::live::grpc::MethodCounters>>,
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -380,6 +382,9 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         self.mirror_body(body, end_of_stream, ctx);
+        if let Some(b) = body {
+            observe::grpc_request_body(ctx, b);
+        }
         if end_of_stream {
             observe::request_done(&mut ctx.info);
         }
@@ -426,6 +431,9 @@ impl ProxyHttp for Gateway {
     ) -> Result<Option<std::time::Duration>> {
         if ctx.discard_body {
             *body = None;
+        }
+        if let Some(b) = body {
+            observe::grpc_response_body(ctx, b);
         }
         Ok(None)
     }
