@@ -388,8 +388,8 @@ fn truncate(s: &str, max: Option<usize>) -> &str {
     &s[..end]
 }
 
-fn header<'a>(ctx: &LogContext<'a>, which: Headers, key: &HeaderKey) -> Option<&'a str> {
-    match which {
+fn header<'a>(ctx: &LogContext<'a>, which: Headers, key: &HeaderKey) -> Option<Cow<'a, str>> {
+    let v = match which {
         Headers::Request => {
             let r = ctx.request.as_ref()?;
             match key {
@@ -407,13 +407,17 @@ fn header<'a>(ctx: &LogContext<'a>, which: Headers, key: &HeaderKey) -> Option<&
                 ctx.trailers?
             };
             match key {
+                // Envoy's response map holds the status as `:status`.
+                HeaderKey::Name(n) if n == ":status" && which == Headers::Response => {
+                    let code = ctx.info.response_code;
+                    return (code != 0).then(|| Cow::Owned(code.to_string()));
+                }
                 HeaderKey::Name(n) => map.get(n.as_str()).and_then(|v| v.to_str().ok()),
-                // `:status` and friends: Envoy's response map has `:status` only.
                 _ => None,
             }
         }
-    }
-    .filter(|v| !v.is_empty())
+    };
+    v.filter(|v| !v.is_empty()).map(Cow::Borrowed)
 }
 
 /// Evaluates one operator.
@@ -430,7 +434,7 @@ pub fn eval<'a>(op: &Op, ctx: &LogContext<'a>) -> Value<'a> {
             let v = header(ctx, *which, main)
                 .or_else(|| alt.as_ref().and_then(|a| header(ctx, *which, a)));
             match v {
-                Some(v) => {
+                Some(Cow::Borrowed(v)) => {
                     let v = if *without_query {
                         v.split_once('?').map_or(v, |(p, _)| p)
                     } else {
@@ -438,6 +442,7 @@ pub fn eval<'a>(op: &Op, ctx: &LogContext<'a>) -> Value<'a> {
                     };
                     Value::Str(Cow::Borrowed(truncate(v, *max)))
                 }
+                Some(Cow::Owned(v)) => Value::Str(Cow::Owned(truncate(&v, *max).to_string())),
                 None => Value::Missing,
             }
         }
@@ -634,12 +639,13 @@ pub enum JsonNode {
     List(Vec<JsonNode>),
 }
 
-/// A JSON number as Envoy writes it: integral values without a fraction.
+/// A constant JSON number as Envoy 1.40 writes it: integral values as integers, others as a
+/// string of their shortest form (`1.5` becomes `"1.5"`, checked against Envoy).
 fn json_number(n: f64) -> String {
-    if n.is_finite() && n.fract() == 0.0 && n.abs() < 1e15 {
+    if n.is_finite() && n.fract() == 0.0 && n.abs() < 9.007_199_254_740_992e15 {
         format!("{}", n as i64)
     } else {
-        serde_json::Number::from_f64(n).map_or_else(|| "null".to_string(), |n| n.to_string())
+        json_string(&format!("{n}"))
     }
 }
 

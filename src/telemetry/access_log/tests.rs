@@ -105,7 +105,7 @@ fn operators_and_lengths() {
     let i = info();
     assert_eq!(
         text("%UPSTREAM_CLUSTER% %UPSTREAM_CLUSTER_RAW% %REQ(USER-AGENT):2% %REQ(X-MISSING?USER-AGENT)% %REQ(HOST)% %RESP(:STATUS)% %TRAILER(grpc-status)%", &i),
-        "up-alt up ua ua/1 example.com:8080 - -"
+        "up-alt up ua ua/1 example.com:8080 200 -"
     );
     assert_eq!(
         text("%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT% %DOWNSTREAM_LOCAL_PORT% %UPSTREAM_REQUEST_ATTEMPT_COUNT% %RESPONSE_TX_DURATION% %REQUEST_DURATION% 100%% %PROTOCOL%", &i),
@@ -222,6 +222,12 @@ fn json_keeps_types_and_sorts_keys() {
             },
         ),
         (
+            "f",
+            PValue {
+                kind: Some(Kind::NumberValue(1.5)),
+            },
+        ),
+        (
             "nested",
             PValue {
                 kind: Some(Kind::StructValue(Struct {
@@ -232,11 +238,11 @@ fn json_keeps_types_and_sorts_keys() {
     ];
     assert_eq!(
         json(&fields, false, &info()),
-        r#"{"bytes_sent":335,"const":"plain","flags":"-","misc":"200 x -","n":2,"nested":{"ua":"ua/1"},"response_code":200,"upstream_service_time":"12","xff":null}"#
+        r#"{"bytes_sent":335,"const":"plain","f":"1.5","flags":"-","misc":"200 x -","n":2,"nested":{"ua":"ua/1"},"response_code":200,"upstream_service_time":"12","xff":null}"#
     );
     assert_eq!(
         json(&fields, true, &info()),
-        r#"{"bytes_sent":335,"const":"plain","flags":"-","misc":"200 x ","n":2,"nested":{"ua":"ua/1"},"response_code":200,"upstream_service_time":"12"}"#
+        r#"{"bytes_sent":335,"const":"plain","f":"1.5","flags":"-","misc":"200 x ","n":2,"nested":{"ua":"ua/1"},"response_code":200,"upstream_service_time":"12"}"#
     );
 }
 
