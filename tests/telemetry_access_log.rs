@@ -69,12 +69,12 @@ const ISTIO_JSON: [(&str, &str); 24] = [
 
 fn text_source(s: &str) -> corepb::SubstitutionFormatString {
     corepb::SubstitutionFormatString {
-        format: Some(corepb::substitution_format_string::Format::TextFormatSource(
-            corepb::DataSource {
+        format: Some(
+            corepb::substitution_format_string::Format::TextFormatSource(corepb::DataSource {
                 specifier: Some(corepb::data_source::Specifier::InlineString(s.into())),
                 ..Default::default()
-            },
-        )),
+            }),
+        ),
         ..Default::default()
     }
 }
@@ -149,7 +149,10 @@ fn stdout_log() -> apb::AccessLog {
     }
 }
 
-fn named(mut r: envoy_types::pb::envoy::config::route::v3::Route, name: &str) -> envoy_types::pb::envoy::config::route::v3::Route {
+fn named(
+    mut r: envoy_types::pb::envoy::config::route::v3::Route,
+    name: &str,
+) -> envoy_types::pb::envoy::config::route::v3::Route {
     r.name = name.into();
     r
 }
@@ -262,7 +265,11 @@ fn check_text(line: &str, e: &Expect<'_>, port: u16) {
     assert_eq!(f["user_agent"], "alog-test/1", "{line}");
     assert_eq!(f["request_id"], e.rid, "{line}");
     assert_eq!(f["authority"], HOST, "{line}");
-    assert_eq!(f["upstream_host"], dash(e.upstream_host.as_deref()), "{line}");
+    assert_eq!(
+        f["upstream_host"],
+        dash(e.upstream_host.as_deref()),
+        "{line}"
+    );
     assert_eq!(f["upstream_cluster"], dash(e.cluster), "{line}");
     assert_eq!(
         f["downstream_local_address"],
@@ -304,14 +311,26 @@ fn check_json(line: &str, e: &Expect<'_>, port: u16) {
         assert!(o["upstream_service_time"].is_string(), "{line}");
         assert!(o["upstream_local_address"].is_string(), "{line}");
     } else {
-        assert_eq!(o["upstream_service_time"], serde_json::Value::Null, "{line}");
-        assert_eq!(o["upstream_local_address"], serde_json::Value::Null, "{line}");
+        assert_eq!(
+            o["upstream_service_time"],
+            serde_json::Value::Null,
+            "{line}"
+        );
+        assert_eq!(
+            o["upstream_local_address"],
+            serde_json::Value::Null,
+            "{line}"
+        );
     }
     assert_eq!(o["x_forwarded_for"], serde_json::Value::Null);
     assert_eq!(o["user_agent"], "alog-test/1");
     assert_eq!(o["request_id"], e.rid);
     assert_eq!(o["authority"], HOST);
-    assert_eq!(o["upstream_host"], null_or(e.upstream_host.as_deref()), "{line}");
+    assert_eq!(
+        o["upstream_host"],
+        null_or(e.upstream_host.as_deref()),
+        "{line}"
+    );
     assert_eq!(o["upstream_cluster"], null_or(e.cluster), "{line}");
     assert_eq!(
         o["downstream_local_address"],
@@ -503,19 +522,25 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
     // tcp_proxy: one line when the connection is over.
     let req = format!("GET /tcp HTTP/1.1\r\nhost: {HOST}\r\nconnection: close\r\n\r\n");
     let mut got = Vec::new();
-    eventually("a response through tcp_proxy", Duration::from_secs(10), || async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", tcp_port))
-            .await
-            .map_err(|e| e.to_string())?;
-        s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
-        if buf.starts_with(b"HTTP/1.1 200") {
-            Ok(buf)
-        } else {
-            Err(String::from_utf8_lossy(&buf).into_owned())
-        }
-    })
+    eventually(
+        "a response through tcp_proxy",
+        Duration::from_secs(10),
+        || async {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", tcp_port))
+                .await
+                .map_err(|e| e.to_string())?;
+            s.write_all(req.as_bytes())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut buf = Vec::new();
+            s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+            if buf.starts_with(b"HTTP/1.1 200") {
+                Ok(buf)
+            } else {
+                Err(String::from_utf8_lossy(&buf).into_owned())
+            }
+        },
+    )
     .await
     .clone_into(&mut got);
     let tcp_line = eventually("the tcp_proxy line", Duration::from_secs(10), || async {

@@ -557,7 +557,12 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             tracing::debug!(listener = %conns.listener, %peer, "no filter chain matches; closing");
             conns.stats.no_filter_chain_match.fetch_add(1, Relaxed);
             let local = local.or_else(|| tcp.local_addr().ok());
-            crate::telemetry::access_log::log_unmatched(&l.def.access_log, peer, local, &hello.server_name);
+            crate::telemetry::access_log::log_unmatched(
+                &l.def.access_log,
+                peer,
+                local,
+                &hello.server_name,
+            );
             return;
         };
         match (l.chains.get(i), served.chains.get(i)) {

@@ -3,7 +3,7 @@
 use envoy_types::pb::envoy::config::accesslog::v3 as apb;
 
 use super::LogContext;
-use crate::matcher::{header_matches, header_matcher, HeaderMatcher};
+use crate::matcher::{header_matcher, header_matches, HeaderMatcher};
 use crate::telemetry::stream_info::{ResponseFlag, ResponseFlags};
 
 /// `ComparisonFilter.Op`.
@@ -47,15 +47,24 @@ pub enum Filter {
     Traceable,
     /// `runtime_filter`: `percent_sampled` (the runtime key is never overridden), drawn at
     /// random per request.
-    Runtime { numerator: u64, denominator: u64 },
+    Runtime {
+        numerator: u64,
+        denominator: u64,
+    },
     And(Vec<Filter>),
     Or(Vec<Filter>),
     Header(HeaderMatcher),
     /// `response_flag_filter`: any of these flags; an empty list: any flag at all.
     Flags(Option<ResponseFlags>),
-    Grpc { statuses: Vec<u32>, exclude: bool },
+    Grpc {
+        statuses: Vec<u32>,
+        exclude: bool,
+    },
     /// `log_type_filter` on Envoy's `AccessLogType` numbers.
-    LogType { types: Vec<i32>, exclude: bool },
+    LogType {
+        types: Vec<i32>,
+        exclude: bool,
+    },
     /// Accepted without effect (`metadata_filter`, `extension_filter` such as Istio's CEL
     /// filter): the logger writes as if the filter were not there. A telemetry choice: a
     /// line too many rather than a listener refused.
@@ -77,7 +86,9 @@ fn cmp(c: Option<&apb::ComparisonFilter>, at: &str) -> Result<Cmp, String> {
         return Err(format!("{at}.comparison.value is required"));
     };
     if v.runtime_key.is_empty() {
-        return Err(format!("{at}.comparison.value.runtime_key must not be empty"));
+        return Err(format!(
+            "{at}.comparison.value.runtime_key must not be empty"
+        ));
     }
     Ok(Cmp {
         op,
@@ -90,19 +101,19 @@ impl Filter {
         use apb::access_log_filter::FilterSpecifier as F;
         Ok(match &f.filter_specifier {
             None => return Err(format!("{at}: no filter set")),
-            Some(F::StatusCodeFilter(s)) => {
-                Filter::Status(cmp(s.comparison.as_ref(), &format!("{at}.status_code_filter"))?)
-            }
-            Some(F::DurationFilter(d)) => {
-                Filter::Duration(cmp(d.comparison.as_ref(), &format!("{at}.duration_filter"))?)
-            }
+            Some(F::StatusCodeFilter(s)) => Filter::Status(cmp(
+                s.comparison.as_ref(),
+                &format!("{at}.status_code_filter"),
+            )?),
+            Some(F::DurationFilter(d)) => Filter::Duration(cmp(
+                d.comparison.as_ref(),
+                &format!("{at}.duration_filter"),
+            )?),
             Some(F::NotHealthCheckFilter(_)) => Filter::NotHealthCheck,
             Some(F::TraceableFilter(_)) => Filter::Traceable,
             Some(F::RuntimeFilter(r)) => {
                 if r.runtime_key.is_empty() {
-                    return Err(format!(
-                        "{at}.runtime_filter.runtime_key must not be empty"
-                    ));
+                    return Err(format!("{at}.runtime_filter.runtime_key must not be empty"));
                 }
                 // Envoy's default when percent_sampled is unset: 0% (of a hundred).
                 let (numerator, denominator) = match &r.percent_sampled {

@@ -329,14 +329,17 @@ fn command(cmd: &str, sub: &str, len: Option<usize>, ext: Extensions) -> Result<
                 "NUMBER" => GrpcForm::Number,
                 other => {
                     return Err(FormatError::Other(format!(
-                        "GrpcStatusFormatter only supports CAMEL_STRING, SNAKE_STRING or NUMBER, got {other}"
+                        "GrpcStatusFormatter only supports CAMEL_STRING, SNAKE_STRING or NUMBER. Got: {other}"
                     )))
                 }
             };
             Ok(Op::GrpcStatus(form))
         }
         "GRPC_STATUS_NUMBER" => simple(Op::GrpcStatus(GrpcForm::Number)),
-        "DYNAMIC_METADATA" | "CLUSTER_METADATA" | "UPSTREAM_METADATA" | "FILTER_STATE"
+        "DYNAMIC_METADATA"
+        | "CLUSTER_METADATA"
+        | "UPSTREAM_METADATA"
+        | "FILTER_STATE"
         | "UPSTREAM_FILTER_STATE" => {
             check(ParamsRequiredLength, cmd, sub, len)?;
             Ok(Op::Missing)
@@ -369,7 +372,9 @@ fn addr(a: Option<std::net::SocketAddr>) -> Value<'static> {
 }
 
 fn ip(a: Option<std::net::SocketAddr>) -> Value<'static> {
-    a.map_or(Value::Missing, |a| Value::Str(Cow::Owned(a.ip().to_string())))
+    a.map_or(Value::Missing, |a| {
+        Value::Str(Cow::Owned(a.ip().to_string()))
+    })
 }
 
 fn port(a: Option<std::net::SocketAddr>) -> Value<'static> {
@@ -466,10 +471,12 @@ pub fn eval<'a>(op: &Op, ctx: &LogContext<'a>) -> Value<'a> {
         Op::UpstreamLocalAddress => addr(info.upstream_local),
         Op::UpstreamLocalAddressWithoutPort => ip(info.upstream_local),
         // Envoy writes the reason with its spaces as `_` (one token in a text line).
-        Op::UpstreamTransportFailureReason => match info.upstream_transport_failure_reason.as_deref() {
-            Some(r) if !r.is_empty() => Value::Str(Cow::Owned(r.replace(' ', "_"))),
-            _ => Value::Missing,
-        },
+        Op::UpstreamTransportFailureReason => {
+            match info.upstream_transport_failure_reason.as_deref() {
+                Some(r) if !r.is_empty() => Value::Str(Cow::Owned(r.replace(' ', "_"))),
+                _ => Value::Missing,
+            }
+        }
         Op::DownstreamLocalAddress => addr(info.downstream_local),
         Op::DownstreamLocalAddressWithoutPort => ip(info.downstream_local),
         Op::DownstreamLocalPort => port(info.downstream_local),
@@ -926,7 +933,7 @@ impl TimeFormat {
                     'R' => write!(out, "{h:02}:{mi:02}"),
                     'z' => write!(out, "+0000"),
                     'Z' => write!(out, "UTC"),
-                    'n' => write!(out, "\n"),
+                    'n' => writeln!(out),
                     't' => write!(out, "\t"),
                     '%' => write!(out, "%"),
                     other => write!(out, "%{other}"),

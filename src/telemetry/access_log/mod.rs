@@ -109,10 +109,7 @@ impl AccessLog {
             .map(|f| Filter::translate(f, &format!("{at}.filter")))
             .transpose()?;
         let Some(apb::access_log::ConfigType::TypedConfig(any)) = &a.config_type else {
-            return Err(format!(
-                "{at}: access log '{}' has no typed_config",
-                a.name
-            ));
+            return Err(format!("{at}: access log '{}' has no typed_config", a.name));
         };
         let (format, omit_empty, target) = logger(any, at)?;
         Ok(AccessLog {
@@ -137,9 +134,12 @@ impl AccessLog {
         }
         let mut out = String::with_capacity(256);
         match &self.format {
-            Format::Text(pieces) => {
-                format::write_text(&mut out, pieces, ctx, if self.omit_empty { "" } else { "-" })
-            }
+            Format::Text(pieces) => format::write_text(
+                &mut out,
+                pieces,
+                ctx,
+                if self.omit_empty { "" } else { "-" },
+            ),
             Format::Json(node) => {
                 if !node.write(&mut out, ctx, self.omit_empty) {
                     out.push_str("{}");
@@ -260,25 +260,25 @@ fn logger(any: &Any, at: &str) -> Result<(Format, bool, Target), String> {
                     ),
                     false,
                 ),
-                Some(F::LogFormat(sfs)) => {
-                    substitution_format(sfs, &format!("{at}.log_format"))?
-                }
+                Some(F::LogFormat(sfs)) => substitution_format(sfs, &format!("{at}.log_format"))?,
             };
             Ok((format, omit, target))
         }
         STDOUT_TYPE | STDERR_TYPE => {
             let (sfs, path) = if t == STDOUT_TYPE {
-                let s = streampb::StdoutAccessLog::decode(any.value.as_slice())
-                    .map_err(decode_err)?;
+                let s =
+                    streampb::StdoutAccessLog::decode(any.value.as_slice()).map_err(decode_err)?;
                 (
-                    s.access_log_format.map(|streampb::stdout_access_log::AccessLogFormat::LogFormat(f)| f),
+                    s.access_log_format
+                        .map(|streampb::stdout_access_log::AccessLogFormat::LogFormat(f)| f),
                     "/dev/stdout",
                 )
             } else {
-                let s = streampb::StderrAccessLog::decode(any.value.as_slice())
-                    .map_err(decode_err)?;
+                let s =
+                    streampb::StderrAccessLog::decode(any.value.as_slice()).map_err(decode_err)?;
                 (
-                    s.access_log_format.map(|streampb::stderr_access_log::AccessLogFormat::LogFormat(f)| f),
+                    s.access_log_format
+                        .map(|streampb::stderr_access_log::AccessLogFormat::LogFormat(f)| f),
                     "/dev/stderr",
                 )
             };
@@ -321,9 +321,9 @@ pub fn substitution_format(
     #[allow(deprecated)]
     let format = match &f.format {
         None => return Err(format!("{at}: no format set")),
-        Some(F::TextFormat(s)) => Format::Text(
-            format::parse(s, ext).map_err(|e| format!("{at}.text_format: {e}"))?,
-        ),
+        Some(F::TextFormat(s)) => {
+            Format::Text(format::parse(s, ext).map_err(|e| format!("{at}.text_format: {e}"))?)
+        }
         Some(F::TextFormatSource(ds)) => {
             use corepb::data_source::Specifier as S;
             let text = match &ds.specifier {
@@ -337,8 +337,7 @@ pub fn substitution_format(
                 None => return Err(format!("{at}.text_format_source: no data set")),
             };
             Format::Text(
-                format::parse(&text, ext)
-                    .map_err(|e| format!("{at}.text_format_source: {e}"))?,
+                format::parse(&text, ext).map_err(|e| format!("{at}.text_format_source: {e}"))?,
             )
         }
         Some(F::JsonFormat(s)) => Format::Json(

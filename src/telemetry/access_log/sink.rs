@@ -41,9 +41,8 @@ static SETTINGS: OnceLock<Settings> = OnceLock::new();
 pub fn configure(flush_interval_ms: Option<u64>, min_size_kb: Option<u64>) {
     let d = Settings::default();
     let _ = SETTINGS.set(Settings {
-        flush_interval: flush_interval_ms.map_or(d.flush_interval, |ms| {
-            Duration::from_millis(ms.max(1))
-        }),
+        flush_interval: flush_interval_ms
+            .map_or(d.flush_interval, |ms| Duration::from_millis(ms.max(1))),
         min_flush_bytes: min_size_kb.map_or(d.min_flush_bytes, |kb| (kb as usize) * 1024),
     });
 }

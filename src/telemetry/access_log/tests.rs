@@ -119,7 +119,11 @@ fn operators_and_lengths() {
     );
     let mut tcp = info();
     tcp.protocol = Protocol::Tcp;
-    let pieces = parse("%PROTOCOL% %REQ(:METHOD)% %BYTES_SENT%", Extensions::default()).unwrap();
+    let pieces = parse(
+        "%PROTOCOL% %REQ(:METHOD)% %BYTES_SENT%",
+        Extensions::default(),
+    )
+    .unwrap();
     let ctx = LogContext {
         info: &tcp,
         request: None,
@@ -153,8 +157,14 @@ fn refusals_use_envoys_messages() {
     let e = |s: &str| parse(s, Extensions::default()).unwrap_err().to_string();
     assert_eq!(e("%FOO_BAR%"), "Not supported field in StreamInfo: FOO_BAR");
     assert_eq!(e("%REQ%"), "REQ requires parameters");
-    assert_eq!(e("%PROTOCOL(x)%"), "PROTOCOL does not take any parameters or length");
-    assert_eq!(e("%RESPONSE_CODE:3%"), "RESPONSE_CODE does not take any parameters or length");
+    assert_eq!(
+        e("%PROTOCOL(x)%"),
+        "PROTOCOL does not take any parameters or length"
+    );
+    assert_eq!(
+        e("%RESPONSE_CODE:3%"),
+        "RESPONSE_CODE does not take any parameters or length"
+    );
     assert_eq!(
         e("%REQ(A?B?C)%"),
         "More than 1 alternative header specified in token: A?B?C"
@@ -210,7 +220,10 @@ fn json_keeps_types_and_sorts_keys() {
     let fields = [
         ("response_code", sval("%RESPONSE_CODE%")),
         ("bytes_sent", sval("%BYTES_SENT%")),
-        ("upstream_service_time", sval("%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%")),
+        (
+            "upstream_service_time",
+            sval("%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%"),
+        ),
         ("xff", sval("%REQ(X-FORWARDED-FOR)%")),
         ("flags", sval("%RESPONSE_FLAGS%")),
         ("misc", sval("%RESPONSE_CODE% x %REQ(X-FORWARDED-FOR)%")),
@@ -270,14 +283,14 @@ fn translation_of_loggers() {
 
     let bad = file_log(Some(filepb::file_access_log::AccessLogFormat::LogFormat(
         corepb::SubstitutionFormatString {
-            format: Some(corepb::substitution_format_string::Format::TextFormatSource(
-                corepb::DataSource {
+            format: Some(
+                corepb::substitution_format_string::Format::TextFormatSource(corepb::DataSource {
                     specifier: Some(corepb::data_source::Specifier::InlineString(
                         "%NOPE%".into(),
                     )),
                     ..Default::default()
-                },
-            )),
+                }),
+            ),
             ..Default::default()
         },
     )));
@@ -334,7 +347,10 @@ fn filters() {
     };
     assert!(eval(&or, &i));
     let bad = filter::Filter::translate(&flags(&["XX"]), "filter").unwrap_err();
-    assert_eq!(bad, "filter.response_flag_filter.flags: unknown response flag 'XX'");
+    assert_eq!(
+        bad,
+        "filter.response_flag_filter.flags: unknown response flag 'XX'"
+    );
 }
 
 #[test]
