@@ -369,7 +369,7 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
             access_log: vec![file_log(
                 &paths[3],
                 text_source(
-                    "%UPSTREAM_HOST% %UPSTREAM_CLUSTER% %BYTES_RECEIVED% %BYTES_SENT% %RESPONSE_FLAGS% %PROTOCOL% %REQ(:METHOD)% %RESPONSE_CODE%\n",
+                    "%DOWNSTREAM_LOCAL_ADDRESS% %UPSTREAM_HOST% %UPSTREAM_CLUSTER% %BYTES_RECEIVED% %BYTES_SENT% %RESPONSE_FLAGS% %PROTOCOL% %REQ(:METHOD)% %RESPONSE_CODE%\n",
                 ),
             )],
             ..Default::default()
@@ -553,6 +553,10 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
     .await;
     assert_eq!(
         tcp_line,
-        format!("{upstream_web} web {} {} - - - 0", req.len(), got.len())
+        format!(
+            "127.0.0.1:{tcp_port} {upstream_web} web {} {} - - - 0",
+            req.len(),
+            got.len()
+        )
     );
 }

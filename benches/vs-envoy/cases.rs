@@ -173,7 +173,11 @@ pub async fn telemetry(
     let lines = std::fs::read(&log)
         .map(|b| b.iter().filter(|c| **c == b'\n').count())
         .unwrap_or(0);
-    results.add("12 access log lines written (thousands)", who, lines as f64 / 1000.0);
+    results.add(
+        "12 access log lines written (thousands)",
+        who,
+        lines as f64 / 1000.0,
+    );
     let _ = std::fs::remove_file(&log);
     Ok(())
 }

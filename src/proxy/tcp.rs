@@ -22,6 +22,7 @@ use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
 pub async fn serve<D>(
     down: D,
     peer: SocketAddr,
+    local: Option<SocketAddr>,
     proxy: &TcpProxy,
     snap: Arc<Snapshot>,
     stats: &TcpStats,
@@ -34,6 +35,7 @@ pub async fn serve<D>(
     let mut info = StreamInfo::new(Protocol::Tcp);
     info.downstream_direct_remote = Some(peer);
     info.downstream_remote = Some(peer);
+    info.downstream_local = local;
     let Some(up) = connect(proxy, &snap, stats, peer, &mut info).await else {
         // Envoy closes the downstream connection without a byte when no upstream is reached.
         info.last_downstream_tx = Some(info.elapsed());

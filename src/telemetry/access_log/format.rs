@@ -44,7 +44,12 @@ pub enum HeaderKey {
     Path,
     Authority,
     Scheme,
-    Name(String),
+    /// `:status` (of the response).
+    Status,
+    /// A header name, parsed once here rather than on each line.
+    Name(http::HeaderName),
+    /// A name no header map holds (another pseudo-header, an empty name): always missing.
+    None,
 }
 
 impl HeaderKey {
@@ -56,7 +61,10 @@ impl HeaderKey {
             // Envoy's header map keeps `host` as `:authority`.
             ":authority" | "host" => HeaderKey::Authority,
             ":scheme" => HeaderKey::Scheme,
-            _ => HeaderKey::Name(l),
+            ":status" => HeaderKey::Status,
+            _ => {
+                http::HeaderName::from_bytes(l.as_bytes()).map_or(HeaderKey::None, HeaderKey::Name)
+            }
         }
     }
 }
@@ -402,7 +410,8 @@ fn header<'a>(ctx: &LogContext<'a>, which: Headers, key: &HeaderKey) -> Option<C
                 HeaderKey::Path => Some(r.path),
                 HeaderKey::Authority => Some(r.authority),
                 HeaderKey::Scheme => Some(r.scheme),
-                HeaderKey::Name(n) => r.headers.get(n.as_str()).and_then(|v| v.to_str().ok()),
+                HeaderKey::Name(n) => r.headers.get(n).and_then(|v| v.to_str().ok()),
+                HeaderKey::Status | HeaderKey::None => None,
             }
         }
         Headers::Response | Headers::Trailers => {
@@ -413,11 +422,11 @@ fn header<'a>(ctx: &LogContext<'a>, which: Headers, key: &HeaderKey) -> Option<C
             };
             match key {
                 // Envoy's response map holds the status as `:status`.
-                HeaderKey::Name(n) if n == ":status" && which == Headers::Response => {
+                HeaderKey::Status if which == Headers::Response => {
                     let code = ctx.info.response_code;
                     return (code != 0).then(|| Cow::Owned(code.to_string()));
                 }
-                HeaderKey::Name(n) => map.get(n.as_str()).and_then(|v| v.to_str().ok()),
+                HeaderKey::Name(n) => map.get(n).and_then(|v| v.to_str().ok()),
                 _ => None,
             }
         }
