@@ -3,7 +3,7 @@
 use envoy_types::pb::envoy::config::accesslog::v3 as apb;
 
 use super::LogContext;
-use crate::matcher::{header_matcher, header_matches, HeaderMatcher};
+use crate::matcher::{header_matcher, header_matches, HeaderMatcher, RequestView};
 use crate::telemetry::stream_info::{ResponseFlag, ResponseFlags};
 
 /// `ComparisonFilter.Op`.
@@ -182,7 +182,11 @@ impl Filter {
             } => fastrand::u64(..*denominator) < *numerator,
             Filter::And(fs) => fs.iter().all(|f| f.evaluate(ctx)),
             Filter::Or(fs) => fs.iter().any(|f| f.evaluate(ctx)),
-            Filter::Header(m) => ctx.request.as_ref().is_some_and(|r| header_matches(m, r)),
+            Filter::Header(m) => match &ctx.request {
+                Some(r) => header_matches(m, r),
+                // A TCP connection: Envoy matches against an empty header map.
+                None => header_matches(m, &empty_request()),
+            },
             Filter::Flags(None) => !ctx.info.flags.is_empty(),
             Filter::Flags(Some(set)) => set.iter().any(|f| ctx.info.flags.has(f)),
             Filter::Grpc { statuses, exclude } => {
@@ -193,6 +197,18 @@ impl Filter {
             Filter::LogType { types, exclude } => types.contains(&ctx.log_type) != *exclude,
             Filter::Pass => true,
         }
+    }
+}
+
+fn empty_request() -> RequestView<'static> {
+    static EMPTY: std::sync::OnceLock<http::HeaderMap> = std::sync::OnceLock::new();
+    RequestView {
+        host: "",
+        authority: "",
+        path: "",
+        method: "",
+        scheme: "",
+        headers: EMPTY.get_or_init(http::HeaderMap::new),
     }
 }
 

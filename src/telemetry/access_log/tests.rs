@@ -404,3 +404,58 @@ fn unmatched_connections_log_nr() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn header_and_grpc_filters() {
+    use apb::access_log_filter::FilterSpecifier as F;
+    use envoy_types::pb::envoy::config::route::v3 as rpb;
+    let present = |name: &str, present: bool| apb::AccessLogFilter {
+        filter_specifier: Some(F::HeaderFilter(apb::HeaderFilter {
+            header: Some(rpb::HeaderMatcher {
+                name: name.into(),
+                header_match_specifier: Some(
+                    rpb::header_matcher::HeaderMatchSpecifier::PresentMatch(present),
+                ),
+                ..Default::default()
+            }),
+        })),
+    };
+    let i = info();
+    let req = headers(&[("x-debug", "1")]);
+    let eval = |f: &apb::AccessLogFilter, ctx: &LogContext<'_>| {
+        filter::Filter::translate(f, "filter")
+            .expect("valid")
+            .evaluate(ctx)
+    };
+    with_ctx(&i, &req, &headers(&[]), |c| {
+        assert!(eval(&present("x-debug", true), c));
+        assert!(!eval(&present("x-other", true), c));
+    });
+    let tcp = LogContext {
+        info: &i,
+        request: None,
+        response: None,
+        trailers: None,
+        log_type: log_type::TCP_CONNECTION_END,
+    };
+    // A connection has an empty header map: only "absent" matches.
+    assert!(eval(&present("x-debug", false), &tcp));
+    assert!(!eval(&present("x-debug", true), &tcp));
+
+    let grpc = |statuses: &[i32], exclude: bool| apb::AccessLogFilter {
+        filter_specifier: Some(F::GrpcStatusFilter(apb::GrpcStatusFilter {
+            statuses: statuses.to_vec(),
+            exclude,
+        })),
+    };
+    let mut unavailable = info();
+    unavailable.response_code = 503;
+    // No grpc-status anywhere: mapped from the HTTP status (503: Unavailable, 14).
+    with_ctx(&unavailable, &req, &headers(&[]), |c| {
+        assert!(eval(&grpc(&[14], false), c));
+        assert!(!eval(&grpc(&[14], true), c));
+    });
+    with_ctx(&i, &req, &headers(&[("grpc-status", "5")]), |c| {
+        assert!(eval(&grpc(&[5], false), c));
+    });
+}
