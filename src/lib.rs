@@ -53,6 +53,14 @@ pub struct State {
     pub health_check_failed: AtomicBool,
     /// `POST /quitquitquit`: the server stops as on SIGTERM.
     pub quit: tokio::sync::Notify,
+    /// The listeners, for `POST /drain_listeners` (set once they are served).
+    pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
+}
+
+/// What the admin may ask of the listeners.
+pub trait ListenerControl: Send + Sync + std::fmt::Debug {
+    /// `POST /drain_listeners[?inboundonly][&graceful][&skip_exit]`.
+    fn drain_listeners(&self, inbound_only: bool, graceful: bool, skip_exit: bool);
 }
 
 impl State {
@@ -68,6 +76,7 @@ impl State {
             started_at: SystemTime::now(),
             health_check_failed: AtomicBool::new(false),
             quit: tokio::sync::Notify::new(),
+            listeners: std::sync::OnceLock::new(),
         }
     }
 

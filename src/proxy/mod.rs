@@ -91,6 +91,8 @@ pub struct PinnedChain {
     pub last: arc_swap::ArcSwap<ActiveChain>,
     /// `Some` once the chain is draining: when the drain started, for the gradual strategy.
     pub draining: arc_swap::ArcSwapOption<Instant>,
+    /// Every response closes its connection (an immediate drain, or shutting down).
+    pub close_all: std::sync::atomic::AtomicBool,
     pub drain: Drain,
 }
 
@@ -125,9 +127,14 @@ impl PinnedChain {
             .unwrap_or_else(|| self.last.load_full())
     }
 
-    /// Whether this response should close its connection because the chain is draining
-    /// gradually: with Envoy's odds, the share of the drain time already gone.
-    fn gradual_close(&self) -> bool {
+    /// Whether this response should close its connection because the chain is draining, as
+    /// Envoy's `drainClose` decides when a response's headers are written: always with the
+    /// immediate strategy (and when shutting down), else with Envoy's odds, the share of the
+    /// drain time already gone.
+    fn drain_close(&self) -> bool {
+        if self.close_all.load(Relaxed) {
+            return true;
+        }
         let draining = self.draining.load();
         let Some(since) = draining.as_deref() else {
             return false;
@@ -239,9 +246,6 @@ impl Gateway {
         let listener = self.chain.in_snapshot(&snap);
         ctx.snapshot = Some(snap);
         observe::begin(session, &mut ctx.info);
-        if self.chain.gradual_close() {
-            session.set_keepalive(None);
-        }
         ctx.listener = Some(listener.clone());
         listener
     }
@@ -444,6 +448,9 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if self.chain.drain_close() {
+            session.set_keepalive(None);
+        }
         upstream::response_headers(session, resp, ctx)
     }
 
