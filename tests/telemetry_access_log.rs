@@ -559,4 +559,37 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
             got.len()
         )
     );
+
+    // Log rotation: the file is moved away and SIGUSR1 makes the gateway reopen its path.
+    let rotated = dir.path.join("text.log.1");
+    std::fs::rename(&text_path, &rotated).expect("rotate");
+    // SAFETY: kill(2) on the gateway child's own pid; no memory is involved.
+    unsafe {
+        libc::kill(mesh.gw.pid() as libc::pid_t, libc::SIGUSR1);
+    }
+    let mut n = 0;
+    eventually(
+        "a line in the reopened file",
+        Duration::from_secs(10),
+        || {
+            n += 1;
+            let rid = format!("rid-rotated-{n}");
+            let mesh = &mesh;
+            let text_path = &text_path;
+            async move {
+                mesh.get("/ok", HOST, &[ua, ("x-request-id", rid.as_str())])
+                    .await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let text = std::fs::read_to_string(text_path).unwrap_or_default();
+                if text.contains("rid-rotated-") {
+                    Ok(())
+                } else {
+                    Err(text)
+                }
+            }
+        },
+    )
+    .await;
+    let old = std::fs::read_to_string(&rotated).unwrap();
+    assert!(old.contains("\"rid-uf\""), "{old}");
 }
