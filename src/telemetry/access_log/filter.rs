@@ -45,11 +45,13 @@ pub enum Filter {
     /// Whether the request is traced. Portico's request record carries no tracing decision
     /// yet, so no request is (Envoy's answer when the connection manager has no `tracing`).
     Traceable,
-    /// `runtime_filter`: `percent_sampled` (the runtime key is never overridden), drawn at
-    /// random per request.
+    /// `runtime_filter`: `percent_sampled` (the runtime key is never overridden). The draw is
+    /// Envoy's: the first 8 hex digits of the request's UUID `x-request-id` (so every logger
+    /// samples the same requests), unless `use_independent_randomness` or no such id: random.
     Runtime {
         numerator: u64,
         denominator: u64,
+        independent: bool,
     },
     And(Vec<Filter>),
     Or(Vec<Filter>),
@@ -130,6 +132,7 @@ impl Filter {
                 Filter::Runtime {
                     numerator,
                     denominator,
+                    independent: r.use_independent_randomness,
                 }
             }
             Some(F::AndFilter(a)) => Filter::And(list(&a.filters, &format!("{at}.and_filter"))?),
@@ -179,7 +182,12 @@ impl Filter {
             Filter::Runtime {
                 numerator,
                 denominator,
-            } => fastrand::u64(..*denominator) < *numerator,
+                independent,
+            } => {
+                let from_id = (!*independent).then(|| request_id_draw(ctx)).flatten();
+                let draw = from_id.unwrap_or_else(|| fastrand::u64(..));
+                draw % *denominator < *numerator
+            }
             Filter::And(fs) => fs.iter().all(|f| f.evaluate(ctx)),
             Filter::Or(fs) => fs.iter().any(|f| f.evaluate(ctx)),
             Filter::Header(m) => match &ctx.request {
@@ -198,6 +206,18 @@ impl Filter {
             Filter::Pass => true,
         }
     }
+}
+
+/// Envoy's UUID request id extension (`modBy`): the id's first 8 characters as hex.
+fn request_id_draw(ctx: &LogContext<'_>) -> Option<u64> {
+    let id = ctx
+        .request
+        .as_ref()?
+        .headers
+        .get("x-request-id")?
+        .to_str()
+        .ok()?;
+    u64::from_str_radix(id.get(..8)?, 16).ok()
 }
 
 fn empty_request() -> RequestView<'static> {

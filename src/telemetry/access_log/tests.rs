@@ -346,6 +346,27 @@ fn filters() {
         })),
     };
     assert!(eval(&or, &i));
+    // runtime_filter: 50% of requests, chosen by the x-request-id's first 8 hex digits.
+    let runtime = apb::AccessLogFilter {
+        filter_specifier: Some(F::RuntimeFilter(apb::RuntimeFilter {
+            runtime_key: "k".into(),
+            percent_sampled: Some(envoy_types::pb::envoy::r#type::v3::FractionalPercent {
+                numerator: 50,
+                denominator: 0,
+            }),
+            use_independent_randomness: false,
+        })),
+    };
+    let f = filter::Filter::translate(&runtime, "filter").expect("valid");
+    // 0x00000031 % 100 = 49: in; 0x00000032 % 100 = 50: out.
+    for (id, logged) in [("00000031-aaaa", true), ("00000032-aaaa", false)] {
+        let req = headers(&[("x-request-id", id)]);
+        assert_eq!(
+            with_ctx(&i, &req, &headers(&[]), |c| f.evaluate(c)),
+            logged,
+            "{id}"
+        );
+    }
     let bad = filter::Filter::translate(&flags(&["XX"]), "filter").unwrap_err();
     assert_eq!(
         bad,
