@@ -69,10 +69,11 @@ struct Cli {
     /// v4 or v6, checked and accepted: Portico takes local addresses from its sockets.
     #[arg(long, value_name = "VERSION", value_parser = ["v4", "v6"])]
     local_address_ip_version: Option<String>,
-    /// Accepted for Envoy compatibility: Portico writes no access log files yet.
+    /// How often buffered access log lines are written out (Envoy's default: 10000).
     #[arg(long, value_name = "MSEC")]
     file_flush_interval_msec: Option<u64>,
-    /// Accepted for Envoy compatibility: Portico writes no access log files yet.
+    /// Buffered access log bytes that trigger a write before the interval (Envoy's
+    /// default: 64).
     #[arg(long, value_name = "KB")]
     file_flush_min_size_kb: Option<u64>,
     /// Accepted for Envoy compatibility: Portico keeps its own log line format.
@@ -291,6 +292,10 @@ fn real_main() -> anyhow::Result<()> {
     if cli.base_id.is_some() {
         tracing::warn!("--base-id is accepted for Envoy compatibility and ignored");
     }
+    portico::telemetry::access_log::sink::configure(
+        cli.file_flush_interval_msec,
+        cli.file_flush_min_size_kb,
+    );
     let mut drain = portico::proxy::Drain::default();
     if let Some(t) = cli.drain_time_s {
         drain.time = std::time::Duration::from_secs(t);

@@ -77,6 +77,7 @@ pub fn run_drained(
     let state = Arc::new(State::new(Some(b.proto.clone())));
     control.block_on(async move {
         let stop = shutdown_signal();
+        reopen_logs_on_sigusr1();
         let admin = match b.admin_address {
             Some(addr) => Some(
                 crate::admin::bind(addr)
@@ -148,6 +149,8 @@ pub fn run_drained(
     })?;
     // `/quitquitquit` stops now, as Envoy; what is left is closed with the runtimes.
     workers.shutdown();
+    // What the access logs still buffer is written out, as Envoy's log files do on exit.
+    crate::telemetry::access_log::sink::flush_all(Duration::from_secs(2));
     Ok(())
 }
 
@@ -211,6 +214,22 @@ impl Drop for Workers {
     fn drop(&mut self) {
         // On an early error return: stop the threads instead of leaving them parked.
         let _ = self.stop.send(true);
+    }
+}
+
+/// SIGUSR1 reopens every access log file (log rotation), as Envoy does. Must run inside the
+/// runtime.
+fn reopen_logs_on_sigusr1() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::user_defined1()) {
+        Ok(mut s) => {
+            tokio::spawn(async move {
+                while s.recv().await.is_some() {
+                    crate::telemetry::access_log::sink::reopen_all();
+                }
+            });
+        }
+        Err(e) => tracing::warn!("cannot install the SIGUSR1 handler: {e}"),
     }
 }
 

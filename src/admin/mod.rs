@@ -398,6 +398,29 @@ fn raw_stat_list(state: &State) -> stats::StatList {
     list.add_used(Gauge, "server.memory_allocated", mem.allocated);
     list.add_used(Gauge, "server.memory_heap_size", mem.heap_size);
     list.add_used(Gauge, "server.memory_physical_size", mem.physical);
+    // Envoy's access log file counters (all files together), and the lines Portico dropped
+    // because a file's writer fell behind (Envoy lets its buffer grow instead).
+    let fs = crate::telemetry::access_log::sink::stats();
+    for (name, c) in [
+        ("filesystem.write_buffered", &fs.write_buffered),
+        ("filesystem.write_completed", &fs.write_completed),
+        ("filesystem.write_failed", &fs.write_failed),
+        ("filesystem.flushed_by_timer", &fs.flushed_by_timer),
+        ("filesystem.reopen_failed", &fs.reopen_failed),
+        ("filesystem.access_log_dropped", &fs.dropped),
+    ] {
+        list.add(
+            stats::Kind::Counter,
+            name.to_string(),
+            format!("envoy_{}", name.replace('.', "_")),
+            String::new(),
+            c.load(Ordering::Relaxed),
+        );
+    }
+    list.gauge(
+        "filesystem.write_total_buffered",
+        fs.write_total_buffered.load(Ordering::Relaxed),
+    );
     let store = state.serving.load().store.clone();
     use crate::xds::types::Kind;
     for (name, kind) in [

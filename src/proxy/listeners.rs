@@ -765,6 +765,13 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
         let Some(i) = l.def.select_chain(&conn) else {
             tracing::debug!(listener = %conns.listener, %peer, "no filter chain matches; closing");
             conns.stats.no_filter_chain_match.fetch_add(1, Relaxed);
+            let local = local.or_else(|| tcp.local_addr().ok());
+            crate::telemetry::access_log::log_unmatched(
+                &l.def.access_log,
+                peer,
+                local,
+                &hello.server_name,
+            );
             return;
         };
         match (l.chains.get(i), served.chains.get(i)) {
@@ -781,6 +788,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 let snap = conns.state.snapshot();
                 // Closed when the drain time of its chain (or listener) is over.
                 let close = server.signals.close.subscribe();
+                let local = local.or_else(|| tcp.local_addr().ok());
                 match &active.tls {
                     // Istio's `tls.mode: SIMPLE` on a TLS server with tcp routes: the chain
                     // terminates TLS and proxies the plaintext.
@@ -792,14 +800,14 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                     {
                         Ok((session, _)) => {
                             super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
-                            super::tcp::serve(session, peer, proxy, snap, s, close).await;
+                            super::tcp::serve(session, peer, local, proxy, snap, s, close).await;
                         }
                         Err(e) => {
                             super::tls::count_failure(&conns.stats.ssl, &e);
                             tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
                         }
                     },
-                    None => super::tcp::serve(tcp, peer, proxy, snap, s, close).await,
+                    None => super::tcp::serve(tcp, peer, local, proxy, snap, s, close).await,
                 }
             }
             return;

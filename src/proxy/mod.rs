@@ -385,11 +385,17 @@ impl ProxyHttp for Gateway {
         _peer: &HttpPeer,
         #[cfg(unix)] fd: std::os::unix::io::RawFd,
         #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
-        _digest: Option<&pingora_core::protocols::Digest>,
+        digest: Option<&pingora_core::protocols::Digest>,
         ctx: &mut Ctx,
     ) -> Result<()> {
         #[cfg(unix)]
         upstream::count_request(ctx, reused, fd);
+        // `%UPSTREAM_LOCAL_ADDRESS%`: the attempt's connection's own address.
+        ctx.info.upstream_local = digest
+            .and_then(|d| d.socket_digest.as_ref())
+            .and_then(|s| s.local_addr())
+            .and_then(|a| a.as_inet())
+            .copied();
         Ok(())
     }
 
@@ -498,6 +504,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
         e: Box<Error>,
     ) -> Box<Error> {
+        observe::transport_failure(&mut ctx.info, &e);
         self.connect_failed(session, ctx, e)
     }
 
@@ -507,6 +514,7 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        observe::access_log(session, ctx);
         let code = ctx.info.response_code;
         if ctx.counted_active {
             self.hcm_stats.finish(code);

@@ -156,6 +156,39 @@ pub(super) fn retries_exhausted(info: &mut StreamInfo, overflow: bool) {
     });
 }
 
+/// The connection manager's access logs, once the record is finished.
+pub(super) fn access_log(session: &Session, ctx: &Ctx) {
+    let Some(hcm) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) else {
+        return;
+    };
+    if hcm.access_log.is_empty() {
+        return;
+    }
+    let req = session.req_header();
+    let authority = super::downstream::raw_authority(req);
+    let log = crate::telemetry::access_log::LogContext {
+        info: &ctx.info,
+        request: Some(super::routing::request_view(req, authority)),
+        response: session.response_written().map(|r| &r.headers),
+        // pingora keeps no downstream trailers; `%TRAILER(...)%` shows `-`.
+        trailers: None,
+        log_type: crate::telemetry::access_log::log_type::DOWNSTREAM_END,
+    };
+    hcm.access_log.log(&log);
+}
+
+/// `%UPSTREAM_TRANSPORT_FAILURE_REASON%` of a failed connect, in Envoy's words (the socket's
+/// error as Envoy's connection reports it). A timeout has none in Envoy.
+pub(super) fn transport_failure(info: &mut StreamInfo, e: &Error) {
+    use pingora_error::ErrorType;
+    let reason = match e.etype() {
+        ErrorType::ConnectRefused => "delayed connect error: Connection refused",
+        ErrorType::ConnectNoRoute => "delayed connect error: No route to host",
+        _ => return,
+    };
+    info.upstream_transport_failure_reason = Some(reason.to_string());
+}
+
 /// The gRPC stats filter's counters for the call, from the routed cluster (found once, on the
 /// first body or at the end).
 fn grpc_counters(ctx: &mut Ctx) -> Option<Arc<MethodCounters>> {

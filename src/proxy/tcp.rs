@@ -22,6 +22,7 @@ use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
 pub async fn serve<D>(
     down: D,
     peer: SocketAddr,
+    local: Option<SocketAddr>,
     proxy: &TcpProxy,
     snap: Arc<Snapshot>,
     stats: &TcpStats,
@@ -34,9 +35,11 @@ pub async fn serve<D>(
     let mut info = StreamInfo::new(Protocol::Tcp);
     info.downstream_direct_remote = Some(peer);
     info.downstream_remote = Some(peer);
+    info.downstream_local = local;
     let Some(up) = connect(proxy, &snap, stats, peer, &mut info).await else {
         // Envoy closes the downstream connection without a byte when no upstream is reached.
         info.last_downstream_tx = Some(info.elapsed());
+        access_log(proxy, &info);
         return;
     };
     drop(snap);
@@ -49,6 +52,22 @@ pub async fn serve<D>(
     info.bytes_received = moved.received;
     info.bytes_sent = moved.sent;
     info.last_downstream_tx = Some(info.elapsed());
+    access_log(proxy, &info);
+}
+
+/// tcp_proxy's `access_log`, once the connection is over.
+fn access_log(proxy: &TcpProxy, info: &StreamInfo) {
+    if !proxy.access_log.is_empty() {
+        proxy
+            .access_log
+            .log(&crate::telemetry::access_log::LogContext {
+                info,
+                request: None,
+                response: None,
+                trailers: None,
+                log_type: crate::telemetry::access_log::log_type::TCP_CONNECTION_END,
+            });
+    }
 }
 
 /// Bytes a connection moved: read from the downstream, and written to it.

@@ -19,6 +19,7 @@ use super::{socket_address, TranslateError};
 pub use crate::filters::alpn::AlpnOverride;
 use crate::filters::telemetry::{config_type, istio_telemetry, MX_NETWORK_TYPE};
 use crate::filters::{HttpFilter, Translated};
+use crate::telemetry::access_log::AccessLogs;
 
 pub const HCM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
@@ -62,6 +63,9 @@ pub struct ListenerDef {
     /// internal connection it restores the local address from the `local` field of the
     /// `envoy.filters.listener.original_dst` metadata the connection carries.
     pub original_dst: bool,
+    /// The listener's `access_log`: Envoy writes it for connections no filter chain took
+    /// (istiod renders one filtered on the NR flag).
+    pub access_log: AccessLogs,
     /// The listener's own config: its proto without `filter_chains` and
     /// `default_filter_chain`. When a push changes it, Envoy replaces the whole listener and
     /// drains every connection; when only chains change, only theirs.
@@ -345,6 +349,8 @@ pub struct Hcm {
     /// `common_http_protocol_options.headers_with_underscores_action` (Envoy Gateway sets
     /// REJECT_REQUEST).
     pub underscores: Underscores,
+    /// `access_log`: one line per request, written when it ends.
+    pub access_log: AccessLogs,
 }
 
 /// What the codec does with a request header whose name holds `_`.
@@ -632,7 +638,9 @@ impl ListenerDef {
                 (!d.is_zero()).then_some(d)
             }
         };
+        let access_log = AccessLogs::translate(&l.access_log, "access_log").map_err(err)?;
         Ok(ListenerDef {
+            access_log,
             level: lpb::Listener {
                 filter_chains: Vec::new(),
                 default_filter_chain: None,
@@ -742,7 +750,7 @@ fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
     //   limit nor overload manager for them to exempt a listener from.
     // - socket_options (and `additional_addresses[].socket_options`): options set on the
     //   listening socket (keepalive, buffer sizes, TOS); none changes where a request goes.
-    // - traffic_direction, access_log, metadata, stat_prefix handling aside, stats_matcher,
+    // - traffic_direction, metadata, stat_prefix handling aside, stats_matcher,
     //   max_connections_to_accept_per_socket_event, tcp_backlog_size, enable_reuse_port,
     //   tcp_fast_open_queue_length: observability and accept-loop tuning.
     Ok(())
@@ -1022,7 +1030,9 @@ impl Hcm {
                 ))
             }
         };
+        let access_log = AccessLogs::translate(&h.access_log, "access_log")?;
         Ok(Hcm {
+            access_log,
             underscores,
             path,
             alpn,
@@ -1111,7 +1121,8 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     if h.typed_header_validation_config.is_some() {
         return Err("typed_header_validation_config is not supported".into());
     }
-    // Accepted: `access_log` and `tracing` (telemetry; Istio telemetry is #15),
+    // Accepted: `tracing` (telemetry; Istio telemetry is #15), `access_log_options` (periodic
+    // and on-new-request lines; Portico writes one line at the end of each request),
     // `proxy_100_continue` (Portico answers `Expect: 100-continue` itself; either way the body
     // follows), `internal_address_config` (read above), `http2_protocol_options` windows and
     // stream limits (flow control).

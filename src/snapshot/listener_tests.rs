@@ -1902,3 +1902,59 @@ fn tls_certificate_files_come_from_the_supplied_sources() {
         "filter_chains[0].transport_socket 'envoy.transport_sockets.tls': tls_certificates[0]: private_key: environment variable 'HOME' is not set"
     );
 }
+
+/// `access_log` on the connection manager and on the listener is translated: a bad one NACKs
+/// the listener naming the field and Envoy's reason; a good one is kept in order.
+#[test]
+fn access_logs_are_translated() {
+    use crate::telemetry::access_log::{FILE_TYPE, STDOUT_TYPE};
+    use envoy_types::pb::envoy::config::accesslog::v3 as apb;
+    use envoy_types::pb::envoy::extensions::access_loggers::file::v3 as filepb;
+    let file = |format: &str| apb::AccessLog {
+        name: "envoy.access_loggers.file".into(),
+        filter: None,
+        config_type: Some(apb::access_log::ConfigType::TypedConfig(any(
+            FILE_TYPE,
+            &filepb::FileAccessLog {
+                path: "/dev/stdout".into(),
+                access_log_format: Some(filepb::file_access_log::AccessLogFormat::LogFormat(
+                    corepb::SubstitutionFormatString {
+                        format: Some(
+                            corepb::substitution_format_string::Format::TextFormatSource(
+                                corepb::DataSource {
+                                    specifier: Some(corepb::data_source::Specifier::InlineString(
+                                        format.into(),
+                                    )),
+                                    ..Default::default()
+                                },
+                            ),
+                        ),
+                        ..Default::default()
+                    },
+                )),
+            },
+        ))),
+    };
+    let mut h = base_hcm();
+    h.access_log = vec![file("%RESPONSE_CODE%\n"), file("%NOPE%")];
+    let e = rejected(&listener_with(&h), "access_log[1]");
+    assert!(
+        e.contains(
+            "access_log[1].log_format.text_format_source: Not supported field in StreamInfo: NOPE"
+        ),
+        "{e}"
+    );
+    h.access_log.pop();
+    let mut l = listener_with(&h);
+    l.access_log = vec![apb::AccessLog {
+        name: "envoy.access_loggers.stdout".into(),
+        filter: None,
+        config_type: Some(apb::access_log::ConfigType::TypedConfig(Any {
+            type_url: STDOUT_TYPE.into(),
+            value: vec![],
+        })),
+    }];
+    let def = ok(&l);
+    assert_eq!(def.access_log.0.len(), 1);
+    assert_eq!(def.chains[0].hcm().map(|h| h.access_log.0.len()), Some(1));
+}

@@ -7,6 +7,8 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tpb;
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
+use crate::telemetry::access_log::AccessLogs;
+
 pub const TCP_PROXY_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
 
@@ -33,6 +35,9 @@ pub struct TcpProxy {
     pub max_connect_attempts: u32,
     /// `tunneling_config`: the bytes go in an HTTP/2 CONNECT stream to the cluster's host.
     pub tunneling: Option<std::sync::Arc<Tunneling>>,
+    /// `access_log`: written when the connection closes. `access_log_options` (periodic
+    /// lines, a line on connect) is accepted and not honoured: one line per connection.
+    pub access_log: AccessLogs,
 }
 
 /// `tunneling_config` with CONNECT (istiod's HBONE origination): the request's `:authority`
@@ -208,8 +213,7 @@ impl TcpProxy {
             return Err("stat_prefix must not be empty".into());
         }
         // Fields that change where or how bytes flow: honouring none of them silently would
-        // send traffic somewhere Envoy would not, so they are refused by name. Access logging
-        // only observes, and is ignored.
+        // send traffic somewhere Envoy would not, so they are refused by name.
         let unsupported = [
             ("on_demand", p.on_demand.is_some()),
             ("metadata_match", p.metadata_match.is_some()),
@@ -285,7 +289,9 @@ impl TcpProxy {
             )),
             None => None,
         };
+        let access_log = AccessLogs::translate(&p.access_log, "access_log")?;
         Ok(TcpProxy {
+            access_log,
             stat_prefix: p.stat_prefix.clone(),
             target,
             idle_timeout,
@@ -392,12 +398,30 @@ mod tests {
     }
 
     #[test]
-    fn access_log_is_ignored() {
+    fn access_log_is_translated() {
+        use envoy_types::pb::envoy::config::accesslog::v3 as apb;
         let t = TcpProxy::translate(&tpb::TcpProxy {
             access_log: vec![Default::default()],
             ..base()
         });
-        assert!(t.is_ok());
+        assert_eq!(
+            t.unwrap_err(),
+            "access_log[0]: access log '' has no typed_config"
+        );
+        let stdout = apb::AccessLog {
+            name: "envoy.access_loggers.stdout".into(),
+            filter: None,
+            config_type: Some(apb::access_log::ConfigType::TypedConfig(Any {
+                type_url: crate::telemetry::access_log::STDOUT_TYPE.into(),
+                value: vec![],
+            })),
+        };
+        let t = TcpProxy::translate(&tpb::TcpProxy {
+            access_log: vec![stdout],
+            ..base()
+        })
+        .expect("valid");
+        assert_eq!(t.access_log.0.len(), 1);
     }
 
     #[test]
