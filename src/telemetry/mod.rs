@@ -8,6 +8,7 @@
 //! that do I/O (log files, span exporters) take records over a channel and write them on a
 //! task of their own.
 
+pub mod istio_stats;
 pub mod stream_info;
 
 pub use stream_info::{Protocol, ResponseFlag, ResponseFlags, StreamInfo, UpstreamInfo};

@@ -213,6 +213,9 @@ pub struct UpstreamInfo {
     /// `alt_stat_name` when set, else the name (`%UPSTREAM_CLUSTER%`, Envoy's observability
     /// name).
     pub observability_name: Arc<str>,
+    /// The cluster's `istio` filter metadata (`services`, `external`, `disable_mx`): Istio's
+    /// destination service labels, and whether peer metadata headers go to it.
+    pub istio: crate::telemetry::istio_stats::IstioClusterMetadata,
 }
 
 /// One request's (or TCP connection's) record. Times are offsets from `started`.
@@ -269,6 +272,19 @@ pub struct StreamInfo {
     pub grpc_status: Option<u32>,
     /// `%CONNECTION_ID%`.
     pub connection_id: u64,
+    /// The request is gRPC (`content-type: application/grpc*`): Istio's `request_protocol`
+    /// is `grpc` and its `grpc_response_status` is reported.
+    pub grpc_request: bool,
+    /// The chosen endpoint's `istio` filter metadata `workload`
+    /// (`name;namespace;canonical_service;canonical_revision;cluster`), parsed at
+    /// translation: Istio's destination labels when the upstream sent no peer metadata.
+    pub upstream_workload: Option<Arc<crate::telemetry::istio_stats::PeerInfo>>,
+    /// The peers `istio.metadata_exchange` found: the downstream's in the request headers,
+    /// the upstream's in the response headers.
+    pub peers: crate::telemetry::istio_stats::Peers,
+    /// Request values the connection manager's `istio.stats` dimensions read (its
+    /// `StatsConfig::captures`, in order); empty when it needs none.
+    pub istio_attributes: Vec<Option<String>>,
 }
 
 impl StreamInfo {
@@ -300,6 +316,10 @@ impl StreamInfo {
             attempts: 0,
             grpc_status: None,
             connection_id: 0,
+            grpc_request: false,
+            upstream_workload: None,
+            peers: Default::default(),
+            istio_attributes: Vec::new(),
         }
     }
 
