@@ -53,6 +53,9 @@ pub struct State {
     pub health_check_failed: AtomicBool,
     /// `POST /quitquitquit`: the server stops as on SIGTERM.
     pub quit: tokio::sync::Notify,
+    /// Istio's metrics and the gateway's own identity (from the bootstrap `node`), for
+    /// `istio.stats` and `istio.metadata_exchange`.
+    pub istio: telemetry::istio_stats::Istio,
 }
 
 impl State {
@@ -63,11 +66,14 @@ impl State {
             serving: ArcSwap::from_pointee(Serving::default()),
             stats: admin::stats::Stats::new(),
             ready: AtomicBool::new(false),
-            bootstrap,
             started: Instant::now(),
             started_at: SystemTime::now(),
             health_check_failed: AtomicBool::new(false),
             quit: tokio::sync::Notify::new(),
+            istio: telemetry::istio_stats::Istio::new(
+                bootstrap.as_ref().and_then(|b| b.node.as_ref()),
+            ),
+            bootstrap,
         }
     }
 

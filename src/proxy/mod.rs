@@ -35,6 +35,7 @@
 pub mod client_cert;
 mod downstream;
 mod hbone;
+mod istio;
 pub mod io;
 pub mod listeners;
 mod local_reply;
@@ -213,6 +214,9 @@ pub struct Ctx {
     upstream_h2: bool,
     /// The request's record for access logs, metrics and traces (`observe`).
     pub(crate) info: crate::telemetry::StreamInfo,
+    /// The request carried `x-envoy-peer-metadata-id` / `x-envoy-peer-metadata` (the
+    /// metadata exchange answers with the gateway's own then).
+    mx_request: (bool, bool),
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -262,6 +266,9 @@ impl ProxyHttp for Gateway {
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = downstream::expects_continue(session.req_header());
+        // `istio.metadata_exchange` and `istio.stats` read the request's headers (the former
+        // removes the peer's metadata headers, which are not forwarded).
+        istio::request(session, ctx);
         // The route and its weighted-cluster pick, before any filter runs.
         let host = downstream::authority(session, &listener);
         let view = routing::request_view(session.req_header(), &host);
@@ -361,6 +368,7 @@ impl ProxyHttp for Gateway {
         routing::apply_rewrites(upstream, ctx)?;
         upstream::attempt_headers(upstream, ctx)?;
         self.mirror_head(session, upstream, ctx);
+        istio::upstream_request(upstream, ctx, &self.state)?;
         ctx.upstream_start = Some(Instant::now());
         observe::upstream_sent(&mut ctx.info);
         Ok(())
@@ -387,6 +395,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         observe::upstream_answered(&mut ctx.info);
+        istio::upstream_response(resp, ctx);
         self.upstream_response(session, resp, ctx)
     }
 
@@ -430,7 +439,8 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        upstream::response_headers(session, resp, ctx)
+        upstream::response_headers(session, resp, ctx)?;
+        istio::response(resp, ctx, &self.state)
     }
 
     fn fail_to_connect(
@@ -449,6 +459,7 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        istio::finish(ctx, &self.state);
         let code = ctx.info.response_code;
         if ctx.counted_active {
             self.hcm_stats.finish(code);

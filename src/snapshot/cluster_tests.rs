@@ -1336,6 +1336,7 @@ mod consistent_hashing {
                     hostname: None,
                     labels: None,
                     internal: None,
+                    workload: None,
                 })
                 .collect(),
             ..Default::default()
@@ -1411,6 +1412,7 @@ mod consistent_hashing {
                 hostname: None,
                 labels: None,
                 internal: None,
+                workload: None,
             })
             .collect(),
             ..Default::default()
@@ -1449,6 +1451,7 @@ mod consistent_hashing {
                     hostname: None,
                     labels: None,
                     internal: None,
+                    workload: None,
                 })
                 .collect(),
             ..Default::default()
@@ -2044,6 +2047,7 @@ fn from_resolved_skips_unresolvable_hosts() {
         hostname: None,
         labels: None,
         internal: None,
+        workload: None,
     };
     let spec = LoadAssignmentSpec {
         endpoints: vec![

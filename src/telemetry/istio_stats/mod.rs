@@ -393,6 +393,35 @@ pub enum Attr {
     Unknown,
 }
 
+/// The process's Istio telemetry: every metric, and who the gateway is.
+#[derive(Debug, Default)]
+pub struct Istio {
+    pub store: Store,
+    pub node: LocalNode,
+}
+
+impl Istio {
+    /// From the bootstrap's `node` (its id and `metadata`).
+    pub fn new(node: Option<&envoy_types::pb::envoy::config::core::v3::Node>) -> Istio {
+        Istio {
+            store: Store::new(),
+            node: match node {
+                Some(n) => LocalNode::new(&n.id, &n.cluster, n.metadata.as_ref()),
+                None => LocalNode::new("", "", None),
+            },
+        }
+    }
+}
+
+/// The Istio filters of one connection manager.
+#[derive(Debug, Clone, Default)]
+pub struct IstioFilters {
+    /// `istio.stats`: report Istio's request metrics.
+    pub stats: Option<Arc<StatsConfig>>,
+    /// `istio.metadata_exchange`: exchange peer metadata headers.
+    pub peer_metadata: Option<Arc<PeerMetadataConfig>>,
+}
+
 /// How one metric's labels differ from the standard set.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct MetricPlan {
@@ -1098,10 +1127,12 @@ pub struct IstioService {
 impl IstioClusterMetadata {
     /// From the cluster's `metadata.filter_metadata["istio"]`; None without it.
     pub fn from_metadata(s: &Struct) -> IstioClusterMetadata {
-        let str_of = |v: Option<&Value>| match v.and_then(|v| v.kind.as_ref()) {
-            Some(Kind::StringValue(s)) => Some(s.as_str()),
-            _ => None,
-        };
+        fn str_of(v: Option<&Value>) -> Option<&str> {
+            match v.and_then(|v| v.kind.as_ref()) {
+                Some(Kind::StringValue(s)) => Some(s.as_str()),
+                _ => None,
+            }
+        }
         let flag = |k: &str| {
             matches!(
                 s.fields.get(k).and_then(|v| v.kind.as_ref()),
