@@ -129,6 +129,7 @@ fn defaults() {
             telemetry: Arc::new(crate::telemetry::UpstreamInfo {
                 name: Arc::from("c"),
                 observability_name: Arc::from("c"),
+                istio: Default::default(),
             }),
             name: Arc::from("c"),
             kind: DiscoveryKind::Static,
