@@ -344,6 +344,11 @@ enum Rule {
 use Rule::{Accept, Fields};
 
 const BOOTSTRAP_RULE: Rule = Fields(&[
+    // The tag rules name Envoy's own stats in Prometheus (`admin::stats::TagRules`).
+    (
+        "stats_config",
+        Fields(&[("stats_tags", Accept), ("use_all_default_tags", Accept)]),
+    ),
     (
         "node",
         Fields(&[

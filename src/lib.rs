@@ -56,6 +56,9 @@ pub struct State {
     /// Istio's metrics and the gateway's own identity (from the bootstrap `node`), for
     /// `istio.stats` and `istio.metadata_exchange`.
     pub istio: telemetry::istio_stats::Istio,
+    /// The bootstrap's `stats_config.stats_tags` (istio-agent's tag regexes): how Envoy's own
+    /// stats are named in Prometheus; None: Envoy's default tags.
+    pub stats_tags: Option<admin::stats::TagRules>,
 }
 
 impl State {
@@ -70,6 +73,10 @@ impl State {
             started_at: SystemTime::now(),
             health_check_failed: AtomicBool::new(false),
             quit: tokio::sync::Notify::new(),
+            stats_tags: bootstrap
+                .as_ref()
+                .and_then(|b| b.stats_config.as_ref())
+                .and_then(admin::stats::TagRules::from_bootstrap),
             istio: telemetry::istio_stats::Istio::new(
                 bootstrap.as_ref().and_then(|b| b.node.as_ref()),
             ),

@@ -335,6 +335,9 @@ fn stat_list(state: &State) -> stats::StatList {
     ] {
         list.text(name, store.versions.get(&kind).map_or("", |v| v.as_ref()));
     }
+    if let Some(rules) = &state.stats_tags {
+        list.retag(rules);
+    }
     list
 }
 
