@@ -1295,7 +1295,6 @@ static_resources:
                 msg("static_resources.secrets"),
                 msg("stats_flush_interval"),
                 msg("admin.ignore_global_conn_limit"),
-                msg("stats_config"),
             ]
         );
         assert_eq!(b.admin_address, Some("127.0.0.1:0".parse().unwrap()));
@@ -1347,7 +1346,7 @@ static_resources:
             msg("bootstrap_extensions"),
             msg("layered_runtime"),
             msg("overload_manager"),
-            msg("stats_config"),
+            msg("stats_config.stats_matcher"),
             msg("tracing"),
         ];
         expected.sort();

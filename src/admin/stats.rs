@@ -790,7 +790,7 @@ enum TagValue {
 
 impl TagRules {
     /// The rules of a bootstrap's `stats_config`; None when they do not replace Envoy's
-    /// default tags (no `stats_tags`, or `use_all_default_tags` left true, which Portico
+    /// default tags (`use_all_default_tags` unset or true: with `stats_tags` too, Portico
     /// renders with its default tags alone and says so once). A regex the `regex` crate
     /// cannot take is skipped with a warning (Envoy's are ECMAScript; the lookahead
     /// `(?=\.)` istio-agent writes is dropped: it only restates the `\.` that follows).
@@ -798,10 +798,11 @@ impl TagRules {
         sc: &envoy_types::pb::envoy::config::metrics::v3::StatsConfig,
     ) -> Option<TagRules> {
         use envoy_types::pb::envoy::config::metrics::v3::tag_specifier::TagValue as Pb;
-        if sc.stats_tags.is_empty() {
+        let defaults = sc.use_all_default_tags.as_ref().is_none_or(|b| b.value);
+        if sc.stats_tags.is_empty() && defaults {
             return None;
         }
-        if sc.use_all_default_tags.as_ref().is_none_or(|b| b.value) {
+        if defaults {
             tracing::warn!(
                 "stats_config.stats_tags with use_all_default_tags: Portico keeps Envoy's default tags and ignores the custom ones"
             );
@@ -1185,5 +1186,17 @@ mod tag_rules_tests {
     #[test]
     fn default_tags_stay_without_istio_rules() {
         assert!(TagRules::from_bootstrap(&StatsConfig::default()).is_none());
+        // No default tags and no rules: no tags at all, as Envoy.
+        let none = TagRules::from_bootstrap(&StatsConfig {
+            use_all_default_tags: Some(envoy_types::pb::google::protobuf::BoolValue {
+                value: false,
+            }),
+            ..Default::default()
+        })
+        .expect("rules");
+        assert_eq!(
+            none.apply("cluster.a.upstream_rq_total"),
+            ("envoy_cluster_a_upstream_rq_total".to_string(), String::new())
+        );
     }
 }
