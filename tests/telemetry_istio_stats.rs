@@ -247,32 +247,37 @@ async fn peer_backend() -> (SocketAddr, tokio::task::JoinHandle<()>) {
             };
             let header = header.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let header = header.clone();
-                    async move {
-                        let h = req.headers();
-                        let id = h
-                            .get("x-envoy-peer-metadata-id")
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or("")
-                            .to_string();
-                        let workload = h
-                            .get("x-envoy-peer-metadata")
-                            .and_then(|v| PeerInfo::from_header(v.as_bytes(), &[]))
-                            .map(|p| p.workload)
-                            .unwrap_or_default();
-                        let resp = hyper::Response::builder()
-                            .status(200)
-                            .header("x-backend", "peer")
-                            .header("x-echo-peer-id", id)
-                            .header("x-echo-peer-workload", workload)
-                            .header("x-envoy-peer-metadata-id", "sidecar~10.0.0.9~peer-v1.default~default.svc.cluster.local")
-                            .header("x-envoy-peer-metadata", header)
-                            .body(Full::new(Bytes::from_static(b"peer")))
-                            .expect("response");
-                        Ok::<_, Infallible>(resp)
-                    }
-                });
+                let svc = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let header = header.clone();
+                        async move {
+                            let h = req.headers();
+                            let id = h
+                                .get("x-envoy-peer-metadata-id")
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("")
+                                .to_string();
+                            let workload = h
+                                .get("x-envoy-peer-metadata")
+                                .and_then(|v| PeerInfo::from_header(v.as_bytes(), &[]))
+                                .map(|p| p.workload)
+                                .unwrap_or_default();
+                            let resp = hyper::Response::builder()
+                                .status(200)
+                                .header("x-backend", "peer")
+                                .header("x-echo-peer-id", id)
+                                .header("x-echo-peer-workload", workload)
+                                .header(
+                                    "x-envoy-peer-metadata-id",
+                                    "sidecar~10.0.0.9~peer-v1.default~default.svc.cluster.local",
+                                )
+                                .header("x-envoy-peer-metadata", header)
+                                .body(Full::new(Bytes::from_static(b"peer")))
+                                .expect("response");
+                            Ok::<_, Infallible>(resp)
+                        }
+                    },
+                );
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                     .await;
@@ -317,7 +322,10 @@ fn find<'a>(
 ) -> Vec<&'a (HashMap<String, String>, f64)> {
     samples
         .iter()
-        .filter(|(l, _)| want.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v)))
+        .filter(|(l, _)| {
+            want.iter()
+                .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
         .collect()
 }
 
@@ -359,8 +367,18 @@ async fn istio_metrics_for_http_and_tcp_chains() {
             )],
         )],
         clusters: vec![
-            istio_cluster(REVIEWS, "reviews.default.svc.cluster.local", "reviews", "default"),
-            istio_cluster(RATINGS, "ratings.default.svc.cluster.local", "ratings", "default"),
+            istio_cluster(
+                REVIEWS,
+                "reviews.default.svc.cluster.local",
+                "reviews",
+                "default",
+            ),
+            istio_cluster(
+                RATINGS,
+                "ratings.default.svc.cluster.local",
+                "ratings",
+                "default",
+            ),
             istio_cluster(PEER, "peer.default.svc.cluster.local", "peer", "default"),
             istio_cluster(TCP, "mysql.db.svc.cluster.local", "mysql", "db"),
         ],
@@ -401,7 +419,10 @@ async fn istio_metrics_for_http_and_tcp_chains() {
     let r = client.get(&url("/peer"), host, &[]).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-echo-peer-id"), Some(NODE_ID));
-    assert_eq!(r.header("x-echo-peer-workload"), Some("istio-ingressgateway"));
+    assert_eq!(
+        r.header("x-echo-peer-workload"),
+        Some("istio-ingressgateway")
+    );
     assert_eq!(r.header("x-envoy-peer-metadata"), None);
     assert_eq!(r.header("x-envoy-peer-metadata-id"), None);
 
@@ -415,19 +436,29 @@ async fn istio_metrics_for_http_and_tcp_chains() {
     assert_eq!(&buf, b"hello");
     drop(c);
 
-    let text = eventually("the TCP connection is reported", Duration::from_secs(5), || async {
-        let text = gw.prometheus().await;
-        if prom_samples(&text, "istio_tcp_connections_closed_total").is_empty() {
-            Err("no istio_tcp_connections_closed_total yet".to_string())
-        } else {
-            Ok(text)
-        }
-    })
+    let text = eventually(
+        "the TCP connection is reported",
+        Duration::from_secs(5),
+        || async {
+            let text = gw.prometheus().await;
+            if prom_samples(&text, "istio_tcp_connections_closed_total").is_empty() {
+                Err("no istio_tcp_connections_closed_total yet".to_string())
+            } else {
+                Ok(text)
+            }
+        },
+    )
     .await;
 
     let requests = prom_samples(&text, "istio_requests_total");
     // 200 (the first request of `eventually` plus one more), with every label.
-    let ok = find(&requests, &[("response_code", "200"), ("destination_workload", "reviews-v1")]);
+    let ok = find(
+        &requests,
+        &[
+            ("response_code", "200"),
+            ("destination_workload", "reviews-v1"),
+        ],
+    );
     assert_eq!(ok.len(), 1, "{requests:?}");
     assert!(ok[0].1 >= 2.0, "{:?}", ok[0]);
     let want_ok = [
@@ -449,9 +480,19 @@ async fn istio_metrics_for_http_and_tcp_chains() {
         ("connection_security_policy", "unknown"),
     ];
     for (k, v) in SOURCE.iter().chain(want_ok.iter()) {
-        assert_eq!(ok[0].0.get(*k).map(String::as_str), Some(*v), "{k} in {:?}", ok[0].0);
+        assert_eq!(
+            ok[0].0.get(*k).map(String::as_str),
+            Some(*v),
+            "{k} in {:?}",
+            ok[0].0
+        );
     }
-    assert_eq!(ok[0].0.len(), 25, "exactly istio-proxy's labels: {:?}", ok[0].0);
+    assert_eq!(
+        ok[0].0.len(),
+        25,
+        "exactly istio-proxy's labels: {:?}",
+        ok[0].0
+    );
     // 404: no route, NR; nothing known of the destination.
     let nr = find(&requests, &[("response_code", "404")]);
     assert_eq!(nr.len(), 1, "{requests:?}");
@@ -463,7 +504,12 @@ async fn istio_metrics_for_http_and_tcp_chains() {
         ("destination_workload", "unknown"),
         ("destination_canonical_revision", "latest"),
     ] {
-        assert_eq!(nr[0].0.get(k).map(String::as_str), Some(v), "{k} in {:?}", nr[0].0);
+        assert_eq!(
+            nr[0].0.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {:?}",
+            nr[0].0
+        );
     }
     // 503: no healthy upstream, UH; the service from the cluster's metadata.
     let uh = find(&requests, &[("response_code", "503")]);
@@ -475,7 +521,12 @@ async fn istio_metrics_for_http_and_tcp_chains() {
         ("destination_service_name", "ratings"),
         ("destination_workload", "unknown"),
     ] {
-        assert_eq!(uh[0].0.get(k).map(String::as_str), Some(v), "{k} in {:?}", uh[0].0);
+        assert_eq!(
+            uh[0].0.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {:?}",
+            uh[0].0
+        );
     }
     // The exchanged metadata names the destination (with its app and version, which the
     // endpoint metadata lacks).
@@ -483,7 +534,10 @@ async fn istio_metrics_for_http_and_tcp_chains() {
     assert_eq!(peer.len(), 1, "{requests:?}");
     assert_eq!(peer[0].0["destination_app"], "peer");
     assert_eq!(peer[0].0["destination_version"], "v1");
-    assert_eq!(peer[0].0["destination_service"], "peer.default.svc.cluster.local");
+    assert_eq!(
+        peer[0].0["destination_service"],
+        "peer.default.svc.cluster.local"
+    );
 
     // Histograms, with Istio's (Envoy's default) buckets.
     let le: Vec<String> = find(
@@ -508,7 +562,7 @@ async fn istio_metrics_for_http_and_tcp_chains() {
             &prom_samples(&text, "istio_request_duration_milliseconds_count"),
             &[("response_code", "503")]
         )[0]
-            .1,
+        .1,
         1.0
     );
     for m in ["istio_request_bytes_count", "istio_response_bytes_count"] {
@@ -550,7 +604,11 @@ async fn istio_metrics_for_http_and_tcp_chains() {
             ]
             .iter(),
         ) {
-            assert_eq!(l.get(*k).map(String::as_str), Some(*want), "{m}: {k} in {l:?}");
+            assert_eq!(
+                l.get(*k).map(String::as_str),
+                Some(*want),
+                "{m}: {k} in {l:?}"
+            );
         }
         assert!(!l.contains_key("response_code"), "{m}: {l:?}");
         assert_eq!(l.len(), 23, "{m}: {l:?}");

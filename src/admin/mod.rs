@@ -288,23 +288,27 @@ fn stat_list(state: &State) -> stats::StatList {
     );
     // Istio's metrics (`istio.stats`): counters and the `istio_build` gauge here, histograms
     // by `istio_histograms`. istio-proxy sets `istio_build` when the filter is configured.
-    let istio_configured = snap.listeners.values().flat_map(|l| l.chains.iter()).any(|c| {
-        c.def.istio_stats.is_some() || c.def.hcm().is_some_and(|h| h.istio.stats.is_some())
-    });
+    let istio_configured = snap
+        .listeners
+        .values()
+        .flat_map(|l| l.chains.iter())
+        .any(|c| {
+            c.def.istio_stats.is_some() || c.def.hcm().is_some_and(|h| h.istio.stats.is_some())
+        });
     if istio_configured {
         state.istio.store.configured();
     }
-    state
-        .istio
-        .store
-        .collect(&state.istio.node, &mut |counter, name, metric, labels, v| {
+    state.istio.store.collect(
+        &state.istio.node,
+        &mut |counter, name, metric, labels, v| {
             let kind = if counter {
                 stats::Kind::Counter
             } else {
                 stats::Kind::Gauge
             };
             list.add(kind, name, metric, labels, v);
-        });
+        },
+    );
     let (server_state, _) = server_state(state);
     let ready = state.ready.load(Ordering::Relaxed);
     use stats::Kind::Gauge;

@@ -869,7 +869,13 @@ impl TagRules {
 /// Envoy's Prometheus name sanitizing: anything but `[a-zA-Z0-9_]` becomes `_`.
 fn sanitize(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 
@@ -1107,7 +1113,10 @@ mod tag_rules_tests {
         };
         let sc = StatsConfig {
             stats_tags: vec![
-                tag("cluster_name", r"^cluster\.((.+?(\..+?\.svc\.cluster\.local)?)\.)"),
+                tag(
+                    "cluster_name",
+                    r"^cluster\.((.+?(\..+?\.svc\.cluster\.local)?)\.)",
+                ),
                 tag("tcp_prefix", r"^tcp\.((.*?)\.)\w+?$"),
                 tag("response_code", r"_rq(_(\d{3}))$"),
                 tag("response_code_class", r"_rq(_(\dxx))$"),
@@ -1180,7 +1189,10 @@ mod tag_rules_tests {
             1,
         );
         list.retag(&r);
-        assert_eq!(list.stats[0].metric, "istio_requests_total", "tagged stats are kept");
+        assert_eq!(
+            list.stats[0].metric, "istio_requests_total",
+            "tagged stats are kept"
+        );
     }
 
     #[test]
@@ -1196,7 +1208,10 @@ mod tag_rules_tests {
         .expect("rules");
         assert_eq!(
             none.apply("cluster.a.upstream_rq_total"),
-            ("envoy_cluster_a_upstream_rq_total".to_string(), String::new())
+            (
+                "envoy_cluster_a_upstream_rq_total".to_string(),
+                String::new()
+            )
         );
     }
 }

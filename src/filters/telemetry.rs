@@ -1,5 +1,8 @@
-//! Filters accepted without effect: Istio's telemetry (HTTP and network) and gRPC stats. They
-//! observe traffic and change neither where a request goes nor whether it is allowed.
+//! Istio's telemetry filters (HTTP and network) and gRPC stats: found through their wrappers
+//! here, translated by `crate::telemetry::istio_stats` (`istio.stats`, the HTTP
+//! `istio.metadata_exchange`) or accepted without effect (gRPC stats, the network metadata
+//! exchange). They observe traffic and change neither where a request goes nor whether it is
+//! allowed.
 
 use envoy_types::pb::envoy::config::core::v3 as corepb;
 use envoy_types::pb::google::protobuf::Any;
@@ -82,19 +85,20 @@ fn wasm_parts(a: &Any) -> Option<(String, String, Option<String>)> {
 }
 
 /// Istio's own telemetry filters: they observe traffic and feed Istio's metrics, and change
-/// neither where a request goes nor whether it is allowed. Until Istio telemetry lands (#15)
-/// Portico accepts them and does not run them; the chain around them works as without them.
-/// - `istio.stats` (`stats.PluginConfig`, HTTP and network): Istio's request/TCP metrics.
+/// neither where a request goes nor whether it is allowed.
+/// - `istio.stats` (`stats.PluginConfig`, HTTP and network): Istio's request/TCP metrics
+///   (`translate_stats`; on TCP chains the listener translation reads it).
 /// - `istio.metadata_exchange` network filter (`envoy.tcp.metadataexchange.config.MetadataExchange`):
 ///   see `without_mx_alpn`: Portico does not offer the ALPN that would make a peer speak it.
 /// - `istio.metadata_exchange` HTTP filter (`io.istio.http.peer_metadata.Config`, 1.22+, or
 ///   the 1.18 null-VM Wasm): exchanges the peers' identity in `x-envoy-peer-metadata[-id]`
-///   headers for the telemetry of both sides; Portico sends none.
-/// - `envoy.filters.http.grpc_stats`: per-method gRPC counters.
+///   headers (`translate_peer_metadata`; the request path does the exchange).
+/// - `envoy.filters.http.grpc_stats`: per-method gRPC counters (accepted without effect).
 ///
 /// Seen through `TypedStruct` (istiod 1.22+ wraps them) and through Istio's null-VM Wasm
-/// plugins (`envoy.wasm.runtime.null` with Istio's built-in `envoy.wasm.*` code): a real Wasm
-/// module could do anything and stays refused.
+/// plugins (`envoy.wasm.runtime.null` with Istio's built-in `envoy.wasm.*` code, plain or in
+/// a TypedStruct as istiod up to 1.17 rendered them): a real Wasm module could do anything
+/// and stays refused.
 pub const ISTIO_TELEMETRY_TYPES: [&str; 4] = [
     "type.googleapis.com/stats.PluginConfig",
     MX_NETWORK_TYPE,

@@ -58,6 +58,7 @@ pub(super) fn request(session: &mut Session, ctx: &mut Ctx) {
         }
     }
     if let Some(stats) = &ist.stats {
+        ctx.info.request_head_bytes = request_head_size(session.req_header());
         if !stats.captures.is_empty() {
             let req = session.req_header();
             let host = req
@@ -66,16 +67,16 @@ pub(super) fn request(session: &mut Session, ctx: &mut Ctx) {
                 .map(|a| a.as_str())
                 .or_else(|| req.headers.get(http::header::HOST)?.to_str().ok())
                 .unwrap_or("");
-            let scheme = if ctx.info.downstream_tls { "https" } else { "http" };
+            let scheme = if ctx.info.downstream_tls {
+                "https"
+            } else {
+                "http"
+            };
             let pq = req.uri.path_and_query().map_or("/", |p| p.as_str());
-            ctx.info.istio_attributes = store::capture(
-                stats,
-                host,
-                req.method.as_str(),
-                pq,
-                scheme,
-                &|n| Some(req.headers.get(n)?.to_str().ok()?.to_string()),
-            );
+            ctx.info.istio_attributes =
+                store::capture(stats, host, req.method.as_str(), pq, scheme, &|n| {
+                    Some(req.headers.get(n)?.to_str().ok()?.to_string())
+                });
         }
     }
 }
@@ -97,7 +98,8 @@ pub(super) fn upstream_request(
     if let Some(c) = &ctx.cluster {
         let md = &c.def.telemetry.istio;
         if md.disable_mx
-            || (prop.skip_external_clusters && (md.external || &*c.def.name == "PassthroughCluster"))
+            || (prop.skip_external_clusters
+                && (md.external || &*c.def.name == "PassthroughCluster"))
         {
             return Ok(());
         }
@@ -147,7 +149,7 @@ pub(super) fn response(
 }
 
 /// The request is over (after `observe::finish`): Istio's metrics.
-pub(super) fn finish(ctx: &mut Ctx, state: &State) {
+pub(super) fn finish(session: &Session, ctx: &mut Ctx, state: &State) {
     let Some(stats) = istio(ctx).and_then(|i| i.stats.clone()) else {
         return;
     };
@@ -161,9 +163,32 @@ pub(super) fn finish(ctx: &mut Ctx, state: &State) {
                 .and_then(|h| h.workload.clone());
         }
     }
+    if let Some(r) = session.response_written() {
+        ctx.info.response_head_bytes = response_head_size(r);
+    }
     state.istio.store.configured();
     state
         .istio
         .store
         .record_http(&stats, &state.istio.node, &ctx.info);
+}
+
+/// `GET /p HTTP/1.1\r\n`, each `name: value\r\n`, `\r\n`.
+fn request_head_size(r: &RequestHeader) -> u64 {
+    let target = r.uri.path_and_query().map_or(1, |p| p.as_str().len());
+    let line = r.method.as_str().len() + 1 + target + " HTTP/1.1\r\n".len();
+    (line + headers_size(&r.headers) + 2) as u64
+}
+
+/// `HTTP/1.1 200 OK\r\n`, each `name: value\r\n`, `\r\n`.
+fn response_head_size(r: &ResponseHeader) -> u64 {
+    let reason = r.status.canonical_reason().map_or(0, str::len);
+    let line = "HTTP/1.1 200 ".len() + reason + 2;
+    (line + headers_size(&r.headers) + 2) as u64
+}
+
+fn headers_size(h: &http::HeaderMap) -> usize {
+    h.iter()
+        .map(|(n, v)| n.as_str().len() + 2 + v.len() + 2)
+        .sum()
 }

@@ -35,8 +35,8 @@
 pub mod client_cert;
 mod downstream;
 mod hbone;
-mod istio;
 pub mod io;
+mod istio;
 pub mod listeners;
 mod local_reply;
 mod mirror;
@@ -459,7 +459,7 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
-        istio::finish(ctx, &self.state);
+        istio::finish(session, ctx, &self.state);
         let code = ctx.info.response_code;
         if ctx.counted_active {
             self.hcm_stats.finish(code);

@@ -794,9 +794,8 @@ impl ChainDef {
                     Some(t) => {
                         mx |= t == MX_NETWORK_TYPE;
                         if t == STATS_TYPE {
-                            let cfg = StatsConfig::from_any(a).map_err(|e| {
-                                format!("{at}.filters[{i}] '{}': {e}", f.name)
-                            })?;
+                            let cfg = StatsConfig::from_any(a)
+                                .map_err(|e| format!("{at}.filters[{i}] '{}': {e}", f.name))?;
                             for w in &cfg.warnings {
                                 tracing::warn!(filter = %f.name, "istio.stats: {w}");
                             }

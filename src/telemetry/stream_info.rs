@@ -282,6 +282,12 @@ pub struct StreamInfo {
     /// The peers `istio.metadata_exchange` found: the downstream's in the request headers,
     /// the upstream's in the response headers.
     pub peers: crate::telemetry::istio_stats::Peers,
+    /// The request's and the response's head as they go on the wire in HTTP/1 form (start
+    /// line, headers, blank line), measured only when an observer needs them (`istio.stats`:
+    /// istio-proxy's byte histograms read Envoy's wire byte meters, which count heads and
+    /// bodies; for HTTP/2 this is the uncompressed size, not the HPACK frames').
+    pub request_head_bytes: u64,
+    pub response_head_bytes: u64,
     /// Request values the connection manager's `istio.stats` dimensions read (its
     /// `StatsConfig::captures`, in order); empty when it needs none.
     pub istio_attributes: Vec<Option<String>>,
@@ -326,6 +332,8 @@ impl StreamInfo {
             upstream_workload: None,
             peers: Default::default(),
             istio_attributes: Vec::new(),
+            request_head_bytes: 0,
+            response_head_bytes: 0,
         }
     }
 

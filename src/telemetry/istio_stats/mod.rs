@@ -371,8 +371,7 @@ pub enum Attr {
     GrpcStatus,
     /// `response.code_details`.
     CodeDetails,
-    /// `response.flags` is an integer in CEL; `response.flags` here reports it as istio-proxy
-    /// prints it (the bit set in decimal).
+    /// `node.id`, `node.cluster`, `node.metadata['X']`: the gateway's bootstrap node.
     NodeId,
     NodeCluster,
     NodeMetadata(String),
@@ -561,8 +560,8 @@ impl StatsConfig {
         if s.trim().is_empty() {
             return Ok(StatsConfig::default());
         }
-        let j: Json = serde_json::from_str(s)
-            .map_err(|e| format!("configuration: not JSON: {e}"))?;
+        let j: Json =
+            serde_json::from_str(s).map_err(|e| format!("configuration: not JSON: {e}"))?;
         StatsConfig::from_json(&j)
     }
 
@@ -617,9 +616,7 @@ impl StatsConfig {
                 parse_json_duration(s)
                     .ok_or_else(|| format!("tcp_reporting_duration: invalid duration '{s}'"))?,
             ),
-            Some(other) => {
-                return Err(format!("tcp_reporting_duration: invalid duration {other}"))
-            }
+            Some(other) => return Err(format!("tcp_reporting_duration: invalid duration {other}")),
         };
         let reporter_gateway = match get("reporter", "reporter") {
             None | Some(Json::Null) => false,
@@ -679,7 +676,10 @@ impl StatsConfig {
                         dimensions: dims,
                         tags_to_remove: remove,
                         drop: flag(m.get("drop")).map_err(|e| format!("{at}.drop: {e}"))?,
-                        has_match: m.get("match").and_then(Json::as_str).is_some_and(|s| !s.is_empty()),
+                        has_match: m
+                            .get("match")
+                            .and_then(Json::as_str)
+                            .is_some_and(|s| !s.is_empty()),
                     });
                 }
             }
@@ -757,8 +757,10 @@ impl Raw {
                 }
             };
             if m.has_match {
-                cfg.warnings
-                    .push(format!("metrics '{}': match is not implemented (as in istio-proxy)", m.name));
+                cfg.warnings.push(format!(
+                    "metrics '{}': match is not implemented (as in istio-proxy)",
+                    m.name
+                ));
             }
             if m.drop {
                 for t in &targets {
@@ -768,7 +770,8 @@ impl Raw {
             }
             for tag in &m.tags_to_remove {
                 let Some(t) = Tag::from_name(tag) else {
-                    cfg.warnings.push(format!("tags_to_remove: '{tag}' is not a standard tag"));
+                    cfg.warnings
+                        .push(format!("tags_to_remove: '{tag}' is not a standard tag"));
                     continue;
                 };
                 for x in &targets {
@@ -911,7 +914,9 @@ pub fn struct_to_json(s: &Struct) -> Json {
 fn value_to_json(v: &Value) -> Json {
     match &v.kind {
         None | Some(Kind::NullValue(_)) => Json::Null,
-        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n).map_or(Json::Null, Json::Number),
+        Some(Kind::NumberValue(n)) => {
+            serde_json::Number::from_f64(*n).map_or(Json::Null, Json::Number)
+        }
         Some(Kind::StringValue(s)) => Json::String(s.clone()),
         Some(Kind::BoolValue(b)) => Json::Bool(*b),
         Some(Kind::StructValue(s)) => struct_to_json(s),
@@ -1035,7 +1040,10 @@ impl PeerMetadataConfig {
                 return Ok(PeerMetadataConfig::from_json(&j));
             }
         }
-        Err(format!("{} is not io.istio.http.peer_metadata.Config", a.type_url))
+        Err(format!(
+            "{} is not io.istio.http.peer_metadata.Config",
+            a.type_url
+        ))
     }
 
     fn from_json(j: &Json) -> PeerMetadataConfig {
@@ -1044,7 +1052,10 @@ impl PeerMetadataConfig {
             v.map(|v| {
                 v.iter()
                     .filter_map(|m| {
-                        if m.get("istio_headers").or_else(|| m.get("istioHeaders")).is_some() {
+                        if m.get("istio_headers")
+                            .or_else(|| m.get("istioHeaders"))
+                            .is_some()
+                        {
                             Some(Discovery::IstioHeaders)
                         } else if m.get("baggage").is_some() {
                             Some(Discovery::Baggage)

@@ -23,8 +23,8 @@ use crate::telemetry::stream_info::{Protocol, StreamInfo};
 /// Envoy's default histogram buckets, which are Istio's documented buckets for
 /// `istio_request_duration_milliseconds` and the byte histograms.
 pub const BUCKETS: [f64; 19] = [
-    0.5, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0,
-    30000.0, 60000.0, 300000.0, 600000.0, 1800000.0, 3600000.0,
+    0.5, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0,
+    60000.0, 300000.0, 600000.0, 1800000.0, 3600000.0,
 ];
 
 /// The most labels one series may carry (25 standard tags plus dimensions added by
@@ -263,10 +263,14 @@ impl<'a> View<'a> {
     /// The upstream peer: exchanged metadata, else (the source reporter's fallback) the
     /// endpoint's `istio.workload` metadata.
     fn upstream_peer(&self) -> Option<&'a PeerInfo> {
-        self.info.peers.upstream.as_deref().or(match self.cfg.reporter {
-            Reporter::Source => self.info.upstream_workload.as_deref(),
-            Reporter::Waypoint => None,
-        })
+        self.info
+            .peers
+            .upstream
+            .as_deref()
+            .or(match self.cfg.reporter {
+                Reporter::Source => self.info.upstream_workload.as_deref(),
+                Reporter::Waypoint => None,
+            })
     }
 
     /// istio-proxy's destination service host and name (Host fallback, then the cluster's
@@ -294,7 +298,10 @@ impl<'a> View<'a> {
                 }
             }
         }
-        (host.filter(|s| !s.is_empty()), name.filter(|s| !s.is_empty()))
+        (
+            host.filter(|s| !s.is_empty()),
+            name.filter(|s| !s.is_empty()),
+        )
     }
 
     fn standard(&self, t: Tag) -> Cow<'a, str> {
@@ -378,9 +385,7 @@ impl<'a> View<'a> {
                         Some(p) => or_unknown(&p.namespace),
                         None => Cow::Borrowed(UNKNOWN),
                     },
-                    Tag::DestinationPrincipal => {
-                        Cow::Borrowed(up.map_or(UNKNOWN, |p| &p.identity))
-                    }
+                    Tag::DestinationPrincipal => Cow::Borrowed(up.map_or(UNKNOWN, |p| &p.identity)),
                     Tag::DestinationApp => match up {
                         Some(p) => or_unknown(&p.app),
                         None => Cow::Borrowed(UNKNOWN),
@@ -444,7 +449,11 @@ impl<'a> View<'a> {
             Attr::NodeCluster => Some(Cow::Borrowed(&self.node.cluster)),
             Attr::NodeMetadata(k) => self.node.metadata(k).map(Cow::Borrowed),
             Attr::UpstreamPeer(f) => self.upstream_peer().map(|p| Cow::Borrowed(f.get(p))),
-            Attr::DownstreamPeer(f) => info.peers.downstream.as_deref().map(|p| Cow::Borrowed(f.get(p))),
+            Attr::DownstreamPeer(f) => info
+                .peers
+                .downstream
+                .as_deref()
+                .map(|p| Cow::Borrowed(f.get(p))),
             Attr::ClusterName => info.upstream.as_ref().map(|u| Cow::Borrowed(&*u.name)),
             Attr::RouteName => info.route_name.as_deref().map(Cow::Borrowed),
             Attr::Sni => info.requested_server_name.as_deref().map(Cow::Borrowed),
@@ -546,8 +555,11 @@ impl Store {
         self.add(&view, Metric::RequestsTotal, &Tag::HTTP, 1);
         let ms = info.duration().as_millis() as u64;
         self.add(&view, Metric::RequestDuration, &Tag::HTTP, ms);
-        self.add(&view, Metric::RequestBytes, &Tag::HTTP, info.bytes_received);
-        self.add(&view, Metric::ResponseBytes, &Tag::HTTP, info.bytes_sent);
+        // Envoy's wire byte meters: heads and bodies.
+        let rx = info.request_head_bytes + info.bytes_received;
+        let tx = info.response_head_bytes + info.bytes_sent;
+        self.add(&view, Metric::RequestBytes, &Tag::HTTP, rx);
+        self.add(&view, Metric::ResponseBytes, &Tag::HTTP, tx);
     }
 
     /// A TCP connection is over. istio-proxy reports a connection's open counter and bytes
@@ -563,7 +575,11 @@ impl Store {
 
     /// Counters and the build gauge as (kind is counter, Envoy's dotted name, metric, labels,
     /// value), for the admin's stat list.
-    pub fn collect(&self, node: &LocalNode, out: &mut dyn FnMut(bool, String, String, String, u64)) {
+    pub fn collect(
+        &self,
+        node: &LocalNode,
+        out: &mut dyn FnMut(bool, String, String, String, u64),
+    ) {
         if self.build.load(Relaxed) != 0 {
             let tag = if node.istio_version.is_empty() {
                 UNKNOWN
@@ -600,7 +616,10 @@ impl Store {
     /// The histograms in Prometheus text, as Envoy writes them after its counters and gauges:
     /// cumulative `_bucket` lines with `le`, then `_sum` and `_count`.
     pub fn prometheus_histograms(&self, out: &mut String) {
-        for f in &self.families {
+        // Envoy lists families by name.
+        let mut families: Vec<&Family> = self.families.iter().collect();
+        families.sort_by_key(|f| f.metric.name());
+        for f in families {
             if !f.metric.is_histogram() {
                 continue;
             }
@@ -624,26 +643,6 @@ impl Store {
                 let _ = writeln!(out, "{name}_bucket{{{}{sep}le=\"+Inf\"}} {cum}", s.prom);
                 let _ = writeln!(out, "{name}_sum{{{}}} {}", s.prom, h.sum.load(Relaxed));
                 let _ = writeln!(out, "{name}_count{{{}}} {cum}", s.prom);
-            }
-        }
-    }
-
-    /// The histograms as Envoy's `/stats` text lists them: `name: P0(..) ...`; Portico writes
-    /// the count and sum instead of quantiles.
-    pub fn text_histograms(&self, out: &mut Vec<(String, String)>) {
-        for f in &self.families {
-            if !f.metric.is_histogram() {
-                continue;
-            }
-            for s in f.all() {
-                let Value::Histogram(h) = &s.value else {
-                    continue;
-                };
-                let count: u64 = h.buckets.iter().map(|b| b.load(Relaxed)).sum();
-                out.push((
-                    dotted(f.metric.name(), &s),
-                    format!("count({count}) sum({})", h.sum.load(Relaxed)),
-                ));
             }
         }
     }

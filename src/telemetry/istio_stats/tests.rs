@@ -75,7 +75,10 @@ fn any_from_json(typed_config: &serde_json::Value) -> Any {
 fn istio_filters(v: &serde_json::Value, out: &mut Vec<(String, serde_json::Value)>) {
     match v {
         serde_json::Value::Object(o) => {
-            if let (Some(n), Some(tc)) = (o.get("name").and_then(|n| n.as_str()), o.get("typed_config")) {
+            if let (Some(n), Some(tc)) = (
+                o.get("name").and_then(|n| n.as_str()),
+                o.get("typed_config"),
+            ) {
                 if n == "istio.stats" || n == "istio.metadata_exchange" {
                     out.push((n.to_string(), tc.clone()));
                 }
@@ -93,7 +96,10 @@ fn dump_configs_translate_in_every_form_they_take() {
     let mut host_fallback_off = 0;
     let mut mx_wasm = 0;
     for (file, yaml) in [
-        ("istio-sidecar/deathstarbench_istio1.18.2_sidecar_config_dump.json", false),
+        (
+            "istio-sidecar/deathstarbench_istio1.18.2_sidecar_config_dump.json",
+            false,
+        ),
         ("istio-sidecar/istioctl_authz_configdump.yaml", true),
     ] {
         let text = std::fs::read_to_string(shared(file))
@@ -152,7 +158,10 @@ fn plain_any_with_overrides() {
                 name: "requests_total".into(),
                 dimensions: [
                     ("request_host".to_string(), "request.host".to_string()),
-                    ("destination_port".to_string(), "string(destination.port)".to_string()),
+                    (
+                        "destination_port".to_string(),
+                        "string(destination.port)".to_string(),
+                    ),
                     ("source_cluster".to_string(), "'edge'".to_string()),
                 ]
                 .into_iter()
@@ -179,19 +188,24 @@ fn plain_any_with_overrides() {
     assert!(cfg.plan(Metric::RequestBytes).drop);
     assert!(!cfg.plan(Metric::ResponseBytes).drop);
     let rt = cfg.plan(Metric::RequestsTotal);
-    assert!(rt
-        .overrides
-        .contains(&(Tag::GrpcResponseStatus, None)));
+    assert!(rt.overrides.contains(&(Tag::GrpcResponseStatus, None)));
     assert!(rt
         .overrides
         .contains(&(Tag::SourceCluster, Some(Attr::Literal(Arc::from("edge"))))));
     // Added dimensions in tag-name order, as istio-proxy sorts them.
     let added: Vec<&str> = rt.additions.iter().map(|(n, _)| &**n).collect();
     assert_eq!(added, ["destination_port", "request_host"]);
-    assert_eq!(rt.additions[0].1, Attr::Unknown, "a CEL call is not evaluated");
+    assert_eq!(
+        rt.additions[0].1,
+        Attr::Unknown,
+        "a CEL call is not evaluated"
+    );
     assert_eq!(rt.additions[1].1, Attr::Request(0));
     assert_eq!(cfg.captures, [Capture::Host]);
-    assert!(cfg.warnings.iter().any(|w| w.contains("string(destination.port)")));
+    assert!(cfg
+        .warnings
+        .iter()
+        .any(|w| w.contains("string(destination.port)")));
     // The other metrics keep their standard tags.
     assert_eq!(cfg.plan(Metric::TcpOpened), &MetricPlan::default());
 }
@@ -227,9 +241,15 @@ fn typed_struct_encodings_both_type_urls() {
             assert_eq!(
                 p.additions,
                 vec![
-                    (Arc::from("app_label"), Attr::UpstreamPeer(PeerField::Label("app".into()))),
+                    (
+                        Arc::from("app_label"),
+                        Attr::UpstreamPeer(PeerField::Label("app".into()))
+                    ),
                     (Arc::from("node_meta"), Attr::NodeMetadata("MESH_ID".into())),
-                    (Arc::from("upstream_workload"), Attr::UpstreamPeer(PeerField::Workload)),
+                    (
+                        Arc::from("upstream_workload"),
+                        Attr::UpstreamPeer(PeerField::Workload)
+                    ),
                     (Arc::from("user_agent"), Attr::Request(0)),
                 ]
             );
@@ -405,7 +425,14 @@ fn node_metadata_becomes_the_peer_header_and_back() {
     // and the other labels stay home).
     assert_eq!(
         keys,
-        ["CLUSTER_ID", "LABELS", "NAME", "NAMESPACE", "OWNER", "WORKLOAD_NAME"]
+        [
+            "CLUSTER_ID",
+            "LABELS",
+            "NAME",
+            "NAMESPACE",
+            "OWNER",
+            "WORKLOAD_NAME"
+        ]
     );
     match &s.fields["OWNER"].kind {
         Some(Kind::StringValue(o)) => assert_eq!(
@@ -424,7 +451,13 @@ fn node_metadata_becomes_the_peer_header_and_back() {
 fn endpoint_and_baggage_metadata() {
     let p = PeerInfo::from_endpoint("reviews-v2;default;reviews;v2;Kubernetes").unwrap();
     assert_eq!(
-        (&*p.workload, &*p.namespace, &*p.canonical_name, &*p.canonical_revision, &*p.cluster),
+        (
+            &*p.workload,
+            &*p.namespace,
+            &*p.canonical_name,
+            &*p.canonical_revision,
+            &*p.cluster
+        ),
         ("reviews-v2", "default", "reviews", "v2", "Kubernetes")
     );
     assert_eq!(p.app, "");
@@ -449,7 +482,10 @@ fn cluster_istio_metadata() {
     let m = IstioClusterMetadata::from_metadata(&md);
     let s = m.service.unwrap();
     assert_eq!(&*s.host, "reviews.default.svc.cluster.local");
-    assert_eq!(&*s.name, "reviews", "the host up to its first dot without a name");
+    assert_eq!(
+        &*s.name, "reviews",
+        "the host up to its first dot without a name"
+    );
     assert_eq!(&*s.namespace, "default");
     let ext = IstioClusterMetadata::from_metadata(&to_struct(&json!({"external": true})));
     assert!(ext.external && !ext.disable_mx && ext.service.is_none());
@@ -493,7 +529,8 @@ fn source_reporter_labels_as_istio_proxy() {
         "outbound|9080||reviews.default.svc.cluster.local",
         Some(("reviews.default.svc.cluster.local", "reviews", "default")),
     ));
-    info.upstream_workload = PeerInfo::from_endpoint("reviews-v2;default;reviews;v2;Kubernetes").map(Arc::new);
+    info.upstream_workload =
+        PeerInfo::from_endpoint("reviews-v2;default;reviews;v2;Kubernetes").map(Arc::new);
     info.bytes_received = 0;
     info.bytes_sent = 120;
     info.last_downstream_tx = Some(Duration::from_millis(7));
@@ -504,7 +541,10 @@ fn source_reporter_labels_as_istio_proxy() {
     let (l, n) = &s[0];
     assert_eq!(*n, 2);
     let names: Vec<&str> = l.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, Tag::HTTP.iter().map(|t| t.name()).collect::<Vec<_>>());
+    assert_eq!(
+        names,
+        Tag::HTTP.iter().map(|t| t.name()).collect::<Vec<_>>()
+    );
     let want = [
         ("reporter", "source"),
         ("source_workload", "istio-ingressgateway"),
@@ -540,7 +580,10 @@ fn source_reporter_labels_as_istio_proxy() {
     store.prometheus_histograms(&mut text);
     assert!(text.contains("# TYPE istio_request_duration_milliseconds histogram"));
     assert!(text.contains("le=\"5\"} 0\n"), "{text}");
-    assert!(text.contains("connection_security_policy=\"unknown\",le=\"10\"} 2\n"), "{text}");
+    assert!(
+        text.contains("connection_security_policy=\"unknown\",le=\"10\"} 2\n"),
+        "{text}"
+    );
     assert!(text.contains("istio_request_bytes_bucket{"), "{text}");
     assert!(text.contains(",le=\"+Inf\"} 2\n"));
     assert!(text.contains("istio_response_bytes_sum{"));
@@ -650,7 +693,10 @@ fn tcp_connection_metrics() {
         let names: Vec<&str> = s[0].0.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, Tag::TCP.iter().map(|t| t.name()).collect::<Vec<_>>());
         assert_eq!(label(&s[0].0, "request_protocol"), "tcp");
-        assert_eq!(label(&s[0].0, "destination_service"), "mysql.db.svc.cluster.local");
+        assert_eq!(
+            label(&s[0].0, "destination_service"),
+            "mysql.db.svc.cluster.local"
+        );
     }
     let mut rows = Vec::new();
     store.configured();
@@ -668,5 +714,7 @@ fn tcp_connection_metrics() {
     assert!(opened
         .1
         .starts_with("istiocustom.istio_tcp_connections_opened_total.reporter.source.source_workload.istio-ingressgateway."));
-    assert!(opened.3.starts_with("reporter=\"source\",source_workload=\"istio-ingressgateway\""));
+    assert!(opened
+        .3
+        .starts_with("reporter=\"source\",source_workload=\"istio-ingressgateway\""));
 }
