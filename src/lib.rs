@@ -59,6 +59,14 @@ pub struct State {
     /// The bootstrap's `stats_config.stats_tags` (istio-agent's tag regexes): how Envoy's own
     /// stats are named in Prometheus; None: Envoy's default tags.
     pub stats_tags: Option<admin::stats::TagRules>,
+    /// The listeners, for `POST /drain_listeners` (set once they are served).
+    pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
+}
+
+/// What the admin may ask of the listeners.
+pub trait ListenerControl: Send + Sync + std::fmt::Debug {
+    /// `POST /drain_listeners[?inboundonly][&graceful][&skip_exit]`.
+    fn drain_listeners(&self, inbound_only: bool, graceful: bool, skip_exit: bool);
 }
 
 impl State {
@@ -81,6 +89,7 @@ impl State {
                 bootstrap.as_ref().and_then(|b| b.node.as_ref()),
             ),
             bootstrap,
+            listeners: std::sync::OnceLock::new(),
         }
     }
 

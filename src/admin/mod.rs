@@ -164,6 +164,20 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
             );
             r
         }
+        "/drain_listeners" => {
+            let has = |flag: &str| {
+                query
+                    .split('&')
+                    .any(|kv| kv.split('=').next() == Some(flag))
+            };
+            match state.listeners.get() {
+                Some(l) => {
+                    l.drain_listeners(has("inboundonly"), has("graceful"), has("skip_exit"));
+                    reply(200, TEXT, "OK\n")
+                }
+                None => reply(503, TEXT, "listeners not started yet\n"),
+            }
+        }
         "/logging" => logging(query),
         "/memory" => reply(200, "application/json", pretty(&memory())),
         "/runtime" => reply(200, "application/json", pretty(&runtime(state))),

@@ -350,6 +350,13 @@ impl Stats {
                     count,
                 );
             }
+            // envoy.filters.http.grpc_stats: `grpc.[<service>.<method>.]<stat>`.
+            for (names, m) in s.grpc.all().iter() {
+                for (stat, v) in m.samples() {
+                    let (dotted, prom, extra) = grpc_stat(names, &stat);
+                    c(Kind::Counter, &dotted, &prom, &extra, v);
+                }
+            }
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
                 c(
@@ -1214,4 +1221,33 @@ mod tag_rules_tests {
             )
         );
     }
+}
+
+/// A gRPC stats counter: its dotted name under `cluster.<name>.`, and its Prometheus name and
+/// labels after Envoy's default tag extraction (`cluster.*.grpc.$.**` takes the service,
+/// `cluster.*.grpc.*.$.**` the method, each one dot-separated token).
+fn grpc_stat(names: &str, stat: &str) -> (String, String, String) {
+    if names.is_empty() {
+        return (
+            format!("grpc.{stat}"),
+            format!("grpc_{stat}"),
+            String::new(),
+        );
+    }
+    let dotted = format!("grpc.{names}.{stat}");
+    let mut tokens = names.split('.');
+    let service = tokens.next().unwrap_or_default();
+    let method = tokens.next().unwrap_or_default();
+    let rest: Vec<&str> = tokens.collect();
+    let mut prom = String::from("grpc");
+    for t in rest.iter().copied().chain(std::iter::once(stat)) {
+        prom.push('_');
+        prom.push_str(t);
+    }
+    let extra = format!(
+        "envoy_grpc_bridge_method=\"{}\",envoy_grpc_bridge_service=\"{}\",",
+        esc(method),
+        esc(service)
+    );
+    (dotted, prom, extra)
 }

@@ -291,6 +291,8 @@ pub struct StreamInfo {
     /// Request values the connection manager's `istio.stats` dimensions read (its
     /// `StatsConfig::captures`, in order); empty when it needs none.
     pub istio_attributes: Vec<Option<String>>,
+    /// The gRPC stats filter's filter state (`emit_filter_state`): messages each way.
+    pub grpc_messages: Option<(u64, u64)>,
 }
 
 impl Default for StreamInfo {
@@ -334,6 +336,7 @@ impl StreamInfo {
             istio_attributes: Vec::new(),
             request_head_bytes: 0,
             response_head_bytes: 0,
+            grpc_messages: None,
         }
     }
 
