@@ -120,10 +120,13 @@ pub enum Metric {
     TcpClosed,
     TcpSent,
     TcpReceived,
+    /// gRPC messages each way (from the grpc_stats filter's filter state).
+    RequestMessages,
+    ResponseMessages,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 8] = [
+    pub const ALL: [Metric; 10] = [
         Metric::RequestsTotal,
         Metric::RequestDuration,
         Metric::RequestBytes,
@@ -132,6 +135,8 @@ impl Metric {
         Metric::TcpClosed,
         Metric::TcpSent,
         Metric::TcpReceived,
+        Metric::RequestMessages,
+        Metric::ResponseMessages,
     ];
 
     /// The reported name (`istio_requests_total`).
@@ -145,6 +150,8 @@ impl Metric {
             Metric::TcpClosed => "istio_tcp_connections_closed_total",
             Metric::TcpSent => "istio_tcp_sent_bytes_total",
             Metric::TcpReceived => "istio_tcp_received_bytes_total",
+            Metric::RequestMessages => "istio_request_messages_total",
+            Metric::ResponseMessages => "istio_response_messages_total",
         }
     }
 
@@ -221,6 +228,18 @@ impl Tag {
             ResponseFlags,
             ConnectionSecurityPolicy,
         ]
+    };
+
+    /// The gRPC message counters' tags: istio-proxy adds them before it knows the protocol,
+    /// code and flags, so they stop at `destination_cluster`.
+    pub const PEERS: [Tag; 20] = {
+        let mut t = [Tag::Reporter; 20];
+        let mut i = 0;
+        while i < 20 {
+            t[i] = Tag::HTTP[i];
+            i += 1;
+        }
+        t
     };
 
     /// A TCP connection's tags: no response code nor gRPC status.
@@ -708,11 +727,6 @@ struct RawMetric {
     has_match: bool,
 }
 
-/// Metric config names istio-proxy knows besides the ones Portico reports: the gRPC message
-/// counters (`istio_request_messages_total`, `istio_response_messages_total`), which need a
-/// gRPC streaming message count Portico does not keep.
-const UNREPORTED_METRICS: [&str; 2] = ["request_messages_total", "response_messages_total"];
-
 impl Raw {
     /// istio-proxy's `Config` constructor: drops, then removed tags, then dimensions
     /// (overriding a standard tag, or added after them).
@@ -746,12 +760,10 @@ impl Raw {
                 match Metric::ALL.iter().find(|x| x.config_name() == m.name) {
                     Some(x) => vec![*x],
                     None => {
-                        if !UNREPORTED_METRICS.contains(&m.name.as_str()) {
-                            cfg.warnings.push(format!(
-                                "metrics '{}': not a standard metric; ignored",
-                                m.name
-                            ));
-                        }
+                        cfg.warnings.push(format!(
+                            "metrics '{}': not a standard metric; ignored",
+                            m.name
+                        ));
                         continue;
                     }
                 }

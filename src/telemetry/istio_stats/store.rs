@@ -552,6 +552,12 @@ impl Store {
     /// One HTTP request is over: `istio_requests_total` and the three histograms.
     pub fn record_http(&self, cfg: &StatsConfig, node: &LocalNode, info: &StreamInfo) {
         let view = View { cfg, node, info };
+        // istio-proxy counts a gRPC call's messages (the grpc_stats filter state) first, with
+        // the peer tags only.
+        if let (true, Some((req, resp))) = (info.grpc_request, info.grpc_messages) {
+            self.add(&view, Metric::RequestMessages, &Tag::PEERS, req);
+            self.add(&view, Metric::ResponseMessages, &Tag::PEERS, resp);
+        }
         self.add(&view, Metric::RequestsTotal, &Tag::HTTP, 1);
         let ms = info.duration().as_millis() as u64;
         self.add(&view, Metric::RequestDuration, &Tag::HTTP, ms);

@@ -618,7 +618,20 @@ fn source_reporter_labels_as_istio_proxy() {
     mx.peers.upstream = Some(Arc::new(p));
     mx.grpc_request = true;
     mx.grpc_status = Some(14);
+    mx.grpc_messages = Some((1, 3));
     store.record_http(&cfg, &node, &mx);
+    // The gRPC message counters: the peer tags only.
+    for (m, v) in [(Metric::RequestMessages, 1), (Metric::ResponseMessages, 3)] {
+        let s = store.samples(m);
+        assert_eq!(s.len(), 1, "{m:?}");
+        assert_eq!(s[0].1, v);
+        assert_eq!(s[0].0.len(), 20);
+        assert_eq!(
+            s[0].0.last().map(|(n, _)| n.as_str()),
+            Some("destination_cluster")
+        );
+        assert_eq!(label(&s[0].0, "destination_workload"), "reviews-v3");
+    }
     let s = labels_of(&store, Metric::RequestsTotal);
     let (l, _) = s
         .iter()
