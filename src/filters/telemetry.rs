@@ -93,8 +93,8 @@ fn wasm_parts(a: &Any) -> Option<(String, String, Option<String>)> {
 /// - `istio.metadata_exchange` HTTP filter (`io.istio.http.peer_metadata.Config`, 1.22+, or
 ///   the 1.18 null-VM Wasm): exchanges the peers' identity in `x-envoy-peer-metadata[-id]`
 ///   headers (`translate_peer_metadata`; the request path does the exchange).
-/// (`envoy.filters.http.grpc_stats` is listed for the lookup through wrappers; it runs, in
-/// `grpc_stats`.)
+/// - `envoy.filters.http.grpc_stats`: listed for the lookup through wrappers; it runs, in
+///   `grpc_stats`.
 ///
 /// Seen through `TypedStruct` (istiod 1.22+ wraps them) and through Istio's null-VM Wasm
 /// plugins (`envoy.wasm.runtime.null` with Istio's built-in `envoy.wasm.*` code, plain or in
