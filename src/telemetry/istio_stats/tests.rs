@@ -731,3 +731,48 @@ fn tcp_connection_metrics() {
         .3
         .starts_with("reporter=\"source\",source_workload=\"istio-ingressgateway\""));
 }
+
+#[test]
+fn waypoint_reporter_labels_the_downstream_as_source() {
+    let node = gateway_node();
+    let store = Store::new();
+    let cfg = StatsConfig::from_json(&json!({"reporter": "SERVER_GATEWAY"})).unwrap();
+    let mut info = StreamInfo::new(Protocol::Http2);
+    info.response_code = 200;
+    info.downstream_peer_uri_san = Some(Arc::from("spiffe://cluster.local/ns/frontend/sa/web"));
+    let mut down = PeerInfo::from_endpoint("web-v1;frontend;web;v1;Kubernetes").unwrap();
+    down.app = "web".into();
+    info.peers.downstream = Some(Arc::new(down));
+    info.upstream = Some(upstream(
+        "inbound-vip|9080|http|reviews.default.svc.cluster.local",
+        Some(("reviews.default.svc.cluster.local", "reviews", "default")),
+    ));
+    // The endpoint's metadata is not the waypoint's fallback: only exchanged metadata.
+    info.upstream_workload =
+        PeerInfo::from_endpoint("reviews-v2;default;reviews;v2;Kubernetes").map(Arc::new);
+    store.record_http(&cfg, &node, &info);
+    let s = store.samples(Metric::RequestsTotal);
+    let (l, _) = &s[0];
+    for (k, v) in [
+        ("reporter", "waypoint"),
+        ("source_workload", "web-v1"),
+        ("source_canonical_service", "web"),
+        ("source_canonical_revision", "v1"),
+        ("source_workload_namespace", "frontend"),
+        (
+            "source_principal",
+            "spiffe://cluster.local/ns/frontend/sa/web",
+        ),
+        ("source_app", "web"),
+        ("source_version", "unknown"),
+        ("destination_workload", "unknown"),
+        ("destination_service", "reviews.default.svc.cluster.local"),
+        ("destination_canonical_service", "unknown"),
+        ("destination_service_name", "reviews"),
+        ("destination_service_namespace", "istio-system"),
+        ("destination_cluster", "Kubernetes"),
+        ("connection_security_policy", "mutual_tls"),
+    ] {
+        assert_eq!(label(l, k), v, "{k}");
+    }
+}
