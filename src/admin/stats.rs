@@ -36,6 +36,9 @@ pub struct Stats {
     tcps: Mutex<HashMap<String, Arc<TcpStats>>>,
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     pub xds: XdsCounters,
+    /// `POST /reset_counters`: each counter's value then, taken off what it shows since.
+    /// The counters themselves run on untouched (the request path never sees a reset).
+    counter_baseline: Mutex<HashMap<String, u64>>,
 }
 
 impl Default for Stats {
@@ -73,6 +76,36 @@ impl Stats {
             tcps: Mutex::default(),
             listeners: Mutex::default(),
             xds,
+            counter_baseline: Mutex::default(),
+        }
+    }
+
+    /// `POST /reset_counters`: every counter in `list` (as collected, before any earlier
+    /// reset is taken off) reads zero from now on.
+    pub fn reset_counters(&self, raw: &StatList) {
+        let mut base = self
+            .counter_baseline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for s in raw.stats.iter().filter(|s| s.kind == Kind::Counter) {
+            base.insert(s.name.clone(), s.value);
+        }
+    }
+
+    /// Takes the last reset off every counter in `list` (Envoy keeps a counter "used" once
+    /// it has counted, reset or not).
+    pub fn rebase(&self, list: &mut StatList) {
+        let base = self
+            .counter_baseline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if base.is_empty() {
+            return;
+        }
+        for s in list.stats.iter_mut().filter(|s| s.kind == Kind::Counter) {
+            if let Some(b) = base.get(&s.name) {
+                s.value = s.value.saturating_sub(*b);
+            }
         }
     }
 
