@@ -620,5 +620,20 @@ async fn istio_metrics_for_http_and_tcp_chains() {
         stats.contains("istiocustom.istio_requests_total.reporter.source.source_workload.istio-ingressgateway."),
         "{stats}"
     );
+
+    // `POST /reset_counters` zeroes Istio's counters too (Envoy keeps them in its store).
+    let r = raw_http1(
+        gw.admin_port,
+        b"POST /reset_counters HTTP/1.1\r\nhost: localhost\r\ncontent-length: 0\r\n\r\n",
+        false,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let text = gw.prometheus().await;
+    let requests = prom_samples(&text, "istio_requests_total");
+    assert!(
+        !requests.is_empty() && requests.iter().all(|(_, v)| *v == 0.0),
+        "{requests:?}"
+    );
     drop(ads);
 }
