@@ -534,18 +534,28 @@ impl Store {
         self.build.store(1, Relaxed);
     }
 
-    fn add(&self, view: &View<'_>, m: Metric, tags: &[Tag], v: u64) {
-        let plan = view.cfg.plan(m);
-        if plan.drop {
-            return;
-        }
-        let labels = view.labels(plan, tags);
-        let s = self.family(m).series(&labels);
-        match &s.value {
-            Value::Counter(c) => {
-                c.fetch_add(v, Relaxed);
+    /// Adds `v` to each metric of `ms` (all with the same tag list). Metrics whose plans are
+    /// the same (the usual case: no overrides) share one computation of the labels.
+    fn add(&self, view: &View<'_>, ms: &[(Metric, u64)], tags: &[Tag]) {
+        let mut last: Option<(&MetricPlan, Labels<'_>)> = None;
+        for &(m, v) in ms {
+            let plan = view.cfg.plan(m);
+            if plan.drop {
+                continue;
             }
-            Value::Histogram(h) => h.record(v),
+            if last.as_ref().is_none_or(|(p, _)| *p != plan) {
+                last = Some((plan, view.labels(plan, tags)));
+            }
+            let Some((_, labels)) = &last else {
+                continue;
+            };
+            let s = self.family(m).series(labels);
+            match &s.value {
+                Value::Counter(c) => {
+                    c.fetch_add(v, Relaxed);
+                }
+                Value::Histogram(h) => h.record(v),
+            }
         }
     }
 
@@ -555,17 +565,29 @@ impl Store {
         // istio-proxy counts a gRPC call's messages (the grpc_stats filter state) first, with
         // the peer tags only.
         if let (true, Some((req, resp))) = (info.grpc_request, info.grpc_messages) {
-            self.add(&view, Metric::RequestMessages, &Tag::PEERS, req);
-            self.add(&view, Metric::ResponseMessages, &Tag::PEERS, resp);
+            self.add(
+                &view,
+                &[
+                    (Metric::RequestMessages, req),
+                    (Metric::ResponseMessages, resp),
+                ],
+                &Tag::PEERS,
+            );
         }
-        self.add(&view, Metric::RequestsTotal, &Tag::HTTP, 1);
         let ms = info.duration().as_millis() as u64;
-        self.add(&view, Metric::RequestDuration, &Tag::HTTP, ms);
         // Envoy's wire byte meters: heads and bodies.
         let rx = info.request_head_bytes + info.bytes_received;
         let tx = info.response_head_bytes + info.bytes_sent;
-        self.add(&view, Metric::RequestBytes, &Tag::HTTP, rx);
-        self.add(&view, Metric::ResponseBytes, &Tag::HTTP, tx);
+        self.add(
+            &view,
+            &[
+                (Metric::RequestsTotal, 1),
+                (Metric::RequestDuration, ms),
+                (Metric::RequestBytes, rx),
+                (Metric::ResponseBytes, tx),
+            ],
+            &Tag::HTTP,
+        );
     }
 
     /// A TCP connection is over. istio-proxy reports a connection's open counter and bytes
@@ -573,10 +595,16 @@ impl Store {
     /// or when it closes: without the exchange everything is reported at the close.
     pub fn record_tcp(&self, cfg: &StatsConfig, node: &LocalNode, info: &StreamInfo) {
         let view = View { cfg, node, info };
-        self.add(&view, Metric::TcpOpened, &Tag::TCP, 1);
-        self.add(&view, Metric::TcpSent, &Tag::TCP, info.bytes_sent);
-        self.add(&view, Metric::TcpReceived, &Tag::TCP, info.bytes_received);
-        self.add(&view, Metric::TcpClosed, &Tag::TCP, 1);
+        self.add(
+            &view,
+            &[
+                (Metric::TcpOpened, 1),
+                (Metric::TcpSent, info.bytes_sent),
+                (Metric::TcpReceived, info.bytes_received),
+                (Metric::TcpClosed, 1),
+            ],
+            &Tag::TCP,
+        );
     }
 
     /// Counters and the build gauge as (kind is counter, Envoy's dotted name, metric, labels,
