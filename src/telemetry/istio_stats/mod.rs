@@ -487,7 +487,7 @@ impl Default for StatsConfig {
             tcp_reporting_duration: Duration::from_secs(5),
             plans: vec![MetricPlan::default(); Metric::ALL.len()],
             captures: Vec::new(),
-            host_capture: Some(0),
+            host_capture: None,
             warnings: Vec::new(),
         }
         .with_host_capture()
