@@ -344,6 +344,11 @@ enum Rule {
 use Rule::{Accept, Fields};
 
 const BOOTSTRAP_RULE: Rule = Fields(&[
+    // The tag rules name Envoy's own stats in Prometheus (`admin::stats::TagRules`).
+    (
+        "stats_config",
+        Fields(&[("stats_tags", Accept), ("use_all_default_tags", Accept)]),
+    ),
     (
         "node",
         Fields(&[
@@ -1290,7 +1295,6 @@ static_resources:
                 msg("static_resources.secrets"),
                 msg("stats_flush_interval"),
                 msg("admin.ignore_global_conn_limit"),
-                msg("stats_config"),
             ]
         );
         assert_eq!(b.admin_address, Some("127.0.0.1:0".parse().unwrap()));
@@ -1342,7 +1346,7 @@ static_resources:
             msg("bootstrap_extensions"),
             msg("layered_runtime"),
             msg("overload_manager"),
-            msg("stats_config"),
+            msg("stats_config.stats_matcher"),
             msg("tracing"),
         ];
         expected.sort();

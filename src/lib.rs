@@ -53,6 +53,12 @@ pub struct State {
     pub health_check_failed: AtomicBool,
     /// `POST /quitquitquit`: the server stops as on SIGTERM.
     pub quit: tokio::sync::Notify,
+    /// Istio's metrics and the gateway's own identity (from the bootstrap `node`), for
+    /// `istio.stats` and `istio.metadata_exchange`.
+    pub istio: telemetry::istio_stats::Istio,
+    /// The bootstrap's `stats_config.stats_tags` (istio-agent's tag regexes): how Envoy's own
+    /// stats are named in Prometheus; None: Envoy's default tags.
+    pub stats_tags: Option<admin::stats::TagRules>,
     /// The listeners, for `POST /drain_listeners` (set once they are served).
     pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
 }
@@ -71,11 +77,18 @@ impl State {
             serving: ArcSwap::from_pointee(Serving::default()),
             stats: admin::stats::Stats::new(),
             ready: AtomicBool::new(false),
-            bootstrap,
             started: Instant::now(),
             started_at: SystemTime::now(),
             health_check_failed: AtomicBool::new(false),
             quit: tokio::sync::Notify::new(),
+            stats_tags: bootstrap
+                .as_ref()
+                .and_then(|b| b.stats_config.as_ref())
+                .and_then(admin::stats::TagRules::from_bootstrap),
+            istio: telemetry::istio_stats::Istio::new(
+                bootstrap.as_ref().and_then(|b| b.node.as_ref()),
+            ),
+            bootstrap,
             listeners: std::sync::OnceLock::new(),
         }
     }

@@ -146,11 +146,9 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
         "/stats" => stats(state, query),
         "/stats/prometheus" => {
             let list = stat_list(state);
-            reply(
-                200,
-                "text/plain; version=0.0.4",
-                list.prometheus(&stats::Select::default()),
-            )
+            let mut text = list.prometheus(&stats::Select::default());
+            state.istio.store.prometheus_histograms(&mut text);
+            reply(200, "text/plain; version=0.0.4", text)
         }
         "/healthcheck/fail" | "/healthcheck/ok" => {
             state
@@ -376,6 +374,29 @@ fn raw_stat_list(state: &State) -> stats::StatList {
         },
         &mut list,
     );
+    // Istio's metrics (`istio.stats`): counters and the `istio_build` gauge here, histograms
+    // by `istio_histograms`. istio-proxy sets `istio_build` when the filter is configured.
+    let istio_configured = snap
+        .listeners
+        .values()
+        .flat_map(|l| l.chains.iter())
+        .any(|c| {
+            c.def.istio_stats.is_some() || c.def.hcm().is_some_and(|h| h.istio.stats.is_some())
+        });
+    if istio_configured {
+        state.istio.store.configured();
+    }
+    state.istio.store.collect(
+        &state.istio.node,
+        &mut |counter, name, metric, labels, v| {
+            let kind = if counter {
+                stats::Kind::Counter
+            } else {
+                stats::Kind::Gauge
+            };
+            list.add(kind, name, metric, labels, v);
+        },
+    );
     let (server_state, _) = server_state(state);
     let ready = state.ready.load(Ordering::Relaxed);
     use stats::Kind::Gauge;
@@ -429,6 +450,9 @@ fn raw_stat_list(state: &State) -> stats::StatList {
     ] {
         list.text(name, store.versions.get(&kind).map_or("", |v| v.as_ref()));
     }
+    if let Some(rules) = &state.stats_tags {
+        list.retag(rules);
+    }
     list
 }
 
@@ -459,7 +483,14 @@ fn stats(state: &State, query: &str) -> Response<Full<Bytes>> {
     match format.as_str() {
         "text" => reply(200, TEXT, list.text_format(&sel)),
         "json" => reply(200, "application/json", list.json_format(&sel)),
-        "prometheus" => reply(200, "text/plain; version=0.0.4", list.prometheus(&sel)),
+        "prometheus" => {
+            let mut text = list.prometheus(&sel);
+            if sel.filter.is_none() {
+                // Envoy writes histograms after counters and gauges.
+                state.istio.store.prometheus_histograms(&mut text);
+            }
+            reply(200, "text/plain; version=0.0.4", text)
+        }
         _ => reply(400, TEXT, USAGE),
     }
 }

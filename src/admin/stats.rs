@@ -811,6 +811,128 @@ impl StatList {
     }
 }
 
+/// The bootstrap's `stats_config.stats_tags` with `use_all_default_tags: false` (what
+/// istio-agent writes): Envoy's own stats get their Prometheus names and labels from these
+/// regexes alone instead of Envoy's default tags. As Envoy's `TagProducerImpl`: every rule is
+/// searched in the full dotted name; a match's first group is cut out of the name and its
+/// second group (else the first) is the tag's value; `fixed_value` tags go on every stat.
+/// Stats that carry their own tags (Istio's `istiocustom.*`) are left alone.
+#[derive(Debug, Default)]
+pub struct TagRules {
+    rules: Vec<(String, TagValue)>,
+}
+
+#[derive(Debug)]
+enum TagValue {
+    Regex(regex::Regex),
+    Fixed(String),
+}
+
+impl TagRules {
+    /// The rules of a bootstrap's `stats_config`; None when they do not replace Envoy's
+    /// default tags (`use_all_default_tags` unset or true: with `stats_tags` too, Portico
+    /// renders with its default tags alone and says so once). A regex the `regex` crate
+    /// cannot take is skipped with a warning (Envoy's are ECMAScript; the lookahead
+    /// `(?=\.)` istio-agent writes is dropped: it only restates the `\.` that follows).
+    pub fn from_bootstrap(
+        sc: &envoy_types::pb::envoy::config::metrics::v3::StatsConfig,
+    ) -> Option<TagRules> {
+        use envoy_types::pb::envoy::config::metrics::v3::tag_specifier::TagValue as Pb;
+        let defaults = sc.use_all_default_tags.as_ref().is_none_or(|b| b.value);
+        if sc.stats_tags.is_empty() && defaults {
+            return None;
+        }
+        if defaults {
+            tracing::warn!(
+                "stats_config.stats_tags with use_all_default_tags: Portico keeps Envoy's default tags and ignores the custom ones"
+            );
+            return None;
+        }
+        let mut rules = Vec::new();
+        for t in &sc.stats_tags {
+            match &t.tag_value {
+                Some(Pb::Regex(r)) => {
+                    let translated = r.replace("(?=\\.)", "");
+                    match regex::Regex::new(&translated) {
+                        Ok(re) => rules.push((t.tag_name.clone(), TagValue::Regex(re))),
+                        Err(e) => tracing::warn!(
+                            tag = %t.tag_name,
+                            "stats_config.stats_tags: regex '{r}' is not supported: {e}"
+                        ),
+                    }
+                }
+                Some(Pb::FixedValue(v)) => {
+                    rules.push((t.tag_name.clone(), TagValue::Fixed(v.clone())))
+                }
+                // A tag named after one of Envoy's defaults, without a value: Envoy's own
+                // regex for it, which Portico's default tags already stand for.
+                None => {}
+            }
+        }
+        Some(TagRules { rules })
+    }
+
+    /// (Prometheus metric, labels) of the dotted `name`.
+    pub fn apply(&self, name: &str) -> (String, String) {
+        let mut cut = vec![false; name.len()];
+        let mut labels = String::new();
+        for (tag, rule) in &self.rules {
+            let value = match rule {
+                TagValue::Fixed(v) => v.as_str(),
+                TagValue::Regex(re) => {
+                    let Some(c) = re.captures(name) else {
+                        continue;
+                    };
+                    let Some(remove) = c.get(1) else {
+                        continue;
+                    };
+                    for flag in &mut cut[remove.range()] {
+                        *flag = true;
+                    }
+                    c.get(2).unwrap_or(remove).as_str()
+                }
+            };
+            if !labels.is_empty() {
+                labels.push(',');
+            }
+            let _ = write!(labels, "{}=\"{}\"", sanitize(tag), esc(value));
+        }
+        let kept: String = name
+            .char_indices()
+            .filter(|(i, _)| !cut[*i])
+            .map(|(_, c)| c)
+            .collect();
+        (format!("envoy_{}", sanitize(&kept)), labels)
+    }
+}
+
+/// Envoy's Prometheus name sanitizing: anything but `[a-zA-Z0-9_]` becomes `_`.
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+impl StatList {
+    /// Envoy's own stats named by the bootstrap's tag rules (see [`TagRules`]).
+    pub fn retag(&mut self, rules: &TagRules) {
+        for s in &mut self.stats {
+            if s.name.starts_with("istiocustom.") {
+                continue;
+            }
+            let (metric, labels) = rules.apply(&s.name);
+            s.metric = metric;
+            s.labels = labels;
+        }
+    }
+}
+
 fn sorted<T>(m: &Mutex<HashMap<String, Arc<T>>>) -> Vec<(String, Arc<T>)> {
     let m = m.lock().unwrap_or_else(|p| p.into_inner());
     let mut v: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -1044,5 +1166,121 @@ mod tests {
         // Counters first, then gauges, as Envoy writes them.
         let first_gauge = all.find(" gauge\n").unwrap();
         assert!(!all[first_gauge..].contains(" counter\n"));
+    }
+}
+
+#[cfg(test)]
+mod tag_rules_tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::metrics::v3::{tag_specifier, StatsConfig, TagSpecifier};
+
+    /// istio-agent's bootstrap rules (the 1.18 sidecar dump's `stats_config`).
+    fn istio_rules() -> TagRules {
+        let tag = |n: &str, r: &str| TagSpecifier {
+            tag_name: n.into(),
+            tag_value: Some(tag_specifier::TagValue::Regex(r.into())),
+        };
+        let sc = StatsConfig {
+            stats_tags: vec![
+                tag(
+                    "cluster_name",
+                    r"^cluster\.((.+?(\..+?\.svc\.cluster\.local)?)\.)",
+                ),
+                tag("tcp_prefix", r"^tcp\.((.*?)\.)\w+?$"),
+                tag("response_code", r"_rq(_(\d{3}))$"),
+                tag("response_code_class", r"_rq(_(\dxx))$"),
+                tag(
+                    "http_conn_manager_listener_prefix",
+                    r"^listener(?=\.).*?\.http\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)",
+                ),
+                tag(
+                    "http_conn_manager_prefix",
+                    r"^http\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)",
+                ),
+                tag(
+                    "listener_address",
+                    r"^listener\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)",
+                ),
+                tag("cache", r"(cache\.(.+?)\.)"),
+                tag("component", r"(component\.(.+?)\.)"),
+                tag("tag", r"(tag\.(.+?);\.)"),
+            ],
+            use_all_default_tags: Some(envoy_types::pb::google::protobuf::BoolValue {
+                value: false,
+            }),
+            ..Default::default()
+        };
+        let rules = TagRules::from_bootstrap(&sc).expect("rules");
+        assert_eq!(rules.rules.len(), 10, "every istio-agent regex compiles");
+        rules
+    }
+
+    #[test]
+    fn istio_agent_tag_regexes_name_envoys_stats() {
+        let r = istio_rules();
+        assert_eq!(
+            r.apply("cluster.outbound|9080||reviews.default.svc.cluster.local.upstream_rq_200"),
+            (
+                "envoy_cluster_upstream_rq".to_string(),
+                "cluster_name=\"outbound|9080||reviews.default.svc.cluster.local\",response_code=\"200\""
+                    .to_string()
+            )
+        );
+        assert_eq!(
+            r.apply("cluster.xds-grpc.upstream_cx_total"),
+            (
+                "envoy_cluster_upstream_cx_total".to_string(),
+                "cluster_name=\"xds-grpc\"".to_string()
+            )
+        );
+        assert_eq!(
+            r.apply("http.outbound_0.0.0.0_8080.downstream_rq_total").0,
+            "envoy_http_outbound_0_0_0_0_8080_downstream_rq_total",
+            "a prefix with letters is not an address"
+        );
+        assert_eq!(
+            r.apply("listener.0.0.0.0_8080.downstream_cx_total"),
+            (
+                "envoy_listener_downstream_cx_total".to_string(),
+                "listener_address=\"0.0.0.0_8080\"".to_string()
+            )
+        );
+        assert_eq!(
+            r.apply("server.live"),
+            ("envoy_server_live".to_string(), String::new())
+        );
+        let mut list = StatList::default();
+        list.add(
+            Kind::Counter,
+            "istiocustom.istio_requests_total.reporter.source".into(),
+            "istio_requests_total".into(),
+            "reporter=\"source\"".into(),
+            1,
+        );
+        list.retag(&r);
+        assert_eq!(
+            list.stats[0].metric, "istio_requests_total",
+            "tagged stats are kept"
+        );
+    }
+
+    #[test]
+    fn default_tags_stay_without_istio_rules() {
+        assert!(TagRules::from_bootstrap(&StatsConfig::default()).is_none());
+        // No default tags and no rules: no tags at all, as Envoy.
+        let none = TagRules::from_bootstrap(&StatsConfig {
+            use_all_default_tags: Some(envoy_types::pb::google::protobuf::BoolValue {
+                value: false,
+            }),
+            ..Default::default()
+        })
+        .expect("rules");
+        assert_eq!(
+            none.apply("cluster.a.upstream_rq_total"),
+            (
+                "envoy_cluster_a_upstream_rq_total".to_string(),
+                String::new()
+            )
+        );
     }
 }

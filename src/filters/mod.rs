@@ -59,6 +59,10 @@ pub enum Translated {
     Run(HttpFilter),
     /// Config-only: the connection manager keeps it for the upstream connector (`istio.alpn`).
     Alpn(Arc<alpn::AlpnOverride>),
+    /// `istio.stats`: the connection manager reports Istio's metrics at each request's end.
+    IstioStats(Arc<crate::telemetry::istio_stats::StatsConfig>),
+    /// `istio.metadata_exchange`: the peer metadata headers, exchanged by the request path.
+    PeerMetadata(Arc<crate::telemetry::istio_stats::PeerMetadataConfig>),
     /// Accepted and never run: it cannot change where a request goes or whether it is
     /// allowed (see the module of the entry).
     Inert,
@@ -104,7 +108,7 @@ pub static REGISTRY: &[Registration] = &[
     Registration {
         type_url: telemetry::ISTIO_TELEMETRY_TYPES[0],
         name: "istio.stats",
-        translate: telemetry::translate_filter,
+        translate: telemetry::translate_stats,
     },
     Registration {
         type_url: telemetry::ISTIO_TELEMETRY_TYPES[1],
@@ -114,7 +118,7 @@ pub static REGISTRY: &[Registration] = &[
     Registration {
         type_url: telemetry::ISTIO_TELEMETRY_TYPES[2],
         name: "istio.metadata_exchange",
-        translate: telemetry::translate_filter,
+        translate: telemetry::translate_peer_metadata,
     },
     Registration {
         type_url: grpc_stats::TYPE,

@@ -122,7 +122,7 @@ fn the_registry_knows_each_type_once_and_sees_through_wrappers() {
             config: &wrapped,
             disabled: false
         }),
-        Ok(Translated::Inert)
+        Ok(Translated::IstioStats(_))
     ));
     assert!(lookup(&any("type.googleapis.com/some.Unknown", vec![])).is_none());
     // A fault config as JSON in a TypedStruct is refused rather than half read.

@@ -25,6 +25,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         xfcc: Default::default(),
         path: Default::default(),
         alpn: None,
+        istio: Default::default(),
         underscores: Default::default(),
         access_log: Default::default(),
     };

@@ -789,6 +789,11 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 // Closed when the drain time of its chain (or listener) is over.
                 let close = server.signals.close.subscribe();
                 let local = local.or_else(|| tcp.local_addr().ok());
+                let istio = active
+                    .def
+                    .istio_stats
+                    .as_deref()
+                    .map(|c| (c, &conns.state.istio));
                 match &active.tls {
                     // Istio's `tls.mode: SIMPLE` on a TLS server with tcp routes: the chain
                     // terminates TLS and proxies the plaintext.
@@ -800,14 +805,15 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                     {
                         Ok((session, _)) => {
                             super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
-                            super::tcp::serve(session, peer, local, proxy, snap, s, close).await;
+                            super::tcp::serve(session, peer, local, proxy, snap, s, close, istio)
+                                .await;
                         }
                         Err(e) => {
                             super::tls::count_failure(&conns.stats.ssl, &e);
                             tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
                         }
                     },
-                    None => super::tcp::serve(tcp, peer, local, proxy, snap, s, close).await,
+                    None => super::tcp::serve(tcp, peer, local, proxy, snap, s, close, istio).await,
                 }
             }
             return;

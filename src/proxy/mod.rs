@@ -36,6 +36,7 @@ pub mod client_cert;
 mod downstream;
 mod hbone;
 pub mod io;
+mod istio;
 pub mod listeners;
 mod local_reply;
 mod mirror;
@@ -220,6 +221,9 @@ pub struct Ctx {
     upstream_h2: bool,
     /// The request's record for access logs, metrics and traces (`observe`).
     pub(crate) info: crate::telemetry::StreamInfo,
+    /// The request carried `x-envoy-peer-metadata-id` / `x-envoy-peer-metadata` (the
+    /// metadata exchange answers with the gateway's own then).
+    mx_request: (bool, bool),
     /// The routed cluster's counters for this gRPC call (`envoy.filters.http.grpc_stats`).
     grpc_counters: Option<Arc<crate::live::grpc::MethodCounters>>,
 }
@@ -304,6 +308,9 @@ impl ProxyHttp for Gateway {
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = downstream::expects_continue(session.req_header());
+        // `istio.metadata_exchange` and `istio.stats` read the request's headers (the former
+        // removes the peer's metadata headers, which are not forwarded).
+        istio::request(session, ctx);
         // The route and its weighted-cluster pick, before any filter runs.
         let host = downstream::authority(session, &listener);
         let view = routing::request_view(session.req_header(), &host);
@@ -409,6 +416,7 @@ impl ProxyHttp for Gateway {
         routing::apply_rewrites(upstream, ctx)?;
         upstream::attempt_headers(upstream, ctx)?;
         self.mirror_head(session, upstream, ctx);
+        istio::upstream_request(upstream, ctx, &self.state)?;
         ctx.upstream_start = Some(Instant::now());
         observe::upstream_sent(&mut ctx.info);
         Ok(())
@@ -438,6 +446,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         observe::upstream_answered(&mut ctx.info);
+        istio::upstream_response(resp, ctx);
         self.upstream_response(session, resp, ctx)
     }
 
@@ -494,6 +503,7 @@ impl ProxyHttp for Gateway {
             session.set_keepalive(None);
         }
         upstream::response_headers(session, resp, ctx)?;
+        istio::response(resp, ctx, &self.state)?;
         self.compress_response(session, resp, ctx)
     }
 
@@ -514,6 +524,7 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        istio::finish(session, ctx, &self.state);
         observe::access_log(session, ctx);
         let code = ctx.info.response_code;
         if ctx.counted_active {

@@ -13,12 +13,14 @@ use tokio::sync::watch;
 use crate::admin::stats::TcpStats;
 use crate::snapshot::tcp_proxy::TcpProxy;
 use crate::snapshot::Snapshot;
+use crate::telemetry::istio_stats::{Istio, StatsConfig};
 use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
 
 /// Serves one downstream connection on a tcp_proxy chain. `snap` is the snapshot the chain was
 /// picked from; it is let go once the upstream is connected. `close` turns true when the drain
 /// of the connection's chain (changed or removed by a push) or listener is over: Envoy closes
-/// what is left then (`--drain-time-s`, 600 s by default).
+/// what is left then (`--drain-time-s`, 600 s by default). `istio`: the chain's network
+/// `istio.stats` filter and where its metrics go.
 pub async fn serve<D>(
     down: D,
     peer: SocketAddr,
@@ -27,6 +29,7 @@ pub async fn serve<D>(
     snap: Arc<Snapshot>,
     stats: &TcpStats,
     close: watch::Receiver<bool>,
+    istio: Option<(&StatsConfig, &Istio)>,
 ) where
     D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -39,6 +42,7 @@ pub async fn serve<D>(
     let Some(up) = connect(proxy, &snap, stats, peer, &mut info).await else {
         // Envoy closes the downstream connection without a byte when no upstream is reached.
         info.last_downstream_tx = Some(info.elapsed());
+        report(istio, &info);
         access_log(proxy, &info);
         return;
     };
@@ -52,7 +56,16 @@ pub async fn serve<D>(
     info.bytes_received = moved.received;
     info.bytes_sent = moved.sent;
     info.last_downstream_tx = Some(info.elapsed());
+    report(istio, &info);
     access_log(proxy, &info);
+}
+
+/// The connection is over: Istio's TCP metrics (see `Store::record_tcp`).
+fn report(istio: Option<(&StatsConfig, &Istio)>, info: &StreamInfo) {
+    if let Some((cfg, ist)) = istio {
+        ist.store.configured();
+        ist.store.record_tcp(cfg, &ist.node, info);
+    }
 }
 
 /// tcp_proxy's `access_log`, once the connection is over.
@@ -118,6 +131,11 @@ async fn connect(
             return None;
         }
         info.upstream_host = Some(addr);
+        info.upstream_workload = cluster
+            .endpoints
+            .hosts
+            .get(i)
+            .and_then(|h| h.workload.clone());
         match tokio::time::timeout(cluster.def.connect_timeout, TcpStream::connect(addr)).await {
             Ok(Ok(up)) => return Some(up),
             Ok(Err(e)) => {

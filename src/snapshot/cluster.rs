@@ -269,6 +269,8 @@ pub struct SpecEndpoint {
     /// `envoy_internal_address`: the endpoint is an internal listener (`host`/`port` are
     /// its `endpoint_id`).
     pub internal: Option<Arc<InternalAddr>>,
+    /// The endpoint's `istio` metadata `workload` (Istio's destination labels).
+    pub workload: Option<Arc<crate::telemetry::istio_stats::PeerInfo>>,
 }
 
 /// An endpoint whose address is an internal listener (`envoy_internal_address`): istiod's
@@ -376,6 +378,11 @@ pub struct Host {
     pub labels: Option<Arc<super::upstream_tls::SocketLabels>>,
     /// An internal listener's endpoint: connections go through that listener's chain.
     pub internal: Option<Arc<InternalAddr>>,
+    /// The endpoint's `istio` filter metadata `workload`
+    /// (`name;namespace;canonical_service;canonical_revision;cluster`), parsed: Istio's
+    /// destination labels when the upstream sends no peer metadata. None without it (or when
+    /// it has fewer than five parts, which istio-proxy ignores too).
+    pub workload: Option<Arc<crate::telemetry::istio_stats::PeerInfo>>,
 }
 
 /// A translated ClusterLoadAssignment.
@@ -965,6 +972,12 @@ impl ClusterDef {
         };
         accepted_fields(c).map_err(err)?;
         let telemetry = Arc::new(crate::telemetry::UpstreamInfo {
+            istio: c
+                .metadata
+                .as_ref()
+                .and_then(|m| m.filter_metadata.get("istio"))
+                .map(crate::telemetry::istio_stats::IstioClusterMetadata::from_metadata)
+                .unwrap_or_default(),
             name: Arc::from(c.name.as_str()),
             observability_name: Arc::from(if c.alt_stat_name.is_empty() {
                 c.name.as_str()
@@ -1803,6 +1816,7 @@ fn load_assignment_spec(
             };
             let labels = (labels != Default::default()).then(|| Arc::new(labels));
             spec.endpoints.push(SpecEndpoint {
+                workload: istio_workload(lb.metadata.as_ref()),
                 labels,
                 internal: internal.map(|(i, _)| i),
                 host,
@@ -1816,6 +1830,20 @@ fn load_assignment_spec(
         }
     }
     Ok(spec)
+}
+
+/// An endpoint's `istio` filter metadata `workload` string, parsed (see `Host::workload`).
+fn istio_workload(
+    md: Option<&corepb::Metadata>,
+) -> Option<Arc<crate::telemetry::istio_stats::PeerInfo>> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let v = md?.filter_metadata.get("istio")?.fields.get("workload")?;
+    match &v.kind {
+        Some(Kind::StringValue(s)) => {
+            crate::telemetry::istio_stats::PeerInfo::from_endpoint(s).map(Arc::new)
+        }
+        _ => None,
+    }
 }
 
 impl LoadAssignment {
@@ -1844,6 +1872,7 @@ impl LoadAssignment {
             hostname,
             labels: e.labels.clone(),
             internal: e.internal.clone(),
+            workload: e.workload.clone(),
         }
     }
 
@@ -1930,6 +1959,7 @@ mod tests {
                     hostname: None,
                     labels: None,
                     internal: None,
+                    workload: None,
                 },
                 SpecEndpoint {
                     host: "10.0.0.9".into(),
@@ -1941,6 +1971,7 @@ mod tests {
                     hostname: None,
                     labels: None,
                     internal: None,
+                    workload: None,
                 },
             ],
             ..Default::default()

@@ -129,6 +129,7 @@ fn defaults() {
             telemetry: Arc::new(crate::telemetry::UpstreamInfo {
                 name: Arc::from("c"),
                 observability_name: Arc::from("c"),
+                istio: Default::default(),
             }),
             name: Arc::from("c"),
             kind: DiscoveryKind::Static,
@@ -1336,6 +1337,7 @@ mod consistent_hashing {
                     hostname: None,
                     labels: None,
                     internal: None,
+                    workload: None,
                 })
                 .collect(),
             ..Default::default()
@@ -1411,6 +1413,7 @@ mod consistent_hashing {
                 hostname: None,
                 labels: None,
                 internal: None,
+                workload: None,
             })
             .collect(),
             ..Default::default()
@@ -1449,6 +1452,7 @@ mod consistent_hashing {
                     hostname: None,
                     labels: None,
                     internal: None,
+                    workload: None,
                 })
                 .collect(),
             ..Default::default()
@@ -2044,6 +2048,7 @@ fn from_resolved_skips_unresolvable_hosts() {
         hostname: None,
         labels: None,
         internal: None,
+        workload: None,
     };
     let spec = LoadAssignmentSpec {
         endpoints: vec![

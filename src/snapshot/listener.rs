@@ -20,6 +20,7 @@ pub use crate::filters::alpn::AlpnOverride;
 use crate::filters::telemetry::{config_type, istio_telemetry, MX_NETWORK_TYPE};
 use crate::filters::{HttpFilter, Translated};
 use crate::telemetry::access_log::AccessLogs;
+use crate::telemetry::istio_stats::{StatsConfig, STATS_TYPE};
 
 pub const HCM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
@@ -228,6 +229,9 @@ pub struct ChainDef {
     /// it on gateway chains against slow handshakes). None: no limit, Envoy's default.
     pub handshake_timeout: Option<std::time::Duration>,
     pub filter: NetworkFilter,
+    /// The network `istio.stats` filter in front of a tcp_proxy: Istio's TCP metrics for
+    /// each connection. (On an HTTP chain istiod puts it among the HTTP filters instead.)
+    pub istio_stats: Option<Arc<StatsConfig>>,
     /// The `FilterChain` as received. Envoy tells a chain a push kept from one it changed by
     /// comparing these messages whole (match, name and filters included): a kept chain keeps
     /// its connections, a changed one drains them.
@@ -346,6 +350,8 @@ pub struct Hcm {
     pub path: PathNormalization,
     /// `istio.alpn`: the ALPN offered upstream over TLS instead of the cluster's.
     pub alpn: Option<Arc<AlpnOverride>>,
+    /// `istio.stats` and `istio.metadata_exchange`: Istio's metrics and peer metadata.
+    pub istio: crate::telemetry::istio_stats::IstioFilters,
     /// `common_http_protocol_options.headers_with_underscores_action` (Envoy Gateway sets
     /// REJECT_REQUEST).
     pub underscores: Underscores,
@@ -792,6 +798,7 @@ impl ChainDef {
             return Err(format!("{at}: no network filters"));
         };
         let mut mx = false;
+        let mut istio_stats = None;
         for (i, f) in before.iter().enumerate() {
             if f.name.is_empty() {
                 return Err(format!("{at}.filters[{i}]: name must not be empty"));
@@ -800,6 +807,14 @@ impl ChainDef {
                 Some(lpb::filter::ConfigType::TypedConfig(a)) => match istio_telemetry(a) {
                     Some(t) => {
                         mx |= t == MX_NETWORK_TYPE;
+                        if t == STATS_TYPE {
+                            let cfg = StatsConfig::from_any(a)
+                                .map_err(|e| format!("{at}.filters[{i}] '{}': {e}", f.name))?;
+                            for w in &cfg.warnings {
+                                tracing::warn!(filter = %f.name, "istio.stats: {w}");
+                            }
+                            istio_stats = Some(Arc::new(cfg));
+                        }
                         continue;
                     }
                     None => config_type(a),
@@ -866,6 +881,7 @@ impl ChainDef {
             other => other,
         };
         Ok(ChainDef {
+            istio_stats,
             name: chain.name.clone(),
             addr,
             tls,
@@ -936,7 +952,11 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
-        let HttpFilters { filters, alpn } = check_http_filters(&h.http_filters)?;
+        let HttpFilters {
+            filters,
+            alpn,
+            istio,
+        } = check_http_filters(&h.http_filters)?;
         let opt_duration =
             |field: &str, d: Option<&envoy_types::pb::google::protobuf::Duration>| {
                 d.map(|d| super::duration(d).map_err(|e| format!("{field}: {e}")))
@@ -1033,6 +1053,7 @@ impl Hcm {
         let access_log = AccessLogs::translate(&h.access_log, "access_log")?;
         Ok(Hcm {
             access_log,
+            istio,
             underscores,
             path,
             alpn,
@@ -1132,6 +1153,7 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
 struct HttpFilters {
     filters: Vec<HttpFilter>,
     alpn: Option<Arc<AlpnOverride>>,
+    istio: crate::telemetry::istio_stats::IstioFilters,
 }
 
 /// Envoy's rule: the router must be the last filter (no filters at all means the router
@@ -1149,6 +1171,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
         return Ok(HttpFilters {
             filters: Vec::new(),
             alpn: None,
+            istio: Default::default(),
         });
     };
     if last.name == "envoy.filters.http.router" && last.config_type.is_none() {
@@ -1172,6 +1195,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
     let mut out = HttpFilters {
         filters: Vec::new(),
         alpn: None,
+        istio: Default::default(),
     };
     for (i, f) in filters[..filters.len() - 1].iter().enumerate() {
         if is_router(f) {
@@ -1197,6 +1221,10 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
             {
                 Translated::Run(filter) => out.filters.push(filter),
                 Translated::Alpn(a) => out.alpn = Some(a),
+                // Envoy would run a second instance too; one set of metrics per chain is
+                // what istiod renders, and a second entry reports the same series.
+                Translated::IstioStats(c) => out.istio.stats = Some(c),
+                Translated::PeerMetadata(c) => out.istio.peer_metadata = Some(c),
                 Translated::Inert => {}
             }
             continue;

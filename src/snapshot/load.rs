@@ -410,6 +410,7 @@ mod tests {
             hostname: None,
             labels: None,
             internal: None,
+            workload: None,
         }
     }
 

@@ -9,6 +9,7 @@
 //! task of their own.
 
 pub mod access_log;
+pub mod istio_stats;
 pub mod stream_info;
 
 pub use stream_info::{Protocol, ResponseFlag, ResponseFlags, StreamInfo, UpstreamInfo};

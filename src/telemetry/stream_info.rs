@@ -213,6 +213,9 @@ pub struct UpstreamInfo {
     /// `alt_stat_name` when set, else the name (`%UPSTREAM_CLUSTER%`, Envoy's observability
     /// name).
     pub observability_name: Arc<str>,
+    /// The cluster's `istio` filter metadata (`services`, `external`, `disable_mx`): Istio's
+    /// destination service labels, and whether peer metadata headers go to it.
+    pub istio: crate::telemetry::istio_stats::IstioClusterMetadata,
 }
 
 /// One request's (or TCP connection's) record. Times are offsets from `started`.
@@ -269,6 +272,25 @@ pub struct StreamInfo {
     pub grpc_status: Option<u32>,
     /// `%CONNECTION_ID%`.
     pub connection_id: u64,
+    /// The request is gRPC (`content-type: application/grpc*`): Istio's `request_protocol`
+    /// is `grpc` and its `grpc_response_status` is reported.
+    pub grpc_request: bool,
+    /// The chosen endpoint's `istio` filter metadata `workload`
+    /// (`name;namespace;canonical_service;canonical_revision;cluster`), parsed at
+    /// translation: Istio's destination labels when the upstream sent no peer metadata.
+    pub upstream_workload: Option<Arc<crate::telemetry::istio_stats::PeerInfo>>,
+    /// The peers `istio.metadata_exchange` found: the downstream's in the request headers,
+    /// the upstream's in the response headers.
+    pub peers: crate::telemetry::istio_stats::Peers,
+    /// The request's and the response's head as they go on the wire in HTTP/1 form (start
+    /// line, headers, blank line), measured only when an observer needs them (`istio.stats`:
+    /// istio-proxy's byte histograms read Envoy's wire byte meters, which count heads and
+    /// bodies; for HTTP/2 this is the uncompressed size, not the HPACK frames').
+    pub request_head_bytes: u64,
+    pub response_head_bytes: u64,
+    /// Request values the connection manager's `istio.stats` dimensions read (its
+    /// `StatsConfig::captures`, in order); empty when it needs none.
+    pub istio_attributes: Vec<Option<String>>,
     /// The gRPC stats filter's filter state (`emit_filter_state`): messages each way.
     pub grpc_messages: Option<(u64, u64)>,
 }
@@ -308,6 +330,12 @@ impl StreamInfo {
             attempts: 0,
             grpc_status: None,
             connection_id: 0,
+            grpc_request: false,
+            upstream_workload: None,
+            peers: Default::default(),
+            istio_attributes: Vec::new(),
+            request_head_bytes: 0,
+            response_head_bytes: 0,
             grpc_messages: None,
         }
     }

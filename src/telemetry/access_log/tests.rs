@@ -24,6 +24,7 @@ fn info() -> StreamInfo {
     i.upstream = Some(Arc::new(UpstreamInfo {
         name: "up".into(),
         observability_name: "up-alt".into(),
+        ..Default::default()
     }));
     i.upstream_host = Some("127.0.0.1:18002".parse().unwrap());
     i.upstream_local = Some("127.0.0.1:48144".parse().unwrap());
