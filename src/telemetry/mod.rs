@@ -9,5 +9,6 @@
 //! task of their own.
 
 pub mod stream_info;
+pub mod trace;
 
 pub use stream_info::{Protocol, ResponseFlag, ResponseFlags, StreamInfo, UpstreamInfo};

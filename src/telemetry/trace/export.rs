@@ -1,0 +1,299 @@
+//! Span export off the request path: the request path hands finished spans to a bounded
+//! channel ([`Tracer::report`], never blocking; a full channel drops and counts); one task
+//! batches them per provider as Envoy's reporters do (a flush at `min_flush_spans`, Envoy's
+//! 5, or every `flush_interval`, Envoy's 5 s; the runtime keys `tracing.zipkin.*` and
+//! `tracing.opentelemetry.*` of the bootstrap's static runtime layer set them) and sends
+//! each batch to a host of the provider's cluster, which it finds through [`Resolve`].
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use super::config::{OpenTelemetry, Provider, Zipkin};
+use super::otlp;
+use super::span::{FinishedSpan, LocalInfo};
+
+/// The endpoints of a cluster in the current configuration: the edge provides it (telemetry
+/// cannot read the snapshot).
+pub type Resolve = Arc<dyn Fn(&str) -> Vec<SocketAddr> + Send + Sync>;
+
+/// Spans waiting for the exporter at most; more are dropped.
+const QUEUE: usize = 4096;
+
+/// Batching as Envoy's runtime keys say.
+#[derive(Debug, Clone, Copy)]
+pub struct Batching {
+    pub zipkin_min_flush_spans: usize,
+    pub zipkin_flush_interval: Duration,
+    pub otel_min_flush_spans: usize,
+    pub otel_flush_interval: Duration,
+    pub request_timeout: Duration,
+}
+
+impl Default for Batching {
+    fn default() -> Batching {
+        Batching {
+            zipkin_min_flush_spans: 5,
+            zipkin_flush_interval: Duration::from_millis(5000),
+            otel_min_flush_spans: 5,
+            otel_flush_interval: Duration::from_millis(5000),
+            request_timeout: Duration::from_millis(5000),
+        }
+    }
+}
+
+impl Batching {
+    /// From runtime values (`tracing.zipkin.min_flush_spans`, `tracing.zipkin.flush_interval_ms`,
+    /// `tracing.zipkin.request_timeout`, `tracing.opentelemetry.min_flush_spans`,
+    /// `tracing.opentelemetry.flush_interval_ms`), Envoy's defaults for the others.
+    pub fn from_runtime(get: impl Fn(&str) -> Option<u64>) -> Batching {
+        let d = Batching::default();
+        let ms = |k: &str, d: Duration| get(k).map_or(d, Duration::from_millis);
+        Batching {
+            zipkin_min_flush_spans: get("tracing.zipkin.min_flush_spans")
+                .map_or(d.zipkin_min_flush_spans, |v| v as usize),
+            zipkin_flush_interval: ms("tracing.zipkin.flush_interval_ms", d.zipkin_flush_interval),
+            otel_min_flush_spans: get("tracing.opentelemetry.min_flush_spans")
+                .map_or(d.otel_min_flush_spans, |v| v as usize),
+            otel_flush_interval: ms(
+                "tracing.opentelemetry.flush_interval_ms",
+                d.otel_flush_interval,
+            ),
+            request_timeout: ms("tracing.zipkin.request_timeout", d.request_timeout),
+        }
+    }
+}
+
+/// The request path's handle on the exporter.
+#[derive(Default)]
+pub struct Tracer {
+    tx: OnceLock<mpsc::Sender<FinishedSpan>>,
+    local: OnceLock<Arc<LocalInfo>>,
+    /// Spans dropped: the queue was full, or the exporter not started.
+    pub dropped: AtomicU64,
+    /// Spans sent, and batches the collector refused or that failed.
+    pub sent: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl Tracer {
+    /// Hands a finished span to the exporter; never waits.
+    pub fn report(&self, span: FinishedSpan) {
+        let ok = self.tx.get().is_some_and(|tx| tx.try_send(span).is_ok());
+        if !ok {
+            self.dropped.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// The node as spans show it.
+    pub fn local(&self) -> Option<&Arc<LocalInfo>> {
+        self.local.get()
+    }
+
+    /// Starts the exporter task on the current runtime (once; later calls do nothing).
+    pub fn start(self: &Arc<Self>, local: LocalInfo, batching: Batching, resolve: Resolve) {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        if self.tx.set(tx).is_err() {
+            return;
+        }
+        let local = Arc::new(local);
+        let _ = self.local.set(local.clone());
+        let me = Arc::downgrade(self);
+        tokio::spawn(run(rx, local, batching, resolve, me));
+    }
+}
+
+async fn run(
+    mut rx: mpsc::Receiver<FinishedSpan>,
+    local: Arc<LocalInfo>,
+    batching: Batching,
+    resolve: Resolve,
+    tracer: std::sync::Weak<Tracer>,
+) {
+    let mut pending: HashMap<Arc<Provider>, Vec<FinishedSpan>> = HashMap::new();
+    let tick = batching
+        .zipkin_flush_interval
+        .min(batching.otel_flush_interval)
+        .max(Duration::from_millis(10));
+    let mut timer = tokio::time::interval(tick);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            span = rx.recv() => {
+                let Some(span) = span else { return };
+                let Some(provider) = span.config.provider.clone() else { continue };
+                let min = match &*provider {
+                    Provider::Zipkin(_) => batching.zipkin_min_flush_spans,
+                    Provider::OpenTelemetry(_) => batching.otel_min_flush_spans,
+                    Provider::Unimplemented(_) => continue,
+                };
+                let batch = pending.entry(provider.clone()).or_default();
+                batch.push(span);
+                if batch.len() >= min.max(1) {
+                    let batch = std::mem::take(batch);
+                    send(&provider, batch, &local, &batching, &resolve, &tracer);
+                }
+            }
+            _ = timer.tick() => {
+                for (provider, batch) in pending.iter_mut() {
+                    if !batch.is_empty() {
+                        let batch = std::mem::take(batch);
+                        send(provider, batch, &local, &batching, &resolve, &tracer);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// Sends one batch on a task of its own, so a slow collector never holds the queue.
+fn send(
+    provider: &Provider,
+    batch: Vec<FinishedSpan>,
+    local: &Arc<LocalInfo>,
+    batching: &Batching,
+    resolve: &Resolve,
+    tracer: &std::sync::Weak<Tracer>,
+) {
+    let n = batch.len() as u64;
+    let hosts = match provider {
+        Provider::Zipkin(z) => resolve(&z.cluster),
+        Provider::OpenTelemetry(o) => resolve(&o.cluster),
+        Provider::Unimplemented(_) => return,
+    };
+    let count = |ok: bool| {
+        if let Some(t) = tracer.upgrade() {
+            if ok { &t.sent } else { &t.failed }.fetch_add(n, Relaxed);
+        }
+    };
+    // Envoy's cluster load balancing, simply: a random host of the cluster.
+    let Some(host) = (!hosts.is_empty()).then(|| hosts[fastrand::usize(..hosts.len())]) else {
+        tracing::debug!("tracing: collector cluster has no endpoints; {n} spans not sent");
+        count(false);
+        return;
+    };
+    let timeout = batching.request_timeout;
+    let tracer = tracer.clone();
+    match provider {
+        Provider::Zipkin(z) => {
+            let body = zipkin_body(z, &batch, local);
+            let z = z.clone();
+            tokio::spawn(async move {
+                let ok = tokio::time::timeout(timeout, post_zipkin(host, &z, body))
+                    .await
+                    .unwrap_or_else(|_| Err("timed out".into()));
+                if let Err(e) = &ok {
+                    tracing::debug!("tracing: zipkin report to {host}: {e}");
+                }
+                if let Some(t) = tracer.upgrade() {
+                    if ok.is_ok() { &t.sent } else { &t.failed }.fetch_add(n, Relaxed);
+                }
+            });
+        }
+        Provider::OpenTelemetry(o) => {
+            let req = otlp_request(o, &batch, local);
+            let o = o.clone();
+            tokio::spawn(async move {
+                let ok = tokio::time::timeout(timeout, export_otlp(host, &o, req))
+                    .await
+                    .unwrap_or_else(|_| Err("timed out".into()));
+                if let Err(e) = &ok {
+                    tracing::debug!("tracing: OpenTelemetry export to {host}: {e}");
+                }
+                if let Some(t) = tracer.upgrade() {
+                    if ok.is_ok() { &t.sent } else { &t.failed }.fetch_add(n, Relaxed);
+                }
+            });
+        }
+        Provider::Unimplemented(_) => {}
+    }
+}
+
+/// Zipkin JSON v2 (HTTP_PROTO is encoded as JSON too: not implemented).
+pub fn zipkin_body(z: &Zipkin, batch: &[FinishedSpan], local: &LocalInfo) -> Vec<u8> {
+    let spans: Vec<serde_json::Value> = batch
+        .iter()
+        .map(|s| s.zipkin_json(z.shared_span_context, local, &env_var))
+        .collect();
+    serde_json::to_vec(&spans).unwrap_or_default()
+}
+
+async fn post_zipkin(host: SocketAddr, z: &Zipkin, body: Vec<u8>) -> Result<(), String> {
+    use http_body_util::Full;
+    let stream = tokio::net::TcpStream::connect(host)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = http::Request::post(z.endpoint.as_str())
+        .header(http::header::HOST, z.hostname.as_str())
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(bytes::Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    // Envoy counts anything but 202 as dropped.
+    if resp.status() != http::StatusCode::ACCEPTED {
+        return Err(format!("collector answered {}", resp.status()));
+    }
+    Ok(())
+}
+
+/// One Export request for a batch: a resource with the service name, one scope.
+pub fn otlp_request(
+    o: &OpenTelemetry,
+    batch: &[FinishedSpan],
+    local: &LocalInfo,
+) -> otlp::ExportTraceServiceRequest {
+    otlp::ExportTraceServiceRequest {
+        resource_spans: vec![otlp::ResourceSpans {
+            resource: Some(otlp::Resource {
+                attributes: vec![otlp::KeyValue::string("service.name", o.service_name.as_str())],
+            }),
+            scope_spans: vec![otlp::ScopeSpans {
+                scope: None,
+                spans: batch.iter().map(|s| s.otlp(local, &env_var)).collect(),
+                schema_url: String::new(),
+            }],
+            schema_url: String::new(),
+        }],
+    }
+}
+
+async fn export_otlp(
+    host: SocketAddr,
+    o: &OpenTelemetry,
+    req: otlp::ExportTraceServiceRequest,
+) -> Result<(), String> {
+    let origin: http::Uri = format!("http://{}", o.authority)
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{host}"))
+        .map_err(|e| e.to_string())?
+        .origin(origin)
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.map_err(|e| e.to_string())?;
+    let codec: tonic_prost::ProstCodec<otlp::ExportTraceServiceRequest, otlp::ExportTraceServiceResponse> =
+        tonic_prost::ProstCodec::default();
+    grpc.unary(
+        tonic::Request::new(req),
+        http::uri::PathAndQuery::from_static(otlp::EXPORT_PATH),
+        codec,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
