@@ -165,7 +165,7 @@ fn view<'a>(host: &'a str, path: &'a str, headers: &'a HeaderMap) -> RequestView
 
 /// The name of the route picked for `path` on host `example.com` with `hdrs`.
 fn pick<'t>(t: &'t RouteTable, path: &str, hdrs: &HeaderMap) -> Option<&'t str> {
-    route(t, &view("example.com", path, hdrs)).map(|(_, r)| r.name.as_str())
+    route(t, &view("example.com", path, hdrs)).map(|(_, r)| &*r.name)
 }
 
 fn hits(t: &RouteTable, path: &str) -> bool {
@@ -191,7 +191,7 @@ fn vhost_is_picked_by_host_then_first_matching_route() {
     ]);
     let h = HeaderMap::new();
     let picked = |host: &str, path: &str| {
-        route(&t, &view(host, path, &h)).map(|(v, r)| (v.name.as_str(), r.name.as_str()))
+        route(&t, &view(host, path, &h)).map(|(v, r)| (v.name.as_str(), &*r.name))
     };
     assert_eq!(picked("a.com", "/api/x"), Some(("a", "a-api")));
     assert_eq!(picked("a.com", "/other"), Some(("a", "a-all")));

@@ -189,6 +189,8 @@ pub struct FilterState {
     pub rate_limit_response: Option<Arc<local_ratelimit::LocalRateLimit>>,
     /// A CORS request from an allowed origin: the policy and the origin, for the response.
     pub cors: Option<(Arc<cors::Cors>, String)>,
+    /// A filter delayed the request (Envoy's `DI` response flag).
+    pub delay_injected: bool,
 }
 
 impl FilterState {
@@ -271,6 +273,7 @@ pub async fn run(
     for f in filters {
         let mut d = f.decode(req, st, stats);
         while let Decision::Delay(t) = d {
+            st.delay_injected = true;
             tokio::time::sleep(t).await;
             d = f.after_delay(req, st, stats);
         }

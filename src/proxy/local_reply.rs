@@ -10,10 +10,12 @@ use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::observe::details;
 use super::timeouts::TimeoutKind;
 use super::upstream::OVERFLOW;
 use super::{filter_response_headers, hbone, Ctx, Gateway};
 use crate::filters::{self, LocalReply};
+use crate::telemetry::ResponseFlag;
 
 static X_OVERLOADED: HeaderName = HeaderName::from_static("x-envoy-overloaded");
 
@@ -23,9 +25,10 @@ impl Gateway {
     pub(super) async fn filter_reply(
         &self,
         session: &mut Session,
-        ctx: &Ctx,
+        ctx: &mut Ctx,
         r: LocalReply,
     ) -> Result<bool> {
+        ctx.outcome(super::observe::filter_flag(r.details), r.details);
         tracing::trace!(
             details = r.details,
             status = r.status,
@@ -159,13 +162,32 @@ impl Gateway {
         ctx: &mut Ctx,
     ) -> FailToProxy {
         if session.response_written().is_some() {
+            if e.esource() == &ErrorSource::Upstream {
+                let (flag, details) = match e.etype() {
+                    ErrorType::InvalidHTTPHeader
+                    | ErrorType::H1Error
+                    | ErrorType::H2Error
+                    | ErrorType::InvalidH2 => (
+                        ResponseFlag::UpstreamProtocolError,
+                        details::RESET_AFTER_PROTOCOL,
+                    ),
+                    _ => (
+                        ResponseFlag::UpstreamConnectionTermination,
+                        details::RESET_AFTER_TERMINATION,
+                    ),
+                };
+                ctx.outcome(Some(flag), details);
+            }
             // The response has started: all that is left is to cut it short, as Envoy does.
             return FailToProxy {
                 error_code: 0,
                 can_reuse_downstream: false,
             };
         }
-        let (code, body) = failure_reply(e, ctx);
+        let (code, body, flag, details) = failure_reply(e, ctx);
+        if code > 0 || flag.is_some() {
+            ctx.outcome(flag, details);
+        }
         if code > 0 {
             // pingora closes the downstream connection after a failed proxy attempt; saying so
             // keeps clients from reusing it (Envoy keeps it open).
@@ -197,61 +219,112 @@ impl Gateway {
     }
 }
 
-/// Envoy's status and details for a failed proxy attempt (0: no reply, the client is gone).
-/// A route or per-try timeout counts in the cluster's `upstream_rq_timeout`.
-fn failure_reply(e: &Error, ctx: &Ctx) -> (u16, &'static str) {
+/// Envoy's body for an upstream reset before the response started.
+macro_rules! reset {
+    ($reason:literal) => {
+        concat!(
+            "upstream connect error or disconnect/reset before headers. reset reason: ",
+            $reason
+        )
+    };
+}
+
+/// Envoy's status, body, response flag and details for a failed proxy attempt (status 0: no
+/// reply, the client is gone). A route or per-try timeout counts in the cluster's
+/// `upstream_rq_timeout`.
+fn failure_reply(e: &Error, ctx: &Ctx) -> (u16, &'static str, Option<ResponseFlag>, &'static str) {
     use ErrorType::*;
+    use ResponseFlag as F;
     let upstream = e.esource() == &ErrorSource::Upstream;
     match e.etype() {
         InvalidHTTPHeader | H1Error | H2Error | InvalidH2 if upstream => (
             502,
-            "upstream connect error or disconnect/reset before headers. reset reason: protocol error",
+            reset!("protocol error"),
+            Some(F::UpstreamProtocolError),
+            details::RESET_PROTOCOL,
         ),
-        HTTPStatus(code) => (*code, ""),
+        HTTPStatus(code) => (*code, "", None, ""),
         t if *t == OVERFLOW => (
             503,
-            "upstream connect error or disconnect/reset before headers. reset reason: overflow",
+            reset!("overflow"),
+            Some(F::UpstreamOverflow),
+            details::RESET_OVERFLOW,
         ),
         ConnectTimedout => (
             503,
-            "upstream connect error or disconnect/reset before headers. reset reason: connection timeout",
+            reset!("connection timeout"),
+            Some(F::UpstreamConnectionFailure),
+            details::RESET_CONNECT_TIMEOUT,
         ),
         // A failed upstream handshake too: Envoy names no TLS reason in the reply.
         ConnectRefused | ConnectNoRoute | ConnectError | ConnectProxyFailure
         | TLSHandshakeFailure => (
             503,
-            "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure",
+            reset!("remote connection failure"),
+            Some(F::UpstreamConnectionFailure),
+            details::RESET_REMOTE_CONNECT,
         ),
         SocketError | BindError => (
             503,
-            "upstream connect error or disconnect/reset before headers. reset reason: local connection failure",
+            reset!("local connection failure"),
+            Some(F::UpstreamConnectionFailure),
+            details::RESET_LOCAL_CONNECT,
         ),
         ReadTimedout | WriteTimedout => match ctx.timeout_kind {
             // The connection manager's stream timers answer for the stream, not the route.
-            TimeoutKind::Stream => (504, "downstream duration timeout"),
-            TimeoutKind::Idle => (504, "stream timeout"),
-            TimeoutKind::Route | TimeoutKind::PerTry => {
+            TimeoutKind::Stream => (
+                504,
+                "downstream duration timeout",
+                Some(F::DurationTimeout),
+                details::DURATION_TIMEOUT,
+            ),
+            TimeoutKind::Idle => (
+                504,
+                "stream timeout",
+                Some(F::StreamIdleTimeout),
+                details::STREAM_IDLE_TIMEOUT,
+            ),
+            kind @ (TimeoutKind::Route | TimeoutKind::PerTry) => {
                 if let Some(c) = &ctx.cluster {
                     c.stats.rq_timeout.fetch_add(1, Relaxed);
                 }
-                (504, "upstream request timeout")
+                let details = if kind == TimeoutKind::PerTry {
+                    details::PER_TRY_TIMEOUT
+                } else {
+                    details::UPSTREAM_TIMEOUT
+                };
+                (
+                    504,
+                    "upstream request timeout",
+                    Some(F::UpstreamRequestTimeout),
+                    details,
+                )
             }
         },
         // Envoy's internal connection closed by its tcp_proxy when the tunnel failed.
         t if *t == hbone::TUNNEL_FAILURE => (
             503,
-            "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+            reset!("connection termination"),
+            Some(F::UpstreamConnectionTermination),
+            details::RESET_TERMINATION,
         ),
         _ => match e.esource() {
             ErrorSource::Upstream => (
                 503,
-                "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+                reset!("connection termination"),
+                Some(F::UpstreamConnectionTermination),
+                details::RESET_TERMINATION,
             ),
             ErrorSource::Downstream => match e.etype() {
-                WriteError | ReadError | ConnectionClosed => (0, ""),
-                _ => (400, ""),
+                WriteError | ReadError | ConnectionClosed => (
+                    0,
+                    "",
+                    Some(F::DownstreamConnectionTermination),
+                    details::DOWNSTREAM_DISCONNECT,
+                ),
+                _ => (400, "", Some(F::DownstreamProtocolError), ""),
             },
-            ErrorSource::Internal | ErrorSource::Unset => (500, ""),
+            ErrorSource::Internal | ErrorSource::Unset => (500, "", None, ""),
         },
     }
 }

@@ -40,6 +40,7 @@ pub mod listeners;
 mod local_reply;
 mod mirror;
 mod normalize;
+mod observe;
 pub mod proxy_protocol;
 mod retries;
 mod routing;
@@ -210,6 +211,8 @@ pub struct Ctx {
     /// This attempt speaks HTTP/2 upstream (the cluster's protocol, or the client's under
     /// `use_downstream_protocol_config`).
     upstream_h2: bool,
+    /// The request's record for access logs, metrics and traces (`observe`).
+    pub(crate) info: crate::telemetry::StreamInfo,
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -233,6 +236,7 @@ impl Gateway {
         let snap = self.state.snapshot();
         let listener = self.chain.in_snapshot(&snap);
         ctx.snapshot = Some(snap);
+        observe::begin(session, &mut ctx.info);
         if self.chain.gradual_close() {
             session.set_keepalive(None);
         }
@@ -262,6 +266,9 @@ impl ProxyHttp for Gateway {
         let host = downstream::authority(session, &listener);
         let view = routing::request_view(session.req_header(), &host);
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
+        if let Some(r) = matched.filter(|r| !r.name.is_empty()) {
+            ctx.info.route_name = Some(r.name.clone());
+        }
         let Some(hcm) = listener.def.hcm() else {
             // Checked above when the chain was loaded.
             return self.local_reply(session, ctx, 404, None, &[]).await;
@@ -287,17 +294,23 @@ impl ProxyHttp for Gateway {
         // The router: the route's action; a forward gets its host, mirrors, headers and timers.
         let Some(route) = matched else {
             self.hcm_stats.no_route.fetch_add(1, Relaxed);
+            ctx.outcome(
+                Some(crate::telemetry::ResponseFlag::NoRouteFound),
+                observe::details::ROUTE_NOT_FOUND,
+            );
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
         let entry = picked.and_then(|(_, e)| e);
         let fmt = routing::response_headers(session, ctx, hcm, route, entry);
         let fwd = match &route.action {
             Action::Direct { status, body } => {
+                ctx.outcome(None, observe::details::DIRECT_RESPONSE);
                 return self
                     .direct_response(session, ctx, status.as_u16(), body.clone())
                     .await;
             }
             Action::Redirect(r) => {
+                ctx.outcome(None, observe::details::DIRECT_RESPONSE);
                 return self.redirect(session, ctx, r, route.rewrite_len()).await;
             }
             Action::Forward(f) => f,
@@ -349,6 +362,7 @@ impl ProxyHttp for Gateway {
         upstream::attempt_headers(upstream, ctx)?;
         self.mirror_head(session, upstream, ctx);
         ctx.upstream_start = Some(Instant::now());
+        observe::upstream_sent(&mut ctx.info);
         Ok(())
     }
 
@@ -360,6 +374,9 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         self.mirror_body(body, end_of_stream, ctx);
+        if end_of_stream {
+            observe::request_done(&mut ctx.info);
+        }
         Ok(())
     }
 
@@ -369,7 +386,18 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        observe::upstream_answered(&mut ctx.info);
         self.upstream_response(session, resp, ctx)
+    }
+
+    fn upstream_response_trailer_filter(
+        &self,
+        _session: &mut Session,
+        trailers: &mut http::HeaderMap,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        observe::upstream_trailers(&mut ctx.info, trailers);
+        Ok(())
     }
 
     fn error_while_proxy(
@@ -419,8 +447,9 @@ impl ProxyHttp for Gateway {
         self.fail_reply(session, e, ctx).await
     }
 
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
-        let code = session.response_written().map_or(0, |r| r.status.as_u16());
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        observe::finish(session, ctx, e);
+        let code = ctx.info.response_code;
         if ctx.counted_active {
             self.hcm_stats.finish(code);
         }

@@ -26,6 +26,7 @@ impl Gateway {
         };
         if ctx.attempts > policy.num_retries {
             cluster.stats.rq_retry_limit_exceeded.fetch_add(1, Relaxed);
+            super::observe::retries_exhausted(&mut ctx.info, false);
             return false;
         }
         if session.as_ref().retry_buffer_truncated() {
@@ -46,6 +47,7 @@ impl Gateway {
             if active >= max {
                 cluster.stats.retry_active.fetch_sub(1, Relaxed);
                 cluster.stats.rq_retry_overflow.fetch_add(1, Relaxed);
+                super::observe::retries_exhausted(&mut ctx.info, true);
                 return false;
             }
             ctx.retry_slot = true;

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::admin::stats::TcpStats;
 use crate::snapshot::tcp_proxy::TcpProxy;
 use crate::snapshot::Snapshot;
+use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
 
 /// Serves one downstream connection on a tcp_proxy chain. `snap` is the snapshot the chain was
 /// picked from; it is let go once the upstream is connected. `close` turns true when the drain
@@ -29,15 +30,31 @@ pub async fn serve<D>(
     D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     stats.cx_total.fetch_add(1, Relaxed);
-    let Some(up) = connect(proxy, &snap, stats, peer).await else {
+    // The connection's record for its observers (access logs, Istio's TCP metrics).
+    let mut info = StreamInfo::new(Protocol::Tcp);
+    info.downstream_direct_remote = Some(peer);
+    info.downstream_remote = Some(peer);
+    let Some(up) = connect(proxy, &snap, stats, peer, &mut info).await else {
         // Envoy closes the downstream connection without a byte when no upstream is reached.
+        info.last_downstream_tx = Some(info.elapsed());
         return;
     };
     drop(snap);
     let _ = up.set_nodelay(true);
+    info.upstream_local = up.local_addr().ok();
+    info.first_upstream_tx = Some(info.elapsed());
     stats.cx_active.fetch_add(1, Relaxed);
-    pipe(down, up, proxy.idle_timeout, stats, close).await;
+    let moved = pipe(down, up, proxy.idle_timeout, stats, close).await;
     stats.cx_active.fetch_sub(1, Relaxed);
+    info.bytes_received = moved.received;
+    info.bytes_sent = moved.sent;
+    info.last_downstream_tx = Some(info.elapsed());
+}
+
+/// Bytes a connection moved: read from the downstream, and written to it.
+struct Moved {
+    received: u64,
+    sent: u64,
 }
 
 /// An upstream connection to the chain's cluster, trying up to `max_connect_attempts` hosts,
@@ -47,15 +64,20 @@ async fn connect(
     snap: &Snapshot,
     stats: &TcpStats,
     peer: SocketAddr,
+    info: &mut StreamInfo,
 ) -> Option<TcpStream> {
     let name = proxy.cluster(fastrand::u64(..));
     let Some(cluster) = snap.clusters.get(name) else {
         stats.cx_no_route.fetch_add(1, Relaxed);
+        info.flags.set(ResponseFlag::NoClusterFound);
         tracing::debug!(cluster = %name, %peer, "tcp_proxy: no such cluster; closing");
         return None;
     };
+    info.upstream = Some(cluster.def.telemetry.clone());
     for attempt in 1..=proxy.max_connect_attempts {
+        info.attempts = attempt;
         let Some((i, addr)) = cluster.pick() else {
+            info.flags.set(ResponseFlag::NoHealthyUpstream);
             tracing::debug!(cluster = %name, %peer, "tcp_proxy: no healthy upstream; closing");
             return None;
         };
@@ -76,16 +98,23 @@ async fn connect(
             tracing::warn!(cluster = %name, %addr, "tcp_proxy to an upstream TLS endpoint is not supported yet; closing");
             return None;
         }
+        info.upstream_host = Some(addr);
         match tokio::time::timeout(cluster.def.connect_timeout, TcpStream::connect(addr)).await {
             Ok(Ok(up)) => return Some(up),
             Ok(Err(e)) => {
-                tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect failed: {e}")
+                tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect failed: {e}");
+                info.upstream_transport_failure_reason =
+                    Some(format!("delayed connect error: {e}"));
             }
             Err(_) => {
                 tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect timed out")
             }
         }
         cluster.stats.cx_connect_fail.fetch_add(1, Relaxed);
+    }
+    info.flags.set(ResponseFlag::UpstreamConnectionFailure);
+    if proxy.max_connect_attempts > 1 {
+        info.flags.set(ResponseFlag::UpstreamRetryLimitExceeded);
     }
     None
 }
@@ -99,17 +128,19 @@ async fn pipe<D>(
     idle: Option<Duration>,
     stats: &TcpStats,
     mut close: watch::Receiver<bool>,
-) where
+) -> Moved
+where
     D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     let start = Instant::now();
+    let (received, sent) = (AtomicU64::new(0), AtomicU64::new(0));
     // Milliseconds since `start` of the last byte moved, shared by both directions.
     let last = AtomicU64::new(0);
     // Plain TCP or a TLS session the chain terminated.
     let (mut dr, mut dw) = tokio::io::split(down);
     let (mut ur, mut uw) = up.into_split();
-    let upstream = copy(&mut dr, &mut uw, &last, start, &stats.rx_bytes);
-    let downstream = copy(&mut ur, &mut dw, &last, start, &stats.tx_bytes);
+    let upstream = copy(&mut dr, &mut uw, &last, start, [&stats.rx_bytes, &received]);
+    let downstream = copy(&mut ur, &mut dw, &last, start, [&stats.tx_bytes, &sent]);
     let both = async {
         // The first direction to fail ends both: Envoy closes the whole connection on a reset.
         tokio::try_join!(upstream, downstream).map(|_| ())
@@ -142,6 +173,10 @@ async fn pipe<D>(
         }
         () = drain => {}
     }
+    Moved {
+        received: received.load(Relaxed),
+        sent: sent.load(Relaxed),
+    }
 }
 
 async fn copy<R, W>(
@@ -149,7 +184,7 @@ async fn copy<R, W>(
     to: &mut W,
     last: &AtomicU64,
     start: Instant,
-    bytes: &AtomicU64,
+    bytes: [&AtomicU64; 2],
 ) -> std::io::Result<()>
 where
     R: tokio::io::AsyncRead + Unpin,
@@ -167,6 +202,8 @@ where
         touch();
         to.write_all(&buf[..n]).await?;
         touch();
-        bytes.fetch_add(n as u64, Relaxed);
+        for b in bytes {
+            b.fetch_add(n as u64, Relaxed);
+        }
     }
 }

@@ -92,6 +92,10 @@ impl Gateway {
             .and_then(|snap| snap.clusters.get(cluster_name))
             .cloned();
         let Some(cluster) = cluster else {
+            ctx.outcome(
+                Some(crate::telemetry::ResponseFlag::NoClusterFound),
+                super::observe::details::CLUSTER_NOT_FOUND,
+            );
             // Envoy's cluster_not_found_response_code default.
             return self.local_reply(session, ctx, 503, None, &[]).await;
         };
@@ -108,6 +112,11 @@ impl Gateway {
             // Envoy counts the code (upstream_rq_503), though no upstream request started.
             cluster.stats.cx_none_healthy.fetch_add(1, Relaxed);
             cluster.stats.record_code(503);
+            ctx.outcome(
+                Some(crate::telemetry::ResponseFlag::NoHealthyUpstream),
+                super::observe::details::NO_HEALTHY_UPSTREAM,
+            );
+            ctx.info.upstream = Some(cluster.def.telemetry.clone());
             return self
                 .local_reply(
                     session,

@@ -153,6 +153,8 @@ pub struct ClusterDef {
     pub downstream_protocol: bool,
     /// `upstream_bind_config`: the local address upstream connections bind.
     pub bind: Option<Bind>,
+    /// What access logs, metrics and traces say of the cluster (its name, `alt_stat_name`).
+    pub telemetry: Arc<crate::telemetry::UpstreamInfo>,
 }
 
 /// A circuit breaker's `retry_budget`: concurrent retries may be `percent` of the active and
@@ -962,7 +964,16 @@ impl ClusterDef {
             None => None,
         };
         accepted_fields(c).map_err(err)?;
+        let telemetry = Arc::new(crate::telemetry::UpstreamInfo {
+            name: Arc::from(c.name.as_str()),
+            observability_name: Arc::from(if c.alt_stat_name.is_empty() {
+                c.name.as_str()
+            } else {
+                c.alt_stat_name.as_str()
+            }),
+        });
         Ok(ClusterDef {
+            telemetry,
             original_dst,
             downstream_protocol,
             bind,

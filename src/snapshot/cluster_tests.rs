@@ -126,6 +126,10 @@ fn defaults() {
     assert_eq!(
         d,
         ClusterDef {
+            telemetry: Arc::new(crate::telemetry::UpstreamInfo {
+                name: Arc::from("c"),
+                observability_name: Arc::from("c"),
+            }),
             name: Arc::from("c"),
             kind: DiscoveryKind::Static,
             eds_name: "c".into(),

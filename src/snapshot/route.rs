@@ -132,7 +132,8 @@ impl RouteIndex {
 
 #[derive(Debug)]
 pub struct Route {
-    pub name: String,
+    /// Shared with each request's record (`%ROUTE_NAME%`).
+    pub name: Arc<str>,
     pub path: PathMatch,
     pub case_sensitive: bool,
     pub headers: Vec<HeaderMatcher>,
@@ -810,7 +811,7 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
         None => return Err("an action (route, redirect or direct_response) is required".into()),
     };
     Ok(Route {
-        name: r.name.clone(),
+        name: Arc::from(r.name.as_str()),
         path,
         case_sensitive,
         headers,

@@ -938,7 +938,7 @@ fn grpc_flag_and_route_name_are_kept() {
     r.name = "grpc-only".into();
     let r = translate_one(r);
     assert!(r.grpc_only);
-    assert_eq!(r.name, "grpc-only");
+    assert_eq!(&*r.name, "grpc-only");
     assert!(!translate_one(route(prefix("/"), to("c"))).grpc_only);
 }
 

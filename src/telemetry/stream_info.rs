@@ -206,7 +206,7 @@ impl Protocol {
 
 /// What the telemetry knows of the upstream cluster a request went to: built once per cluster
 /// at translation, shared by every request to it.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct UpstreamInfo {
     /// The cluster's name (`%UPSTREAM_CLUSTER_RAW%`).
     pub name: Arc<str>,
@@ -269,6 +269,12 @@ pub struct StreamInfo {
     pub grpc_status: Option<u32>,
     /// `%CONNECTION_ID%`.
     pub connection_id: u64,
+}
+
+impl Default for StreamInfo {
+    fn default() -> StreamInfo {
+        StreamInfo::new(Protocol::Http11)
+    }
 }
 
 impl StreamInfo {
@@ -335,7 +341,10 @@ mod tests {
             f.long_string(),
             "NoHealthyUpstream,UpstreamConnectionFailure,UpstreamRetryLimitExceeded"
         );
-        assert_eq!(ResponseFlag::from_short("NR"), Some(ResponseFlag::NoRouteFound));
+        assert_eq!(
+            ResponseFlag::from_short("NR"),
+            Some(ResponseFlag::NoRouteFound)
+        );
         assert_eq!(ResponseFlag::from_short("XX"), None);
         for (i, f) in ResponseFlag::ALL.iter().enumerate() {
             assert_eq!(*f as usize, i);

@@ -1,0 +1,151 @@
+//! The request's record for its observers (`crate::telemetry::StreamInfo`): begun with the
+//! request, marked by the phase that decides its outcome (Envoy's response flags and response
+//! code details), finished in `logging`. Access logs, Istio's metrics and traces read it there.
+
+use std::borrow::Cow;
+
+use pingora_error::{Error, ErrorSource};
+use pingora_proxy::Session;
+
+use super::Ctx;
+use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
+
+/// Envoy's `upstream_reset_before_response_started{<reason>}` details, by reset reason.
+pub(super) mod details {
+    pub const VIA_UPSTREAM: &str = "via_upstream";
+    pub const ROUTE_NOT_FOUND: &str = "route_not_found";
+    pub const CLUSTER_NOT_FOUND: &str = "cluster_not_found";
+    pub const NO_HEALTHY_UPSTREAM: &str = "no_healthy_upstream";
+    pub const DIRECT_RESPONSE: &str = "direct_response";
+    pub const UPSTREAM_TIMEOUT: &str = "upstream_response_timeout";
+    pub const PER_TRY_TIMEOUT: &str = "upstream_per_try_timeout";
+    pub const STREAM_IDLE_TIMEOUT: &str = "stream_idle_timeout";
+    pub const DURATION_TIMEOUT: &str = "max_duration_timeout";
+    pub const DOWNSTREAM_DISCONNECT: &str = "downstream_remote_disconnect";
+    pub const RESET_OVERFLOW: &str = "upstream_reset_before_response_started{overflow}";
+    pub const RESET_CONNECT_TIMEOUT: &str =
+        "upstream_reset_before_response_started{connection_timeout}";
+    pub const RESET_REMOTE_CONNECT: &str =
+        "upstream_reset_before_response_started{remote_connection_failure}";
+    pub const RESET_LOCAL_CONNECT: &str =
+        "upstream_reset_before_response_started{local_connection_failure}";
+    pub const RESET_TERMINATION: &str =
+        "upstream_reset_before_response_started{connection_termination}";
+    pub const RESET_PROTOCOL: &str = "upstream_reset_before_response_started{protocol_error}";
+    pub const RESET_AFTER_TERMINATION: &str =
+        "upstream_reset_after_response_started{connection_termination}";
+    pub const RESET_AFTER_PROTOCOL: &str = "upstream_reset_after_response_started{protocol_error}";
+}
+
+/// What a filter's local reply says about the request, by its details.
+pub(super) fn filter_flag(details: &str) -> Option<ResponseFlag> {
+    match details {
+        "fault_filter_abort" => Some(ResponseFlag::FaultInjected),
+        "local_rate_limited" => Some(ResponseFlag::RateLimited),
+        _ => None,
+    }
+}
+
+impl Ctx {
+    /// The phase that decided the request's outcome says so (a flag, Envoy's details).
+    pub(super) fn outcome(&mut self, flag: Option<ResponseFlag>, details: &'static str) {
+        if let Some(f) = flag {
+            self.info.flags.set(f);
+        }
+        self.info.response_code_details = Cow::Borrowed(details);
+    }
+}
+
+/// At the request's start: what the connection says.
+pub(super) fn begin(session: &Session, info: &mut StreamInfo) {
+    info.protocol = match session.req_header().version {
+        http::Version::HTTP_10 | http::Version::HTTP_09 => Protocol::Http10,
+        http::Version::HTTP_2 => Protocol::Http2,
+        _ => Protocol::Http11,
+    };
+    info.downstream_direct_remote = session.client_addr().and_then(|a| a.as_inet()).copied();
+    info.downstream_local = session.server_addr().and_then(|a| a.as_inet()).copied();
+    info.downstream_tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+}
+
+/// At the request's end (pingora's `logging`): the rest of the record, from the session and
+/// what the phases kept.
+pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
+    let written = session.response_written();
+    let code = written.map_or(0, |r| r.status.as_u16());
+    let info = &mut ctx.info;
+    info.response_code = code;
+    info.bytes_received = session.body_bytes_read() as u64;
+    info.bytes_sent = session.body_bytes_sent() as u64;
+    info.last_downstream_tx = Some(info.started.elapsed());
+    info.attempts = ctx.attempts;
+    if let Some(c) = &ctx.cluster {
+        info.upstream = Some(c.def.telemetry.clone());
+    }
+    info.upstream_host = ctx.peer;
+    if let Some(hcm) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+        info.downstream_remote = super::downstream::downstream_remote(
+            &session.req_header().headers,
+            info.downstream_direct_remote,
+            hcm,
+        );
+    }
+    if info.grpc_status.is_none() {
+        // A trailers-only gRPC response (or a local reply) carries it in its headers.
+        info.grpc_status = written
+            .and_then(|r| r.headers.get("grpc-status"))
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok());
+    }
+    if ctx.filters.delay_injected {
+        info.flags.set(ResponseFlag::DelayInjected);
+    }
+    let client_gone = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
+    if client_gone {
+        info.flags
+            .set(ResponseFlag::DownstreamConnectionTermination);
+        if code == 0 {
+            info.response_code_details = Cow::Borrowed(details::DOWNSTREAM_DISCONNECT);
+        }
+    }
+    if info.response_code_details.is_empty() && code > 0 && info.first_upstream_rx.is_some() {
+        info.response_code_details = Cow::Borrowed(details::VIA_UPSTREAM);
+    }
+}
+
+/// The request's body has all arrived.
+pub(super) fn request_done(info: &mut StreamInfo) {
+    if info.last_downstream_rx.is_none() {
+        info.last_downstream_rx = Some(info.started.elapsed());
+    }
+}
+
+/// An upstream attempt starts sending.
+pub(super) fn upstream_sent(info: &mut StreamInfo) {
+    if info.first_upstream_tx.is_none() {
+        info.first_upstream_tx = Some(info.started.elapsed());
+    }
+}
+
+/// The upstream's response headers arrived.
+pub(super) fn upstream_answered(info: &mut StreamInfo) {
+    info.first_upstream_rx = Some(info.started.elapsed());
+}
+
+/// The upstream's trailers: their grpc-status.
+pub(super) fn upstream_trailers(info: &mut StreamInfo, trailers: &http::HeaderMap) {
+    if let Some(s) = trailers
+        .get("grpc-status")
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok())
+    {
+        info.grpc_status = Some(s);
+    }
+}
+
+/// Retries ran out (`URX`) or their circuit breaker overflowed (`UO`).
+pub(super) fn retries_exhausted(info: &mut StreamInfo, overflow: bool) {
+    info.flags.set(if overflow {
+        ResponseFlag::UpstreamOverflow
+    } else {
+        ResponseFlag::UpstreamRetryLimitExceeded
+    });
+}
