@@ -53,6 +53,8 @@ pub struct State {
     pub health_check_failed: AtomicBool,
     /// `POST /quitquitquit`: the server stops as on SIGTERM.
     pub quit: tokio::sync::Notify,
+    /// The span exporter's handle (started by the server).
+    pub tracer: std::sync::Arc<telemetry::trace::Tracer>,
 }
 
 impl State {
@@ -68,6 +70,7 @@ impl State {
             started_at: SystemTime::now(),
             health_check_failed: AtomicBool::new(false),
             quit: tokio::sync::Notify::new(),
+            tracer: Default::default(),
         }
     }
 

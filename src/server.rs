@@ -97,6 +97,7 @@ pub fn run_drained(
             .collect();
         worker.sds = crate::xds::sds::SdsManager::new(b.proto.node.clone().unwrap_or_default(), targets);
         worker.commit(store.clone()).map_err(ServerError::Static)?;
+        start_tracer(&b, &state);
         if let Some(l) = admin {
             tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
             tokio::spawn(crate::admin::serve(l, state.clone()));
@@ -221,5 +222,95 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
+    }
+}
+
+/// The span exporter, on the control thread: the node as spans show it, Envoy's batching
+/// runtime keys from the bootstrap's static runtime layers, and the collectors' hosts from
+/// the current snapshot.
+fn start_tracer(b: &Bootstrap, state: &Arc<State>) {
+    use crate::telemetry::trace::{Batching, LocalInfo, Resolve};
+    let node = b.proto.node.clone().unwrap_or_default();
+    let local = LocalInfo {
+        node_id: node.id,
+        cluster: node.cluster,
+        zone: node.locality.map(|l| l.zone).unwrap_or_default(),
+        address: local_address(),
+    };
+    let batching = Batching::from_runtime(|k| static_runtime_u64(&b.proto, k));
+    let weak = Arc::downgrade(state);
+    let resolve: Resolve = Arc::new(move |cluster: &str| {
+        weak.upgrade()
+            .and_then(|s| {
+                s.snapshot()
+                    .clusters
+                    .get(cluster)
+                    .map(|c| c.endpoints.hosts.iter().map(|h| h.addr).collect())
+            })
+            .unwrap_or_default()
+    });
+    state.tracer.start(local, batching, resolve);
+}
+
+/// A number from the bootstrap's static runtime layers (`layered_runtime.layers[].static_layer`),
+/// the last layer that has it winning, with the key flat (`a.b.c`) or nested as Envoy reads both.
+fn static_runtime_u64(
+    b: &envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+    key: &str,
+) -> Option<u64> {
+    use envoy_types::pb::envoy::config::bootstrap::v3::runtime_layer::LayerSpecifier;
+    use envoy_types::pb::google::protobuf::value::Kind;
+    use envoy_types::pb::google::protobuf::Struct;
+    fn find(s: &Struct, key: &str) -> Option<u64> {
+        if let Some(v) = s.fields.get(key) {
+            return match &v.kind {
+                Some(Kind::NumberValue(n)) if *n >= 0.0 => Some(*n as u64),
+                Some(Kind::StringValue(t)) => t.parse().ok(),
+                _ => None,
+            };
+        }
+        let (head, rest) = key.split_once('.')?;
+        match &s.fields.get(head)?.kind {
+            Some(Kind::StructValue(inner)) => find(inner, rest),
+            _ => None,
+        }
+    }
+    b.layered_runtime
+        .as_ref()?
+        .layers
+        .iter()
+        .filter_map(|l| match &l.layer_specifier {
+            Some(LayerSpecifier::StaticLayer(s)) => find(s, key),
+            _ => None,
+        })
+        .last()
+}
+
+/// Envoy's local address for spans: the first non-loopback IPv4 address of an interface.
+fn local_address() -> Option<std::net::IpAddr> {
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list that freeifaddrs releases below; each entry is read
+    // only while the list is alive, and `ifa_addr` is checked for null and its family
+    // before it is read as an IPv4 address.
+    unsafe {
+        if libc::getifaddrs(&mut addrs) != 0 {
+            return None;
+        }
+        let mut out = None;
+        let mut cur = addrs;
+        while !cur.is_null() {
+            let ifa = &*cur;
+            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                if !ip.is_loopback() {
+                    out = Some(std::net::IpAddr::V4(ip));
+                    break;
+                }
+            }
+            cur = ifa.ifa_next;
+        }
+        libc::freeifaddrs(addrs);
+        out
     }
 }

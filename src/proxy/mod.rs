@@ -26,7 +26,8 @@
 //!    `upstream` writes the response headers.
 //! 8. `fail_to_proxy`: `local_reply` answers a request that failed upstream. Every phase
 //!    that answers itself goes through `local_reply` (HTTP, or trailers-only gRPC).
-//! 9. `logging`, here: releases what the request held (slots, active counts, stats).
+//! 9. `logging`, here: releases what the request held (slots, active counts, stats); `trace`
+//!    finishes the span it started after the connection manager's request headers (5).
 //!
 //! The other modules serve connections: `listeners` (runtime listeners, filter chain
 //! selection, drains), `tls`, `client_cert`, `proxy_protocol`, `tcp` (tcp_proxy), `hbone`
@@ -46,6 +47,7 @@ mod retries;
 mod routing;
 pub mod tcp;
 mod timeouts;
+mod trace;
 pub mod tls;
 mod upgrade;
 mod upstream;
@@ -213,6 +215,8 @@ pub struct Ctx {
     upstream_h2: bool,
     /// The request's record for access logs, metrics and traces (`observe`).
     pub(crate) info: crate::telemetry::StreamInfo,
+    /// The gateway's span, when the request is traced and sampled (`trace`).
+    trace: Option<Box<trace::ActiveTrace>>,
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -327,6 +331,7 @@ impl ProxyHttp for Gateway {
         routing::forward(session, ctx, &listener, route, fwd);
         mirror::choose_targets(session, ctx, fwd);
         downstream::request_headers(session, hcm, expect_continue).await?;
+        ctx.trace = trace::begin(session.req_header_mut(), hcm, &ctx.info)?;
         timeouts::arm_timers(session, ctx, fwd, hcm)?;
         routing::request_headers(session, ctx, route, entry, &fmt)?;
         Ok(false)
@@ -449,6 +454,9 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        if let Some(t) = ctx.trace.take() {
+            trace::finish(t, &ctx.info, &self.state.tracer);
+        }
         let code = ctx.info.response_code;
         if ctx.counted_active {
             self.hcm_stats.finish(code);

@@ -69,7 +69,7 @@ impl Batching {
 }
 
 /// The request path's handle on the exporter.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Tracer {
     tx: OnceLock<mpsc::Sender<FinishedSpan>>,
     local: OnceLock<Arc<LocalInfo>>,
