@@ -129,18 +129,18 @@ impl SpanContext {
         let span = format!("{:016x}", self.span_id);
         match self.format {
             Format::W3c => {
-                let mut h = vec![(
-                    "traceparent",
-                    format!(
-                        "00-{}-{span}-{}",
-                        self.trace_id_hex(),
-                        if self.sampled { "01" } else { "00" }
+                // Envoy writes `tracestate` even when empty.
+                vec![
+                    (
+                        "traceparent",
+                        format!(
+                            "00-{}-{span}-{}",
+                            self.trace_id_hex(),
+                            if self.sampled { "01" } else { "00" }
+                        ),
                     ),
-                )];
-                if !self.tracestate.is_empty() {
-                    h.push(("tracestate", self.tracestate.clone()));
-                }
-                h
+                    ("tracestate", self.tracestate.clone()),
+                ]
             }
             Format::B3Single => {
                 let mut v = format!(

@@ -258,7 +258,13 @@ pub fn otlp_request(
     otlp::ExportTraceServiceRequest {
         resource_spans: vec![otlp::ResourceSpans {
             resource: Some(otlp::Resource {
-                attributes: vec![otlp::KeyValue::string("service.name", o.service_name.as_str())],
+                // Envoy adds its SDK's name, language and version; Portico names itself.
+                attributes: vec![
+                    otlp::KeyValue::string("service.name", o.service_name.as_str()),
+                    otlp::KeyValue::string("telemetry.sdk.name", "portico"),
+                    otlp::KeyValue::string("telemetry.sdk.language", "rust"),
+                    otlp::KeyValue::string("telemetry.sdk.version", env!("CARGO_PKG_VERSION")),
+                ],
             }),
             scope_spans: vec![otlp::ScopeSpans {
                 scope: None,
