@@ -118,6 +118,8 @@ impl FinishedSpan {
         let tags: Map<String, Value> = self
             .all_tags(local, env)
             .into_iter()
+            // Zipkin's span drops tags with empty values (a node without a zone has none).
+            .filter(|(_, v)| !v.is_empty())
             .map(|(k, v)| (k, Value::String(v)))
             .collect();
         if !tags.is_empty() {
