@@ -245,9 +245,10 @@ fn zipkin(z: &ZipkinConfig) -> Result<Zipkin, String> {
     let proto = match V::try_from(z.collector_endpoint_version) {
         Ok(V::HttpJson) => false,
         Ok(V::HttpProto) => true,
+        // Envoy refuses the default (DEPRECATED_AND_UNAVAILABLE_DO_NOT_USE) too.
         _ => {
             return Err(format!(
-                "tracing.provider zipkin: collector_endpoint_version {} is not supported (HTTP_JSON, HTTP_PROTO)",
+                "tracing.provider zipkin: collector_endpoint_version {} is not supported; set HTTP_JSON or HTTP_PROTO",
                 z.collector_endpoint_version
             ))
         }
@@ -352,4 +353,172 @@ fn opentelemetry(o: &OpenTelemetryConfig) -> Result<OpenTelemetry, String> {
         authority,
         service_name,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::trace::v3::tracing::Http;
+    use envoy_types::pb::envoy::r#type::tracing::v3::CustomTag as CustomTagProto;
+    use envoy_types::pb::envoy::r#type::v3::Percent;
+    use prost::Name;
+
+    fn any<M: Message + Name>(m: M) -> Any {
+        Any {
+            type_url: M::type_url(),
+            value: m.encode_to_vec(),
+        }
+    }
+
+    fn with(provider: Option<Any>) -> TracingProto {
+        TracingProto {
+            provider: provider.map(|a| Http {
+                name: "p".into(),
+                config_type: Some(ConfigType::TypedConfig(a)),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn defaults_sample_everything() {
+        let t = TracingConfig::translate(&with(None), false).unwrap();
+        assert_eq!(t.provider, None);
+        assert_eq!(t.client_sampling, Fraction { numerator: 100, denominator: 100 });
+        assert_eq!(t.random_sampling, Fraction::ALL_OF_10000);
+        assert_eq!(t.overall_sampling, Fraction::ALL_OF_10000);
+        assert_eq!(t.max_path_tag_length, 256);
+    }
+
+    #[test]
+    fn percents_become_envoys_fractions() {
+        let mut p = with(None);
+        p.random_sampling = Some(Percent { value: 1.0 });
+        p.overall_sampling = Some(Percent { value: 12.345 });
+        p.client_sampling = Some(Percent { value: 50.7 });
+        let t = TracingConfig::translate(&p, false).unwrap();
+        assert_eq!(t.random_sampling.numerator, 100);
+        assert_eq!(t.overall_sampling.numerator, 1235);
+        assert_eq!(t.client_sampling.numerator, 50);
+        p.random_sampling = Some(Percent { value: 101.0 });
+        let e = TracingConfig::translate(&p, false).unwrap_err();
+        assert!(e.contains("tracing.random_sampling"), "{e}");
+    }
+
+    #[test]
+    fn zipkin_fields() {
+        let z = ZipkinConfig {
+            collector_cluster: "zipkin".into(),
+            collector_endpoint: "/api/v2/spans".into(),
+            trace_id_128bit: true,
+            ..Default::default()
+        };
+        let e = TracingConfig::translate(&with(Some(any(z.clone()))), true).unwrap_err();
+        assert!(e.contains("collector_endpoint_version"), "{e}");
+        let z = ZipkinConfig {
+            collector_endpoint_version: 1,
+            ..z
+        };
+        let t = TracingConfig::translate(&with(Some(any(z.clone()))), true).unwrap();
+        let Some(Provider::Zipkin(p)) = t.provider.as_deref() else {
+            panic!("{t:?}")
+        };
+        assert_eq!(p.hostname, "zipkin");
+        assert!(p.shared_span_context && p.trace_id_128bit && !p.proto);
+        assert!(t.egress);
+        let mut no_endpoint = z.clone();
+        no_endpoint.collector_endpoint.clear();
+        let e = TracingConfig::translate(&with(Some(any(no_endpoint))), false).unwrap_err();
+        assert!(e.contains("collector_endpoint"), "{e}");
+        let mut named = z;
+        named.collector_hostname = "zipkin.example".into();
+        let t = TracingConfig::translate(&with(Some(any(named))), false).unwrap();
+        let Some(Provider::Zipkin(p)) = t.provider.as_deref() else {
+            panic!()
+        };
+        assert_eq!(p.hostname, "zipkin.example");
+    }
+
+    #[test]
+    fn opentelemetry_needs_an_envoy_grpc_cluster() {
+        use envoy_types::pb::envoy::config::core::v3::GrpcService;
+        let o = OpenTelemetryConfig {
+            grpc_service: Some(GrpcService {
+                target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                    grpc_service::EnvoyGrpc {
+                        cluster_name: "otel".into(),
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let t = TracingConfig::translate(&with(Some(any(o))), false).unwrap();
+        let Some(Provider::OpenTelemetry(p)) = t.provider.as_deref() else {
+            panic!()
+        };
+        assert_eq!((p.cluster.as_str(), p.authority.as_str()), ("otel", "otel"));
+        assert_eq!(p.service_name, "unknown_service:envoy");
+        let e = TracingConfig::translate(&with(Some(any(OpenTelemetryConfig::default()))), false)
+            .unwrap_err();
+        assert!(e.contains("grpc_service"), "{e}");
+    }
+
+    #[test]
+    fn other_providers_accepted_or_refused_as_envoy() {
+        let datadog = Any {
+            type_url: "type.googleapis.com/envoy.config.trace.v3.DatadogConfig".into(),
+            value: Vec::new(),
+        };
+        let t = TracingConfig::translate(&with(Some(datadog)), false).unwrap();
+        assert_eq!(
+            t.provider.as_deref(),
+            Some(&Provider::Unimplemented("envoy.tracers.datadog"))
+        );
+        let lightstep = Any {
+            type_url: "type.googleapis.com/envoy.config.trace.v3.LightstepConfig".into(),
+            value: Vec::new(),
+        };
+        let e = TracingConfig::translate(&with(Some(lightstep)), false).unwrap_err();
+        assert!(e.contains("no registered implementation"), "{e}");
+    }
+
+    #[test]
+    fn custom_tags() {
+        let mut p = with(None);
+        p.custom_tags = vec![
+            CustomTagProto {
+                tag: "a".into(),
+                r#type: Some(custom_tag::Type::Environment(custom_tag::Environment {
+                    name: "POD".into(),
+                    default_value: "d".into(),
+                })),
+            },
+            CustomTagProto {
+                tag: "b".into(),
+                r#type: Some(custom_tag::Type::RequestHeader(custom_tag::Header {
+                    name: "X-Foo".into(),
+                    default_value: String::new(),
+                })),
+            },
+        ];
+        let t = TracingConfig::translate(&p, false).unwrap();
+        assert_eq!(
+            t.custom_tags[0].value,
+            TagValue::Environment {
+                name: "POD".into(),
+                default: "d".into()
+            }
+        );
+        assert_eq!(
+            t.custom_tags[1].value,
+            TagValue::RequestHeader {
+                name: http::HeaderName::from_static("x-foo"),
+                default: String::new()
+            }
+        );
+        p.custom_tags[0].r#type = None;
+        assert!(TracingConfig::translate(&p, false).is_err());
+    }
 }
