@@ -381,6 +381,8 @@ const BOOTSTRAP_RULE: Rule = Fields(&[
             ("cds_config", Accept),
         ]),
     ),
+    // The default tracer driver (translated by the server, `telemetry::trace`).
+    ("tracing", Fields(&[("http", Accept)])),
 ]);
 
 const CLUSTER_RULE: Rule = Fields(&[
@@ -1343,7 +1345,6 @@ static_resources:
             msg("layered_runtime"),
             msg("overload_manager"),
             msg("stats_config"),
-            msg("tracing"),
         ];
         expected.sort();
         assert_eq!(warnings, expected);

@@ -33,6 +33,7 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     if let Some(ads) = &b.ads {
         ads_target(b, &store, &ads.cluster_name)?;
     }
+    bootstrap_tracer(b)?;
     Ok(store)
 }
 
@@ -249,7 +250,23 @@ fn start_tracer(b: &Bootstrap, state: &Arc<State>) {
             })
             .unwrap_or_default()
     });
-    state.tracer.start(local, batching, resolve);
+    // Checked by `validate`.
+    let default_provider = bootstrap_tracer(b).ok().flatten();
+    state.tracer.start(local, default_provider, batching, resolve);
+}
+
+/// The bootstrap's `tracing.http` driver (istio-agent's Zipkin), used by connection managers
+/// whose `tracing` names no provider. Envoy refuses a bootstrap whose driver it cannot build.
+// `Bootstrap.tracing` is deprecated in the proto, yet Envoy 1.40 still reads it and
+// istio-agent still writes it.
+#[allow(deprecated)]
+fn bootstrap_tracer(b: &Bootstrap) -> Result<Option<crate::telemetry::trace::Provider>, ServerError> {
+    let Some(http) = b.proto.tracing.as_ref().and_then(|t| t.http.as_ref()) else {
+        return Ok(None);
+    };
+    crate::telemetry::trace::Provider::translate(http)
+        .map(Some)
+        .map_err(|e| ServerError::Static(vec![format!("tracing.http: {e}")]))
 }
 
 /// A number from the bootstrap's static runtime layers (`layered_runtime.layers[].static_layer`),

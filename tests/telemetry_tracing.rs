@@ -388,6 +388,18 @@ impl Setup {
         otel: SocketAddr,
         egress: bool,
     ) -> Setup {
+        Setup::start_with(t, backend, zipkin, otel, egress, "").await
+    }
+
+    /// As `start`, with `extra` appended to the bootstrap.
+    async fn start_with(
+        t: Tracing,
+        backend: SocketAddr,
+        zipkin: SocketAddr,
+        otel: SocketAddr,
+        egress: bool,
+        extra: &str,
+    ) -> Setup {
         let port = free_port();
         let mut h = hcm(port);
         h.tracing = Some(t);
@@ -412,7 +424,7 @@ impl Setup {
         let ads = AdsServer::start_any("1", &snapshot).await;
         let ads_port = ads.port;
         let gw = Gateway::start_bootstrap(|admin| {
-            format!("{}{RUNTIME}", bootstrap_yaml(admin, ads_port))
+            format!("{}{RUNTIME}{extra}", bootstrap_yaml(admin, ads_port))
         })
         .await;
         let s = Setup {
@@ -716,6 +728,56 @@ async fn zipkin_egress_spans_are_client_children() {
     assert_eq!(span["parentId"], "00000000000000bb");
     assert!(span.get("shared").is_none(), "{span}");
     assert_eq!(span["annotations"][0]["value"], "cr");
+}
+
+/// istio-agent's bootstrap tracer, which istiod's connection managers (tracing without a
+/// provider) fall back to.
+const BOOTSTRAP_ZIPKIN: &str = r#"tracing:
+  http:
+    name: envoy.tracers.zipkin
+    typed_config:
+      "@type": type.googleapis.com/envoy.config.trace.v3.ZipkinConfig
+      collector_cluster: zipkin
+      collector_endpoint: /api/v2/spans
+      collector_endpoint_version: HTTP_JSON
+      trace_id_128bit: true
+      shared_span_context: false
+"#;
+
+#[tokio::test]
+async fn connection_managers_without_a_provider_use_the_bootstraps() {
+    let c = collectors().await;
+    // As istiod renders it: sampling percentages, no provider.
+    let t = Tracing {
+        client_sampling: Some(Percent { value: 100.0 }),
+        random_sampling: Some(Percent { value: 100.0 }),
+        overall_sampling: Some(Percent { value: 100.0 }),
+        ..Default::default()
+    };
+    let s = Setup::start_with(t, c.backend, c.zipkin_addr, c.otel_addr, false, BOOTSTRAP_ZIPKIN)
+        .await;
+    let h = seen(
+        &s.get(
+            "/a",
+            &[("x-b3-traceid", "00000000000000aa"), ("x-b3-spanid", "00000000000000bb")],
+        )
+        .await,
+    );
+    // shared_span_context: false: a child span even at ingress.
+    assert_eq!(h["x-b3-traceid"], "00000000000000aa");
+    assert_eq!(h["x-b3-parentspanid"], "00000000000000bb");
+    let id = h["x-b3-spanid"].clone();
+    assert_ne!(id, "00000000000000bb");
+    let span = c.zipkin.span("00000000000000aa").await;
+    assert_eq!(span["id"], id.as_str());
+    assert_eq!(span["kind"], "SERVER");
+    assert!(span.get("shared").is_none(), "{span}");
+    // 128-bit ids for a new trace; the collector's Host is the cluster's name.
+    let h = seen(&s.get("/a", &[]).await);
+    assert!(is_hex(&h["x-b3-traceid"], 32), "{h:?}");
+    c.zipkin.span(&h["x-b3-traceid"]).await;
+    let posts = c.zipkin.0.lock().unwrap().clone();
+    assert!(posts.iter().all(|(_, host, _, _)| host == "zipkin"));
 }
 
 // ---------------------------------------------------------------------------

@@ -331,7 +331,7 @@ impl ProxyHttp for Gateway {
         routing::forward(session, ctx, &listener, route, fwd);
         mirror::choose_targets(session, ctx, fwd);
         downstream::request_headers(session, hcm, expect_continue).await?;
-        ctx.trace = trace::begin(session.req_header_mut(), hcm, &ctx.info)?;
+        ctx.trace = trace::begin(session.req_header_mut(), hcm, &ctx.info, &self.state.tracer)?;
         timeouts::arm_timers(session, ctx, fwd, hcm)?;
         routing::request_headers(session, ctx, route, entry, &fmt)?;
         Ok(false)

@@ -22,6 +22,7 @@ use crate::telemetry::StreamInfo;
 /// A sampled span in progress.
 pub(super) struct ActiveTrace {
     config: Arc<TracingConfig>,
+    provider: Arc<Provider>,
     ctx: SpanContext,
     name: String,
     /// What Envoy reads off the request headers when the span ends; read here, once the
@@ -39,6 +40,7 @@ pub(super) fn begin(
     req: &mut RequestHeader,
     hcm: &Hcm,
     info: &StreamInfo,
+    tracer: &Tracer,
 ) -> Result<Option<Box<ActiveTrace>>> {
     let Some(cfg) = &hcm.tracing else {
         return Ok(None);
@@ -58,8 +60,18 @@ pub(super) fn begin(
         }
         None => context::Reason::NotTraceable,
     };
-    let Some(span) = context::start_span(cfg, &req.headers, reason, &mut || fastrand::u64(..))
-    else {
+    // The connection manager's driver, else the bootstrap's (Envoy's fallback).
+    let provider = cfg.provider.as_ref().or(tracer.default_provider());
+    let Some(span) = context::start_span(
+        cfg,
+        provider.map(|p| &**p),
+        &req.headers,
+        reason,
+        &mut || fastrand::u64(..),
+    ) else {
+        return Ok(None);
+    };
+    let Some(provider) = provider.cloned() else {
         return Ok(None);
     };
     for (name, value) in span.headers() {
@@ -69,10 +81,10 @@ pub(super) fn begin(
         return Ok(None);
     }
     let host = super::downstream::raw_authority(req).to_string();
-    let name = match (&cfg.operation, cfg.provider.as_deref()) {
+    let name = match (&cfg.operation, &*provider) {
         (Some(op), _) => op.clone(),
         // Zipkin names the span by the request's host; the others by Envoy's operation.
-        (None, Some(Provider::Zipkin(_))) => host.clone(),
+        (None, Provider::Zipkin(_)) => host.clone(),
         (None, _) if cfg.egress => format!("egress {host}"),
         (None, _) => "ingress".to_string(),
     };
@@ -121,6 +133,7 @@ pub(super) fn begin(
     }
     Ok(Some(Box::new(ActiveTrace {
         config: cfg.clone(),
+        provider,
         ctx: span,
         name,
         tags,
@@ -131,6 +144,7 @@ pub(super) fn begin(
 pub(super) fn finish(trace: Box<ActiveTrace>, info: &StreamInfo, tracer: &Tracer) {
     let ActiveTrace {
         config,
+        provider,
         ctx,
         name,
         mut tags,
@@ -155,6 +169,7 @@ pub(super) fn finish(trace: Box<ActiveTrace>, info: &StreamInfo, tracer: &Tracer
     }
     tracer.report(FinishedSpan {
         config,
+        provider,
         ctx,
         name,
         start: info.start_time,

@@ -75,8 +75,9 @@ pub enum TagValue {
 /// The connection manager's tracing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TracingConfig {
-    /// None: Envoy's connection manager still samples (the `x-request-id` trace bits), but
-    /// no driver makes spans or headers.
+    /// None: the bootstrap's `tracing.http` driver, if it has one (Envoy's fallback, which
+    /// istiod relies on: its connection managers carry sampling and tags, istio-agent's
+    /// bootstrap the Zipkin driver); else sampling only (the `x-request-id` trace bits).
     pub provider: Option<Arc<Provider>>,
     /// `client_sampling` (of 100), `random_sampling` and `overall_sampling` (of 10000), as
     /// Envoy's connection manager config turns the `Percent`s into fractions.
@@ -207,6 +208,17 @@ impl TracingConfig {
             operation: (!t.operation.is_empty()).then(|| t.operation.clone()),
             egress,
         })
+    }
+}
+
+impl Provider {
+    /// A tracer driver config, as the connection manager's `tracing.provider` or the
+    /// bootstrap's `tracing.http` (the default of connection managers without a provider)
+    /// carry it.
+    pub fn translate(
+        http: &envoy_types::pb::envoy::config::trace::v3::tracing::Http,
+    ) -> Result<Provider, String> {
+        provider(&http.name, http.config_type.as_ref())
     }
 }
 

@@ -180,16 +180,18 @@ fn hex64(s: &str) -> Option<u64> {
     u64::from_str_radix(s, 16).ok()
 }
 
-/// The span a driver starts for a request. `None`: no span and no headers (no driver, one
+/// The span `provider` (the connection manager's, else the bootstrap's) starts for a
+/// request. `None`: no span and no headers (no driver, one
 /// Portico lacks, or an incoming context the driver cannot read: Envoy's null span).
 /// `random` draws Envoy's random ids.
 pub fn start_span(
     cfg: &TracingConfig,
+    provider: Option<&Provider>,
     headers: &HeaderMap,
     reason: Reason,
     random: &mut dyn FnMut() -> u64,
 ) -> Option<SpanContext> {
-    match cfg.provider.as_deref()? {
+    match provider? {
         Provider::Zipkin(z) => start_zipkin(z, cfg.egress, headers, reason.traced(), random),
         Provider::OpenTelemetry(_) => start_w3c(cfg.egress, headers, reason.traced(), random),
         Provider::Unimplemented(_) => None,

@@ -73,6 +73,8 @@ impl Batching {
 pub struct Tracer {
     tx: OnceLock<mpsc::Sender<FinishedSpan>>,
     local: OnceLock<Arc<LocalInfo>>,
+    /// The bootstrap's `tracing.http` driver.
+    default_provider: OnceLock<Arc<Provider>>,
     /// Spans dropped: the queue was full, or the exporter not started.
     pub dropped: AtomicU64,
     /// Spans sent, and batches the collector refused or that failed.
@@ -89,16 +91,30 @@ impl Tracer {
         }
     }
 
+    /// The bootstrap's driver, for connection managers without their own.
+    pub fn default_provider(&self) -> Option<&Arc<Provider>> {
+        self.default_provider.get()
+    }
+
     /// The node as spans show it.
     pub fn local(&self) -> Option<&Arc<LocalInfo>> {
         self.local.get()
     }
 
     /// Starts the exporter task on the current runtime (once; later calls do nothing).
-    pub fn start(self: &Arc<Self>, local: LocalInfo, batching: Batching, resolve: Resolve) {
+    pub fn start(
+        self: &Arc<Self>,
+        local: LocalInfo,
+        default_provider: Option<Provider>,
+        batching: Batching,
+        resolve: Resolve,
+    ) {
         let (tx, rx) = mpsc::channel(QUEUE);
         if self.tx.set(tx).is_err() {
             return;
+        }
+        if let Some(p) = default_provider {
+            let _ = self.default_provider.set(Arc::new(p));
         }
         let local = Arc::new(local);
         let _ = self.local.set(local.clone());
@@ -125,7 +141,7 @@ async fn run(
         tokio::select! {
             span = rx.recv() => {
                 let Some(span) = span else { return };
-                let Some(provider) = span.config.provider.clone() else { continue };
+                let provider = span.provider.clone();
                 let min = match &*provider {
                     Provider::Zipkin(_) => batching.zipkin_min_flush_spans,
                     Provider::OpenTelemetry(_) => batching.otel_min_flush_spans,

@@ -15,6 +15,8 @@ pub struct FinishedSpan {
     /// The connection manager's tracing (its provider says where the span goes; its
     /// environment tags are resolved by the exporter).
     pub config: Arc<TracingConfig>,
+    /// The driver that made it (the connection manager's or the bootstrap's).
+    pub provider: Arc<super::config::Provider>,
     pub ctx: SpanContext,
     pub name: String,
     pub start: SystemTime,
