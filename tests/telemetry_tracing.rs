@@ -411,11 +411,25 @@ impl Setup {
             listeners: vec![listener],
             routes: vec![route_config(
                 &route_name(port),
-                vec![vhost("trace", &[HOST], vec![rt(prefix("/"), to_cluster("web"))])],
+                vec![vhost(
+                    "trace",
+                    &[HOST],
+                    vec![
+                        rt(prefix("/dead"), to_cluster("dead")),
+                        rt(prefix("/"), to_cluster("web")),
+                    ],
+                )],
             )],
-            clusters: vec![eds_cluster("web"), eds_cluster("zipkin"), h2_cluster("otel")],
+            clusters: vec![
+                eds_cluster("web"),
+                eds_cluster("dead"),
+                eds_cluster("zipkin"),
+                h2_cluster("otel"),
+            ],
             endpoints: vec![
                 cla("web", &[backend]),
+                // Nothing listens there: connections are refused.
+                cla("dead", &[format!("127.0.0.1:{}", free_port()).parse().unwrap()]),
                 cla("zipkin", &[zipkin]),
                 cla("otel", &[otel]),
             ],
@@ -566,6 +580,34 @@ async fn zipkin_starts_a_trace_and_reports_the_span() {
     assert!(tags.get("error").is_none(), "{span}");
     // Zipkin leaves out empty tags: the node has no zone.
     assert!(tags.get("zone").is_none(), "{span}");
+}
+
+#[tokio::test]
+async fn zipkin_marks_failed_requests_as_errors() {
+    let c = collectors().await;
+    let s = Setup::start(
+        tracing(zipkin_provider(false), None),
+        c.backend,
+        c.zipkin_addr,
+        c.otel_addr,
+        false,
+    )
+    .await;
+    let trace = "00000000000000cc";
+    let r = s
+        .get(
+            "/dead/x",
+            &[("x-b3-traceid", trace), ("x-b3-spanid", "00000000000000dd")],
+        )
+        .await;
+    assert_eq!(r.status, 503, "{r:?}");
+    let span = c.zipkin.span(trace).await;
+    let tags = &span["tags"];
+    assert_eq!(tags["http.status_code"], "503", "{span}");
+    assert_eq!(tags["error"], "true", "{span}");
+    assert_eq!(tags["response_flags"], "UF", "{span}");
+    assert_eq!(tags["upstream_cluster"], "dead", "{span}");
+    assert_eq!(tags["response_size"], r.body.len().to_string(), "{span}");
 }
 
 #[tokio::test]
