@@ -117,10 +117,11 @@ impl Zipkin {
                                 let (path, host, ct) =
                                     (req.uri().path().to_string(), h("host"), h("content-type"));
                                 let body = req.into_body().collect().await.map(|c| c.to_bytes());
-                                let spans: Vec<Value> = body
-                                    .ok()
-                                    .and_then(|b| serde_json::from_slice(&b).ok())
-                                    .unwrap_or_default();
+                                let spans: Vec<Value> = match body {
+                                    Ok(b) if ct == "application/x-protobuf" => proto_spans(&b),
+                                    Ok(b) => serde_json::from_slice(&b).unwrap_or_default(),
+                                    Err(_) => Vec::new(),
+                                };
                                 store.0.lock().unwrap().push((path, host, ct, spans));
                                 Ok::<_, Infallible>(
                                     hyper::Response::builder()
@@ -167,6 +168,41 @@ impl Zipkin {
         )
         .await
     }
+}
+
+/// `zipkin.proto3` spans in the JSON shape the cases read.
+fn proto_spans(body: &[u8]) -> Vec<Value> {
+    use prost::Message;
+    let Ok(list) = otlp::zipkin::ListOfSpans::decode(body) else {
+        return Vec::new();
+    };
+    list.spans
+        .iter()
+        .map(|s| {
+            let mut v = serde_json::json!({
+                "traceId": hex(&s.trace_id),
+                "id": hex(&s.id),
+                "kind": match s.kind { 1 => "CLIENT", 2 => "SERVER", _ => "?" },
+                "name": s.name,
+                "timestamp": s.timestamp,
+                "duration": s.duration,
+                "localEndpoint": {
+                    "serviceName": s.local_endpoint.as_ref().map(|e| e.service_name.clone()),
+                },
+                "tags": s.tags,
+                "annotations": s.annotations.iter()
+                    .map(|a| serde_json::json!({"value": a.value, "timestamp": a.timestamp}))
+                    .collect::<Vec<_>>(),
+            });
+            if !s.parent_id.is_empty() {
+                v["parentId"] = Value::String(hex(&s.parent_id));
+            }
+            if s.shared {
+                v["shared"] = Value::Bool(true);
+            }
+            v
+        })
+        .collect()
 }
 
 /// What an OpenTelemetry collector received.
@@ -291,12 +327,19 @@ fn attr<'a>(s: &'a otlp::Span, key: &str) -> Option<&'a str> {
 // ---------------------------------------------------------------------------
 
 fn zipkin_provider(trace_id_128bit: bool) -> TracingHttp {
+    zipkin_provider_version(trace_id_128bit, zipkin_config::CollectorEndpointVersion::HttpJson)
+}
+
+fn zipkin_provider_version(
+    trace_id_128bit: bool,
+    version: zipkin_config::CollectorEndpointVersion,
+) -> TracingHttp {
     TracingHttp {
         name: "envoy.tracers.zipkin".into(),
         config_type: Some(ConfigType::TypedConfig(any(ZipkinConfig {
             collector_cluster: "zipkin".into(),
             collector_endpoint: "/api/v2/spans".into(),
-            collector_endpoint_version: zipkin_config::CollectorEndpointVersion::HttpJson as i32,
+            collector_endpoint_version: version as i32,
             collector_hostname: "zipkin-collector".into(),
             trace_id_128bit,
             ..Default::default()
@@ -580,6 +623,49 @@ async fn zipkin_starts_a_trace_and_reports_the_span() {
     assert!(tags.get("error").is_none(), "{span}");
     // Zipkin leaves out empty tags: the node has no zone.
     assert!(tags.get("zone").is_none(), "{span}");
+}
+
+#[tokio::test]
+async fn zipkin_http_proto_collector() {
+    let c = collectors().await;
+    let s = Setup::start(
+        tracing(
+            zipkin_provider_version(true, zipkin_config::CollectorEndpointVersion::HttpProto),
+            None,
+        ),
+        c.backend,
+        c.zipkin_addr,
+        c.otel_addr,
+        false,
+    )
+    .await;
+    let h = seen(
+        &s.get(
+            "/p",
+            &[
+                ("x-b3-traceid", "463ac35c9f6413ad48485a3953bb6124"),
+                ("x-b3-spanid", "a2fb4a1d1a96d312"),
+                ("x-b3-parentspanid", "0020000000000001"),
+            ],
+        )
+        .await,
+    );
+    assert_eq!(h["x-b3-sampled"], "1");
+    let span = c.zipkin.span("463ac35c9f6413ad48485a3953bb6124").await;
+    let posts = c.zipkin.0.lock().unwrap().clone();
+    assert!(posts.iter().all(|(_, _, ct, _)| ct == "application/x-protobuf"));
+    // Envoy writes the trace id big-endian but span ids in its host's (little-endian) byte
+    // order.
+    assert_eq!(span["id"], "12d3961a1d4afba2");
+    assert_eq!(span["parentId"], "0100000000002000");
+    assert_eq!(span["kind"], "SERVER");
+    assert_eq!(span["shared"], true);
+    assert_eq!(span["name"], HOST);
+    assert_eq!(span["localEndpoint"]["serviceName"], NODE_CLUSTER);
+    assert_eq!(span["annotations"][0]["value"], "ss");
+    assert_eq!(span["tags"]["http.method"], "GET");
+    assert_eq!(span["tags"]["node_id"], NODE_ID);
+    assert!(span["tags"].get("zone").is_none(), "{span}");
 }
 
 #[tokio::test]

@@ -233,8 +233,18 @@ fn send(
     }
 }
 
-/// Zipkin JSON v2 (HTTP_PROTO is encoded as JSON too: not implemented).
+/// Zipkin JSON v2, or `zipkin.proto3.ListOfSpans` for `HTTP_PROTO`.
 pub fn zipkin_body(z: &Zipkin, batch: &[FinishedSpan], local: &LocalInfo) -> Vec<u8> {
+    if z.proto {
+        use prost::Message;
+        let list = otlp::zipkin::ListOfSpans {
+            spans: batch
+                .iter()
+                .map(|s| s.zipkin_proto(z.shared_span_context, local, &env_var))
+                .collect(),
+        };
+        return list.encode_to_vec();
+    }
     let spans: Vec<serde_json::Value> = batch
         .iter()
         .map(|s| s.zipkin_json(z.shared_span_context, local, &env_var))
@@ -254,7 +264,14 @@ async fn post_zipkin(host: SocketAddr, z: &Zipkin, body: Vec<u8>) -> Result<(), 
     tokio::spawn(conn);
     let req = http::Request::post(z.endpoint.as_str())
         .header(http::header::HOST, z.hostname.as_str())
-        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(
+            http::header::CONTENT_TYPE,
+            if z.proto {
+                "application/x-protobuf"
+            } else {
+                "application/json"
+            },
+        )
         .body(Full::new(bytes::Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;

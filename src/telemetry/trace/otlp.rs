@@ -129,3 +129,59 @@ impl KeyValue {
         }
     }
 }
+
+/// Zipkin's `zipkin.proto3` messages, for `HTTP_PROTO` collectors.
+pub mod zipkin {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListOfSpans {
+        #[prost(message, repeated, tag = "1")]
+        pub spans: Vec<Span>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Span {
+        #[prost(bytes = "vec", tag = "1")]
+        pub trace_id: Vec<u8>,
+        #[prost(bytes = "vec", tag = "2")]
+        pub parent_id: Vec<u8>,
+        #[prost(bytes = "vec", tag = "3")]
+        pub id: Vec<u8>,
+        /// CLIENT = 1, SERVER = 2.
+        #[prost(int32, tag = "4")]
+        pub kind: i32,
+        #[prost(string, tag = "5")]
+        pub name: String,
+        #[prost(fixed64, tag = "6")]
+        pub timestamp: u64,
+        #[prost(uint64, tag = "7")]
+        pub duration: u64,
+        #[prost(message, optional, tag = "8")]
+        pub local_endpoint: Option<Endpoint>,
+        #[prost(message, repeated, tag = "10")]
+        pub annotations: Vec<Annotation>,
+        #[prost(map = "string, string", tag = "11")]
+        pub tags: std::collections::HashMap<String, String>,
+        #[prost(bool, tag = "13")]
+        pub shared: bool,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Endpoint {
+        #[prost(string, tag = "1")]
+        pub service_name: String,
+        #[prost(bytes = "vec", tag = "2")]
+        pub ipv4: Vec<u8>,
+        #[prost(bytes = "vec", tag = "3")]
+        pub ipv6: Vec<u8>,
+        #[prost(int32, tag = "4")]
+        pub port: i32,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Annotation {
+        #[prost(fixed64, tag = "1")]
+        pub timestamp: u64,
+        #[prost(string, tag = "2")]
+        pub value: String,
+    }
+}

@@ -135,6 +135,58 @@ impl FinishedSpan {
         Value::Object(span)
     }
 
+    /// The span as `zipkin.proto3` (Envoy's `ProtobufSerializer`): the same fields as the
+    /// JSON; the trace id big-endian, span ids in little-endian byte order as Envoy writes
+    /// them (its host order, checked against Envoy 1.40).
+    pub fn zipkin_proto(
+        &self,
+        shared_span_context: bool,
+        local: &LocalInfo,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> otlp::zipkin::Span {
+        let start = micros(self.start);
+        let duration = self.duration.as_micros() as u64;
+        let mut trace_id = Vec::with_capacity(16);
+        if self.ctx.trace_high != 0 {
+            trace_id.extend_from_slice(&self.ctx.trace_high.to_be_bytes());
+        }
+        trace_id.extend_from_slice(&self.ctx.trace_low.to_be_bytes());
+        let (ipv4, ipv6) = match local.address {
+            Some(IpAddr::V4(a)) => (a.octets().to_vec(), Vec::new()),
+            Some(IpAddr::V6(a)) => (Vec::new(), a.octets().to_vec()),
+            None => (Vec::new(), Vec::new()),
+        };
+        otlp::zipkin::Span {
+            trace_id,
+            parent_id: self
+                .ctx
+                .parent_id
+                .map(|p| p.to_le_bytes().to_vec())
+                .unwrap_or_default(),
+            id: self.ctx.span_id.to_le_bytes().to_vec(),
+            kind: if self.ctx.client { 1 } else { 2 },
+            name: self.name.clone(),
+            timestamp: start,
+            duration,
+            local_endpoint: Some(otlp::zipkin::Endpoint {
+                service_name: local.cluster.clone(),
+                ipv4,
+                ipv6,
+                port: 0,
+            }),
+            annotations: vec![otlp::zipkin::Annotation {
+                timestamp: start + duration,
+                value: if self.ctx.client { "cr" } else { "ss" }.into(),
+            }],
+            tags: self
+                .all_tags(local, env)
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .collect(),
+            shared: !self.ctx.client && shared_span_context,
+        }
+    }
+
     /// The span as OTLP (Envoy's OpenTelemetry tracer): tags become string attributes.
     pub fn otlp(&self, local: &LocalInfo, env: &dyn Fn(&str) -> Option<String>) -> otlp::Span {
         let mut trace_id = Vec::with_capacity(16);
