@@ -416,7 +416,7 @@ const RUNTIME: &str = r#"layered_runtime:
 
 struct Setup {
     _ads: AdsServer,
-    _gw: Gateway,
+    gw: Gateway,
     port: u16,
     client: HttpClient,
 }
@@ -486,7 +486,7 @@ impl Setup {
         .await;
         let s = Setup {
             _ads: ads,
-            _gw: gw,
+            gw,
             port,
             client: HttpClient::new(),
         };
@@ -623,6 +623,27 @@ async fn zipkin_starts_a_trace_and_reports_the_span() {
     assert!(tags.get("error").is_none(), "{span}");
     // Zipkin leaves out empty tags: the node has no zone.
     assert!(tags.get("zone").is_none(), "{span}");
+
+    // Envoy's tracer counters.
+    let url = s.gw.admin_url("/stats");
+    eventually("tracing.zipkin counters", Duration::from_secs(5), || {
+        let url = url.clone();
+        async move {
+            let body = get(&url, None, &[]).await.body;
+            let stat = |name: &str| {
+                body.lines()
+                    .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            if stat("tracing.zipkin.spans_sent") >= 2 && stat("tracing.zipkin.reports_sent") >= 2 {
+                Ok(())
+            } else {
+                Err(body.lines().filter(|l| l.starts_with("tracing.")).collect::<Vec<_>>().join("; "))
+            }
+        }
+    })
+    .await;
 }
 
 #[tokio::test]

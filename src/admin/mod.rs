@@ -288,6 +288,15 @@ fn stat_list(state: &State) -> stats::StatList {
         },
         &mut list,
     );
+    for (name, value) in state.tracer.stats.list() {
+        list.add(
+            stats::Kind::Counter,
+            name.to_string(),
+            format!("envoy_{}", name.replace('.', "_")),
+            String::new(),
+            value,
+        );
+    }
     let (server_state, _) = server_state(state);
     let ready = state.ready.load(Ordering::Relaxed);
     use stats::Kind::Gauge;

@@ -75,11 +75,48 @@ pub struct Tracer {
     local: OnceLock<Arc<LocalInfo>>,
     /// The bootstrap's `tracing.http` driver.
     default_provider: OnceLock<Arc<Provider>>,
-    /// Spans dropped: the queue was full, or the exporter not started.
-    pub dropped: AtomicU64,
-    /// Spans sent, and batches the collector refused or that failed.
-    pub sent: AtomicU64,
-    pub failed: AtomicU64,
+    pub stats: TracerStats,
+}
+
+/// Envoy's tracer counters (`tracing.zipkin.*`, `tracing.opentelemetry.*`), and the spans
+/// Portico dropped before any driver saw them.
+#[derive(Debug, Default)]
+pub struct TracerStats {
+    /// The queue was full, the exporter not started, or the collector cluster had no host.
+    pub spans_dropped: AtomicU64,
+    pub zipkin_spans_sent: AtomicU64,
+    /// Reports the collector accepted (202), refused (other status), or that failed.
+    pub zipkin_reports_sent: AtomicU64,
+    pub zipkin_reports_dropped: AtomicU64,
+    pub zipkin_reports_failed: AtomicU64,
+    pub zipkin_timer_flushed: AtomicU64,
+    pub otel_spans_sent: AtomicU64,
+    pub otel_timer_flushed: AtomicU64,
+}
+
+impl TracerStats {
+    /// (Envoy's stat name, value), for the admin.
+    pub fn list(&self) -> [(&'static str, u64); 8] {
+        let v = |c: &AtomicU64| c.load(Relaxed);
+        [
+            ("tracing.portico.spans_dropped", v(&self.spans_dropped)),
+            ("tracing.zipkin.spans_sent", v(&self.zipkin_spans_sent)),
+            ("tracing.zipkin.reports_sent", v(&self.zipkin_reports_sent)),
+            ("tracing.zipkin.reports_dropped", v(&self.zipkin_reports_dropped)),
+            ("tracing.zipkin.reports_failed", v(&self.zipkin_reports_failed)),
+            ("tracing.zipkin.timer_flushed", v(&self.zipkin_timer_flushed)),
+            ("tracing.opentelemetry.spans_sent", v(&self.otel_spans_sent)),
+            ("tracing.opentelemetry.timer_flushed", v(&self.otel_timer_flushed)),
+        ]
+    }
+}
+
+/// How a report went.
+enum Outcome {
+    Sent,
+    /// The collector answered, but not 202.
+    Refused,
+    Failed,
 }
 
 impl Tracer {
@@ -87,7 +124,7 @@ impl Tracer {
     pub fn report(&self, span: FinishedSpan) {
         let ok = self.tx.get().is_some_and(|tx| tx.try_send(span).is_ok());
         if !ok {
-            self.dropped.fetch_add(1, Relaxed);
+            self.stats.spans_dropped.fetch_add(1, Relaxed);
         }
     }
 
@@ -155,6 +192,15 @@ async fn run(
                 }
             }
             _ = timer.tick() => {
+                if let Some(t) = tracer.upgrade() {
+                    for p in pending.keys() {
+                        match &**p {
+                            Provider::Zipkin(_) => &t.stats.zipkin_timer_flushed,
+                            _ => &t.stats.otel_timer_flushed,
+                        }
+                        .fetch_add(1, Relaxed);
+                    }
+                }
                 for (provider, batch) in pending.iter_mut() {
                     if !batch.is_empty() {
                         let batch = std::mem::take(batch);
@@ -185,15 +231,12 @@ fn send(
         Provider::OpenTelemetry(o) => resolve(&o.cluster),
         Provider::Unimplemented(_) => return,
     };
-    let count = |ok: bool| {
-        if let Some(t) = tracer.upgrade() {
-            if ok { &t.sent } else { &t.failed }.fetch_add(n, Relaxed);
-        }
-    };
     // Envoy's cluster load balancing, simply: a random host of the cluster.
     let Some(host) = (!hosts.is_empty()).then(|| hosts[fastrand::usize(..hosts.len())]) else {
         tracing::debug!("tracing: collector cluster has no endpoints; {n} spans not sent");
-        count(false);
+        if let Some(t) = tracer.upgrade() {
+            t.stats.spans_dropped.fetch_add(n, Relaxed);
+        }
         return;
     };
     let timeout = batching.request_timeout;
@@ -202,30 +245,43 @@ fn send(
         Provider::Zipkin(z) => {
             let body = zipkin_body(z, &batch, local);
             let z = z.clone();
+            if let Some(t) = tracer.upgrade() {
+                t.stats.zipkin_spans_sent.fetch_add(n, Relaxed);
+            }
             tokio::spawn(async move {
-                let ok = tokio::time::timeout(timeout, post_zipkin(host, &z, body))
+                let outcome = tokio::time::timeout(timeout, post_zipkin(host, &z, body))
                     .await
                     .unwrap_or_else(|_| Err("timed out".into()));
-                if let Err(e) = &ok {
-                    tracing::debug!("tracing: zipkin report to {host}: {e}");
-                }
+                let outcome = match outcome {
+                    Ok(true) => Outcome::Sent,
+                    Ok(false) => Outcome::Refused,
+                    Err(e) => {
+                        tracing::debug!("tracing: zipkin report to {host}: {e}");
+                        Outcome::Failed
+                    }
+                };
                 if let Some(t) = tracer.upgrade() {
-                    if ok.is_ok() { &t.sent } else { &t.failed }.fetch_add(n, Relaxed);
+                    match outcome {
+                        Outcome::Sent => &t.stats.zipkin_reports_sent,
+                        Outcome::Refused => &t.stats.zipkin_reports_dropped,
+                        Outcome::Failed => &t.stats.zipkin_reports_failed,
+                    }
+                    .fetch_add(1, Relaxed);
                 }
             });
         }
         Provider::OpenTelemetry(o) => {
             let req = otlp_request(o, &batch, local);
             let o = o.clone();
+            if let Some(t) = tracer.upgrade() {
+                t.stats.otel_spans_sent.fetch_add(n, Relaxed);
+            }
             tokio::spawn(async move {
                 let ok = tokio::time::timeout(timeout, export_otlp(host, &o, req))
                     .await
                     .unwrap_or_else(|_| Err("timed out".into()));
                 if let Err(e) = &ok {
                     tracing::debug!("tracing: OpenTelemetry export to {host}: {e}");
-                }
-                if let Some(t) = tracer.upgrade() {
-                    if ok.is_ok() { &t.sent } else { &t.failed }.fetch_add(n, Relaxed);
                 }
             });
         }
@@ -252,7 +308,8 @@ pub fn zipkin_body(z: &Zipkin, batch: &[FinishedSpan], local: &LocalInfo) -> Vec
     serde_json::to_vec(&spans).unwrap_or_default()
 }
 
-async fn post_zipkin(host: SocketAddr, z: &Zipkin, body: Vec<u8>) -> Result<(), String> {
+/// Ok(false): the collector answered other than 202 (Envoy counts the report dropped).
+async fn post_zipkin(host: SocketAddr, z: &Zipkin, body: Vec<u8>) -> Result<bool, String> {
     use http_body_util::Full;
     let stream = tokio::net::TcpStream::connect(host)
         .await
@@ -275,11 +332,7 @@ async fn post_zipkin(host: SocketAddr, z: &Zipkin, body: Vec<u8>) -> Result<(), 
         .body(Full::new(bytes::Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
-    // Envoy counts anything but 202 as dropped.
-    if resp.status() != http::StatusCode::ACCEPTED {
-        return Err(format!("collector answered {}", resp.status()));
-    }
-    Ok(())
+    Ok(resp.status() == http::StatusCode::ACCEPTED)
 }
 
 /// One Export request for a batch: a resource with the service name, one scope.
