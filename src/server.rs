@@ -252,7 +252,9 @@ fn start_tracer(b: &Bootstrap, state: &Arc<State>) {
     });
     // Checked by `validate`.
     let default_provider = bootstrap_tracer(b).ok().flatten();
-    state.tracer.start(local, default_provider, batching, resolve);
+    state
+        .tracer
+        .start(local, default_provider, batching, resolve);
 }
 
 /// The bootstrap's `tracing.http` driver (istio-agent's Zipkin), used by connection managers
@@ -260,7 +262,9 @@ fn start_tracer(b: &Bootstrap, state: &Arc<State>) {
 // `Bootstrap.tracing` is deprecated in the proto, yet Envoy 1.40 still reads it and
 // istio-agent still writes it.
 #[allow(deprecated)]
-fn bootstrap_tracer(b: &Bootstrap) -> Result<Option<crate::telemetry::trace::Provider>, ServerError> {
+fn bootstrap_tracer(
+    b: &Bootstrap,
+) -> Result<Option<crate::telemetry::trace::Provider>, ServerError> {
     let Some(http) = b.proto.tracing.as_ref().and_then(|t| t.http.as_ref()) else {
         return Ok(None);
     };
@@ -296,11 +300,11 @@ fn static_runtime_u64(
         .as_ref()?
         .layers
         .iter()
-        .filter_map(|l| match &l.layer_specifier {
+        .rev()
+        .find_map(|l| match &l.layer_specifier {
             Some(LayerSpecifier::StaticLayer(s)) => find(s, key),
             _ => None,
         })
-        .last()
 }
 
 /// Envoy's local address for spans: the first non-loopback IPv4 address of an interface.

@@ -53,14 +53,15 @@ async fn header_backend() -> SocketAddr {
                 continue;
             };
             tokio::spawn(async move {
-                let svc =
-                    hyper::service::service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                let svc = hyper::service::service_fn(
+                    |req: hyper::Request<hyper::body::Incoming>| async move {
                         let mut body = String::new();
                         for (k, v) in req.headers() {
                             body.push_str(&format!("{}: {}\n", k, v.to_str().unwrap_or("?")));
                         }
                         Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from(body))))
-                    });
+                    },
+                );
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
                     .await;
@@ -84,9 +85,12 @@ fn seen(r: &Resp) -> HashMap<String, String> {
 // The collectors.
 // ---------------------------------------------------------------------------
 
-/// What a Zipkin collector received: (path, host, content-type, spans).
+/// One POST to the Zipkin collector: (path, host, content-type, spans).
+type Post = (String, String, String, Vec<Value>);
+
+/// What a Zipkin collector received.
 #[derive(Clone, Default)]
-struct Zipkin(Arc<Mutex<Vec<(String, String, String, Vec<Value>)>>>);
+struct Zipkin(Arc<Mutex<Vec<Post>>>);
 
 impl Zipkin {
     async fn start() -> (Zipkin, SocketAddr) {
@@ -146,7 +150,12 @@ impl Zipkin {
         // The setup's readiness probe is traced too; the cases leave it out.
         got.iter()
             .flat_map(|(_, _, _, s)| s.clone())
-            .filter(|s| !s["tags"]["http.url"].as_str().unwrap_or("").ends_with("/ready-check"))
+            .filter(|s| {
+                !s["tags"]["http.url"]
+                    .as_str()
+                    .unwrap_or("")
+                    .ends_with("/ready-check")
+            })
             .collect()
     }
 
@@ -238,8 +247,8 @@ impl Otel {
                 };
                 let store = store.clone();
                 tokio::spawn(async move {
-                    let svc =
-                        hyper::service::service_fn(move |req: thttp::Request<hyper::body::Incoming>| {
+                    let svc = hyper::service::service_fn(
+                        move |req: thttp::Request<hyper::body::Incoming>| {
                             let store = store.clone();
                             async move {
                                 let path = req.uri().path().to_string();
@@ -251,14 +260,16 @@ impl Otel {
                                 let mut g = tonic::server::Grpc::new(ProstCodec::<
                                     otlp::ExportTraceServiceResponse,
                                     otlp::ExportTraceServiceRequest,
-                                >::default());
+                                >::default(
+                                ));
                                 Ok::<_, Infallible>(if path == otlp::EXPORT_PATH {
                                     g.unary(Export(store, authority), req).await
                                 } else {
                                     Status::unimplemented("no such method").into_http()
                                 })
                             }
-                        });
+                        },
+                    );
                     let _ = hyper::server::conn::http2::Builder::new(
                         hyper_util::rt::TokioExecutor::new(),
                     )
@@ -327,7 +338,10 @@ fn attr<'a>(s: &'a otlp::Span, key: &str) -> Option<&'a str> {
 // ---------------------------------------------------------------------------
 
 fn zipkin_provider(trace_id_128bit: bool) -> TracingHttp {
-    zipkin_provider_version(trace_id_128bit, zipkin_config::CollectorEndpointVersion::HttpJson)
+    zipkin_provider_version(
+        trace_id_128bit,
+        zipkin_config::CollectorEndpointVersion::HttpJson,
+    )
 }
 
 fn zipkin_provider_version(
@@ -472,7 +486,10 @@ impl Setup {
             endpoints: vec![
                 cla("web", &[backend]),
                 // Nothing listens there: connections are refused.
-                cla("dead", &[format!("127.0.0.1:{}", free_port()).parse().unwrap()]),
+                cla(
+                    "dead",
+                    &[format!("127.0.0.1:{}", free_port()).parse().unwrap()],
+                ),
                 cla("zipkin", &[zipkin]),
                 cla("otel", &[otel]),
             ],
@@ -504,7 +521,11 @@ impl Setup {
 
     async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Resp {
         self.client
-            .get(&format!("http://127.0.0.1:{}{path}", self.port), Some(HOST), headers)
+            .get(
+                &format!("http://127.0.0.1:{}{path}", self.port),
+                Some(HOST),
+                headers,
+            )
             .await
     }
 }
@@ -538,7 +559,9 @@ fn now_us() -> u64 {
 }
 
 fn is_hex(s: &str, len: usize) -> bool {
-    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// The uuid request-id extension's trace byte.
@@ -563,7 +586,10 @@ async fn zipkin_starts_a_trace_and_reports_the_span() {
     .await;
     let before = now_us();
     let r = s
-        .get("/shop/cart?item=1", &[("user-agent", "trace-test"), ("x-tag", "tagged")])
+        .get(
+            "/shop/cart?item=1",
+            &[("user-agent", "trace-test"), ("x-tag", "tagged")],
+        )
         .await;
     let h = seen(&r);
     // 100% random sampling: Envoy marks the request id as sampled ('9') and starts a 64-bit
@@ -600,7 +626,10 @@ async fn zipkin_starts_a_trace_and_reports_the_span() {
     let tags = &span["tags"];
     let expect = [
         ("http.method", "GET"),
-        ("http.url", &format!("http://{HOST}/shop/cart?item=1") as &str),
+        (
+            "http.url",
+            &format!("http://{HOST}/shop/cart?item=1") as &str,
+        ),
         ("http.status_code", "200"),
         ("http.protocol", "HTTP/1.1"),
         ("upstream_cluster", "web"),
@@ -639,7 +668,11 @@ async fn zipkin_starts_a_trace_and_reports_the_span() {
             if stat("tracing.zipkin.spans_sent") >= 2 && stat("tracing.zipkin.reports_sent") >= 2 {
                 Ok(())
             } else {
-                Err(body.lines().filter(|l| l.starts_with("tracing.")).collect::<Vec<_>>().join("; "))
+                Err(body
+                    .lines()
+                    .filter(|l| l.starts_with("tracing."))
+                    .collect::<Vec<_>>()
+                    .join("; "))
             }
         }
     })
@@ -674,7 +707,9 @@ async fn zipkin_http_proto_collector() {
     assert_eq!(h["x-b3-sampled"], "1");
     let span = c.zipkin.span("463ac35c9f6413ad48485a3953bb6124").await;
     let posts = c.zipkin.0.lock().unwrap().clone();
-    assert!(posts.iter().all(|(_, _, ct, _)| ct == "application/x-protobuf"));
+    assert!(posts
+        .iter()
+        .all(|(_, _, ct, _)| ct == "application/x-protobuf"));
     // Envoy writes the trace id big-endian but span ids in its host's (little-endian) byte
     // order.
     assert_eq!(span["id"], "12d3961a1d4afba2");
@@ -770,7 +805,10 @@ async fn zipkin_continues_an_incoming_b3_trace() {
     assert_eq!(span["parentId"], "05e3ac9a4f6e3b90");
 
     // A malformed context: no span and no headers (Envoy's null span).
-    let h = seen(&s.get("/a", &[("x-b3-traceid", "xyz"), ("x-b3-spanid", "1")]).await);
+    let h = seen(
+        &s.get("/a", &[("x-b3-traceid", "xyz"), ("x-b3-spanid", "1")])
+            .await,
+    );
     assert_eq!(h["x-b3-traceid"], "xyz");
     assert!(!h.contains_key("x-b3-sampled"), "{h:?}");
 }
@@ -799,7 +837,10 @@ async fn zipkin_respects_an_unsampled_caller() {
     let b3 = h["b3"].clone();
     let parts: Vec<&str> = b3.split('-').collect();
     assert_eq!(parts.len(), 3, "{b3}");
-    assert!(is_hex(parts[0], 16) && parts[0] == parts[1] && parts[2] == "0", "{b3}");
+    assert!(
+        is_hex(parts[0], 16) && parts[0] == parts[1] && parts[2] == "0",
+        "{b3}"
+    );
     // A sampled request after them is reported; the unsampled ones never are.
     let h = seen(&s.get("/a", &[]).await);
     c.zipkin.span(&h["x-b3-traceid"]).await;
@@ -862,7 +903,10 @@ async fn zipkin_egress_spans_are_client_children() {
     let h = seen(
         &s.get(
             "/a",
-            &[("x-b3-traceid", "00000000000000aa"), ("x-b3-spanid", "00000000000000bb")],
+            &[
+                ("x-b3-traceid", "00000000000000aa"),
+                ("x-b3-spanid", "00000000000000bb"),
+            ],
         )
         .await,
     );
@@ -903,12 +947,22 @@ async fn connection_managers_without_a_provider_use_the_bootstraps() {
         overall_sampling: Some(Percent { value: 100.0 }),
         ..Default::default()
     };
-    let s = Setup::start_with(t, c.backend, c.zipkin_addr, c.otel_addr, false, BOOTSTRAP_ZIPKIN)
-        .await;
+    let s = Setup::start_with(
+        t,
+        c.backend,
+        c.zipkin_addr,
+        c.otel_addr,
+        false,
+        BOOTSTRAP_ZIPKIN,
+    )
+    .await;
     let h = seen(
         &s.get(
             "/a",
-            &[("x-b3-traceid", "00000000000000aa"), ("x-b3-spanid", "00000000000000bb")],
+            &[
+                ("x-b3-traceid", "00000000000000aa"),
+                ("x-b3-spanid", "00000000000000bb"),
+            ],
         )
         .await,
     );
@@ -965,7 +1019,10 @@ async fn opentelemetry_starts_and_continues_w3c_traces() {
     assert_eq!(span.kind, otlp::SPAN_KIND_SERVER);
     assert_eq!(span.name, "ingress");
     assert!(span.start_time_unix_nano >= before, "{span:?}");
-    assert!(span.end_time_unix_nano >= span.start_time_unix_nano, "{span:?}");
+    assert!(
+        span.end_time_unix_nano >= span.start_time_unix_nano,
+        "{span:?}"
+    );
     let service = resource
         .attributes
         .iter()
@@ -1017,7 +1074,10 @@ async fn opentelemetry_starts_and_continues_w3c_traces() {
     let h = seen(
         &s.get(
             "/w3c",
-            &[("traceparent", &format!("00-{unsampled}-{parent}-00") as &str)],
+            &[(
+                "traceparent",
+                &format!("00-{unsampled}-{parent}-00") as &str,
+            )],
         )
         .await,
     );

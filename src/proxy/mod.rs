@@ -47,8 +47,8 @@ mod retries;
 mod routing;
 pub mod tcp;
 mod timeouts;
-mod trace;
 pub mod tls;
+mod trace;
 mod upgrade;
 mod upstream;
 mod upstream_tls;
@@ -455,7 +455,7 @@ impl ProxyHttp for Gateway {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
         if let Some(t) = ctx.trace.take() {
-            trace::finish(t, &ctx.info, &self.state.tracer);
+            trace::finish(*t, &ctx.info, &self.state.tracer);
         }
         let code = ctx.info.response_code;
         if ctx.counted_active {

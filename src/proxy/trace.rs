@@ -16,7 +16,9 @@ use pingora_http::RequestHeader;
 
 use crate::snapshot::listener::Hcm;
 use crate::telemetry::trace::config::TagValue;
-use crate::telemetry::trace::{context, FinishedSpan, Provider, SpanContext, Tracer, TracingConfig};
+use crate::telemetry::trace::{
+    context, FinishedSpan, Provider, SpanContext, Tracer, TracingConfig,
+};
 use crate::telemetry::StreamInfo;
 
 /// A sampled span in progress.
@@ -141,14 +143,14 @@ pub(super) fn begin(
 }
 
 /// At the request's end: Envoy's common tags from the record, and the span to the exporter.
-pub(super) fn finish(trace: Box<ActiveTrace>, info: &StreamInfo, tracer: &Tracer) {
+pub(super) fn finish(trace: ActiveTrace, info: &StreamInfo, tracer: &Tracer) {
     let ActiveTrace {
         config,
         provider,
         ctx,
         name,
         mut tags,
-    } = *trace;
+    } = trace;
     tags.push(("component".into(), "proxy".into()));
     if let Some(u) = &info.upstream {
         tags.push(("upstream_cluster".into(), u.name.to_string()));

@@ -821,7 +821,8 @@ impl ChainDef {
                 let proto: hcm::HttpConnectionManager =
                     unpack(any, HCM_TYPE, "http_connection_manager")?;
                 NetworkFilter::Http(
-                    Hcm::translate(&proto, egress).map_err(|e| format!("http_connection_manager: {e}"))?,
+                    Hcm::translate(&proto, egress)
+                        .map_err(|e| format!("http_connection_manager: {e}"))?,
                 )
             }
             TCP_PROXY_TYPE => NetworkFilter::Tcp(

@@ -1931,7 +1931,12 @@ fn tracing_is_translated_with_the_listeners_direction() {
     let mut l = listener_with(&h);
     l.traffic_direction = corepb::TrafficDirection::Outbound as i32;
     let def = ok(&l);
-    let t = def.chains[0].hcm().expect("hcm").tracing.clone().expect("tracing");
+    let t = def.chains[0]
+        .hcm()
+        .expect("hcm")
+        .tracing
+        .clone()
+        .expect("tracing");
     assert!(t.egress);
     assert!(matches!(
         t.provider.as_deref(),

@@ -67,9 +67,15 @@ pub enum TagValue {
     Literal(String),
     /// Read from the gateway's environment (by the exporter, off the request path); the
     /// default when unset; no tag when both are empty.
-    Environment { name: String, default: String },
+    Environment {
+        name: String,
+        default: String,
+    },
     /// A request header's value, else the default; no tag when both are empty.
-    RequestHeader { name: http::HeaderName, default: String },
+    RequestHeader {
+        name: http::HeaderName,
+        default: String,
+    },
 }
 
 /// The connection manager's tracing.
@@ -224,7 +230,9 @@ impl Provider {
 
 fn provider(name: &str, config: Option<&ConfigType>) -> Result<Provider, String> {
     let Some(ConfigType::TypedConfig(any)) = config else {
-        return Err(format!("tracing.provider '{name}': typed_config is required"));
+        return Err(format!(
+            "tracing.provider '{name}': typed_config is required"
+        ));
     };
     match any.type_url.as_str() {
         ZIPKIN_TYPE => zipkin(&decode::<ZipkinConfig>(any, name)?).map(Provider::Zipkin),
@@ -248,8 +256,12 @@ fn provider(name: &str, config: Option<&ConfigType>) -> Result<Provider, String>
 }
 
 fn decode<M: Message + Default>(any: &Any, name: &str) -> Result<M, String> {
-    M::decode(any.value.as_slice())
-        .map_err(|e| format!("tracing.provider '{name}': cannot decode {}: {e}", any.type_url))
+    M::decode(any.value.as_slice()).map_err(|e| {
+        format!(
+            "tracing.provider '{name}': cannot decode {}: {e}",
+            any.type_url
+        )
+    })
 }
 
 fn zipkin(z: &ZipkinConfig) -> Result<Zipkin, String> {
@@ -270,7 +282,9 @@ fn zipkin(z: &ZipkinConfig) -> Result<Zipkin, String> {
         None => {
             // Envoy's messages.
             if z.collector_cluster.is_empty() {
-                return Err("Either collector_cluster or collector_service must be specified".into());
+                return Err(
+                    "Either collector_cluster or collector_service must be specified".into(),
+                );
             }
             if z.collector_endpoint.is_empty() {
                 return Err(
@@ -291,7 +305,9 @@ fn zipkin(z: &ZipkinConfig) -> Result<Zipkin, String> {
     };
     if z.trace_context_option != 0 {
         // USE_B3_WITH_W3C_PROPAGATION: W3C headers besides B3; tracing only.
-        tracing::warn!("tracing.provider zipkin: trace_context_option is not implemented (B3 only)");
+        tracing::warn!(
+            "tracing.provider zipkin: trace_context_option is not implemented (B3 only)"
+        );
     }
     Ok(Zipkin {
         cluster,
@@ -311,7 +327,9 @@ fn collector_service(s: &HttpService) -> Result<(String, String, String), String
         .as_ref()
         .ok_or("tracing.provider zipkin: collector_service.http_uri is required")?;
     let Some(http_uri::HttpUpstreamType::Cluster(cluster)) = &uri.http_upstream_type else {
-        return Err("tracing.provider zipkin: collector_service.http_uri.cluster is required".into());
+        return Err(
+            "tracing.provider zipkin: collector_service.http_uri.cluster is required".into(),
+        );
     };
     let (host, path) = match uri.uri.split_once("://") {
         None => (String::new(), uri.uri.clone()),
@@ -320,7 +338,11 @@ fn collector_service(s: &HttpService) -> Result<(String, String, String), String
             Some(i) => (rest[..i].to_string(), rest[i..].to_string()),
         },
     };
-    let host = if host.is_empty() { cluster.clone() } else { host };
+    let host = if host.is_empty() {
+        cluster.clone()
+    } else {
+        host
+    };
     Ok((cluster.clone(), path, host))
 }
 
@@ -330,7 +352,10 @@ fn opentelemetry(o: &OpenTelemetryConfig) -> Result<OpenTelemetry, String> {
     } else {
         o.service_name.clone()
     };
-    let grpc = o.grpc_service.as_ref().and_then(|g| g.target_specifier.as_ref());
+    let grpc = o
+        .grpc_service
+        .as_ref()
+        .and_then(|g| g.target_specifier.as_ref());
     let (cluster, authority) = match grpc {
         Some(grpc_service::TargetSpecifier::EnvoyGrpc(e)) => {
             let authority = if e.authority.is_empty() {
@@ -396,7 +421,13 @@ mod tests {
     fn defaults_sample_everything() {
         let t = TracingConfig::translate(&with(None), false).unwrap();
         assert_eq!(t.provider, None);
-        assert_eq!(t.client_sampling, Fraction { numerator: 100, denominator: 100 });
+        assert_eq!(
+            t.client_sampling,
+            Fraction {
+                numerator: 100,
+                denominator: 100
+            }
+        );
         assert_eq!(t.random_sampling, Fraction::ALL_OF_10000);
         assert_eq!(t.overall_sampling, Fraction::ALL_OF_10000);
         assert_eq!(t.max_path_tag_length, 256);

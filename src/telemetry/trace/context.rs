@@ -223,8 +223,10 @@ fn b3_context(headers: &HeaderMap) -> Result<Option<(u64, u64, u64, u64, Format)
         let b3 = b3.to_str().map_err(|_| ())?;
         return b3_single(b3).map(|c| c.map(|(h, l, s, p)| (h, l, s, p, Format::B3Single)));
     }
-    let (Some(tid), Some(sid)) = (first(headers, "x-b3-traceid"), first(headers, "x-b3-spanid"))
-    else {
+    let (Some(tid), Some(sid)) = (
+        first(headers, "x-b3-traceid"),
+        first(headers, "x-b3-spanid"),
+    ) else {
         return Ok(None);
     };
     let (high, low) = if tid.len() == 32 {

@@ -80,7 +80,10 @@ fn request_id_sampling_as_the_uuid_extension_packs_it() {
         denominator: 10_000,
     };
     let mut rid = *b"00001388-1234-4234-8234-123456789012";
-    assert_eq!(sample(&mut rid, false, false, &half, 0), Reason::NotTraceable);
+    assert_eq!(
+        sample(&mut rid, false, false, &half, 0),
+        Reason::NotTraceable
+    );
     assert_eq!(rid[14], b'4');
     let mut rid = *b"00001387-1234-4234-8234-123456789012";
     assert_eq!(sample(&mut rid, false, false, &half, 0), Reason::Sampling);
@@ -104,7 +107,14 @@ fn request_id_sampling_as_the_uuid_extension_packs_it() {
 #[test]
 fn zipkin_root_span_and_its_b3_headers() {
     let c = cfg(Some(zipkin(true, false)));
-    let s = start_span(&c, c.provider.as_deref(), &HeaderMap::new(), Reason::Sampling, &mut counter()).unwrap();
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &HeaderMap::new(),
+        Reason::Sampling,
+        &mut counter(),
+    )
+    .unwrap();
     assert_eq!(s.trace_low, s.span_id);
     assert_eq!(s.trace_high, 0);
     assert!(s.sampled);
@@ -117,7 +127,14 @@ fn zipkin_root_span_and_its_b3_headers() {
         ]
     );
     let wide = cfg(Some(zipkin(true, true)));
-    let s = start_span(&wide, wide.provider.as_deref(), &HeaderMap::new(), Reason::NotTraceable, &mut counter()).unwrap();
+    let s = start_span(
+        &wide,
+        wide.provider.as_deref(),
+        &HeaderMap::new(),
+        Reason::NotTraceable,
+        &mut counter(),
+    )
+    .unwrap();
     assert_eq!(s.trace_id_hex(), "00000000000022220000000000001111");
     assert!(!s.sampled);
 }
@@ -131,7 +148,14 @@ fn zipkin_continues_b3_contexts() {
         ("x-b3-parentspanid", "0020000000000001"),
         ("x-b3-sampled", "0"),
     ]);
-    let s = start_span(&c, c.provider.as_deref(), &h, Reason::Sampling, &mut counter()).unwrap();
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &h,
+        Reason::Sampling,
+        &mut counter(),
+    )
+    .unwrap();
     assert_eq!(s.trace_id_hex(), "463ac35c9f6413ad48485a3953bb6124");
     assert_eq!(s.span_id, 0xa2fb4a1d1a96d312);
     assert_eq!(s.parent_id, Some(0x0020000000000001));
@@ -139,16 +163,35 @@ fn zipkin_continues_b3_contexts() {
 
     // Not shared (or egress): a child span.
     let c = cfg(Some(zipkin(false, false)));
-    let s = start_span(&c, c.provider.as_deref(), &h, Reason::Sampling, &mut counter()).unwrap();
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &h,
+        Reason::Sampling,
+        &mut counter(),
+    )
+    .unwrap();
     assert_eq!(s.span_id, 0x1111);
     assert_eq!(s.parent_id, Some(0xa2fb4a1d1a96d312));
 
     // Single header, written back the same way.
     let b3 = "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1-05e3ac9a4f6e3b90";
     let c = cfg(Some(zipkin(true, false)));
-    let s = start_span(&c, c.provider.as_deref(), &headers(&[("b3", b3)]), Reason::NotTraceable, &mut counter());
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &headers(&[("b3", b3)]),
+        Reason::NotTraceable,
+        &mut counter(),
+    );
     assert_eq!(s.unwrap().headers(), vec![("b3", b3.to_string())]);
-    let s = start_span(&c, c.provider.as_deref(), &headers(&[("b3", "0")]), Reason::Sampling, &mut counter());
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &headers(&[("b3", "0")]),
+        Reason::Sampling,
+        &mut counter(),
+    );
     assert_eq!(
         s.unwrap().headers(),
         vec![("b3", "0000000000001111-0000000000001111-0".to_string())]
@@ -160,7 +203,14 @@ fn zipkin_continues_b3_contexts() {
         vec![("b3", "80f198ee56343ba8-e457b5a2e4d86bd1-")],
     ] {
         assert!(
-            start_span(&c, c.provider.as_deref(), &headers(&bad), Reason::Sampling, &mut counter()).is_none(),
+            start_span(
+                &c,
+                c.provider.as_deref(),
+                &headers(&bad),
+                Reason::Sampling,
+                &mut counter()
+            )
+            .is_none(),
             "{bad:?}"
         );
     }
@@ -169,7 +219,14 @@ fn zipkin_continues_b3_contexts() {
 #[test]
 fn w3c_traceparent_started_and_continued() {
     let c = cfg(Some(otel()));
-    let s = start_span(&c, c.provider.as_deref(), &HeaderMap::new(), Reason::Sampling, &mut counter()).unwrap();
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &HeaderMap::new(),
+        Reason::Sampling,
+        &mut counter(),
+    )
+    .unwrap();
     assert_eq!(
         s.headers(),
         vec![
@@ -188,7 +245,14 @@ fn w3c_traceparent_started_and_continued() {
         ("tracestate", "a=1"),
         ("tracestate", "b=2"),
     ]);
-    let s = start_span(&c, c.provider.as_deref(), &h, Reason::Sampling, &mut counter()).unwrap();
+    let s = start_span(
+        &c,
+        c.provider.as_deref(),
+        &h,
+        Reason::Sampling,
+        &mut counter(),
+    )
+    .unwrap();
     assert_eq!(s.trace_id_hex(), "0af7651916cd43dd8448eb211c80319c");
     assert_eq!(s.parent_id, Some(0xb7ad6b7169203331));
     assert!(!s.sampled);
@@ -201,7 +265,14 @@ fn w3c_traceparent_started_and_continued() {
     ] {
         let h = headers(&[("traceparent", bad)]);
         assert!(
-            start_span(&c, c.provider.as_deref(), &h, Reason::Sampling, &mut counter()).is_none(),
+            start_span(
+                &c,
+                c.provider.as_deref(),
+                &h,
+                Reason::Sampling,
+                &mut counter()
+            )
+            .is_none(),
             "{bad}"
         );
     }
@@ -210,6 +281,20 @@ fn w3c_traceparent_started_and_continued() {
 #[test]
 fn unimplemented_drivers_make_no_spans() {
     let c = cfg(Some(Provider::Unimplemented("envoy.tracers.datadog")));
-    assert!(start_span(&c, c.provider.as_deref(), &HeaderMap::new(), Reason::Sampling, &mut counter()).is_none());
-    assert!(start_span(&cfg(None), None, &HeaderMap::new(), Reason::Sampling, &mut counter()).is_none());
+    assert!(start_span(
+        &c,
+        c.provider.as_deref(),
+        &HeaderMap::new(),
+        Reason::Sampling,
+        &mut counter()
+    )
+    .is_none());
+    assert!(start_span(
+        &cfg(None),
+        None,
+        &HeaderMap::new(),
+        Reason::Sampling,
+        &mut counter()
+    )
+    .is_none());
 }

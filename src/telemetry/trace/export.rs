@@ -102,11 +102,23 @@ impl TracerStats {
             ("tracing.portico.spans_dropped", v(&self.spans_dropped)),
             ("tracing.zipkin.spans_sent", v(&self.zipkin_spans_sent)),
             ("tracing.zipkin.reports_sent", v(&self.zipkin_reports_sent)),
-            ("tracing.zipkin.reports_dropped", v(&self.zipkin_reports_dropped)),
-            ("tracing.zipkin.reports_failed", v(&self.zipkin_reports_failed)),
-            ("tracing.zipkin.timer_flushed", v(&self.zipkin_timer_flushed)),
+            (
+                "tracing.zipkin.reports_dropped",
+                v(&self.zipkin_reports_dropped),
+            ),
+            (
+                "tracing.zipkin.reports_failed",
+                v(&self.zipkin_reports_failed),
+            ),
+            (
+                "tracing.zipkin.timer_flushed",
+                v(&self.zipkin_timer_flushed),
+            ),
             ("tracing.opentelemetry.spans_sent", v(&self.otel_spans_sent)),
-            ("tracing.opentelemetry.timer_flushed", v(&self.otel_timer_flushed)),
+            (
+                "tracing.opentelemetry.timer_flushed",
+                v(&self.otel_timer_flushed),
+            ),
         ]
     }
 }
@@ -378,8 +390,10 @@ async fn export_otlp(
         .map_err(|e| e.to_string())?;
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.map_err(|e| e.to_string())?;
-    let codec: tonic_prost::ProstCodec<otlp::ExportTraceServiceRequest, otlp::ExportTraceServiceResponse> =
-        tonic_prost::ProstCodec::default();
+    let codec: tonic_prost::ProstCodec<
+        otlp::ExportTraceServiceRequest,
+        otlp::ExportTraceServiceResponse,
+    > = tonic_prost::ProstCodec::default();
     grpc.unary(
         tonic::Request::new(req),
         http::uri::PathAndQuery::from_static(otlp::EXPORT_PATH),
