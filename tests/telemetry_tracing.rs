@@ -753,6 +753,41 @@ async fn zipkin_marks_failed_requests_as_errors() {
 }
 
 #[tokio::test]
+async fn zipkin_traces_local_replies() {
+    let c = collectors().await;
+    let s = Setup::start(
+        tracing(zipkin_provider(false), None),
+        c.backend,
+        c.zipkin_addr,
+        c.otel_addr,
+        false,
+    )
+    .await;
+    // No route for this host: the connection manager's 404, traced all the same.
+    let trace = "00000000000000ee";
+    let r = s
+        .client
+        .get(
+            &format!("http://127.0.0.1:{}/x", s.port),
+            Some("nowhere.example.com"),
+            &[("x-b3-traceid", trace), ("x-b3-spanid", "00000000000000ef")],
+        )
+        .await;
+    assert_eq!(r.status, 404, "{r:?}");
+    let span = c.zipkin.span(trace).await;
+    assert_eq!(span["name"], "nowhere.example.com");
+    let tags = &span["tags"];
+    assert_eq!(tags["http.status_code"], "404", "{span}");
+    assert_eq!(tags["response_flags"], "NR", "{span}");
+    assert_eq!(tags["http.url"], "http://nowhere.example.com/x", "{span}");
+    assert!(tags.get("upstream_cluster").is_none(), "{span}");
+    assert!(tags.get("error").is_none(), "{span}");
+    let rid = tags["guid:x-request-id"].as_str().unwrap_or("");
+    assert_eq!(rid.len(), 36, "{span}");
+    assert_eq!(trace_byte(rid), '9', "{span}");
+}
+
+#[tokio::test]
 async fn zipkin_continues_an_incoming_b3_trace() {
     let c = collectors().await;
     let s = Setup::start(

@@ -288,7 +288,14 @@ fn stat_list(state: &State) -> stats::StatList {
         },
         &mut list,
     );
-    for (name, value) in state.tracer.stats.list() {
+    // Listed once they count: Envoy has them only where a driver is configured.
+    for (name, value) in state
+        .tracer
+        .stats
+        .list()
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+    {
         list.add(
             stats::Kind::Counter,
             name.to_string(),

@@ -217,6 +217,10 @@ pub struct Ctx {
     pub(crate) info: crate::telemetry::StreamInfo,
     /// The gateway's span, when the request is traced and sampled (`trace`).
     trace: Option<Box<trace::ActiveTrace>>,
+    /// The request passed the connection manager's checks (Envoy traces from there on), and
+    /// whether `trace::begin` already ran for it.
+    traceable: bool,
+    trace_begun: bool,
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -263,6 +267,7 @@ impl ProxyHttp for Gateway {
         if self.downstream_checks(session, ctx, &listener).await? {
             return Ok(true);
         }
+        ctx.traceable = true;
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = downstream::expects_continue(session.req_header());
@@ -331,6 +336,7 @@ impl ProxyHttp for Gateway {
         routing::forward(session, ctx, &listener, route, fwd);
         mirror::choose_targets(session, ctx, fwd);
         downstream::request_headers(session, hcm, expect_continue).await?;
+        ctx.trace_begun = true;
         ctx.trace = trace::begin(session.req_header_mut(), hcm, &ctx.info, &self.state.tracer)?;
         timeouts::arm_timers(session, ctx, fwd, hcm)?;
         routing::request_headers(session, ctx, route, entry, &fmt)?;
@@ -454,6 +460,17 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        if ctx.traceable && !ctx.trace_begun {
+            if let Some(chain) = ctx.listener.clone() {
+                if let Some(hcm) = chain.def.hcm() {
+                    let ip = ctx.info.downstream_direct_remote.map(|a| a.ip());
+                    let req = session.req_header_mut();
+                    ctx.trace = trace::late(req, ip, hcm, &ctx.info, &self.state.tracer)
+                        .ok()
+                        .flatten();
+                }
+            }
+        }
         if let Some(t) = ctx.trace.take() {
             trace::finish(*t, &ctx.info, &self.state.tracer);
         }

@@ -5,8 +5,10 @@
 //! span is finished from the `StreamInfo` and handed to the exporter
 //! (`telemetry::trace::export`), which sends it off the request path.
 //!
-//! Portico traces forwarded requests: a request answered before the router forwards it
-//! (no route, a direct response, a filter's local reply) has no span, where Envoy has one.
+//! A request answered before the router forwarded it (no route, a direct response, a local
+//! reply) is traced at its end instead ([`late`]): its span is the same, only no headers went
+//! anywhere. Replies of the codec and of the connection manager's own checks (before Envoy
+//! traces) have no span.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -140,6 +142,33 @@ pub(super) fn begin(
         name,
         tags,
     })))
+}
+
+/// A request answered before the router forwarded it (no route, a direct response or
+/// redirect, a filter's or the router's local reply): Envoy traced it from its headers all the
+/// same. Done at the end, with the request id the connection manager would have given it
+/// (the reply never carried it) and `x-envoy-force-trace` only from internal clients.
+pub(super) fn late(
+    req: &mut RequestHeader,
+    client_ip: Option<std::net::IpAddr>,
+    hcm: &Hcm,
+    info: &StreamInfo,
+    tracer: &Tracer,
+) -> Result<Option<Box<ActiveTrace>>> {
+    if hcm.tracing.is_none() {
+        return Ok(None);
+    }
+    let internal = super::downstream::is_internal_request(&req.headers, client_ip, hcm);
+    if !internal {
+        req.remove_header("x-envoy-force-trace");
+    }
+    let regenerate = hcm.use_remote_address && !internal && !hcm.preserve_external_request_id;
+    if hcm.generate_request_id && (regenerate || !req.headers.contains_key("x-request-id")) {
+        let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
+            .or_err(ErrorType::InternalError, "request id")?;
+        req.insert_header("x-request-id", id)?;
+    }
+    begin(req, hcm, info, tracer)
 }
 
 /// At the request's end: Envoy's common tags from the record, and the span to the exporter.
