@@ -428,6 +428,17 @@ const RUNTIME: &str = r#"layered_runtime:
       tracing.opentelemetry.min_flush_spans: 1
 "#;
 
+/// A route whose decorator names its spans.
+fn decorated(
+    mut r: envoy_types::pb::envoy::config::route::v3::Route,
+) -> envoy_types::pb::envoy::config::route::v3::Route {
+    r.decorator = Some(envoy_types::pb::envoy::config::route::v3::Decorator {
+        operation: "checkout-op".into(),
+        propagate: None,
+    });
+    r
+}
+
 struct Setup {
     _ads: AdsServer,
     gw: Gateway,
@@ -472,6 +483,7 @@ impl Setup {
                     "trace",
                     &[HOST],
                     vec![
+                        decorated(rt(prefix("/decorated"), to_cluster("web"))),
                         rt(prefix("/dead"), to_cluster("dead")),
                         rt(prefix("/"), to_cluster("web")),
                     ],
@@ -753,6 +765,35 @@ async fn zipkin_marks_failed_requests_as_errors() {
 }
 
 #[tokio::test]
+async fn route_decorators_name_spans() {
+    let c = collectors().await;
+    let s = Setup::start(
+        tracing(zipkin_provider(false), None),
+        c.backend,
+        c.zipkin_addr,
+        c.otel_addr,
+        false,
+    )
+    .await;
+    // Ingress: the route's operation names the span and returns on the response.
+    let r = s.get("/decorated/1", &[]).await;
+    assert_eq!(r.header("x-envoy-decorator-operation"), Some("checkout-op"));
+    let h = seen(&r);
+    assert!(!h.contains_key("x-envoy-decorator-operation"), "{h:?}");
+    let span = c.zipkin.span(&h["x-b3-traceid"]).await;
+    assert_eq!(span["name"], "checkout-op");
+    // A caller's operation (from a trusted hop) overrides it and is not passed on.
+    let r = s
+        .get("/decorated/2", &[("x-envoy-decorator-operation", "client-op")])
+        .await;
+    assert_eq!(r.header("x-envoy-decorator-operation"), None);
+    let h = seen(&r);
+    assert!(!h.contains_key("x-envoy-decorator-operation"), "{h:?}");
+    let span = c.zipkin.span(&h["x-b3-traceid"]).await;
+    assert_eq!(span["name"], "client-op");
+}
+
+#[tokio::test]
 async fn zipkin_traces_local_replies() {
     let c = collectors().await;
     let s = Setup::start(
@@ -956,6 +997,12 @@ async fn zipkin_egress_spans_are_client_children() {
     assert_eq!(span["parentId"], "00000000000000bb");
     assert!(span.get("shared").is_none(), "{span}");
     assert_eq!(span["annotations"][0]["value"], "cr");
+
+    // Egress: the route's operation names the span and goes upstream.
+    let h = seen(&s.get("/decorated", &[]).await);
+    assert_eq!(h["x-envoy-decorator-operation"], "checkout-op");
+    let span = c.zipkin.span(&h["x-b3-traceid"]).await;
+    assert_eq!(span["name"], "checkout-op");
 }
 
 /// istio-agent's bootstrap tracer, which istiod's connection managers (tracing without a

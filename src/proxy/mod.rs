@@ -221,6 +221,10 @@ pub struct Ctx {
     /// whether `trace::begin` already ran for it.
     traceable: bool,
     trace_begun: bool,
+    /// The matched route's decorator (for a span begun late), and the operation an ingress
+    /// response carries in `x-envoy-decorator-operation`.
+    decorator: Option<Arc<crate::snapshot::route::Decorator>>,
+    decorator_response: Option<Arc<str>>,
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -277,6 +281,9 @@ impl ProxyHttp for Gateway {
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
         if let Some(r) = matched.filter(|r| !r.name.is_empty()) {
             ctx.info.route_name = Some(r.name.clone());
+        }
+        if let Some(d) = matched.and_then(|r| r.decorator.as_ref()) {
+            ctx.decorator = Some(d.clone());
         }
         let Some(hcm) = listener.def.hcm() else {
             // Checked above when the chain was loaded.
@@ -337,7 +344,14 @@ impl ProxyHttp for Gateway {
         mirror::choose_targets(session, ctx, fwd);
         downstream::request_headers(session, hcm, expect_continue).await?;
         ctx.trace_begun = true;
-        ctx.trace = trace::begin(session.req_header_mut(), hcm, &ctx.info, &self.state.tracer)?;
+        ctx.trace = trace::begin(
+            session.req_header_mut(),
+            hcm,
+            &ctx.info,
+            &self.state.tracer,
+            route.decorator.as_deref(),
+            &mut ctx.decorator_response,
+        )?;
         timeouts::arm_timers(session, ctx, fwd, hcm)?;
         routing::request_headers(session, ctx, route, entry, &fmt)?;
         Ok(false)
@@ -441,6 +455,7 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        trace::response_headers(resp, ctx.decorator_response.as_ref())?;
         upstream::response_headers(session, resp, ctx)
     }
 
@@ -465,7 +480,8 @@ impl ProxyHttp for Gateway {
                 if let Some(hcm) = chain.def.hcm() {
                     let ip = ctx.info.downstream_direct_remote.map(|a| a.ip());
                     let req = session.req_header_mut();
-                    ctx.trace = trace::late(req, ip, hcm, &ctx.info, &self.state.tracer)
+                    let decorator = ctx.decorator.as_deref();
+                    ctx.trace = trace::late(req, ip, hcm, &ctx.info, &self.state.tracer, decorator)
                         .ok()
                         .flatten();
                 }

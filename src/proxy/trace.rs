@@ -17,6 +17,7 @@ use pingora_error::{ErrorType, OrErr, Result};
 use pingora_http::RequestHeader;
 
 use crate::snapshot::listener::Hcm;
+use crate::snapshot::route::Decorator;
 use crate::telemetry::trace::config::TagValue;
 use crate::telemetry::trace::{
     context, FinishedSpan, Provider, SpanContext, Tracer, TracingConfig,
@@ -34,21 +35,44 @@ pub(super) struct ActiveTrace {
     tags: Vec<(Cow<'static, str>, String)>,
 }
 
+const DECORATOR_OPERATION: &str = "x-envoy-decorator-operation";
+
 fn header<'a>(req: &'a RequestHeader, name: &str) -> Option<&'a str> {
     req.headers.get(name).and_then(|v| v.to_str().ok())
 }
 
 /// After the connection manager's request headers (`x-request-id` is set): sampling, the
 /// span, and its headers on the request. Some: a span to finish and report.
+/// `decorator`: the matched route's. `ctx_response`: set to the operation Envoy's ingress
+/// response carries in `x-envoy-decorator-operation`.
 pub(super) fn begin(
     req: &mut RequestHeader,
     hcm: &Hcm,
     info: &StreamInfo,
     tracer: &Tracer,
+    decorator: Option<&Decorator>,
+    response_operation: &mut Option<Arc<str>>,
 ) -> Result<Option<Box<ActiveTrace>>> {
     let Some(cfg) = &hcm.tracing else {
         return Ok(None);
     };
+    // Envoy's decorator handling: egress sends the route's operation upstream; ingress takes
+    // a caller's override from the request (never passed on) and otherwise returns the
+    // route's operation on the response.
+    let mut operation = decorator.map(|d| d.operation.clone());
+    let propagate = decorator.is_some_and(|d| d.propagate);
+    if cfg.egress {
+        if let (Some(op), true) = (&operation, propagate) {
+            req.insert_header(DECORATOR_OPERATION, &**op)?;
+        }
+    } else {
+        if let Some(o) = header(req, DECORATOR_OPERATION).filter(|o| !o.is_empty()) {
+            operation = Some(Arc::from(o));
+        } else if propagate {
+            *response_operation = operation.clone();
+        }
+        req.remove_header(DECORATOR_OPERATION);
+    }
     let reason = match req.headers.get("x-request-id") {
         Some(v) => {
             let mut rid = v.as_bytes().to_vec();
@@ -85,12 +109,13 @@ pub(super) fn begin(
         return Ok(None);
     }
     let host = super::downstream::raw_authority(req).to_string();
-    let name = match (&cfg.operation, &*provider) {
-        (Some(op), _) => op.clone(),
+    let name = match (&operation, &cfg.operation, &*provider) {
+        (Some(op), _, _) => op.to_string(),
+        (None, Some(op), _) => op.clone(),
         // Zipkin names the span by the request's host; the others by Envoy's operation.
-        (None, Provider::Zipkin(_)) => host.clone(),
-        (None, _) if cfg.egress => format!("egress {host}"),
-        (None, _) => "ingress".to_string(),
+        (None, None, Provider::Zipkin(_)) => host.clone(),
+        (None, None, _) if cfg.egress => format!("egress {host}"),
+        (None, None, _) => "ingress".to_string(),
     };
     let mut tags: Vec<(Cow<'static, str>, String)> = Vec::with_capacity(24);
     if let Some(id) = header(req, "x-request-id") {
@@ -154,6 +179,7 @@ pub(super) fn late(
     hcm: &Hcm,
     info: &StreamInfo,
     tracer: &Tracer,
+    decorator: Option<&Decorator>,
 ) -> Result<Option<Box<ActiveTrace>>> {
     if hcm.tracing.is_none() {
         return Ok(None);
@@ -168,7 +194,19 @@ pub(super) fn late(
             .or_err(ErrorType::InternalError, "request id")?;
         req.insert_header("x-request-id", id)?;
     }
-    begin(req, hcm, info, tracer)
+    begin(req, hcm, info, tracer, decorator, &mut None)
+}
+
+/// An ingress response carries the route's decorator operation (Envoy, for the caller's
+/// client span).
+pub(super) fn response_headers(
+    resp: &mut pingora_http::ResponseHeader,
+    operation: Option<&Arc<str>>,
+) -> Result<()> {
+    if let Some(op) = operation {
+        resp.insert_header(DECORATOR_OPERATION, &**op)?;
+    }
+    Ok(())
 }
 
 /// At the request's end: Envoy's common tags from the record, and the span to the exporter.
