@@ -335,3 +335,68 @@ fn local_address() -> Option<std::net::IpAddr> {
         out
     }
 }
+
+#[cfg(test)]
+mod tracer_tests {
+    use super::static_runtime_u64;
+    use envoy_types::pb::envoy::config::bootstrap::v3::{
+        runtime_layer::LayerSpecifier, Bootstrap, LayeredRuntime, RuntimeLayer,
+    };
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+
+    fn num(n: f64) -> Value {
+        Value {
+            kind: Some(Kind::NumberValue(n)),
+        }
+    }
+
+    fn layer(fields: Vec<(&str, Value)>) -> RuntimeLayer {
+        RuntimeLayer {
+            name: "l".into(),
+            layer_specifier: Some(LayerSpecifier::StaticLayer(Struct {
+                fields: fields
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect(),
+            })),
+        }
+    }
+
+    #[test]
+    fn runtime_keys_flat_or_nested_last_layer_wins() {
+        let nested = Value {
+            kind: Some(Kind::StructValue(Struct {
+                fields: [(
+                    "zipkin".to_string(),
+                    Value {
+                        kind: Some(Kind::StructValue(Struct {
+                            fields: [("min_flush_spans".to_string(), num(2.0))].into(),
+                        })),
+                    },
+                )]
+                .into(),
+            })),
+        };
+        let b = Bootstrap {
+            layered_runtime: Some(LayeredRuntime {
+                layers: vec![
+                    layer(vec![("tracing.zipkin.flush_interval_ms", num(100.0))]),
+                    layer(vec![("tracing", nested)]),
+                ],
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            static_runtime_u64(&b, "tracing.zipkin.min_flush_spans"),
+            Some(2)
+        );
+        assert_eq!(
+            static_runtime_u64(&b, "tracing.zipkin.flush_interval_ms"),
+            Some(100)
+        );
+        assert_eq!(
+            static_runtime_u64(&b, "tracing.opentelemetry.min_flush_spans"),
+            None
+        );
+    }
+}

@@ -784,7 +784,10 @@ async fn route_decorators_name_spans() {
     assert_eq!(span["name"], "checkout-op");
     // A caller's operation (from a trusted hop) overrides it and is not passed on.
     let r = s
-        .get("/decorated/2", &[("x-envoy-decorator-operation", "client-op")])
+        .get(
+            "/decorated/2",
+            &[("x-envoy-decorator-operation", "client-op")],
+        )
         .await;
     assert_eq!(r.header("x-envoy-decorator-operation"), None);
     let h = seen(&r);

@@ -403,3 +403,28 @@ async fn export_otlp(
     .map_err(|e| e.to_string())?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batching_from_envoys_runtime_keys() {
+        let b = Batching::from_runtime(|k| match k {
+            "tracing.zipkin.min_flush_spans" => Some(1),
+            "tracing.opentelemetry.flush_interval_ms" => Some(200),
+            _ => None,
+        });
+        assert_eq!(b.zipkin_min_flush_spans, 1);
+        assert_eq!(b.zipkin_flush_interval, Duration::from_secs(5));
+        assert_eq!(b.otel_min_flush_spans, 5);
+        assert_eq!(b.otel_flush_interval, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn a_tracer_not_started_counts_what_it_drops() {
+        let t = Tracer::default();
+        assert!(t.default_provider().is_none());
+        assert_eq!(t.stats.list()[0], ("tracing.portico.spans_dropped", 0));
+    }
+}

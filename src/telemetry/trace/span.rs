@@ -220,3 +220,110 @@ impl FinishedSpan {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::trace::config::{CustomTag, Fraction, Provider, Zipkin};
+    use crate::telemetry::trace::context::Format;
+
+    fn span(client: bool) -> FinishedSpan {
+        let config = TracingConfig {
+            provider: None,
+            client_sampling: Fraction {
+                numerator: 100,
+                denominator: 100,
+            },
+            random_sampling: Fraction::ALL_OF_10000,
+            overall_sampling: Fraction::ALL_OF_10000,
+            custom_tags: vec![CustomTag {
+                tag: "pod".into(),
+                value: TagValue::Environment {
+                    name: "POD".into(),
+                    default: "none".into(),
+                },
+            }],
+            max_path_tag_length: 256,
+            verbose: false,
+            operation: None,
+            egress: client,
+        };
+        FinishedSpan {
+            config: Arc::new(config),
+            provider: Arc::new(Provider::Zipkin(Zipkin {
+                cluster: "z".into(),
+                endpoint: "/".into(),
+                hostname: "z".into(),
+                proto: false,
+                trace_id_128bit: false,
+                shared_span_context: true,
+            })),
+            ctx: SpanContext {
+                trace_high: 0,
+                trace_low: 0xab,
+                span_id: 0xcd,
+                parent_id: Some(0xef),
+                sampled: true,
+                format: Format::B3Multi,
+                tracestate: String::new(),
+                client,
+                shared: !client,
+            },
+            name: "host".into(),
+            start: UNIX_EPOCH + Duration::from_micros(1_000_000),
+            duration: Duration::from_micros(250),
+            tags: vec![("http.method".into(), "GET".into())],
+        }
+    }
+
+    fn local() -> LocalInfo {
+        LocalInfo {
+            node_id: "node".into(),
+            cluster: "gw".into(),
+            zone: String::new(),
+            address: Some("10.0.0.1".parse().unwrap()),
+        }
+    }
+
+    #[test]
+    fn zipkin_json_as_envoy_writes_it() {
+        let v = span(false).zipkin_json(true, &local(), &|_| Some("pod-1".into()));
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "traceId": "00000000000000ab",
+                "parentId": "00000000000000ef",
+                "id": "00000000000000cd",
+                "kind": "SERVER",
+                "shared": true,
+                "name": "host",
+                "timestamp": 1_000_000,
+                "duration": 250,
+                "localEndpoint": {"ipv4": "10.0.0.1", "port": 0, "serviceName": "gw"},
+                "tags": {"node_id": "node", "http.method": "GET", "pod": "pod-1"},
+                "annotations": [{"value": "ss", "timestamp": 1_000_250}],
+            })
+        );
+        let v = span(true).zipkin_json(true, &local(), &|_| None);
+        assert_eq!(v["kind"], "CLIENT");
+        assert!(v.get("shared").is_none());
+        assert_eq!(v["annotations"][0]["value"], "cr");
+        assert_eq!(v["tags"]["pod"], "none");
+    }
+
+    #[test]
+    fn otlp_span_carries_ids_and_string_attributes() {
+        let s = span(false).otlp(&local(), &|_| None);
+        assert_eq!(
+            s.trace_id,
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xab]
+        );
+        assert_eq!(s.span_id, 0xcdu64.to_be_bytes());
+        assert_eq!(s.parent_span_id, 0xefu64.to_be_bytes());
+        assert_eq!(s.kind, otlp::SPAN_KIND_SERVER);
+        assert_eq!(s.start_time_unix_nano, 1_000_000_000);
+        assert_eq!(s.end_time_unix_nano, 1_000_250_000);
+        let zone = s.attributes.iter().find(|a| a.key == "zone");
+        assert_eq!(zone.and_then(|a| a.as_str()), Some(""));
+    }
+}
