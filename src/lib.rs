@@ -55,6 +55,14 @@ pub struct State {
     pub quit: tokio::sync::Notify,
     /// The span exporter's handle (started by the server).
     pub tracer: std::sync::Arc<telemetry::trace::Tracer>,
+    /// The listeners, for `POST /drain_listeners` (set once they are served).
+    pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
+}
+
+/// What the admin may ask of the listeners.
+pub trait ListenerControl: Send + Sync + std::fmt::Debug {
+    /// `POST /drain_listeners[?inboundonly][&graceful][&skip_exit]`.
+    fn drain_listeners(&self, inbound_only: bool, graceful: bool, skip_exit: bool);
 }
 
 impl State {
@@ -71,6 +79,7 @@ impl State {
             health_check_failed: AtomicBool::new(false),
             quit: tokio::sync::Notify::new(),
             tracer: Default::default(),
+            listeners: std::sync::OnceLock::new(),
         }
     }
 

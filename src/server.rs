@@ -87,7 +87,8 @@ pub fn run_drained(
             None => None,
         };
         let listeners = ListenerManager::new(worker_handles, state.clone()).with_drain(drain);
-        let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners);
+        let _ = state.listeners.set(Arc::new(listeners.clone()));
+        let mut worker = ConfigWorker::new(state.clone(), Store::default(), listeners.clone());
         // SDS streams may dial any static cluster of the bootstrap.
         let targets = b
             .proto
@@ -130,14 +131,24 @@ pub fn run_drained(
                 });
             }
         }
-        tokio::select! {
-            _ = stop => {}
-            _ = state.quit.notified() => {}
+        let signalled = tokio::select! {
+            _ = stop => true,
+            _ = state.quit.notified() => false,
+        };
+        if signalled {
+            // SIGTERM (or SIGINT): no new connections; the open ones finish the request in
+            // flight and close, within the drain time. A second signal cuts it short.
+            tracing::info!(drain_time = ?drain.time, "shutting down: draining open connections");
+            let again = shutdown_signal();
+            tokio::select! {
+                () = listeners.shutdown(drain.time) => {}
+                () = again => tracing::info!("second signal: not waiting for open connections"),
+            }
         }
         tracing::info!("shutting down");
         Ok::<(), ServerError>(())
     })?;
-    // Like Envoy on SIGTERM: stop now; open connections are closed with the runtimes.
+    // `/quitquitquit` stops now, as Envoy; what is left is closed with the runtimes.
     workers.shutdown();
     Ok(())
 }

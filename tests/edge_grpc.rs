@@ -649,3 +649,248 @@ async fn gateway_replies_are_trailers_only() {
     }
     checks.finish();
 }
+
+/// `envoy.filters.http.grpc_stats` on two listeners: one counting every method (with the
+/// message counts), one with an allowlist (other methods counted without their names).
+fn grpc_stats_hcm(port: u16, routes: &str, config: serde_json::Value) -> Listener {
+    let mut h = hcm(port);
+    let cfg = envoy_types::pb::envoy::extensions::filters::http::grpc_stats::v3::FilterConfig {
+        emit_filter_state: config["emit_filter_state"].as_bool().unwrap_or(false),
+        per_method_stat_specifier: if config["all"].as_bool() == Some(true) {
+            Some(PerMethodStatSpecifier::StatsForAllMethods(
+                envoy_types::pb::google::protobuf::BoolValue { value: true },
+            ))
+        } else {
+            Some(PerMethodStatSpecifier::IndividualMethodStatsAllowlist(
+                envoy_types::pb::envoy::config::core::v3::GrpcMethodList {
+                    services: vec![
+                        envoy_types::pb::envoy::config::core::v3::grpc_method_list::Service {
+                            name: "test.Echo".into(),
+                            method_names: vec!["Unary".into()],
+                        },
+                    ],
+                },
+            ))
+        },
+        ..Default::default()
+    };
+    h.http_filters.insert(
+        0,
+        envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter {
+            name: "envoy.filters.http.grpc_stats".into(),
+            config_type: Some(
+                envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(any(cfg)),
+            ),
+            ..Default::default()
+        },
+    );
+    h.route_specifier = Some(
+        envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::RouteSpecifier::Rds(
+            envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::Rds {
+                config_source: Some(ads_source()),
+                route_config_name: routes.into(),
+            },
+        ),
+    );
+    listener_with(port, h)
+}
+
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::extensions::filters::http::grpc_stats::v3::filter_config::PerMethodStatSpecifier;
+
+/// The `cluster.*.grpc.*` counters of `/stats` (text), as name -> value.
+async fn grpc_counters(mesh: &Mesh) -> std::collections::BTreeMap<String, u64> {
+    let r = mesh
+        .gw
+        .admin_get("/stats?filter=%5Ecluster%5C..*%5C.grpc%5C.")
+        .await;
+    let mut out = std::collections::BTreeMap::new();
+    for l in r.body.lines() {
+        if let Some((k, v)) = l.split_once(": ") {
+            if let Ok(v) = v.trim().parse::<u64>() {
+                *out.entry(k.to_string()).or_default() += v;
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_stats_count_calls_statuses_and_messages() {
+    let backend = grpc_backend().await;
+    let second = free_port();
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![
+            grpc_stats_hcm(
+                port,
+                "grpc-routes",
+                serde_json::json!({"all": true, "emit_filter_state": true}),
+            ),
+            grpc_stats_hcm(second, "allowlist-routes", serde_json::json!({})),
+        ],
+        // The allowlist listener's calls go to a cluster of their own: Envoy keeps an
+        // allowlisted method's counters apart from the same method's dynamically named ones
+        // and `/stats` then shows only one of the two same-named lines.
+        routes: vec![
+            route_config(
+                "allowlist-routes",
+                vec![vhost(
+                    "grpc",
+                    &[HOST],
+                    vec![
+                        route_to(prefix("/other.Echo/"), "listed", |ra| {
+                            ra.prefix_rewrite = "/test.Echo/".into()
+                        }),
+                        route_to(prefix("/"), "listed", |_| {}),
+                    ],
+                )],
+            ),
+            route_config(
+                "grpc-routes",
+                vec![vhost(
+                    "grpc",
+                    &[HOST],
+                    vec![
+                        route_to(prefix("/empty.Echo/"), "empty", |ra| {
+                            ra.prefix_rewrite = "/test.Echo/".into()
+                        }),
+                        route_to(prefix("/other.Echo/"), "grpc", |ra| {
+                            ra.prefix_rewrite = "/test.Echo/".into()
+                        }),
+                        route_to(prefix("/"), "grpc", |ra| ra.timeout = Some(pb_duration(0))),
+                    ],
+                )],
+            ),
+        ],
+        clusters: vec![
+            h2_cluster("grpc"),
+            h2_cluster("empty"),
+            h2_cluster("listed"),
+        ],
+        endpoints: vec![
+            cla("grpc", &[backend]),
+            cla("empty", &[]),
+            cla("listed", &[backend]),
+        ],
+        ..Default::default()
+    })
+    .await;
+    wait_ready(mesh.port).await;
+    wait_ready(second).await;
+    let before = grpc_counters(&mesh).await;
+
+    let mut c = client(mesh.port, HOST).await;
+    for _ in 0..2 {
+        unary(&mut c, "/test.Echo/Unary", Request::new(msg("ok")))
+            .await
+            .expect("unary");
+    }
+    let failed = unary(
+        &mut c,
+        "/test.Echo/Unary",
+        Request::new(Echo {
+            fail: 5,
+            ..msg("x")
+        }),
+    )
+    .await
+    .expect_err("the backend fails it");
+    assert_eq!(failed.code(), Code::NotFound);
+    c.ready().await.expect("ready");
+    let mut s = c
+        .server_streaming(
+            Request::new(Echo {
+                count: 3,
+                ..msg("s")
+            }),
+            thttp::uri::PathAndQuery::from_static("/test.Echo/ServerStream"),
+            codec(),
+        )
+        .await
+        .expect("server streaming")
+        .into_inner();
+    while s.message().await.expect("stream item").is_some() {}
+    let unavailable = unary(&mut c, "/empty.Echo/Unary", Request::new(msg("x")))
+        .await
+        .expect_err("no endpoints");
+    assert_eq!(unavailable.code(), Code::Unavailable);
+
+    // The allowlist listener: test.Echo/Unary by name, anything else without.
+    let mut c2 = client(second, HOST).await;
+    unary(&mut c2, "/test.Echo/Unary", Request::new(msg("ok")))
+        .await
+        .expect("unary");
+    unary(&mut c2, "/other.Echo/Unary", Request::new(msg("ok")))
+        .await
+        .expect("unary");
+
+    let expected: &[(&str, u64)] = &[
+        ("cluster.grpc.grpc.test.Echo.Unary.0", 2),
+        ("cluster.grpc.grpc.test.Echo.Unary.5", 1),
+        ("cluster.grpc.grpc.test.Echo.Unary.success", 2),
+        ("cluster.grpc.grpc.test.Echo.Unary.failure", 1),
+        ("cluster.grpc.grpc.test.Echo.Unary.total", 3),
+        ("cluster.grpc.grpc.test.Echo.Unary.request_message_count", 3),
+        (
+            "cluster.grpc.grpc.test.Echo.Unary.response_message_count",
+            2,
+        ),
+        ("cluster.grpc.grpc.test.Echo.ServerStream.0", 1),
+        ("cluster.grpc.grpc.test.Echo.ServerStream.success", 1),
+        ("cluster.grpc.grpc.test.Echo.ServerStream.total", 1),
+        (
+            "cluster.grpc.grpc.test.Echo.ServerStream.request_message_count",
+            1,
+        ),
+        (
+            "cluster.grpc.grpc.test.Echo.ServerStream.response_message_count",
+            3,
+        ),
+        ("cluster.empty.grpc.empty.Echo.Unary.14", 1),
+        ("cluster.empty.grpc.empty.Echo.Unary.failure", 1),
+        ("cluster.empty.grpc.empty.Echo.Unary.total", 1),
+        ("cluster.listed.grpc.test.Echo.Unary.0", 1),
+        ("cluster.listed.grpc.test.Echo.Unary.total", 1),
+        ("cluster.listed.grpc.0", 1),
+        ("cluster.listed.grpc.success", 1),
+        ("cluster.listed.grpc.total", 1),
+        ("cluster.listed.grpc.request_message_count", 1),
+        ("cluster.listed.grpc.response_message_count", 1),
+    ];
+    let after = eventually("gRPC counters", PROPAGATION, || async {
+        let now = grpc_counters(&mesh).await;
+        let delta =
+            |k: &str| now.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+        if expected.iter().all(|(k, v)| delta(k) == *v) {
+            Ok(now)
+        } else {
+            Err(format!("{now:#?}"))
+        }
+    })
+    .await;
+    eprintln!("observed: {after:#?}");
+    let prom = mesh.gw.admin_get("/stats/prometheus").await;
+    let grpc_lines: Vec<&str> = prom.body.lines().filter(|l| l.contains("grpc")).collect();
+    eprintln!("observed prometheus: {grpc_lines:#?}");
+    // Envoy's tag extraction takes one dot-separated token each for the service and the
+    // method (`test`, `Echo`); the rest of the name stays in the metric's.
+    let samples = prom_samples(&prom.body, "envoy_cluster_grpc_Unary_success");
+    assert!(
+        samples.iter().any(|(labels, v)| {
+            labels.get("envoy_cluster_name").map(String::as_str) == Some("grpc")
+                && labels.get("envoy_grpc_bridge_service").map(String::as_str) == Some("test")
+                && labels.get("envoy_grpc_bridge_method").map(String::as_str) == Some("Echo")
+                && *v >= 2.0
+        }),
+        "{grpc_lines:#?}"
+    );
+    let unnamed = prom_samples(&prom.body, "envoy_cluster_grpc_0");
+    assert!(
+        unnamed.iter().any(|(labels, v)| {
+            labels.get("envoy_cluster_name").map(String::as_str) == Some("listed")
+                && labels.len() == 1
+                && *v == 1.0
+        }),
+        "{grpc_lines:#?}"
+    );
+}

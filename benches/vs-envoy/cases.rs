@@ -133,6 +133,55 @@ pub async fn basic(
     Ok(())
 }
 
+/// Case 12: the basic case with Istio's observability on (access log to a file, 1 % Zipkin
+/// tracing, gRPC stats, fault, CORS; for Portico also istio-proxy's own filters: metadata
+/// exchange, ALPN, standard metrics), to set against cases 1 and 4 (the router alone).
+pub async fn telemetry(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let (admin, port) = (common::free_port(), common::free_port());
+    let who = proxy.name();
+    let log = env.dir.path.join(format!("access-{who}.log"));
+    let boot = config::telemetry_bootstrap(
+        admin,
+        port,
+        &backend.ports,
+        &log.display().to_string(),
+        proxy == Proxy::Portico,
+    );
+    let p = Running::start(env, opts, proxy, &boot, admin).await?;
+    let url = format!("http://127.0.0.1:{port}/");
+    check_serves(&url).await?;
+    let cases = (
+        "12 h1 rps, 50 conns, Istio telemetry on",
+        "12 cpu per 100k requests (telemetry on)",
+        "telemetry",
+    );
+    wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await?;
+    if let (Some(on), Some(off)) = (
+        last(results, "12 cpu per 100k requests (telemetry on)", who),
+        last(results, "4 cpu per 100k requests (h1 run)", who),
+    ) {
+        results.add("12 telemetry cpu ratio (on / off)", who, on / off);
+    }
+    // The log must have been written, a line per request: a logger that drops lines would
+    // look cheap.
+    let lines = std::fs::read(&log)
+        .map(|b| b.iter().filter(|c| **c == b'\n').count())
+        .unwrap_or(0);
+    results.add(
+        "12 access log lines written (thousands)",
+        who,
+        lines as f64 / 1000.0,
+    );
+    let _ = std::fs::remove_file(&log);
+    Ok(())
+}
+
 async fn check_serves(url: &str) -> Result<(), String> {
     let r = common::get(url, None, &[]).await;
     if r.status == 200 && r.body == BODY {

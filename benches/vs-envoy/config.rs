@@ -177,3 +177,147 @@ pub fn churn_snapshot(port: u16, k: usize, backends: &[u16]) -> Snapshot {
     ));
     s
 }
+
+/// Istio's default access log format (meshConfig `accessLogFile` with no format): the line
+/// every Istio gateway writes per request.
+pub const ISTIO_ACCESS_LOG: &str = "[%START_TIME%] \\\"%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%\\\" %RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% %CONNECTION_TERMINATION_DETAILS% \\\"%UPSTREAM_TRANSPORT_FAILURE_REASON%\\\" %BYTES_RECEIVED% %BYTES_SENT% %DURATION% %RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% \\\"%REQ(X-FORWARDED-FOR)%\\\" \\\"%REQ(USER-AGENT)%\\\" \\\"%REQ(X-REQUEST-ID)%\\\" \\\"%REQ(:AUTHORITY)%\\\" \\\"%UPSTREAM_HOST%\\\" %UPSTREAM_CLUSTER_RAW% %UPSTREAM_LOCAL_ADDRESS% %DOWNSTREAM_LOCAL_ADDRESS% %DOWNSTREAM_REMOTE_ADDRESS% %REQUESTED_SERVER_NAME% %ROUTE_NAME%\\n";
+
+/// The telemetry case: the basic bootstrap with Istio's observability on the connection
+/// manager: an access log line per request to `log` in Istio's format, Zipkin tracing at 1 %
+/// (spans to the backend, which answers any POST), gRPC stats, fault and CORS as istiod puts
+/// them on every gateway, and with `istio` (Portico: istio-proxy's own filters) Istio's
+/// metadata exchange, ALPN and standard metrics. Upstream Envoy has no `istio.*` filters; it
+/// runs the same chain without them.
+pub fn telemetry_bootstrap(
+    admin: u16,
+    listener: u16,
+    backends: &[u16],
+    log: &str,
+    istio: bool,
+) -> String {
+    let eps: String = backends
+        .iter()
+        .map(|p| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
+            )
+        })
+        .collect();
+    let collector = backends.first().copied().unwrap_or(9411);
+    let istio_first = if istio {
+        r#"          - name: istio.metadata_exchange
+            typed_config:
+              "@type": type.googleapis.com/udpa.type.v1.TypedStruct
+              type_url: type.googleapis.com/io.istio.http.peer_metadata.Config
+              value:
+                upstream_discovery: [ { istio_headers: {} }, { workload_discovery: {} } ]
+                upstream_propagation: [ { istio_headers: {} } ]
+"#
+    } else {
+        ""
+    };
+    let istio_alpn = if istio {
+        r#"          - name: istio.alpn
+            typed_config:
+              "@type": type.googleapis.com/istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig
+              alpn_override:
+              - alpn_override: [ istio-http/1.0, istio, http/1.0 ]
+              - upstream_protocol: HTTP11
+                alpn_override: [ istio-http/1.1, istio, http/1.1 ]
+              - upstream_protocol: HTTP2
+                alpn_override: [ istio-h2, istio, h2 ]
+"#
+    } else {
+        ""
+    };
+    let istio_stats = if istio {
+        r#"          - name: istio.stats
+            typed_config:
+              "@type": type.googleapis.com/udpa.type.v1.TypedStruct
+              type_url: type.googleapis.com/stats.PluginConfig
+              value: {}
+"#
+    } else {
+        ""
+    };
+    format!(
+        r#"node:
+  id: router~10.0.0.1~istio-ingressgateway-5d8f7c9b4-abcde.istio-system~istio-system.svc.cluster.local
+  cluster: istio-ingressgateway.istio-system
+  metadata:
+    NAMESPACE: istio-system
+    WORKLOAD_NAME: istio-ingressgateway
+    CLUSTER_ID: Kubernetes
+    LABELS: {{ app: istio-ingressgateway, istio: ingressgateway }}
+admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
+static_resources:
+  listeners:
+  - name: listener_{listener}
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listener} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: outbound_0.0.0.0_{listener}
+          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: {log}
+              log_format: {{ text_format_source: {{ inline_string: "{fmt}" }} }}
+          tracing:
+            random_sampling: {{ value: 1 }}
+            provider:
+              name: envoy.tracers.zipkin
+              typed_config:
+                "@type": type.googleapis.com/envoy.config.trace.v3.ZipkinConfig
+                collector_cluster: zipkin
+                collector_endpoint: /api/v2/spans
+                collector_endpoint_version: HTTP_JSON
+                trace_id_128bit: true
+                shared_span_context: false
+          http_filters:
+{istio_first}          - name: envoy.filters.http.grpc_stats
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.grpc_stats.v3.FilterConfig
+              emit_filter_state: true
+              stats_for_all_methods: false
+{istio_alpn}          - name: envoy.filters.http.fault
+            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault }}
+          - name: envoy.filters.http.cors
+            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors }}
+{istio_stats}          - name: envoy.filters.http.router
+            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}
+          route_config:
+            name: bench
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: / }}
+                route: {{ cluster: backend }}
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 1s
+    metadata:
+      filter_metadata:
+        istio:
+          services: [ {{ host: backend.default.svc.cluster.local, name: backend, namespace: default }} ]
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+{eps}  - name: zipkin
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: zipkin
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {collector} }} }} }}
+"#,
+        fmt = ISTIO_ACCESS_LOG,
+    )
+}

@@ -78,6 +78,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
         cases::direct(&env, &opts, &backend, &mut results).await?;
         for proxy in [Proxy::Portico, Proxy::Envoy] {
             cases::basic(&env, &opts, &backend, proxy, &mut results).await?;
+            if opts.wants("telemetry") {
+                cases::telemetry(&env, &opts, &backend, proxy, &mut results).await?;
+            }
             if opts.wants("https") {
                 cases::https(&env, &opts, &backend, proxy, &mut results).await?;
             }

@@ -585,7 +585,11 @@ pub struct Results {
 
 /// How a case is read: its unit and whether more is better.
 pub fn describe(case: &str) -> (&'static str, bool) {
-    if case.contains("bytes") {
+    if case.contains("log lines") {
+        ("thousands", true)
+    } else if case.contains("on / off") {
+        ("x", false)
+    } else if case.contains("bytes") {
         ("bytes", false)
     } else if case.contains("cpu-ms") {
         ("cpu-ms", false)

@@ -1,6 +1,7 @@
 //! The Envoy-style admin endpoint: `/ready`, `/stats/prometheus`, `/config_dump`, `/clusters`,
 //! `/server_info`.
 
+mod dump_filter;
 pub mod logging;
 pub mod stats;
 
@@ -166,10 +167,29 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
             );
             r
         }
+        "/drain_listeners" => {
+            let has = |flag: &str| {
+                query
+                    .split('&')
+                    .any(|kv| kv.split('=').next() == Some(flag))
+            };
+            match state.listeners.get() {
+                Some(l) => {
+                    l.drain_listeners(has("inboundonly"), has("graceful"), has("skip_exit"));
+                    reply(200, TEXT, "OK\n")
+                }
+                None => reply(503, TEXT, "listeners not started yet\n"),
+            }
+        }
+        "/reset_counters" => {
+            state.stats.reset_counters(&raw_stat_list(state));
+            reply(200, TEXT, "OK\n")
+        }
         "/logging" => logging(query),
         "/memory" => reply(200, "application/json", pretty(&memory())),
         "/runtime" => reply(200, "application/json", pretty(&runtime(state))),
-        "/config_dump" => match config_dump(state, query.contains("include_eds")) {
+        "/config_dump" => match config_dump_narrowed(state, query) {
+            Err(r) => reply(r.status, TEXT, r.message),
             Ok(v) => {
                 // The descriptor pool the dump needed is gone again: give its memory back.
                 crate::release_freed_memory();
@@ -179,7 +199,6 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
                     serde_json::to_string_pretty(&v).unwrap_or_default(),
                 )
             }
-            Err(e) => reply(500, "text/plain", format!("config dump failed: {e}\n")),
         },
         "/clusters"
             if params(query)
@@ -253,7 +272,14 @@ fn pretty(v: &serde_json::Value) -> String {
 }
 
 /// Every stat of the process: the request and xDS counters, and the server's own.
+/// Every stat, as Envoy's admin shows it (counters since the last `/reset_counters`).
 fn stat_list(state: &State) -> stats::StatList {
+    let mut list = raw_stat_list(state);
+    state.stats.rebase(&mut list);
+    list
+}
+
+fn raw_stat_list(state: &State) -> stats::StatList {
     let snap = state.snapshot();
     // Envoy lists a configured limiter's counters before its first request: bind the
     // serving chains' limiters to theirs (routes' overrides bind on first use).
@@ -766,6 +792,26 @@ fn error_state(kind: crate::xds::types::Kind, f: &crate::xds::store::Failure) ->
 
 /// `/config_dump` in Envoy's shape: the bootstrap, then clusters, listeners, routes (and
 /// endpoints with `include_eds`), each split into static and dynamic.
+/// `/config_dump` with its query: `include_eds`, then `resource=`, `mask=`, `name_regex=`.
+fn config_dump_narrowed(
+    state: &State,
+    query: &str,
+) -> Result<serde_json::Value, dump_filter::Refused> {
+    let params = params(query);
+    let narrow = dump_filter::Narrow::from_params(&params)?;
+    // Held across the dump and its narrowing: both read the descriptors.
+    let _pool = crate::protojson::pool();
+    let include_eds = params.iter().any(|(k, _)| k == "include_eds");
+    let dump = config_dump(state, include_eds).map_err(|e| dump_filter::Refused {
+        status: 500,
+        message: format!("config dump failed: {e}\n"),
+    })?;
+    if narrow.is_empty() {
+        return Ok(dump);
+    }
+    narrow.apply(dump)
+}
+
 pub fn config_dump(state: &State, include_eds: bool) -> Result<serde_json::Value, String> {
     use crate::xds::types::Kind;
     use serde_json::json;

@@ -36,6 +36,9 @@ pub struct Stats {
     tcps: Mutex<HashMap<String, Arc<TcpStats>>>,
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     pub xds: XdsCounters,
+    /// `POST /reset_counters`: each counter's value then, taken off what it shows since.
+    /// The counters themselves run on untouched (the request path never sees a reset).
+    counter_baseline: Mutex<HashMap<String, u64>>,
 }
 
 impl Default for Stats {
@@ -73,6 +76,36 @@ impl Stats {
             tcps: Mutex::default(),
             listeners: Mutex::default(),
             xds,
+            counter_baseline: Mutex::default(),
+        }
+    }
+
+    /// `POST /reset_counters`: every counter in `list` (as collected, before any earlier
+    /// reset is taken off) reads zero from now on.
+    pub fn reset_counters(&self, raw: &StatList) {
+        let mut base = self
+            .counter_baseline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for s in raw.stats.iter().filter(|s| s.kind == Kind::Counter) {
+            base.insert(s.name.clone(), s.value);
+        }
+    }
+
+    /// Takes the last reset off every counter in `list` (Envoy keeps a counter "used" once
+    /// it has counted, reset or not).
+    pub fn rebase(&self, list: &mut StatList) {
+        let base = self
+            .counter_baseline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if base.is_empty() {
+            return;
+        }
+        for s in list.stats.iter_mut().filter(|s| s.kind == Kind::Counter) {
+            if let Some(b) = base.get(&s.name) {
+                s.value = s.value.saturating_sub(*b);
+            }
         }
     }
 
@@ -349,6 +382,13 @@ impl Stats {
                     &format!("envoy_response_code=\"{code}\","),
                     count,
                 );
+            }
+            // envoy.filters.http.grpc_stats: `grpc.[<service>.<method>.]<stat>`.
+            for (names, m) in s.grpc.all().iter() {
+                for (stat, v) in m.samples() {
+                    let (dotted, prom, extra) = grpc_stat(names, &stat);
+                    c(Kind::Counter, &dotted, &prom, &extra, v);
+                }
             }
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
@@ -976,4 +1016,33 @@ mod tests {
         let first_gauge = all.find(" gauge\n").unwrap();
         assert!(!all[first_gauge..].contains(" counter\n"));
     }
+}
+
+/// A gRPC stats counter: its dotted name under `cluster.<name>.`, and its Prometheus name and
+/// labels after Envoy's default tag extraction (`cluster.*.grpc.$.**` takes the service,
+/// `cluster.*.grpc.*.$.**` the method, each one dot-separated token).
+fn grpc_stat(names: &str, stat: &str) -> (String, String, String) {
+    if names.is_empty() {
+        return (
+            format!("grpc.{stat}"),
+            format!("grpc_{stat}"),
+            String::new(),
+        );
+    }
+    let dotted = format!("grpc.{names}.{stat}");
+    let mut tokens = names.split('.');
+    let service = tokens.next().unwrap_or_default();
+    let method = tokens.next().unwrap_or_default();
+    let rest: Vec<&str> = tokens.collect();
+    let mut prom = String::from("grpc");
+    for t in rest.iter().copied().chain(std::iter::once(stat)) {
+        prom.push('_');
+        prom.push_str(t);
+    }
+    let extra = format!(
+        "envoy_grpc_bridge_method=\"{}\",envoy_grpc_bridge_service=\"{}\",",
+        esc(method),
+        esc(service)
+    );
+    (dotted, prom, extra)
 }

@@ -18,8 +18,10 @@
 pub mod alpn;
 pub mod cors;
 pub mod fault;
+pub mod grpc_stats;
 pub mod local_ratelimit;
 pub mod telemetry;
+pub mod typed_struct;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +39,7 @@ pub enum HttpFilter {
     Fault(fault::FaultFilter),
     LocalRateLimit(local_ratelimit::RateLimitFilter),
     Cors(cors::CorsFilter),
+    GrpcStats(grpc_stats::GrpcStatsFilter),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -107,9 +110,9 @@ pub static REGISTRY: &[Registration] = &[
         translate: telemetry::translate_filter,
     },
     Registration {
-        type_url: telemetry::ISTIO_TELEMETRY_TYPES[3],
+        type_url: grpc_stats::TYPE,
         name: "envoy.filters.http.grpc_stats",
-        translate: telemetry::translate_filter,
+        translate: grpc_stats::translate_filter,
     },
 ];
 
@@ -191,6 +194,8 @@ pub struct FilterState {
     pub cors: Option<(Arc<cors::Cors>, String)>,
     /// A filter delayed the request (Envoy's `DI` response flag).
     pub delay_injected: bool,
+    /// A gRPC call the gRPC stats filter counts (boxed: most requests are not).
+    pub grpc: Option<Box<grpc_stats::GrpcCall>>,
 }
 
 impl FilterState {
@@ -236,6 +241,7 @@ impl HttpFilter {
             HttpFilter::Fault(f) => &f.name,
             HttpFilter::LocalRateLimit(f) => &f.name,
             HttpFilter::Cors(f) => &f.name,
+            HttpFilter::GrpcStats(f) => &f.name,
         }
     }
 
@@ -245,6 +251,7 @@ impl HttpFilter {
             HttpFilter::Fault(f) => f.decode(req, st, stats.fault),
             HttpFilter::LocalRateLimit(f) => f.decode(req, st),
             HttpFilter::Cors(f) => f.decode(req, st),
+            HttpFilter::GrpcStats(f) => f.decode(req, st),
         }
     }
 
@@ -257,7 +264,9 @@ impl HttpFilter {
     ) -> Decision {
         match self {
             HttpFilter::Fault(f) => f.after_delay(req, st, stats.fault),
-            HttpFilter::LocalRateLimit(_) | HttpFilter::Cors(_) => Decision::Continue,
+            HttpFilter::LocalRateLimit(_) | HttpFilter::Cors(_) | HttpFilter::GrpcStats(_) => {
+                Decision::Continue
+            }
         }
     }
 }

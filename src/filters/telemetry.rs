@@ -38,7 +38,8 @@ pub fn config_type(a: &Any) -> String {
 /// - `istio.metadata_exchange` HTTP filter (`io.istio.http.peer_metadata.Config`, 1.22+, or
 ///   the 1.18 null-VM Wasm): exchanges the peers' identity in `x-envoy-peer-metadata[-id]`
 ///   headers for the telemetry of both sides; Portico sends none.
-/// - `envoy.filters.http.grpc_stats`: per-method gRPC counters.
+/// (`envoy.filters.http.grpc_stats` is listed for the lookup through wrappers; it runs, in
+/// `grpc_stats`.)
 ///
 /// Seen through `TypedStruct` (istiod 1.22+ wraps them) and through Istio's null-VM Wasm
 /// plugins (`envoy.wasm.runtime.null` with Istio's built-in `envoy.wasm.*` code): a real Wasm

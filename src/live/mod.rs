@@ -3,6 +3,7 @@
 //! The snapshot holds config only and refers to these by `Arc` handle, kept across pushes by
 //! name; `admin::stats` renders them with Envoy's names.
 
+pub mod grpc;
 pub mod health;
 pub mod outlier;
 pub mod slow_start;
@@ -90,6 +91,8 @@ pub struct ClusterStats {
     /// ORIGINAL_DST: requests whose host header was not `ip:port`.
     pub original_dst_host_invalid: AtomicU64,
     pub health: health::HealthHosts,
+    /// `envoy.filters.http.grpc_stats`: the cluster's `grpc.*` counters.
+    pub grpc: grpc::GrpcCounters,
 }
 
 impl ClusterStats {

@@ -41,6 +41,13 @@ struct Running {
     chains: Vec<RunningChain>,
     /// What each worker's accept loop picks chains from, swapped when the chains change.
     served: Vec<Arc<ArcSwap<Served>>>,
+    /// `listener.<address>.*`: its open connections, for the shutdown's wait.
+    stats: Arc<crate::admin::stats::ListenerStats>,
+    /// `/drain_listeners` drains it: its chains' connections are let go.
+    drained: bool,
+    /// It accepts no more connections (`/drain_listeners`, shutdown): its sockets are closed
+    /// and pushes no longer change it, as Envoy's stopped listeners.
+    stopped: bool,
 }
 
 /// One filter chain being served, on every worker. A push that keeps the chain (the same
@@ -104,7 +111,27 @@ impl Apps {
     }
 }
 
+/// The listeners being served. Shared between the commit point (which reconciles them with
+/// each snapshot) and the admin and signal handlers (which drain and stop them); the lock is
+/// never taken on the request path.
+#[derive(Clone)]
 pub struct ListenerManager {
+    inner: Arc<std::sync::Mutex<Inner>>,
+}
+
+/// What `/drain_listeners` asks (Envoy's query flags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainRequest {
+    /// `inboundonly`: only listeners whose `traffic_direction` is INBOUND.
+    pub inbound_only: bool,
+    /// `graceful`: the listeners keep accepting while their connections drain
+    /// (`--drain-time-s`, `--drain-strategy`), and stop when the drain time is over.
+    pub graceful: bool,
+    /// `skip_exit`: after a graceful drain the listeners keep accepting.
+    pub skip_exit: bool,
+}
+
+struct Inner {
     workers: Vec<Handle>,
     state: Arc<State>,
     conf: Arc<ServerConf>,
@@ -114,10 +141,118 @@ pub struct ListenerManager {
     /// Chains whose connections are draining, while any connection holds them: RDS pushes
     /// still reach them, as Envoy's draining listeners keep their route providers.
     draining: Vec<std::sync::Weak<PinnedChain>>,
+    /// Listeners of these directions were stopped: new ones of them are not started (Envoy
+    /// allows no listener additions in a stopped direction).
+    stopped_inbound: bool,
+    stopped_all: bool,
 }
 
 impl ListenerManager {
     pub fn new(workers: Vec<Handle>, state: Arc<State>) -> ListenerManager {
+        ListenerManager {
+            inner: Arc::new(std::sync::Mutex::new(Inner::new(workers, state))),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while reconciling leaves the listeners as they were: carry on with them.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `--drain-time-s` and `--drain-strategy`.
+    pub fn with_drain(self, drain: Drain) -> ListenerManager {
+        self.lock().drain = drain;
+        self
+    }
+
+    pub fn prepare(&mut self, wanted: &BTreeMap<String, Vec<ListenAddr>>) -> Vec<(String, String)> {
+        self.lock().prepare(wanted)
+    }
+
+    pub fn reconcile(&mut self, snap: &Snapshot) {
+        self.lock().reconcile(snap)
+    }
+
+    /// `POST /drain_listeners`: the matching listeners' connections drain now; the listeners
+    /// stop accepting now, or with `graceful` once the drain time is over (never with
+    /// `skip_exit`).
+    pub fn drain_listeners(&self, req: DrainRequest) {
+        let (names, time) = {
+            let mut inner = self.lock();
+            let names = inner.drain_listeners(req.inbound_only);
+            if !req.graceful {
+                inner.stop_listeners(&names, req.inbound_only);
+            }
+            (names, inner.drain.time)
+        };
+        if req.graceful && !req.skip_exit {
+            let me = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(time).await;
+                me.lock().stop_listeners(&names, req.inbound_only);
+            });
+        }
+    }
+
+    /// SIGTERM: every listener stops accepting, every connection is told to close (HTTP/1
+    /// after its response in flight, HTTP/2 by GOAWAY, idle ones now); returns once none is
+    /// open or `limit` has passed, when what is left is closed.
+    pub async fn shutdown(&self, limit: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        let stats = {
+            let mut inner = self.lock();
+            let names: Vec<String> = inner.running.keys().cloned().collect();
+            inner.stop_listeners(&names, false);
+            let workers = inner.workers.clone();
+            for r in inner.running.values() {
+                for c in &r.chains {
+                    c.tell_now(&workers);
+                }
+            }
+            inner
+                .running
+                .values()
+                .map(|r| r.stats.clone())
+                .collect::<Vec<_>>()
+        };
+        let open = || stats.iter().map(|s| s.cx_active.load(Relaxed)).sum::<u64>();
+        while open() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let left = open();
+        if left > 0 {
+            tracing::info!(connections = left, "drain time over: closing what is left");
+        }
+        let inner = self.lock();
+        for r in inner.running.values() {
+            for c in &r.chains {
+                let _ = c.signals.close.send(true);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for ListenerManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ListenerManager")
+    }
+}
+
+impl crate::ListenerControl for ListenerManager {
+    fn drain_listeners(&self, inbound_only: bool, graceful: bool, skip_exit: bool) {
+        ListenerManager::drain_listeners(
+            self,
+            DrainRequest {
+                inbound_only,
+                graceful,
+                skip_exit,
+            },
+        )
+    }
+}
+
+impl Inner {
+    fn new(workers: Vec<Handle>, state: Arc<State>) -> Inner {
         let conf = ServerConf {
             threads: workers.len(),
             // Idle upstream connections kept per worker. pingora's default of 128 closes every
@@ -127,7 +262,7 @@ impl ListenerManager {
             upstream_keepalive_pool_size: 4096,
             ..ServerConf::default()
         };
-        ListenerManager {
+        Inner {
             workers,
             state,
             conf: Arc::new(conf),
@@ -135,13 +270,58 @@ impl ListenerManager {
             running: HashMap::new(),
             drain: Drain::default(),
             draining: Vec::new(),
+            stopped_inbound: false,
+            stopped_all: false,
         }
     }
 
-    /// `--drain-time-s` and `--drain-strategy`.
-    pub fn with_drain(mut self, drain: Drain) -> ListenerManager {
-        self.drain = drain;
-        self
+    /// Drains the chains of the listeners `/drain_listeners` names; returns their names.
+    fn drain_listeners(&mut self, inbound_only: bool) -> Vec<String> {
+        let (workers, drain) = (self.workers.clone(), self.drain);
+        let mut names = Vec::new();
+        for (name, r) in &mut self.running {
+            if inbound_only && !r.listener.def.is_inbound() {
+                continue;
+            }
+            names.push(name.clone());
+            if std::mem::replace(&mut r.drained, true) {
+                continue;
+            }
+            tracing::info!(listener = %name, "draining (drain_listeners)");
+            for c in &r.chains {
+                c.begin_drain(&workers, drain);
+            }
+        }
+        names
+    }
+
+    /// The listeners stop accepting: their accept loops end and their sockets close.
+    fn stop_listeners(&mut self, names: &[String], inbound_only: bool) {
+        if inbound_only {
+            self.stopped_inbound = true;
+        } else {
+            self.stopped_all = true;
+        }
+        for name in names {
+            if let Some(r) = self.running.get_mut(name) {
+                if !std::mem::replace(&mut r.stopped, true) {
+                    tracing::info!(listener = %name, "listener stopped");
+                    let _ = r.shutdown.send(true);
+                }
+            }
+        }
+        self.release_unserved_sockets();
+    }
+
+    /// Closes the sockets no accepting listener uses.
+    fn release_unserved_sockets(&mut self) {
+        let serving: Vec<SocketAddr> = self
+            .running
+            .values()
+            .filter(|r| !r.stopped)
+            .flat_map(|r| r.addrs.iter().copied())
+            .collect();
+        self.bound.retain(|addr, _| serving.contains(addr));
     }
 
     /// Checks that every address not served yet can be bound, so a conflict NACKs the push.
@@ -181,16 +361,17 @@ impl ListenerManager {
         let (workers, drain) = (self.workers.clone(), self.drain);
         let draining = &mut self.draining;
         self.running.retain(|name, r| {
+            // A stopped listener stays as it is until a push removes it.
             let keep = snap
                 .listeners
                 .get(name)
-                .is_some_and(|l| sorted_addrs(l) == r.addrs);
+                .is_some_and(|l| r.stopped || sorted_addrs(l) == r.addrs);
             if !keep {
                 tracing::info!(listener = %name, addrs = ?r.addrs, "listener stopped; draining open connections");
                 let _ = r.shutdown.send(true);
                 for c in r.chains.drain(..) {
                     draining.push(Arc::downgrade(&c.pinned));
-                    c.stop(&workers, drain);
+                    c.begin_drain(&workers, drain);
                 }
             }
             keep
@@ -198,11 +379,17 @@ impl ListenerManager {
         for (name, l) in &snap.listeners {
             match self.running.get(name) {
                 Some(r) if Arc::ptr_eq(&r.listener, l) => continue,
+                // Stopped listeners are not changed any more, as in Envoy.
+                Some(r) if r.stopped => continue,
                 Some(_) => {
                     self.update_chains(name, l);
                     continue;
                 }
                 None => {}
+            }
+            if self.stopped_all || (self.stopped_inbound && l.def.is_inbound()) {
+                tracing::warn!(listener = %name, "listeners of this traffic direction were stopped (drain_listeners): not starting it");
+                continue;
             }
             if !l.def.bind_to_port {
                 // Envoy keeps such a listener without a socket: only connections handed over
@@ -270,17 +457,15 @@ impl ListenerManager {
                     shutdown: tx,
                     chains,
                     served,
+                    stats,
+                    drained: false,
+                    stopped: false,
                 },
             );
         }
         self.refresh_draining(snap);
         // Last, so a listener replaced at the same address reuses the socket.
-        let serving: Vec<SocketAddr> = self
-            .running
-            .values()
-            .flat_map(|r| r.addrs.iter().copied())
-            .collect();
-        self.bound.retain(|addr, _| serving.contains(addr));
+        self.release_unserved_sockets();
     }
 
     /// A push changed the listener but not its addresses: its chains are matched to the
@@ -312,7 +497,7 @@ impl ListenerManager {
         }
         for gone in old {
             self.draining.push(Arc::downgrade(&gone.pinned));
-            gone.stop(&self.workers, self.drain);
+            gone.begin_drain(&self.workers, self.drain);
         }
         let Some(r) = self.running.get_mut(name) else {
             return;
@@ -361,6 +546,7 @@ impl ListenerManager {
             def: active.def.clone(),
             last: ArcSwap::new(active.clone()),
             draining: ArcSwapOption::empty(),
+            close_all: Default::default(),
             drain: self.drain,
         });
         let signals = Arc::new(DrainSignals {
@@ -429,21 +615,28 @@ fn served_by(l: &Arc<ActiveListener>, chains: &[RunningChain], worker: usize) ->
 }
 
 impl RunningChain {
-    /// Drains the chain's connections as Envoy drains a changed or removed filter chain: told
-    /// now (immediate) or each response with growing odds (gradual), and whatever is left
-    /// closed when the drain time is over.
-    fn stop(self, workers: &[Handle], drain: Drain) {
+    /// Drains the chain's connections (once) as Envoy drains a changed or removed filter
+    /// chain: told now (immediate) or each response with growing odds (gradual), and whatever
+    /// is left closed when the drain time is over. The chain may still take connections
+    /// meanwhile (a graceful `/drain_listeners`); they drain alike.
+    fn begin_drain(&self, workers: &[Handle], drain: Drain) {
+        if self.pinned.draining.load().is_some() {
+            return;
+        }
         self.pinned
             .draining
             .store(Some(Arc::new(std::time::Instant::now())));
         if drain.immediate {
+            self.pinned.close_all.store(true, Relaxed);
             let _ = self.signals.tell.send(true);
         }
         let apps: Vec<Option<Apps>> = self.workers.iter().map(|s| s.apps.clone()).collect();
-        let signals = self.signals;
+        let signals = self.signals.clone();
+        let pinned = self.pinned.clone();
         let workers = workers.to_vec();
         tokio::spawn(async move {
             tokio::time::sleep(drain.time).await;
+            pinned.close_all.store(true, Relaxed);
             let _ = signals.tell.send(true);
             let _ = signals.close.send(true);
             for (w, apps) in workers.iter().zip(apps) {
@@ -452,6 +645,22 @@ impl RunningChain {
                 }
             }
         });
+    }
+
+    /// Shutting down: every connection is told to close now, and idle ones are closed.
+    fn tell_now(&self, workers: &[Handle]) {
+        if self.pinned.draining.load().is_none() {
+            self.pinned
+                .draining
+                .store(Some(Arc::new(std::time::Instant::now())));
+        }
+        self.pinned.close_all.store(true, Relaxed);
+        let _ = self.signals.tell.send(true);
+        for (w, s) in workers.iter().zip(&self.workers) {
+            if let Some(apps) = s.apps.clone() {
+                w.spawn(async move { apps.close_idle().await });
+            }
+        }
     }
 }
 

@@ -104,6 +104,9 @@ impl Gateway {
         extra: &[(HeaderName, String)],
         grpc_status: Option<u32>,
     ) -> Result<bool> {
+        if self.chain.drain_close() {
+            session.set_keepalive(None);
+        }
         if ctx.grpc_request {
             let grpc_status =
                 grpc_status.unwrap_or_else(|| filters::fault::http_to_grpc_status(status));

@@ -93,6 +93,8 @@ pub struct PinnedChain {
     pub last: arc_swap::ArcSwap<ActiveChain>,
     /// `Some` once the chain is draining: when the drain started, for the gradual strategy.
     pub draining: arc_swap::ArcSwapOption<Instant>,
+    /// Every response closes its connection (an immediate drain, or shutting down).
+    pub close_all: std::sync::atomic::AtomicBool,
     pub drain: Drain,
 }
 
@@ -127,9 +129,14 @@ impl PinnedChain {
             .unwrap_or_else(|| self.last.load_full())
     }
 
-    /// Whether this response should close its connection because the chain is draining
-    /// gradually: with Envoy's odds, the share of the drain time already gone.
-    fn gradual_close(&self) -> bool {
+    /// Whether this response should close its connection because the chain is draining, as
+    /// Envoy's `drainClose` decides when a response's headers are written: always with the
+    /// immediate strategy (and when shutting down), else with Envoy's odds, the share of the
+    /// drain time already gone.
+    fn drain_close(&self) -> bool {
+        if self.close_all.load(Relaxed) {
+            return true;
+        }
         let draining = self.draining.load();
         let Some(since) = draining.as_deref() else {
             return false;
@@ -225,6 +232,8 @@ pub struct Ctx {
     /// response carries in `x-envoy-decorator-operation`.
     decorator: Option<Arc<crate::snapshot::route::Decorator>>,
     decorator_response: Option<Arc<str>>,
+    /// The routed cluster's counters for this gRPC call (`envoy.filters.http.grpc_stats`).
+    grpc_counters: Option<Arc<crate::live::grpc::MethodCounters>>,
 }
 
 /// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
@@ -249,9 +258,6 @@ impl Gateway {
         let listener = self.chain.in_snapshot(&snap);
         ctx.snapshot = Some(snap);
         observe::begin(session, &mut ctx.info);
-        if self.chain.gradual_close() {
-            session.set_keepalive(None);
-        }
         ctx.listener = Some(listener.clone());
         listener
     }
@@ -399,6 +405,9 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         self.mirror_body(body, end_of_stream, ctx);
+        if let Some(b) = body {
+            observe::grpc_request_body(ctx, b);
+        }
         if end_of_stream {
             observe::request_done(&mut ctx.info);
         }
@@ -446,6 +455,9 @@ impl ProxyHttp for Gateway {
         if ctx.discard_body {
             *body = None;
         }
+        if let Some(b) = body {
+            observe::grpc_response_body(ctx, b);
+        }
         Ok(None)
     }
 
@@ -456,6 +468,9 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         trace::response_headers(resp, ctx.decorator_response.as_ref())?;
+        if self.chain.drain_close() {
+            session.set_keepalive(None);
+        }
         upstream::response_headers(session, resp, ctx)
     }
 

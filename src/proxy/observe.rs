@@ -4,10 +4,14 @@
 
 use std::borrow::Cow;
 
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
 use pingora_error::{Error, ErrorSource};
 use pingora_proxy::Session;
 
 use super::Ctx;
+use crate::live::grpc::MethodCounters;
 use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
 
 /// Envoy's `upstream_reset_before_response_started{<reason>}` details, by reset reason.
@@ -96,6 +100,8 @@ pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
             .and_then(|r| r.headers.get("grpc-status"))
             .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok());
     }
+    grpc_status(ctx);
+    let info = &mut ctx.info;
     if ctx.filters.delay_injected {
         info.flags.set(ResponseFlag::DelayInjected);
     }
@@ -148,4 +154,65 @@ pub(super) fn retries_exhausted(info: &mut StreamInfo, overflow: bool) {
     } else {
         ResponseFlag::UpstreamRetryLimitExceeded
     });
+}
+
+/// The gRPC stats filter's counters for the call, from the routed cluster (found once, on the
+/// first body or at the end).
+fn grpc_counters(ctx: &mut Ctx) -> Option<Arc<MethodCounters>> {
+    if let Some(c) = &ctx.grpc_counters {
+        return Some(c.clone());
+    }
+    let call = ctx.filters.grpc.as_ref()?;
+    let cluster = match &ctx.cluster {
+        Some(c) => c.clone(),
+        // Answered before an upstream was chosen (no healthy host): the routed cluster.
+        None => {
+            let name = ctx.info.upstream.as_ref()?.name.clone();
+            ctx.snapshot.as_ref()?.clusters.get(&*name)?.clone()
+        }
+    };
+    let m = cluster.stats.grpc.method(call.names.as_deref());
+    ctx.grpc_counters = Some(m.clone());
+    Some(m)
+}
+
+pub(super) fn grpc_request_body(ctx: &mut Ctx, body: &[u8]) {
+    let Some(call) = ctx.filters.grpc.as_mut() else {
+        return;
+    };
+    let n = call.requests.inspect(body);
+    if n > 0 {
+        if let Some(m) = grpc_counters(ctx) {
+            m.request_message_count.fetch_add(n, Relaxed);
+        }
+    }
+}
+
+pub(super) fn grpc_response_body(ctx: &mut Ctx, body: &[u8]) {
+    let Some(call) = ctx.filters.grpc.as_mut() else {
+        return;
+    };
+    let n = call.responses.inspect(body);
+    if n > 0 {
+        if let Some(m) = grpc_counters(ctx) {
+            m.response_message_count.fetch_add(n, Relaxed);
+        }
+    }
+}
+
+/// The call's status, counted at its end (trailers, or the headers of a trailers-only
+/// response); the filter state with the message counts.
+fn grpc_status(ctx: &mut Ctx) {
+    let Some(call) = ctx.filters.grpc.as_ref() else {
+        return;
+    };
+    if call.emit_filter_state {
+        ctx.info.grpc_messages = Some((call.requests.frames, call.responses.frames));
+    }
+    let Some(status) = ctx.info.grpc_status else {
+        return;
+    };
+    if let Some(m) = grpc_counters(ctx) {
+        m.status(status);
+    }
 }

@@ -78,6 +78,12 @@ pub struct ListenAddr {
 }
 
 impl ListenerDef {
+    /// `traffic_direction: INBOUND` (what `/drain_listeners?inboundonly` drains).
+    pub fn is_inbound(&self) -> bool {
+        self.level.traffic_direction
+            == envoy_types::pb::envoy::config::core::v3::TrafficDirection::Inbound as i32
+    }
+
     /// The distinct addresses to bind, in configured order. Envoy 1.40 accepts an address
     /// listed twice in one listener (with its default `reuse_port` both sockets bind); one
     /// socket serves it here, which accepts the same connections.

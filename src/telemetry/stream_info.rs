@@ -269,6 +269,8 @@ pub struct StreamInfo {
     pub grpc_status: Option<u32>,
     /// `%CONNECTION_ID%`.
     pub connection_id: u64,
+    /// The gRPC stats filter's filter state (`emit_filter_state`): messages each way.
+    pub grpc_messages: Option<(u64, u64)>,
 }
 
 impl Default for StreamInfo {
@@ -306,6 +308,7 @@ impl StreamInfo {
             attempts: 0,
             grpc_status: None,
             connection_id: 0,
+            grpc_messages: None,
         }
     }
 

@@ -2250,6 +2250,25 @@ impl Gateway {
         }
     }
 
+    /// The gateway's process id (to signal it).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits up to `limit` for the gateway to exit; its status, or None if it still runs.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// GET on the admin port.
     pub async fn admin_get(&self, path: &str) -> Resp {
         get(&self.admin_url(path), None, &[]).await
