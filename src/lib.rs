@@ -59,6 +59,8 @@ pub struct State {
     /// The bootstrap's `stats_config.stats_tags` (istio-agent's tag regexes): how Envoy's own
     /// stats are named in Prometheus; None: Envoy's default tags.
     pub stats_tags: Option<admin::stats::TagRules>,
+    /// The span exporter's handle (started by the server).
+    pub tracer: std::sync::Arc<telemetry::trace::Tracer>,
     /// The listeners, for `POST /drain_listeners` (set once they are served).
     pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
 }
@@ -89,6 +91,7 @@ impl State {
                 bootstrap.as_ref().and_then(|b| b.node.as_ref()),
             ),
             bootstrap,
+            tracer: Default::default(),
             listeners: std::sync::OnceLock::new(),
         }
     }

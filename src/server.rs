@@ -33,6 +33,7 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     if let Some(ads) = &b.ads {
         ads_target(b, &store, &ads.cluster_name)?;
     }
+    bootstrap_tracer(b)?;
     Ok(store)
 }
 
@@ -99,6 +100,7 @@ pub fn run_drained(
             .collect();
         worker.sds = crate::xds::sds::SdsManager::new(b.proto.node.clone().unwrap_or_default(), targets);
         worker.commit(store.clone()).map_err(ServerError::Static)?;
+        start_tracer(&b, &state);
         if let Some(l) = admin {
             tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
             tokio::spawn(crate::admin::serve(l, state.clone()));
@@ -251,5 +253,180 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
+    }
+}
+
+/// The span exporter, on the control thread: the node as spans show it, Envoy's batching
+/// runtime keys from the bootstrap's static runtime layers, and the collectors' hosts from
+/// the current snapshot.
+fn start_tracer(b: &Bootstrap, state: &Arc<State>) {
+    use crate::telemetry::trace::{Batching, LocalInfo, Resolve};
+    let node = b.proto.node.clone().unwrap_or_default();
+    let local = LocalInfo {
+        node_id: node.id,
+        cluster: node.cluster,
+        zone: node.locality.map(|l| l.zone).unwrap_or_default(),
+        address: local_address(),
+    };
+    let batching = Batching::from_runtime(|k| static_runtime_u64(&b.proto, k));
+    let weak = Arc::downgrade(state);
+    let resolve: Resolve = Arc::new(move |cluster: &str| {
+        weak.upgrade()
+            .and_then(|s| {
+                s.snapshot()
+                    .clusters
+                    .get(cluster)
+                    .map(|c| c.endpoints.hosts.iter().map(|h| h.addr).collect())
+            })
+            .unwrap_or_default()
+    });
+    // Checked by `validate`.
+    let default_provider = bootstrap_tracer(b).ok().flatten();
+    state
+        .tracer
+        .start(local, default_provider, batching, resolve);
+}
+
+/// The bootstrap's `tracing.http` driver (istio-agent's Zipkin), used by connection managers
+/// whose `tracing` names no provider. Envoy refuses a bootstrap whose driver it cannot build.
+// `Bootstrap.tracing` is deprecated in the proto, yet Envoy 1.40 still reads it and
+// istio-agent still writes it.
+#[allow(deprecated)]
+fn bootstrap_tracer(
+    b: &Bootstrap,
+) -> Result<Option<crate::telemetry::trace::Provider>, ServerError> {
+    let Some(http) = b.proto.tracing.as_ref().and_then(|t| t.http.as_ref()) else {
+        return Ok(None);
+    };
+    crate::telemetry::trace::Provider::translate(http)
+        .map(Some)
+        .map_err(|e| ServerError::Static(vec![format!("tracing.http: {e}")]))
+}
+
+/// A number from the bootstrap's static runtime layers (`layered_runtime.layers[].static_layer`),
+/// the last layer that has it winning, with the key flat (`a.b.c`) or nested as Envoy reads both.
+fn static_runtime_u64(
+    b: &envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+    key: &str,
+) -> Option<u64> {
+    use envoy_types::pb::envoy::config::bootstrap::v3::runtime_layer::LayerSpecifier;
+    use envoy_types::pb::google::protobuf::value::Kind;
+    use envoy_types::pb::google::protobuf::Struct;
+    fn find(s: &Struct, key: &str) -> Option<u64> {
+        if let Some(v) = s.fields.get(key) {
+            return match &v.kind {
+                Some(Kind::NumberValue(n)) if *n >= 0.0 => Some(*n as u64),
+                Some(Kind::StringValue(t)) => t.parse().ok(),
+                _ => None,
+            };
+        }
+        let (head, rest) = key.split_once('.')?;
+        match &s.fields.get(head)?.kind {
+            Some(Kind::StructValue(inner)) => find(inner, rest),
+            _ => None,
+        }
+    }
+    b.layered_runtime
+        .as_ref()?
+        .layers
+        .iter()
+        .rev()
+        .find_map(|l| match &l.layer_specifier {
+            Some(LayerSpecifier::StaticLayer(s)) => find(s, key),
+            _ => None,
+        })
+}
+
+/// Envoy's local address for spans: the first non-loopback IPv4 address of an interface.
+fn local_address() -> Option<std::net::IpAddr> {
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list that freeifaddrs releases below; each entry is read
+    // only while the list is alive, and `ifa_addr` is checked for null and its family
+    // before it is read as an IPv4 address.
+    unsafe {
+        if libc::getifaddrs(&mut addrs) != 0 {
+            return None;
+        }
+        let mut out = None;
+        let mut cur = addrs;
+        while !cur.is_null() {
+            let ifa = &*cur;
+            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                if !ip.is_loopback() {
+                    out = Some(std::net::IpAddr::V4(ip));
+                    break;
+                }
+            }
+            cur = ifa.ifa_next;
+        }
+        libc::freeifaddrs(addrs);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tracer_tests {
+    use super::static_runtime_u64;
+    use envoy_types::pb::envoy::config::bootstrap::v3::{
+        runtime_layer::LayerSpecifier, Bootstrap, LayeredRuntime, RuntimeLayer,
+    };
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+
+    fn num(n: f64) -> Value {
+        Value {
+            kind: Some(Kind::NumberValue(n)),
+        }
+    }
+
+    fn layer(fields: Vec<(&str, Value)>) -> RuntimeLayer {
+        RuntimeLayer {
+            name: "l".into(),
+            layer_specifier: Some(LayerSpecifier::StaticLayer(Struct {
+                fields: fields
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect(),
+            })),
+        }
+    }
+
+    #[test]
+    fn runtime_keys_flat_or_nested_last_layer_wins() {
+        let nested = Value {
+            kind: Some(Kind::StructValue(Struct {
+                fields: [(
+                    "zipkin".to_string(),
+                    Value {
+                        kind: Some(Kind::StructValue(Struct {
+                            fields: [("min_flush_spans".to_string(), num(2.0))].into(),
+                        })),
+                    },
+                )]
+                .into(),
+            })),
+        };
+        let b = Bootstrap {
+            layered_runtime: Some(LayeredRuntime {
+                layers: vec![
+                    layer(vec![("tracing.zipkin.flush_interval_ms", num(100.0))]),
+                    layer(vec![("tracing", nested)]),
+                ],
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            static_runtime_u64(&b, "tracing.zipkin.min_flush_spans"),
+            Some(2)
+        );
+        assert_eq!(
+            static_runtime_u64(&b, "tracing.zipkin.flush_interval_ms"),
+            Some(100)
+        );
+        assert_eq!(
+            static_runtime_u64(&b, "tracing.opentelemetry.min_flush_spans"),
+            None
+        );
     }
 }

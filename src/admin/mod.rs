@@ -397,6 +397,22 @@ fn raw_stat_list(state: &State) -> stats::StatList {
             list.add(kind, name, metric, labels, v);
         },
     );
+    // Listed once they count: Envoy has them only where a driver is configured.
+    for (name, value) in state
+        .tracer
+        .stats
+        .list()
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+    {
+        list.add(
+            stats::Kind::Counter,
+            name.to_string(),
+            format!("envoy_{}", name.replace('.', "_")),
+            String::new(),
+            value,
+        );
+    }
     let (server_state, _) = server_state(state);
     let ready = state.ready.load(Ordering::Relaxed);
     use stats::Kind::Gauge;

@@ -28,6 +28,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         istio: Default::default(),
         underscores: Default::default(),
         access_log: Default::default(),
+        tracing: None,
     };
     let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
     let mut h = http::HeaderMap::new();

@@ -26,7 +26,8 @@
 //!    `upstream` writes the response headers.
 //! 8. `fail_to_proxy`: `local_reply` answers a request that failed upstream. Every phase
 //!    that answers itself goes through `local_reply` (HTTP, or trailers-only gRPC).
-//! 9. `logging`, here: releases what the request held (slots, active counts, stats).
+//! 9. `logging`, here: releases what the request held (slots, active counts, stats); `trace`
+//!    finishes the span it started after the connection manager's request headers (5).
 //!
 //! The other modules serve connections: `listeners` (runtime listeners, filter chain
 //! selection, drains), `tls`, `client_cert`, `proxy_protocol`, `tcp` (tcp_proxy), `hbone`
@@ -48,6 +49,7 @@ mod routing;
 pub mod tcp;
 mod timeouts;
 pub mod tls;
+mod trace;
 mod upgrade;
 mod upstream;
 mod upstream_tls;
@@ -224,6 +226,16 @@ pub struct Ctx {
     /// The request carried `x-envoy-peer-metadata-id` / `x-envoy-peer-metadata` (the
     /// metadata exchange answers with the gateway's own then).
     mx_request: (bool, bool),
+    /// The gateway's span, when the request is traced and sampled (`trace`).
+    trace: Option<Box<trace::ActiveTrace>>,
+    /// The request passed the connection manager's checks (Envoy traces from there on), and
+    /// whether `trace::begin` already ran for it.
+    traceable: bool,
+    trace_begun: bool,
+    /// The matched route's decorator (for a span begun late), and the operation an ingress
+    /// response carries in `x-envoy-decorator-operation`.
+    decorator: Option<Arc<crate::snapshot::route::Decorator>>,
+    decorator_response: Option<Arc<str>>,
     /// The routed cluster's counters for this gRPC call (`envoy.filters.http.grpc_stats`).
     grpc_counters: Option<Arc<crate::live::grpc::MethodCounters>>,
 }
@@ -305,6 +317,7 @@ impl ProxyHttp for Gateway {
         if self.downstream_checks(session, ctx, &listener).await? {
             return Ok(true);
         }
+        ctx.traceable = true;
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let expect_continue = downstream::expects_continue(session.req_header());
@@ -317,6 +330,9 @@ impl ProxyHttp for Gateway {
         let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
         if let Some(r) = matched.filter(|r| !r.name.is_empty()) {
             ctx.info.route_name = Some(r.name.clone());
+        }
+        if let Some(d) = matched.and_then(|r| r.decorator.as_ref()) {
+            ctx.decorator = Some(d.clone());
         }
         let Some(hcm) = listener.def.hcm() else {
             // Checked above when the chain was loaded.
@@ -376,6 +392,15 @@ impl ProxyHttp for Gateway {
         routing::forward(session, ctx, &listener, route, fwd);
         mirror::choose_targets(session, ctx, fwd);
         downstream::request_headers(session, hcm, expect_continue).await?;
+        ctx.trace_begun = true;
+        ctx.trace = trace::begin(
+            session.req_header_mut(),
+            hcm,
+            &ctx.info,
+            &self.state.tracer,
+            route.decorator.as_deref(),
+            &mut ctx.decorator_response,
+        )?;
         timeouts::arm_timers(session, ctx, fwd, hcm)?;
         routing::request_headers(session, ctx, route, entry, &fmt)?;
         Ok(false)
@@ -499,6 +524,7 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        trace::response_headers(resp, ctx.decorator_response.as_ref())?;
         if self.chain.drain_close() {
             session.set_keepalive(None);
         }
@@ -524,6 +550,21 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         observe::finish(session, ctx, e);
+        if ctx.traceable && !ctx.trace_begun {
+            if let Some(chain) = ctx.listener.clone() {
+                if let Some(hcm) = chain.def.hcm() {
+                    let ip = ctx.info.downstream_direct_remote.map(|a| a.ip());
+                    let req = session.req_header_mut();
+                    let decorator = ctx.decorator.as_deref();
+                    ctx.trace = trace::late(req, ip, hcm, &ctx.info, &self.state.tracer, decorator)
+                        .ok()
+                        .flatten();
+                }
+            }
+        }
+        if let Some(t) = ctx.trace.take() {
+            trace::finish(*t, &ctx.info, &self.state.tracer);
+        }
         istio::finish(session, ctx, &self.state);
         observe::access_log(session, ctx);
         let code = ctx.info.response_code;

@@ -357,6 +357,8 @@ pub struct Hcm {
     pub underscores: Underscores,
     /// `access_log`: one line per request, written when it ends.
     pub access_log: AccessLogs,
+    /// `tracing`: Envoy's connection manager tracing (sampling, driver, tags); None: off.
+    pub tracing: Option<Arc<crate::telemetry::trace::TracingConfig>>,
 }
 
 /// What the codec does with a request header whose name holds `_`.
@@ -590,6 +592,8 @@ impl ListenerDef {
         if l.filter_chains.is_empty() && l.default_filter_chain.is_none() {
             return Err(err("no filter chains specified".into()));
         }
+        // OUTBOUND (as istiod sets on gateways): Envoy's egress tracing operation.
+        let egress = l.traffic_direction == corepb::TrafficDirection::Outbound as i32;
         let mut chains = Vec::with_capacity(l.filter_chains.len() + 1);
         let mut matches = Vec::with_capacity(l.filter_chains.len());
         for (i, c) in l.filter_chains.iter().enumerate() {
@@ -599,7 +603,7 @@ impl ListenerDef {
                     .map_err(|e| err(format!("{at}: {e}")))?,
             );
             chains.push(Arc::new(
-                ChainDef::translate(c, addr, &at, src).map_err(err)?,
+                ChainDef::translate(c, addr, &at, src, egress).map_err(err)?,
             ));
         }
         let named: Vec<(&str, &ChainMatch)> = l
@@ -623,7 +627,7 @@ impl ListenerDef {
         }
         if let Some(c) = &l.default_filter_chain {
             chains.push(Arc::new(
-                ChainDef::translate(c, addr, "default_filter_chain", src).map_err(err)?,
+                ChainDef::translate(c, addr, "default_filter_chain", src, egress).map_err(err)?,
             ));
         }
         if internal {
@@ -768,6 +772,7 @@ impl ChainDef {
         addr: SocketAddr,
         at: &str,
         src: &dyn DataSources,
+        egress: bool,
     ) -> Result<ChainDef, String> {
         let tls = match &chain.transport_socket {
             None => None,
@@ -845,7 +850,8 @@ impl ChainDef {
                 let proto: hcm::HttpConnectionManager =
                     unpack(any, HCM_TYPE, "http_connection_manager")?;
                 NetworkFilter::Http(
-                    Hcm::translate(&proto).map_err(|e| format!("http_connection_manager: {e}"))?,
+                    Hcm::translate(&proto, egress)
+                        .map_err(|e| format!("http_connection_manager: {e}"))?,
                 )
             }
             TCP_PROXY_TYPE => NetworkFilter::Tcp(
@@ -920,7 +926,7 @@ fn without_mx_alpn(
 const MX_ALPN: &str = "istio-peer-exchange";
 
 impl Hcm {
-    fn translate(h: &hcm::HttpConnectionManager) -> Result<Hcm, String> {
+    fn translate(h: &hcm::HttpConnectionManager, egress: bool) -> Result<Hcm, String> {
         use hcm::http_connection_manager::{CodecType, RouteSpecifier};
         let routes = match &h.route_specifier {
             Some(RouteSpecifier::Rds(rds)) => {
@@ -1051,9 +1057,16 @@ impl Hcm {
             }
         };
         let access_log = AccessLogs::translate(&h.access_log, "access_log")?;
+        let tracing = h
+            .tracing
+            .as_ref()
+            .map(|t| crate::telemetry::trace::TracingConfig::translate(t, egress))
+            .transpose()?
+            .map(Arc::new);
         Ok(Hcm {
             access_log,
             istio,
+            tracing,
             underscores,
             path,
             alpn,
@@ -1142,8 +1155,8 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     if h.typed_header_validation_config.is_some() {
         return Err("typed_header_validation_config is not supported".into());
     }
-    // Accepted: `tracing` (telemetry; Istio telemetry is #15), `access_log_options` (periodic
-    // and on-new-request lines; Portico writes one line at the end of each request),
+    // Accepted: `access_log_options` (periodic and on-new-request lines; Portico writes one
+    // line at the end of each request),
     // `proxy_100_continue` (Portico answers `Expect: 100-continue` itself; either way the body
     // follows), `internal_address_config` (read above), `http2_protocol_options` windows and
     // stream limits (flow control).

@@ -1958,3 +1958,57 @@ fn access_logs_are_translated() {
     assert_eq!(def.access_log.0.len(), 1);
     assert_eq!(def.chains[0].hcm().map(|h| h.access_log.0.len()), Some(1));
 }
+
+#[test]
+fn tracing_is_translated_with_the_listeners_direction() {
+    use envoy_types::pb::envoy::config::trace::v3::{tracing::http, tracing::Http, ZipkinConfig};
+    let mut h = base_hcm();
+    assert!(ok(&listener_with(&h)).chains[0]
+        .hcm()
+        .expect("hcm")
+        .tracing
+        .is_none());
+    let zipkin = ZipkinConfig {
+        collector_cluster: "zipkin".into(),
+        collector_endpoint: "/api/v2/spans".into(),
+        collector_endpoint_version: 1,
+        ..Default::default()
+    };
+    h.tracing = Some(hcm::http_connection_manager::Tracing {
+        provider: Some(Http {
+            name: "envoy.tracers.zipkin".into(),
+            config_type: Some(http::ConfigType::TypedConfig(any(
+                "type.googleapis.com/envoy.config.trace.v3.ZipkinConfig",
+                &zipkin,
+            ))),
+        }),
+        ..Default::default()
+    });
+    let mut l = listener_with(&h);
+    l.traffic_direction = corepb::TrafficDirection::Outbound as i32;
+    let def = ok(&l);
+    let t = def.chains[0]
+        .hcm()
+        .expect("hcm")
+        .tracing
+        .clone()
+        .expect("tracing");
+    assert!(t.egress);
+    assert!(matches!(
+        t.provider.as_deref(),
+        Some(crate::telemetry::trace::Provider::Zipkin(_))
+    ));
+    // A driver config Envoy cannot build refuses the listener, naming the field.
+    let mut bad = zipkin;
+    bad.collector_endpoint_version = 0;
+    if let Some(t) = h.tracing.as_mut() {
+        t.provider = Some(Http {
+            name: "envoy.tracers.zipkin".into(),
+            config_type: Some(http::ConfigType::TypedConfig(any(
+                "type.googleapis.com/envoy.config.trace.v3.ZipkinConfig",
+                &bad,
+            ))),
+        });
+    }
+    hcm_rejected(h, "tracing.provider zipkin: collector_endpoint_version");
+}

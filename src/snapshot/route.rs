@@ -146,6 +146,17 @@ pub struct Route {
     /// What the route says to the chain's HTTP filters (`typed_per_filter_config` of the
     /// route, its virtual host and its route configuration, resolved).
     pub filters: RouteFilters,
+    /// `decorator`: the traced span's operation name (istiod sets `<host>:<port>/<path>*`).
+    pub decorator: Option<Arc<Decorator>>,
+}
+
+/// A route's `decorator`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decorator {
+    pub operation: Arc<str>,
+    /// `propagate` (default true): the operation travels in `x-envoy-decorator-operation`
+    /// (upstream on egress, downstream on ingress).
+    pub propagate: bool,
 }
 
 impl Route {
@@ -820,6 +831,17 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
         action,
         header_plan: Arc::default(),
         filters: RouteFilters::default(),
+        // Tracing only; an empty operation (which Envoy's validation refuses) names nothing.
+        decorator: r
+            .decorator
+            .as_ref()
+            .filter(|d| !d.operation.is_empty())
+            .map(|d| {
+                Arc::new(Decorator {
+                    operation: Arc::from(d.operation.as_str()),
+                    propagate: d.propagate.as_ref().is_none_or(|b| b.value),
+                })
+            }),
     })
 }
 

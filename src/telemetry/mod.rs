@@ -11,5 +11,6 @@
 pub mod access_log;
 pub mod istio_stats;
 pub mod stream_info;
+pub mod trace;
 
 pub use stream_info::{Protocol, ResponseFlag, ResponseFlags, StreamInfo, UpstreamInfo};
