@@ -209,21 +209,21 @@ async fn istio_stats_compressors_negotiate_and_compress_as_envoy() {
         for path in ["/text", "/chunked"] {
             let r = get(port, "GET", path, accept).await;
             let what = format!("{path} accept-encoding {accept:?}");
-            c.eq(&format!("{what}: status"), r.status, 200);
+            c.eq(format!("{what}: status"), r.status, 200);
             c.eq(
-                &format!("{what}: content-encoding"),
+                format!("{what}: content-encoding"),
                 r.header("content-encoding"),
                 want,
             );
-            c.eq(&format!("{what}: body"), decode(want, &r.body), text());
+            c.eq(format!("{what}: body"), decode(want, &r.body), text());
             if want.is_some() {
                 c.eq(
-                    &format!("{what}: no length"),
+                    format!("{what}: no length"),
                     r.header("content-length"),
                     None,
                 );
                 c.eq(
-                    &format!("{what}: vary"),
+                    format!("{what}: vary"),
                     r.header("vary"),
                     Some("Accept-Encoding"),
                 );
@@ -234,8 +234,8 @@ async fn istio_stats_compressors_negotiate_and_compress_as_envoy() {
         let r = get(port, "GET", path, Some("gzip")).await;
         let enc = r.header("content-encoding");
         let expected = (path == "/encoded").then_some("gzip");
-        c.eq(&format!("{path}: left alone"), enc, expected);
-        c.eq(&format!("{path}: no vary"), r.header("vary"), None);
+        c.eq(format!("{path}: left alone"), enc, expected);
+        c.eq(format!("{path}: no vary"), r.header("vary"), None);
     }
     let r = get(port, "GET", "/etag", Some("br")).await;
     c.eq(
@@ -260,7 +260,7 @@ async fn istio_stats_compressors_negotiate_and_compress_as_envoy() {
         ("stats_gzip.gzip", 4),
     ] {
         c.eq(
-            &format!("{lib} compressed"),
+            format!("{lib} compressed"),
             stat(&format!(".compressor.{lib}.response.compressed")),
             Some(n),
         );

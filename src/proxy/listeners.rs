@@ -805,7 +805,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                     {
                         Ok((session, _)) => {
                             super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
-                            super::tcp::serve(session, peer, local, proxy, snap, s, close, istio)
+                            super::tcp::serve(session, (peer, local), proxy, snap, s, close, istio)
                                 .await;
                         }
                         Err(e) => {
@@ -813,7 +813,9 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                             tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
                         }
                     },
-                    None => super::tcp::serve(tcp, peer, local, proxy, snap, s, close, istio).await,
+                    None => {
+                        super::tcp::serve(tcp, (peer, local), proxy, snap, s, close, istio).await
+                    }
                 }
             }
             return;

@@ -23,8 +23,7 @@ use crate::telemetry::{Protocol, ResponseFlag, StreamInfo};
 /// `istio.stats` filter and where its metrics go.
 pub async fn serve<D>(
     down: D,
-    peer: SocketAddr,
-    local: Option<SocketAddr>,
+    (peer, local): (SocketAddr, Option<SocketAddr>),
     proxy: &TcpProxy,
     snap: Arc<Snapshot>,
     stats: &TcpStats,
