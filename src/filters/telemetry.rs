@@ -1,8 +1,8 @@
-//! Istio's telemetry filters (HTTP and network) and gRPC stats: found through their wrappers
-//! here, translated by `crate::telemetry::istio_stats` (`istio.stats`, the HTTP
-//! `istio.metadata_exchange`) or accepted without effect (gRPC stats, the network metadata
-//! exchange). They observe traffic and change neither where a request goes nor whether it is
-//! allowed.
+//! Istio's telemetry filters (HTTP and network): found through their wrappers here, translated
+//! by `crate::telemetry::istio_stats` (`istio.stats`, the HTTP `istio.metadata_exchange`) or
+//! accepted without effect (the network metadata exchange, whose ALPN Portico never offers).
+//! gRPC stats are found here too and run in `grpc_stats`. They observe traffic and change
+//! neither where a request goes nor whether it is allowed.
 
 use envoy_types::pb::envoy::config::core::v3 as corepb;
 use envoy_types::pb::google::protobuf::Any;
@@ -135,8 +135,8 @@ pub fn istio_telemetry(a: &Any) -> Option<&'static str> {
     ISTIO_TELEMETRY_TYPES.iter().copied().find(|k| *k == t)
 }
 
-/// The registry's translate function for the telemetry types still accepted without effect
-/// (`envoy.filters.http.grpc_stats`, the network metadata exchange).
+/// The registry's translate function for the network metadata exchange, accepted without
+/// effect.
 pub fn translate_filter(_: &FilterDecl<'_>) -> Result<Translated, String> {
     Ok(Translated::Inert)
 }
