@@ -489,6 +489,16 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
         .clone();
     assert_eq!(uf, "delayed_connect_error:_Connection_refused");
 
+    // A request the gateway answers itself still gets (and logs) a generated request id,
+    // as Envoy's connection manager makes one before routing.
+    let r = mesh
+        .get("/nowhere-else", HOST, &[("user-agent", "alog-noid/1")])
+        .await;
+    assert_eq!(r.status, 404);
+    let line = line_with(&text_path, "\"alog-noid/1\"").await;
+    let rid = text_fields(&line)["request_id"].clone();
+    assert!(is_uuid(&rid), "a generated request id: {line}");
+
     // The status filter kept the 5xx only.
     line_with(&status_path, "rid-uf").await;
     let status = std::fs::read_to_string(&status_path).unwrap();

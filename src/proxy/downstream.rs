@@ -118,6 +118,13 @@ impl Gateway {
             };
             req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
         }
+        // x-request-id too, before any local reply: Envoy's access logs and traces name every
+        // request by it, those the gateway answers itself included.
+        let client_ip = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
+        request_id(session.req_header_mut(), client_ip, hcm)?;
         if listener.routes.any_require_tls && self.needs_tls(session, listener, hcm) {
             let req = session.req_header();
             let location = format!(
@@ -279,8 +286,22 @@ pub(super) async fn request_headers(
             req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
         }
     }
+    Ok(())
+}
+
+/// Envoy's `x-request-id`: generated when missing, and for an edge request (from outside,
+/// with `use_remote_address`) unless `preserve_external_request_id`.
+fn request_id(
+    req: &mut RequestHeader,
+    client_ip: Option<std::net::IpAddr>,
+    hcm: &Hcm,
+) -> Result<()> {
+    if !hcm.generate_request_id {
+        return Ok(());
+    }
+    let edge = hcm.use_remote_address && !is_internal_request(&req.headers, client_ip, hcm);
     let regenerate = edge && !hcm.preserve_external_request_id;
-    if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
+    if regenerate || !req.headers.contains_key(&X_REQUEST_ID) {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
         req.insert_header(X_REQUEST_ID.clone(), id)?;
