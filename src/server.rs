@@ -192,6 +192,8 @@ impl Workers {
                     let _ = tx.send(Ok(rt.handle().clone()));
                     rt.block_on(async move {
                         let _ = stopped.wait_for(|s| *s).await;
+                        // The access log lines this worker still holds go to their writers.
+                        crate::telemetry::access_log::sink::flush_thread_local();
                     });
                     rt.shutdown_timeout(Duration::from_secs(1));
                 })?;

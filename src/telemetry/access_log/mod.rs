@@ -160,7 +160,7 @@ impl AccessLog {
             Target::Inert => None,
         });
         if let Some(w) = writer {
-            w.write(line.into_bytes());
+            w.write(line.as_bytes());
         }
     }
 }

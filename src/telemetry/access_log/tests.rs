@@ -384,14 +384,14 @@ fn writers_are_shared_flushed_and_reopened() {
     let w = sink::writer(p);
     // One writer per path, whoever asks.
     assert!(Arc::ptr_eq(&w, &sink::writer(p)));
-    w.write(b"one\n".to_vec());
+    w.write(b"one\n");
     sink::flush_all(Duration::from_secs(5));
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\n");
     // Log rotation: the file is moved away, SIGUSR1 reopens the path.
     let rotated = dir.join("a.log.1");
     std::fs::rename(&path, &rotated).unwrap();
     sink::reopen_all();
-    w.write(b"two\n".to_vec());
+    w.write(b"two\n");
     sink::flush_all(Duration::from_secs(5));
     assert_eq!(std::fs::read_to_string(&rotated).unwrap(), "one\n");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "two\n");
