@@ -30,3 +30,25 @@ pub fn duration(d: &envoy_types::pb::google::protobuf::Duration) -> Result<Durat
     }
     Ok(Duration::new(d.seconds as u64, d.nanos as u32))
 }
+
+/// gRPC's status codes by number, as their proto enum names them (`NOT_FOUND`): what access
+/// logs print and what Istio's retry and fault configs name.
+pub const GRPC_STATUS_NAMES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];

@@ -448,26 +448,6 @@ fn check_regex(r: &str, at: &str) -> Result<(), String> {
         .map_err(|e| format!("{at}.regex: invalid regex '{r}': {e}"))
 }
 
-const GRPC_CODES: [&str; 17] = [
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-];
-
 // ---------------------------------------------------------------------------------------
 // The translation.
 
@@ -2973,9 +2953,12 @@ fn fault(f: &Fault, at: &str) -> Result<Json, String> {
                 ))
             }
             (None, Some(g)) => {
-                let code = GRPC_CODES.iter().position(|c| c == g).ok_or_else(|| {
-                    format!("{at}.fault.abort.grpcStatus: unknown gRPC status '{g}'")
-                })?;
+                let code = crate::units::GRPC_STATUS_NAMES
+                    .iter()
+                    .position(|c| c == g)
+                    .ok_or_else(|| {
+                        format!("{at}.fault.abort.grpcStatus: unknown gRPC status '{g}'")
+                    })?;
                 ab.insert("grpc_status".into(), json!(code));
             }
             _ => {

@@ -8,6 +8,18 @@
 //! that do I/O (log files, span exporters) take records over a channel and write them on a
 //! task of their own.
 
+/// An enum whose variants are also listed, in declaration order, as `Self::ALL`, so the two
+/// cannot drift apart.
+macro_rules! listed_enum {
+    ($(#[$m:meta])* $vis:vis enum $name:ident { $($(#[$vm:meta])* $v:ident),* $(,)? }) => {
+        $(#[$m])* $vis enum $name { $($(#[$vm])* $v),* }
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: [$name; [$(stringify!($v)),*].len()] = [$($name::$v),*];
+        }
+    };
+}
+
 pub mod access_log;
 pub mod istio_stats;
 pub mod stream_info;

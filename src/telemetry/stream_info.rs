@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+listed_enum! {
 /// Envoy's response flags, in Envoy's order (the order `%RESPONSE_FLAGS%` lists them in).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -41,6 +42,7 @@ pub enum ResponseFlag {
     DropOverLoad,
     DownstreamRemoteReset,
     UnconditionalDropOverload,
+}
 }
 
 /// (short, long) names, indexed by the flag.
@@ -78,42 +80,6 @@ const NAMES: [(&str, &str); 30] = [
 ];
 
 impl ResponseFlag {
-    pub const ALL: [ResponseFlag; 30] = {
-        use ResponseFlag::*;
-        [
-            FailedLocalHealthCheck,
-            NoHealthyUpstream,
-            UpstreamRequestTimeout,
-            LocalReset,
-            UpstreamRemoteReset,
-            UpstreamConnectionFailure,
-            UpstreamConnectionTermination,
-            UpstreamOverflow,
-            NoRouteFound,
-            DelayInjected,
-            FaultInjected,
-            RateLimited,
-            UnauthorizedExternalService,
-            RateLimitServiceError,
-            DownstreamConnectionTermination,
-            UpstreamRetryLimitExceeded,
-            StreamIdleTimeout,
-            InvalidEnvoyRequestHeaders,
-            DownstreamProtocolError,
-            UpstreamMaxStreamDurationReached,
-            ResponseFromCacheFilter,
-            NoFilterConfigFound,
-            DurationTimeout,
-            UpstreamProtocolError,
-            NoClusterFound,
-            OverloadManager,
-            DnsResolutionFailed,
-            DropOverLoad,
-            DownstreamRemoteReset,
-            UnconditionalDropOverload,
-        ]
-    };
-
     /// Envoy's short name (`UH`), as `%RESPONSE_FLAGS%` and Istio's `response_flags` show it.
     pub fn short(self) -> &'static str {
         NAMES[self as usize].0

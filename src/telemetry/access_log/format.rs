@@ -554,25 +554,6 @@ const GRPC_CAMEL: [&str; 17] = [
     "DataLoss",
     "Unauthenticated",
 ];
-const GRPC_SNAKE: [&str; 17] = [
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-];
 
 /// Envoy's HTTP status to gRPC status mapping (`Grpc::Utility::httpToGrpcStatus`).
 pub fn http_to_grpc(code: u16) -> u32 {
@@ -617,7 +598,7 @@ fn grpc_status<'a>(ctx: &LogContext<'a>, form: GrpcForm) -> Value<'a> {
     let names = match form {
         GrpcForm::Number => return Value::Int(u64::from(s)),
         GrpcForm::Camel => &GRPC_CAMEL,
-        GrpcForm::Snake => &GRPC_SNAKE,
+        GrpcForm::Snake => &crate::units::GRPC_STATUS_NAMES,
     };
     match names.get(s as usize) {
         Some(n) => Value::Str(Cow::Borrowed(n)),

@@ -168,6 +168,7 @@ impl Metric {
     }
 }
 
+listed_enum! {
 /// istio-proxy's standard tags, in the order it adds them to a metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Tag {
@@ -197,38 +198,11 @@ pub enum Tag {
     ResponseFlags,
     ConnectionSecurityPolicy,
 }
+}
 
 impl Tag {
-    pub const HTTP: [Tag; 25] = {
-        use Tag::*;
-        [
-            Reporter,
-            SourceWorkload,
-            SourceCanonicalService,
-            SourceCanonicalRevision,
-            SourceWorkloadNamespace,
-            SourcePrincipal,
-            SourceApp,
-            SourceVersion,
-            SourceCluster,
-            DestinationWorkload,
-            DestinationWorkloadNamespace,
-            DestinationPrincipal,
-            DestinationApp,
-            DestinationVersion,
-            DestinationService,
-            DestinationCanonicalService,
-            DestinationCanonicalRevision,
-            DestinationServiceName,
-            DestinationServiceNamespace,
-            DestinationCluster,
-            RequestProtocol,
-            ResponseCode,
-            GrpcResponseStatus,
-            ResponseFlags,
-            ConnectionSecurityPolicy,
-        ]
-    };
+    /// An HTTP request's tags: all of them.
+    pub const HTTP: [Tag; 25] = Tag::ALL;
 
     /// The gRPC message counters' tags: istio-proxy adds them before it knows the protocol,
     /// code and flags, so they stop at `destination_cluster`.
