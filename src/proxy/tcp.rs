@@ -82,6 +82,15 @@ fn access_log(proxy: &TcpProxy, info: &StreamInfo) {
     }
 }
 
+/// The socket error as Envoy words it (the C library's text, without Rust's "(os error N)").
+fn strerror(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.find(" (os error ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
+}
+
 /// Bytes a connection moved: read from the downstream, and written to it.
 struct Moved {
     received: u64,
@@ -140,7 +149,7 @@ async fn connect(
             Ok(Err(e)) => {
                 tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect failed: {e}");
                 info.upstream_transport_failure_reason =
-                    Some(format!("delayed connect error: {e}"));
+                    Some(format!("delayed connect error: {}", strerror(&e)));
             }
             Err(_) => {
                 tracing::debug!(cluster = %name, %addr, attempt, "tcp_proxy: connect timed out")
@@ -241,5 +250,14 @@ where
         for b in bytes {
             b.fetch_add(n as u64, Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod strerror_tests {
+    #[test]
+    fn socket_errors_read_as_envoys() {
+        let e = std::io::Error::from_raw_os_error(111);
+        assert_eq!(super::strerror(&e), "Connection refused");
     }
 }
