@@ -20,6 +20,7 @@ pub mod compressor;
 pub mod cors;
 pub mod fault;
 pub mod grpc_stats;
+pub mod health_check;
 pub mod local_ratelimit;
 pub mod telemetry;
 pub mod typed_struct;
@@ -42,6 +43,7 @@ pub enum HttpFilter {
     Cors(cors::CorsFilter),
     GrpcStats(grpc_stats::GrpcStatsFilter),
     Compressor(compressor::CompressorFilter),
+    HealthCheck(health_check::HealthCheckFilter),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -94,6 +96,11 @@ pub static REGISTRY: &[Registration] = &[
         type_url: cors::CORS_TYPE,
         name: "envoy.filters.http.cors",
         translate: cors::translate_filter,
+    },
+    Registration {
+        type_url: health_check::TYPE,
+        name: "envoy.filters.http.health_check",
+        translate: health_check::translate_filter,
     },
     Registration {
         type_url: compressor::TYPE,
@@ -165,6 +172,8 @@ pub struct Request<'a> {
     pub view: &'a RequestView<'a>,
     pub route: Option<&'a RouteFilters>,
     pub picked: Option<(&'a str, Option<&'a RouteFilters>)>,
+    /// The server's health, for the health check filter (None: no filter reads it).
+    pub server: Option<&'a (dyn health_check::ServerHealth + Sync)>,
 }
 
 /// A filter's word on a request.
@@ -211,6 +220,10 @@ pub struct FilterState {
     pub compress: Option<Box<compressor::CompressState>>,
     /// A compressor filter removes Accept-Encoding from the upstream request.
     pub remove_accept_encoding: bool,
+    /// The health check filter: the server fails health checks (a response header says so).
+    pub health_check_fail_header: bool,
+    /// The health check filter: a health check's response names the local cluster.
+    pub healthchecked_cluster: Option<String>,
 }
 
 impl FilterState {
@@ -223,6 +236,12 @@ impl FilterState {
 
     /// The filters' response side, on upstream responses and local replies alike.
     pub fn response_headers(&self, mut put: impl FnMut(&'static str, &str)) {
+        if let Some(c) = &self.healthchecked_cluster {
+            put("x-envoy-upstream-healthchecked-cluster", c);
+        }
+        if self.health_check_fail_header {
+            put("x-envoy-immediate-health-check-fail", "true");
+        }
         if let Some((c, origin)) = &self.cors {
             cors::response_headers(c, origin, &mut put);
         }
@@ -258,6 +277,7 @@ impl HttpFilter {
             HttpFilter::Cors(f) => &f.name,
             HttpFilter::GrpcStats(f) => &f.name,
             HttpFilter::Compressor(f) => &f.name,
+            HttpFilter::HealthCheck(f) => &f.name,
         }
     }
 
@@ -269,6 +289,7 @@ impl HttpFilter {
             HttpFilter::Cors(f) => f.decode(req, st),
             HttpFilter::GrpcStats(f) => f.decode(req, st),
             HttpFilter::Compressor(f) => f.decode(req, st),
+            HttpFilter::HealthCheck(f) => f.decode(req, st),
         }
     }
 
@@ -284,7 +305,8 @@ impl HttpFilter {
             HttpFilter::LocalRateLimit(_)
             | HttpFilter::Cors(_)
             | HttpFilter::GrpcStats(_)
-            | HttpFilter::Compressor(_) => Decision::Continue,
+            | HttpFilter::Compressor(_)
+            | HttpFilter::HealthCheck(_) => Decision::Continue,
         }
     }
 }

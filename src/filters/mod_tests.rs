@@ -83,6 +83,7 @@ fn run_once(filters: &[HttpFilter], st: &mut FilterState, stats: &fault::FaultSt
         headers: &headers,
     };
     let req = Request {
+        server: None,
         view: &view,
         route: None,
         picked: None,

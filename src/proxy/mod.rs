@@ -252,6 +252,31 @@ fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     out
 }
 
+/// The server's health as the health check filter reads it.
+struct ServerView<'a> {
+    state: &'a State,
+    snapshot: Option<&'a crate::snapshot::Snapshot>,
+}
+
+impl filters::health_check::ServerHealth for ServerView<'_> {
+    fn failing(&self) -> bool {
+        self.state.health_check_failed.load(Relaxed)
+    }
+
+    fn cluster(&self, name: &str) -> Option<(usize, usize)> {
+        let c = self.snapshot?.clusters.get(name)?;
+        Some((c.healthy_count(), c.endpoints.hosts.len()))
+    }
+
+    fn local_cluster(&self) -> &str {
+        self.state
+            .bootstrap
+            .as_ref()
+            .and_then(|b| b.node.as_ref())
+            .map_or("", |n| n.cluster.as_str())
+    }
+}
+
 impl Gateway {
     /// The chain's compressor filters on an upstream response: at most one compresses it
     /// (headers now, body in `response_body_filter`).
@@ -344,10 +369,15 @@ impl ProxyHttp for Gateway {
         }
         let picked = routing::pick_cluster(matched);
         // The connection manager's HTTP filters, in chain order; the router is the last.
+        let server = ServerView {
+            state: &self.state,
+            snapshot: ctx.snapshot.as_deref(),
+        };
         let filter_req = filters::Request {
             view: &view,
             route: matched.map(|r| &r.filters),
             picked: picked.map(|(c, e)| (c.as_ref(), e.map(|e| &e.filters))),
+            server: Some(&server),
         };
         let stats = filters::Stats {
             fault: &self.hcm_stats.fault,

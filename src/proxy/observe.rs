@@ -46,6 +46,7 @@ pub(super) fn filter_flag(details: &str) -> Option<ResponseFlag> {
     match details {
         "fault_filter_abort" => Some(ResponseFlag::FaultInjected),
         "local_rate_limited" => Some(ResponseFlag::RateLimited),
+        "health_check_failed" => Some(ResponseFlag::FailedLocalHealthCheck),
         _ => None,
     }
 }
