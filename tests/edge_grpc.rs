@@ -13,10 +13,6 @@ use std::time::Duration;
 
 use common::*;
 use envoy_types::pb::envoy::config::route::v3::{route, route_action, RouteAction};
-use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
-    explicit_http_config::ProtocolConfig, ExplicitHttpConfig, UpstreamProtocolOptions,
-};
-use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
 use futures::{Stream, StreamExt};
 use tonic::codegen::{http as thttp, BoxFuture, Service};
 use tonic::{Code, Request, Response, Status, Streaming};
@@ -198,23 +194,6 @@ async fn grpc_backend() -> std::net::SocketAddr {
         }
     });
     addr
-}
-
-fn h2_cluster(name: &str) -> envoy_types::pb::envoy::config::cluster::v3::Cluster {
-    let mut c = eds_cluster(name);
-    let opts = HttpProtocolOptions {
-        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
-            ExplicitHttpConfig {
-                protocol_config: Some(ProtocolConfig::Http2ProtocolOptions(Default::default())),
-            },
-        )),
-        ..Default::default()
-    };
-    c.typed_extension_protocol_options.insert(
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".into(),
-        any(opts),
-    );
-    c
 }
 
 fn pb_duration(ms: u64) -> envoy_types::pb::google::protobuf::Duration {

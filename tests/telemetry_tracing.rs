@@ -22,10 +22,6 @@ use envoy_types::pb::envoy::config::trace::v3::{
     ZipkinConfig,
 };
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::Tracing;
-use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
-    explicit_http_config::ProtocolConfig, ExplicitHttpConfig, UpstreamProtocolOptions,
-};
-use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
 use envoy_types::pb::envoy::r#type::tracing::v3::{custom_tag, CustomTag};
 use envoy_types::pb::envoy::r#type::v3::Percent;
 use http_body_util::{BodyExt, Full};
@@ -401,23 +397,6 @@ fn tracing(provider: TracingHttp, random_sampling: Option<f64>) -> Tracing {
         ],
         ..Default::default()
     }
-}
-
-fn h2_cluster(name: &str) -> envoy_types::pb::envoy::config::cluster::v3::Cluster {
-    let mut c = eds_cluster(name);
-    let opts = HttpProtocolOptions {
-        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
-            ExplicitHttpConfig {
-                protocol_config: Some(ProtocolConfig::Http2ProtocolOptions(Default::default())),
-            },
-        )),
-        ..Default::default()
-    };
-    c.typed_extension_protocol_options.insert(
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".into(),
-        any(opts),
-    );
-    c
 }
 
 const RUNTIME: &str = r#"layered_runtime:

@@ -17,14 +17,7 @@ pub fn static_bootstrap(admin: u16, listener: u16, routes: usize, backends: &[u1
             "              - match: {{ prefix: /svc{i}/ }}\n                route: {{ cluster: backend }}\n"
         ));
     }
-    let eps: String = backends
-        .iter()
-        .map(|p| {
-            format!(
-                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
-            )
-        })
-        .collect();
+    let eps = endpoints_yaml(backends);
     format!(
         r#"node: {{ id: vs-envoy, cluster: vs-envoy }}
 admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
@@ -59,6 +52,18 @@ static_resources:
       - lb_endpoints:
 {eps}"#
     )
+}
+
+/// A STATIC cluster's `lb_endpoints` entries for 127.0.0.1 at each port.
+fn endpoints_yaml(ports: &[u16]) -> String {
+    ports
+        .iter()
+        .map(|p| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
+            )
+        })
+        .collect()
 }
 
 /// The same bootstrap with the listener terminating TLS 1.3 (HTTP/1.1 by ALPN), its
@@ -195,14 +200,7 @@ pub fn telemetry_bootstrap(
     log: &str,
     istio: bool,
 ) -> String {
-    let eps: String = backends
-        .iter()
-        .map(|p| {
-            format!(
-                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
-            )
-        })
-        .collect();
+    let eps = endpoints_yaml(backends);
     let collector = backends.first().copied().unwrap_or(9411);
     let istio_first = if istio {
         r#"          - name: istio.metadata_exchange

@@ -442,6 +442,28 @@ pub fn eds_cluster(name: &str) -> Cluster {
     }
 }
 
+/// An EDS cluster whose upstream speaks HTTP/2 (explicit `http2_protocol_options`).
+pub fn h2_cluster(name: &str) -> Cluster {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+        explicit_http_config::ProtocolConfig, ExplicitHttpConfig, UpstreamProtocolOptions,
+    };
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
+    let mut c = eds_cluster(name);
+    let opts = HttpProtocolOptions {
+        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+            ExplicitHttpConfig {
+                protocol_config: Some(ProtocolConfig::Http2ProtocolOptions(Default::default())),
+            },
+        )),
+        ..Default::default()
+    };
+    c.typed_extension_protocol_options.insert(
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".into(),
+        any(opts),
+    );
+    c
+}
+
 pub fn cla(cluster_name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment {
     ClusterLoadAssignment {
         cluster_name: cluster_name.to_string(),

@@ -216,34 +216,18 @@ impl Tag {
         t
     };
 
-    /// A TCP connection's tags: no response code nor gRPC status.
+    /// A TCP connection's tags: the HTTP ones without the response code and gRPC status.
     pub const TCP: [Tag; 23] = {
-        use Tag::*;
-        [
-            Reporter,
-            SourceWorkload,
-            SourceCanonicalService,
-            SourceCanonicalRevision,
-            SourceWorkloadNamespace,
-            SourcePrincipal,
-            SourceApp,
-            SourceVersion,
-            SourceCluster,
-            DestinationWorkload,
-            DestinationWorkloadNamespace,
-            DestinationPrincipal,
-            DestinationApp,
-            DestinationVersion,
-            DestinationService,
-            DestinationCanonicalService,
-            DestinationCanonicalRevision,
-            DestinationServiceName,
-            DestinationServiceNamespace,
-            DestinationCluster,
-            RequestProtocol,
-            ResponseFlags,
-            ConnectionSecurityPolicy,
-        ]
+        let mut t = [Tag::Reporter; 23];
+        let (mut i, mut n) = (0, 0);
+        while i < Tag::HTTP.len() {
+            if !matches!(Tag::HTTP[i], Tag::ResponseCode | Tag::GrpcResponseStatus) {
+                t[n] = Tag::HTTP[i];
+                n += 1;
+            }
+            i += 1;
+        }
+        t
     };
 
     pub fn name(self) -> &'static str {
