@@ -308,7 +308,7 @@ impl CorsFilter {
             body: None,
             headers: out,
             grpc_status: None,
-            details: "cors_preflight",
+            details: std::borrow::Cow::Borrowed("cors_preflight"),
         })
     }
 }

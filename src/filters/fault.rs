@@ -549,7 +549,7 @@ impl FaultFilter {
             body: Some(a.body),
             headers: Vec::new(),
             grpc_status: a.grpc_status,
-            details: "fault_filter_abort",
+            details: std::borrow::Cow::Borrowed("fault_filter_abort"),
         })
     }
 }

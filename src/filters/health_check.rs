@@ -100,11 +100,11 @@ impl HealthCheckFilter {
             body: None,
             headers: Vec::new(),
             grpc_status: None,
-            details: if healthy {
+            details: std::borrow::Cow::Borrowed(if healthy {
                 "health_check_ok"
             } else {
                 "health_check_failed"
-            },
+            }),
         })
     }
 }

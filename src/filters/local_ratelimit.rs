@@ -339,7 +339,7 @@ impl LocalRateLimit {
             body: Some(bytes::Bytes::from_static(b"local_rate_limited")),
             headers,
             grpc_status: self.grpc_resource_exhausted.then_some(8),
-            details: "local_rate_limited",
+            details: std::borrow::Cow::Borrowed("local_rate_limited"),
         }
     }
 

@@ -16,6 +16,7 @@
 //! admin renders them.
 
 pub mod alpn;
+pub mod callout;
 pub mod compressor;
 pub mod cors;
 pub mod fault;
@@ -25,6 +26,8 @@ pub mod local_ratelimit;
 pub mod telemetry;
 pub mod typed_struct;
 
+use std::borrow::Cow;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -174,6 +177,39 @@ pub struct Request<'a> {
     pub picked: Option<(&'a str, Option<&'a RouteFilters>)>,
     /// The server's health, for the health check filter (None: no filter reads it).
     pub server: Option<&'a (dyn health_check::ServerHealth + Sync)>,
+    /// The downstream connection the request came on (the policy filters read it).
+    pub conn: Connection<'a>,
+    /// Requests to the configuration's clusters (ext_authz, remote JWKS); None where no
+    /// filter of the chain makes one (unit tests).
+    pub upstreams: Option<&'a dyn callout::Upstreams>,
+}
+
+/// The downstream connection, as Envoy's policy filters see it (RBAC's `direct_remote_ip`,
+/// `remote_ip`, `destination_ip`/`destination_port`, `requested_server_name`,
+/// `authenticated`; ext_authz's attribute context).
+#[derive(Clone, Copy, Default)]
+pub struct Connection<'a> {
+    /// The peer's address on the socket.
+    pub direct_remote: Option<SocketAddr>,
+    /// The client's address as the connection manager trusts it (`x-forwarded-for` with
+    /// `xff_num_trusted_hops`, `use_remote_address`); the direct peer when nothing else is
+    /// trusted.
+    pub remote: Option<IpAddr>,
+    /// The address the connection was accepted on.
+    pub local: Option<SocketAddr>,
+    /// The TLS server name the client asked for.
+    pub sni: Option<&'a str>,
+    /// The verified client certificate of an mTLS connection.
+    pub peer: Option<&'a (dyn PeerIdentity + Sync)>,
+    pub tls: bool,
+}
+
+/// A verified client certificate's identity (RBAC's `authenticated` principal).
+pub trait PeerIdentity {
+    fn uri_sans(&self) -> &[String];
+    fn dns_sans(&self) -> &[String];
+    /// The subject, RFC 2253.
+    fn subject(&self) -> &str;
 }
 
 /// A filter's word on a request.
@@ -184,6 +220,9 @@ pub enum Decision {
     Delay(Duration),
     /// Answer the request here; no later filter runs.
     Reply(LocalReply),
+    /// The filter must wait for I/O (a call to an authorization server, a key fetch): the
+    /// chain awaits the filter's [`HttpFilter::decode_async`], whose word is final.
+    Async,
 }
 
 /// A filter's local reply, as Envoy's `sendLocalReply` takes it.
@@ -195,7 +234,7 @@ pub struct LocalReply {
     /// For a gRPC request: the grpc-status to answer with (else mapped from `status`).
     pub grpc_status: Option<u32>,
     /// Envoy's response code details.
-    pub details: &'static str,
+    pub details: Cow<'static, str>,
 }
 
 /// What the filters leave on a request for its later phases (upstream headers, response
@@ -224,9 +263,67 @@ pub struct FilterState {
     pub health_check_fail_header: bool,
     /// The health check filter: a health check's response names the local cluster.
     pub healthchecked_cluster: Option<String>,
+    /// Envoy's dynamic metadata, by filter namespace (`envoy.filters.http.jwt_authn` ->
+    /// provider -> payload): written by one filter, read by later ones (RBAC's metadata
+    /// matchers) and by the access log. None until a filter writes.
+    pub metadata: Option<Box<serde_json::Map<String, serde_json::Value>>>,
+    /// Changes the filters make to the request's headers. Applied to the request before the
+    /// next filter runs when `clear_route_cache` is set (the route is chosen again), else
+    /// once the chain is done; what goes upstream and what the access log sees include them.
+    pub request_header_ops: Vec<HeaderOp>,
+    /// Changes the filters make to the response's headers (upstream responses and local
+    /// replies alike).
+    pub response_header_ops: Vec<HeaderOp>,
+    /// A filter changed what routing reads: the route is chosen again before the next filter.
+    pub clear_route_cache: bool,
+}
+
+/// One change to a header map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderOp {
+    /// Replaces every value of the header.
+    Set(HeaderName, HeaderValue),
+    /// Adds a value, keeping the others.
+    Append(HeaderName, HeaderValue),
+    Remove(HeaderName),
+}
+
+impl HeaderOp {
+    pub fn apply(&self, headers: &mut http::HeaderMap) {
+        match self {
+            HeaderOp::Set(k, v) => {
+                headers.insert(k.clone(), v.clone());
+            }
+            HeaderOp::Append(k, v) => {
+                headers.append(k.clone(), v.clone());
+            }
+            HeaderOp::Remove(k) => {
+                headers.remove(k);
+            }
+        }
+    }
 }
 
 impl FilterState {
+    /// The metadata a filter wrote under `namespace`, if any.
+    pub fn metadata(&self, namespace: &str) -> Option<&serde_json::Value> {
+        self.metadata.as_ref()?.get(namespace)
+    }
+
+    /// Sets `key` under the filter namespace `namespace` (an object, created on first use).
+    pub fn set_metadata(&mut self, namespace: &str, key: String, value: serde_json::Value) {
+        let all = self.metadata.get_or_insert_with(Default::default);
+        let ns = all
+            .entry(namespace.to_string())
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if !ns.is_object() {
+            *ns = serde_json::Value::Object(Default::default());
+        }
+        if let serde_json::Value::Object(m) = ns {
+            m.insert(key, value);
+        }
+    }
+
     /// Headers the filters add to the request sent upstream: (name, value, append).
     pub fn upstream_request_headers(&self) -> &[(HeaderName, HeaderValue, bool)] {
         self.rate_limit_headers
@@ -309,28 +406,63 @@ impl HttpFilter {
             | HttpFilter::HealthCheck(_) => Decision::Continue,
         }
     }
+
+    /// The filter said [`Decision::Async`]: its I/O, awaited. Its answer is final (a filter
+    /// never says `Async` twice for one request).
+    pub async fn decode_async(&self, _req: &Request<'_>, _st: &mut FilterState) -> Decision {
+        match self {
+            HttpFilter::Fault(_)
+            | HttpFilter::LocalRateLimit(_)
+            | HttpFilter::Cors(_)
+            | HttpFilter::GrpcStats(_)
+            | HttpFilter::Compressor(_)
+            | HttpFilter::HealthCheck(_) => Decision::Continue,
+        }
+    }
 }
 
-/// Runs the chain in order: the first local reply ends it (and is returned); delays are
-/// waited out in place. Allocates nothing of its own.
+/// How far the chain got.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every filter continued: the router runs.
+    Done,
+    /// A filter answered; no later filter runs.
+    Reply(LocalReply),
+    /// The filter before `next` cleared the route cache: the request path applies the
+    /// filters' request header changes, chooses the route again and resumes at `next`.
+    Reroute { next: usize },
+}
+
+/// Runs the chain in order from filter `from`: the first local reply ends it (and is
+/// returned); delays are waited out in place, asynchronous filters awaited. Allocates
+/// nothing of its own.
 pub async fn run(
     filters: &[HttpFilter],
+    from: usize,
     req: &Request<'_>,
     st: &mut FilterState,
     stats: Stats<'_>,
-) -> Option<LocalReply> {
-    for f in filters {
+) -> Outcome {
+    for (i, f) in filters.iter().enumerate().skip(from) {
         let mut d = f.decode(req, st, stats);
-        while let Decision::Delay(t) = d {
-            st.delay_injected = true;
-            tokio::time::sleep(t).await;
-            d = f.after_delay(req, st, stats);
+        loop {
+            match d {
+                Decision::Delay(t) => {
+                    st.delay_injected = true;
+                    tokio::time::sleep(t).await;
+                    d = f.after_delay(req, st, stats);
+                }
+                Decision::Async => d = f.decode_async(req, st).await,
+                Decision::Reply(r) => return Outcome::Reply(r),
+                Decision::Continue => break,
+            }
         }
-        if let Decision::Reply(r) = d {
-            return Some(r);
+        if st.clear_route_cache {
+            st.clear_route_cache = false;
+            return Outcome::Reroute { next: i + 1 };
         }
     }
-    None
+    Outcome::Done
 }
 
 #[cfg(test)]

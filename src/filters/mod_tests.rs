@@ -87,13 +87,17 @@ fn run_once(filters: &[HttpFilter], st: &mut FilterState, stats: &fault::FaultSt
         view: &view,
         route: None,
         picked: None,
+        conn: Connection::default(),
+        upstreams: None,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .expect("runtime");
-    rt.block_on(run(filters, &req, st, Stats { fault: stats }))
-        .map_or(200, |r| r.status)
+    match rt.block_on(run(filters, 0, &req, st, Stats { fault: stats })) {
+        Outcome::Reply(r) => r.status,
+        Outcome::Done | Outcome::Reroute { .. } => 200,
+    }
 }
 
 #[test]
@@ -173,4 +177,50 @@ fn a_filter_after_one_that_answered_never_runs() {
         .map(|_| run_once(&filters, &mut st, &stats))
         .collect();
     assert_eq!(got, [503, 503, 429]);
+}
+
+#[test]
+fn metadata_is_kept_by_filter_namespace() {
+    let mut st = FilterState::default();
+    assert!(st.metadata("envoy.filters.http.jwt_authn").is_none());
+    st.set_metadata(
+        "envoy.filters.http.jwt_authn",
+        "issuer-a".into(),
+        serde_json::json!({"sub": "alice"}),
+    );
+    st.set_metadata(
+        "envoy.filters.http.jwt_authn",
+        "issuer-b".into(),
+        serde_json::json!({"sub": "bob"}),
+    );
+    assert_eq!(
+        st.metadata("envoy.filters.http.jwt_authn"),
+        Some(&serde_json::json!({"issuer-a": {"sub": "alice"}, "issuer-b": {"sub": "bob"}}))
+    );
+}
+
+#[test]
+fn header_ops_set_append_and_remove() {
+    let mut h = http::HeaderMap::new();
+    h.append("x-a", HeaderValue::from_static("1"));
+    h.append("x-a", HeaderValue::from_static("2"));
+    h.insert("x-b", HeaderValue::from_static("b"));
+    let name = |n: &'static str| HeaderName::from_static(n);
+    for op in [
+        HeaderOp::Set(name("x-a"), HeaderValue::from_static("3")),
+        HeaderOp::Append(name("x-c"), HeaderValue::from_static("c1")),
+        HeaderOp::Append(name("x-c"), HeaderValue::from_static("c2")),
+        HeaderOp::Remove(name("x-b")),
+    ] {
+        op.apply(&mut h);
+    }
+    let all = |n: &str| {
+        h.get_all(n)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(all("x-a"), ["3"]);
+    assert_eq!(all("x-c"), ["c1", "c2"]);
+    assert!(h.get("x-b").is_none());
 }

@@ -99,6 +99,18 @@ impl PeerCert {
     }
 }
 
+impl crate::filters::PeerIdentity for PeerCert {
+    fn uri_sans(&self) -> &[String] {
+        &self.uris
+    }
+    fn dns_sans(&self) -> &[String] {
+        &self.dns
+    }
+    fn subject(&self) -> &str {
+        &self.subject
+    }
+}
+
 /// The peer certificate of the connection a request came on, if it was mTLS.
 pub fn of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<PeerCert>> {
     digest?

@@ -28,9 +28,9 @@ impl Gateway {
         ctx: &mut Ctx,
         r: LocalReply,
     ) -> Result<bool> {
-        ctx.outcome(super::observe::filter_flag(r.details), r.details);
+        ctx.outcome(super::observe::filter_flag(&r.details), r.details.clone());
         tracing::trace!(
-            details = r.details,
+            details = &*r.details,
             status = r.status,
             "local reply from a filter"
         );

@@ -240,8 +240,8 @@ pub struct Ctx {
     grpc_counters: Option<Arc<crate::live::grpc::MethodCounters>>,
 }
 
-/// The HTTP filters' response side (CORS, `x-ratelimit-*`), on upstream responses and local
-/// replies alike.
+/// The HTTP filters' response side (CORS, `x-ratelimit-*`, the policy filters' headers), on
+/// upstream responses and local replies alike.
 fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     let mut out = Ok(());
     ctx.filters.response_headers(|k, v| {
@@ -249,7 +249,38 @@ fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
             out = resp.insert_header(k, v).map(|_| ());
         }
     });
-    out
+    out?;
+    for op in &ctx.filters.response_header_ops {
+        match op {
+            filters::HeaderOp::Set(k, v) => resp.insert_header(k.clone(), v.clone())?,
+            filters::HeaderOp::Append(k, v) => {
+                resp.append_header(k.clone(), v.clone()).map(|_| ())?
+            }
+            filters::HeaderOp::Remove(k) => {
+                resp.remove_header(k);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The filters' changes to the request's headers, made on the request itself: the route is
+/// chosen on them, and the upstream request and the access log see them.
+fn apply_request_header_ops(session: &mut Session, ctx: &mut Ctx) -> Result<()> {
+    if ctx.filters.request_header_ops.is_empty() {
+        return Ok(());
+    }
+    let req = session.req_header_mut();
+    for op in ctx.filters.request_header_ops.drain(..) {
+        match op {
+            filters::HeaderOp::Set(k, v) => req.insert_header(k, v)?,
+            filters::HeaderOp::Append(k, v) => req.append_header(k, v).map(|_| ())?,
+            filters::HeaderOp::Remove(k) => {
+                req.remove_header(&k);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The server's health as the health check filter reads it.
@@ -350,15 +381,11 @@ impl ProxyHttp for Gateway {
         // removes the peer's metadata headers, which are not forwarded).
         istio::request(session, ctx);
         // The route and its weighted-cluster pick, before any filter runs.
-        let host = downstream::authority(session, &listener);
-        let view = routing::request_view(session.req_header(), &host);
-        let matched = router::route(&listener.routes, &view).map(|(_, r)| r);
-        if let Some(r) = matched.filter(|r| !r.name.is_empty()) {
-            ctx.info.route_name = Some(r.name.clone());
-        }
-        if let Some(d) = matched.and_then(|r| r.decorator.as_ref()) {
-            ctx.decorator = Some(d.clone());
-        }
+        let mut host = downstream::authority(session, &listener);
+        let mut matched = {
+            let view = routing::request_view(session.req_header(), &host);
+            router::route(&listener.routes, &view).map(|(_, r)| r)
+        };
         let Some(hcm) = listener.def.hcm() else {
             // Checked above when the chain was loaded.
             return self.local_reply(session, ctx, 404, None, &[]).await;
@@ -367,24 +394,65 @@ impl ProxyHttp for Gateway {
             session.set_keepalive(None);
             return self.local_reply(session, ctx, 403, None, &[]).await;
         }
-        let picked = routing::pick_cluster(matched);
-        // The connection manager's HTTP filters, in chain order; the router is the last.
-        let server = ServerView {
-            state: &self.state,
-            snapshot: ctx.snapshot.as_deref(),
-        };
-        let filter_req = filters::Request {
-            view: &view,
-            route: matched.map(|r| &r.filters),
-            picked: picked.map(|(c, e)| (c.as_ref(), e.map(|e| &e.filters))),
-            server: Some(&server),
-        };
-        let stats = filters::Stats {
-            fault: &self.hcm_stats.fault,
-        };
-        if let Some(reply) = filters::run(&hcm.filters, &filter_req, &mut ctx.filters, stats).await
-        {
-            return self.filter_reply(session, ctx, reply).await;
+        let mut picked = routing::pick_cluster(matched);
+        // The connection manager's HTTP filters, in chain order; the router is the last. A
+        // filter that clears the route cache has the route chosen again before the next one.
+        if !hcm.filters.is_empty() {
+            let stats = filters::Stats {
+                fault: &self.hcm_stats.fault,
+            };
+            let peer = client_cert::of(session.digest());
+            let mut next = 0;
+            loop {
+                let server = ServerView {
+                    state: &self.state,
+                    snapshot: ctx.snapshot.as_deref(),
+                };
+                let view = routing::request_view(session.req_header(), &host);
+                let direct = ctx.info.downstream_direct_remote;
+                let conn = filters::Connection {
+                    direct_remote: direct,
+                    remote: downstream::downstream_remote(view.headers, direct, hcm)
+                        .map(|a| a.ip()),
+                    local: ctx.info.downstream_local,
+                    sni: None,
+                    peer: peer
+                        .as_deref()
+                        .map(|p| p as &(dyn filters::PeerIdentity + Sync)),
+                    tls: ctx.info.downstream_tls,
+                };
+                let filter_req = filters::Request {
+                    view: &view,
+                    route: matched.map(|r| &r.filters),
+                    picked: picked.map(|(c, e)| (c.as_ref(), e.map(|e| &e.filters))),
+                    server: Some(&server),
+                    conn,
+                    upstreams: None,
+                };
+                let outcome =
+                    filters::run(&hcm.filters, next, &filter_req, &mut ctx.filters, stats).await;
+                match outcome {
+                    filters::Outcome::Done => break,
+                    filters::Outcome::Reply(reply) => {
+                        return self.filter_reply(session, ctx, reply).await;
+                    }
+                    filters::Outcome::Reroute { next: n } => {
+                        next = n;
+                        apply_request_header_ops(session, ctx)?;
+                        host = downstream::authority(session, &listener);
+                        let view = routing::request_view(session.req_header(), &host);
+                        matched = router::route(&listener.routes, &view).map(|(_, r)| r);
+                        picked = routing::pick_cluster(matched);
+                    }
+                }
+            }
+            apply_request_header_ops(session, ctx)?;
+        }
+        if let Some(r) = matched.filter(|r| !r.name.is_empty()) {
+            ctx.info.route_name = Some(r.name.clone());
+        }
+        if let Some(d) = matched.and_then(|r| r.decorator.as_ref()) {
+            ctx.decorator = Some(d.clone());
         }
         // The router: the route's action; a forward gets its host, mirrors, headers and timers.
         let Some(route) = matched else {

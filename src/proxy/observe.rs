@@ -53,11 +53,15 @@ pub(super) fn filter_flag(details: &str) -> Option<ResponseFlag> {
 
 impl Ctx {
     /// The phase that decided the request's outcome says so (a flag, Envoy's details).
-    pub(super) fn outcome(&mut self, flag: Option<ResponseFlag>, details: &'static str) {
+    pub(super) fn outcome(
+        &mut self,
+        flag: Option<ResponseFlag>,
+        details: impl Into<Cow<'static, str>>,
+    ) {
         if let Some(f) = flag {
             self.info.flags.set(f);
         }
-        self.info.response_code_details = Cow::Borrowed(details);
+        self.info.response_code_details = details.into();
     }
 }
 
