@@ -16,6 +16,9 @@ pub struct Metadata {
     pub namespace: Option<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// `istio.io/dry-run` on an AuthorizationPolicy.
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
     /// RFC 3339, as Kubernetes writes it; istiod orders VirtualServices by it.
     #[serde(default)]
     pub creation_timestamp: Option<String>,
@@ -809,6 +812,7 @@ pub enum Object {
     ServiceEntry(Metadata, ServiceEntrySpec),
     WorkloadEntry(Metadata, WorkloadEntrySpec),
     Secret(Metadata, SecretData),
+    AuthorizationPolicy(Metadata, super::authz::AuthorizationPolicySpec),
 }
 
 impl Object {
@@ -823,6 +827,7 @@ impl Object {
             Object::ServiceEntry(..) => "ServiceEntry",
             Object::WorkloadEntry(..) => "WorkloadEntry",
             Object::Secret(..) => "Secret",
+            Object::AuthorizationPolicy(..) => "AuthorizationPolicy",
         }
     }
 
@@ -836,7 +841,8 @@ impl Object {
             | Object::Pod(m, _)
             | Object::ServiceEntry(m, _)
             | Object::WorkloadEntry(m, _)
-            | Object::Secret(m, _) => m,
+            | Object::Secret(m, _)
+            | Object::AuthorizationPolicy(m, _) => m,
         }
     }
 }
@@ -952,6 +958,9 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
                 let top = serde_yaml::to_value(&env.rest).map_err(|e| e.to_string());
                 top.and_then(|v| spec(&v))
                     .map(|s| Object::EndpointSlice(env.metadata.clone(), s))
+            }
+            ("AuthorizationPolicy", _, "security.istio.io/v1" | "security.istio.io/v1beta1") => {
+                spec(&env.spec).map(|s| Object::AuthorizationPolicy(env.metadata.clone(), s))
             }
             ("Pod", _, "v1") => spec(&env.status).map(|s| Object::Pod(env.metadata.clone(), s)),
             // Like EndpointSlice, a Secret keeps its content at the top level.

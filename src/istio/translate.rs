@@ -462,6 +462,10 @@ struct Ctx<'a> {
     skip_servers: BTreeSet<(String, usize)>,
     /// Hosts whose DestinationRule validation refused: no clusters (fail closed).
     closed_hosts: BTreeSet<String>,
+    /// The AuthorizationPolicies selecting this gateway, as RBAC filters for its HTTP
+    /// connection managers and its TCP chains.
+    authz_http: Vec<Json>,
+    authz_tcp: Vec<Json>,
     bad: Vec<Invalid>,
 }
 
@@ -480,6 +484,8 @@ pub(super) fn check_http_route(
         proxy_namespace: None,
         skip_servers: BTreeSet::new(),
         closed_hosts: BTreeSet::new(),
+        authz_http: Vec::new(),
+        authz_tcp: Vec::new(),
         bad: Vec::new(),
     };
     // The port only names clusters; any will do for the checks.
@@ -544,6 +550,7 @@ pub fn translate_json(
             rules.insert(host, (m, dr));
         }
     }
+    let (authz_http, authz_tcp) = authorization(&config, node, &mut bad);
     let mut cx = Ctx {
         options,
         reg,
@@ -551,6 +558,8 @@ pub fn translate_json(
         proxy_namespace: node.namespace.clone(),
         skip_servers,
         closed_hosts,
+        authz_http,
+        authz_tcp,
         bad,
     };
     let mut out = XdsJson::default();
@@ -560,6 +569,67 @@ pub fn translate_json(
     fill_files(&config, &mut bad);
     bad.extend(checked.reports);
     (out, bad)
+}
+
+/// The gateway's AuthorizationPolicies as istiod renders them for it (`authz` module): RBAC
+/// HTTP filters and network RBAC filters. CUSTOM policies need an ext_authz provider this
+/// control plane does not render yet: their rules deny (fail closed, as istiod does for a
+/// provider it cannot use) and each is reported.
+fn authorization(
+    config: &Config,
+    node: &NodeInfo,
+    bad: &mut Vec<Invalid>,
+) -> (Vec<Json>, Vec<Json>) {
+    use super::authz;
+    let node_ns = node.namespace.as_deref().unwrap_or("default");
+    let mut custom_as_deny = Vec::new();
+    let mut selected = Vec::new();
+    for o in &config.objects {
+        let Object::AuthorizationPolicy(m, spec) = o else {
+            continue;
+        };
+        if !authz::selects(spec, ns(m), node_ns, &node.labels) {
+            continue;
+        }
+        match authz::action(spec) {
+            Err(e) => bad.push(invalid("AuthorizationPolicy", m, e)),
+            Ok(Some(_)) => selected.push((m, spec.clone())),
+            Ok(None) => {
+                bad.push(invalid(
+                    "AuthorizationPolicy",
+                    m,
+                    "spec.action: CUSTOM (ext_authz providers) is not rendered by this control plane yet; the policy's rules deny the requests they match (fail closed)".into(),
+                ));
+                let mut deny = spec.clone();
+                deny.action = Some("DENY".into());
+                custom_as_deny.push((m, deny));
+            }
+        }
+    }
+    selected.extend(custom_as_deny);
+    let policies: Vec<authz::Policy<'_>> = selected
+        .iter()
+        .map(|(m, spec)| authz::Policy {
+            namespace: ns(m),
+            name: &m.name,
+            spec,
+            dry_run: m
+                .annotations
+                .get("istio.io/dry-run")
+                .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        })
+        .collect();
+    let (http, problems) = authz::build_http(&policies, false);
+    let (tcp, _) = authz::build_tcp(&policies);
+    for (namespace, name, reason) in problems {
+        if let Some((m, _)) = selected
+            .iter()
+            .find(|(m, _)| ns(m) == namespace && m.name == name)
+        {
+            bad.push(invalid("AuthorizationPolicy", m, reason));
+        }
+    }
+    (http, tcp)
 }
 
 /// Keeps the first object of each kind/namespace/name, reporting the rest.
@@ -1506,7 +1576,7 @@ impl Ctx<'_> {
                     sni_hosts: Vec::new(),
                     application_protocols: Vec::new(),
                     tls: None,
-                    filters: vec![hcm(&stat_prefix, &route_name)],
+                    filters: vec![hcm(&stat_prefix, &route_name, &self.authz_http)],
                 };
                 out.listeners.insert(
                     listener_name.clone(),
@@ -1572,7 +1642,7 @@ impl Ctx<'_> {
                 sni_hosts: server.sni_hosts(),
                 application_protocols: Vec::new(),
                 tls: Some(tls),
-                filters: vec![hcm(&stat_prefix, &route_name)],
+                filters: vec![hcm(&stat_prefix, &route_name, &self.authz_http)],
             });
             let vhosts = self.virtual_hosts(std::slice::from_ref(server), vss);
             out.routes.insert(
@@ -1659,7 +1729,7 @@ impl Ctx<'_> {
                 }
                 return match self.tcp_proxy(m, &tcp.route, server.number, &format!("spec.tcp[{i}]"))
                 {
-                    Ok(f) => Some(vec![f]),
+                    Ok(f) => Some(self.authz_tcp.iter().cloned().chain([f]).collect()),
                     Err(e) => {
                         self.bad.push(invalid("VirtualService", m, e));
                         None
@@ -1731,7 +1801,7 @@ impl Ctx<'_> {
                         sni_hosts: tm.sni_hosts.clone(),
                         application_protocols: Vec::new(),
                         tls: None,
-                        filters: vec![filter],
+                        filters: self.authz_tcp.iter().cloned().chain([filter]).collect(),
                     });
                 }
             }
@@ -1777,7 +1847,7 @@ impl Ctx<'_> {
                             .map(|s| s.to_string())
                             .collect(),
                         tls: None,
-                        filters: vec![filter],
+                        filters: self.authz_tcp.iter().cloned().chain([filter]).collect(),
                     });
                 }
             }
@@ -2101,8 +2171,8 @@ impl Ctx<'_> {
 }
 
 /// The connection manager istiod gives a gateway's HTTP and HTTPS chains.
-fn hcm(stat_prefix: &str, route_name: &str) -> Json {
-    json!({
+fn hcm(stat_prefix: &str, route_name: &str, authz: &[Json]) -> Json {
+    let mut hcm = json!({
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -2126,7 +2196,14 @@ fn hcm(stat_prefix: &str, route_name: &str) -> Json {
             }},
             "server_name": "istio-envoy"
         }
-    })
+    });
+    // istiod's order: the authorization filters come before fault, CORS and the router.
+    if let Some(Json::Array(filters)) = hcm.pointer_mut("/typed_config/http_filters") {
+        for (i, f) in authz.iter().enumerate() {
+            filters.insert(i, f.clone());
+        }
+    }
+    hcm
 }
 
 /// What istiod's validation refuses in a server's TLS settings, and what this control plane

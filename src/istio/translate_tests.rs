@@ -299,3 +299,97 @@ spec:
         "blackhole:80"
     );
 }
+
+#[test]
+fn authorization_policies_selecting_the_gateway_become_rbac_filters_before_the_router() {
+    let policies = r#"
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: { name: deny-admin, namespace: istio-system }
+spec:
+  selector: { matchLabels: { istio: ingressgateway } }
+  action: DENY
+  rules:
+  - to: [{ operation: { paths: ["/admin*"] } }]
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: { name: allow-office, namespace: istio-system }
+spec:
+  selector: { matchLabels: { istio: ingressgateway } }
+  rules:
+  - from: [{ source: { remoteIpBlocks: ["10.0.0.0/8"] } }]
+  - when: [{ key: request.bogus, values: ["x"] }]
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: { name: other-workload, namespace: istio-system }
+spec:
+  selector: { matchLabels: { app: something-else } }
+  action: DENY
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: { name: oauth, namespace: istio-system }
+spec:
+  action: CUSTOM
+  provider: { name: oauth2-proxy }
+  rules:
+  - to: [{ operation: { hosts: ["private.example.com"] } }]
+"#;
+    let mut node = gateway_node();
+    node.namespace = Some("istio-system".into());
+    let (out, bad) = translate_json(
+        &config(&format!("{GATEWAY}{policies}")),
+        &node,
+        &Options::default(),
+    );
+    let reasons: Vec<(String, String)> = bad
+        .iter()
+        .map(|b| (b.name.clone(), b.reason.clone()))
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(reasons
+        .iter()
+        .any(|(n, r)| n == "istio-system/oauth" && r.starts_with("spec.action: CUSTOM")));
+    assert!(reasons.iter().any(|(n, r)| n == "istio-system/allow-office"
+        && r.contains("spec.rules[1]")
+        && r.contains("unknown attribute request.bogus")));
+    let filters = out.listeners["0.0.0.0_8080"]
+        .pointer("/filter_chains/0/filters/0/typed_config/http_filters")
+        .and_then(Json::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let names: Vec<&str> = filters.iter().filter_map(|f| f["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "envoy.filters.http.rbac",
+            "envoy.filters.http.rbac",
+            "envoy.filters.http.fault",
+            "envoy.filters.http.cors",
+            "envoy.filters.http.router"
+        ]
+    );
+    let deny = &filters[0]["typed_config"]["rules"];
+    assert_eq!(deny["action"], "DENY");
+    let deny_names: Vec<&String> = deny["policies"]
+        .as_object()
+        .map(|m| m.keys().collect())
+        .unwrap_or_default();
+    assert_eq!(
+        deny_names,
+        [
+            "ns[istio-system]-policy[deny-admin]-rule[0]",
+            "ns[istio-system]-policy[oauth]-rule[0]"
+        ]
+    );
+    let allow = &filters[1]["typed_config"]["rules"];
+    assert_eq!(allow["action"], "ALLOW");
+    assert_eq!(
+        allow["policies"]["ns[istio-system]-policy[allow-office]-rule[0]"]["principals"][0]
+            ["and_ids"]["ids"][0]["or_ids"]["ids"][0],
+        json!({"remote_ip": {"address_prefix": "10.0.0.0", "prefix_len": 8}})
+    );
+}
