@@ -258,15 +258,15 @@ fn build_filters(
 /// else a selector matching its labels, in the gateway's namespace or the root namespace
 /// (istiod's `PolicyMatcherForProxy` for a gateway pod).
 pub fn selects(
-    spec: &AuthorizationPolicySpec,
+    selector: Option<&WorkloadSelector>,
+    target_refs: &[&TargetRef],
     policy_namespace: &str,
     node_namespace: &str,
     labels: &BTreeMap<String, String>,
 ) -> bool {
-    let refs: Vec<&TargetRef> = spec.target_ref.iter().chain(&spec.target_refs).collect();
-    if !refs.is_empty() {
+    if !target_refs.is_empty() {
         let gateway = labels.get("gateway.networking.k8s.io/gateway-name");
-        return refs.iter().any(|r| {
+        return target_refs.iter().any(|r| {
             let ns = if r.namespace.is_empty() {
                 policy_namespace
             } else {
@@ -278,9 +278,7 @@ pub fn selects(
     if policy_namespace != node_namespace && policy_namespace != ROOT_NAMESPACE {
         return false;
     }
-    spec.selector
-        .as_ref()
-        .is_none_or(|s| s.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v)))
+    selector.is_none_or(|s| s.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v)))
 }
 
 /// istiod's default root namespace: its policies apply mesh-wide.

@@ -4,6 +4,7 @@
 //! listeners, routes, clusters and endpoint assignments istiod would send an ingress gateway
 //! (pure, unit-tested, golden-tested); the ADS server and the directory watch serve the result.
 
+pub mod authn;
 pub mod authz;
 pub mod model;
 pub mod server;

@@ -813,6 +813,7 @@ pub enum Object {
     WorkloadEntry(Metadata, WorkloadEntrySpec),
     Secret(Metadata, SecretData),
     AuthorizationPolicy(Metadata, super::authz::AuthorizationPolicySpec),
+    RequestAuthentication(Metadata, super::authn::RequestAuthenticationSpec),
 }
 
 impl Object {
@@ -828,6 +829,7 @@ impl Object {
             Object::WorkloadEntry(..) => "WorkloadEntry",
             Object::Secret(..) => "Secret",
             Object::AuthorizationPolicy(..) => "AuthorizationPolicy",
+            Object::RequestAuthentication(..) => "RequestAuthentication",
         }
     }
 
@@ -842,7 +844,8 @@ impl Object {
             | Object::ServiceEntry(m, _)
             | Object::WorkloadEntry(m, _)
             | Object::Secret(m, _)
-            | Object::AuthorizationPolicy(m, _) => m,
+            | Object::AuthorizationPolicy(m, _)
+            | Object::RequestAuthentication(m, _) => m,
         }
     }
 }
@@ -961,6 +964,9 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
             }
             ("AuthorizationPolicy", _, "security.istio.io/v1" | "security.istio.io/v1beta1") => {
                 spec(&env.spec).map(|s| Object::AuthorizationPolicy(env.metadata.clone(), s))
+            }
+            ("RequestAuthentication", _, "security.istio.io/v1" | "security.istio.io/v1beta1") => {
+                spec(&env.spec).map(|s| Object::RequestAuthentication(env.metadata.clone(), s))
             }
             ("Pod", _, "v1") => spec(&env.status).map(|s| Object::Pod(env.metadata.clone(), s)),
             // Like EndpointSlice, a Secret keeps its content at the top level.

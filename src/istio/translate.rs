@@ -550,7 +550,7 @@ pub fn translate_json(
             rules.insert(host, (m, dr));
         }
     }
-    let (authz_http, authz_tcp) = authorization(&config, node, &mut bad);
+    let (authz_http, authz_tcp) = authorization(&config, node, &reg, &mut bad);
     let mut cx = Ctx {
         options,
         reg,
@@ -574,10 +574,12 @@ pub fn translate_json(
 /// The gateway's AuthorizationPolicies as istiod renders them for it (`authz` module): RBAC
 /// HTTP filters and network RBAC filters. CUSTOM policies need an ext_authz provider this
 /// control plane does not render yet: their rules deny (fail closed, as istiod does for a
-/// provider it cannot use) and each is reported.
+/// provider it cannot use) and each is reported. RequestAuthentications become the
+/// `jwt_authn` filter in front of them (`authn` module).
 fn authorization(
     config: &Config,
     node: &NodeInfo,
+    reg: &Registry,
     bad: &mut Vec<Invalid>,
 ) -> (Vec<Json>, Vec<Json>) {
     use super::authz;
@@ -588,7 +590,9 @@ fn authorization(
         let Object::AuthorizationPolicy(m, spec) = o else {
             continue;
         };
-        if !authz::selects(spec, ns(m), node_ns, &node.labels) {
+        let refs: Vec<&authz::TargetRef> =
+            spec.target_ref.iter().chain(&spec.target_refs).collect();
+        if !authz::selects(spec.selector.as_ref(), &refs, ns(m), node_ns, &node.labels) {
             continue;
         }
         match authz::action(spec) {
@@ -619,7 +623,7 @@ fn authorization(
                 .is_some_and(|v| v.eq_ignore_ascii_case("true")),
         })
         .collect();
-    let (http, problems) = authz::build_http(&policies, false);
+    let (mut http, problems) = authz::build_http(&policies, false);
     let (tcp, _) = authz::build_tcp(&policies);
     for (namespace, name, reason) in problems {
         if let Some((m, _)) = selected
@@ -628,6 +632,49 @@ fn authorization(
         {
             bad.push(invalid("AuthorizationPolicy", m, reason));
         }
+    }
+    // RequestAuthentication: the jwt_authn filter goes before the RBAC filters (istiod's
+    // order: CUSTOM authorization, authentication, authorization).
+    let mut authn_rules = Vec::new();
+    let mut authn_meta = Vec::new();
+    for o in &config.objects {
+        let Object::RequestAuthentication(m, spec) = o else {
+            continue;
+        };
+        let refs: Vec<&authz::TargetRef> =
+            spec.target_ref.iter().chain(&spec.target_refs).collect();
+        if !super::authz::selects(spec.selector.as_ref(), &refs, ns(m), node_ns, &node.labels) {
+            continue;
+        }
+        authn_meta.push(m);
+        for (index, rule) in spec.jwt_rules.iter().enumerate() {
+            authn_rules.push(super::authn::Rule {
+                namespace: ns(m),
+                name: &m.name,
+                index,
+                rule,
+            });
+        }
+    }
+    let cluster_for = |host: &str, port: u16| -> Option<String> {
+        reg.services.get(host).and_then(|s| {
+            s.ports
+                .iter()
+                .any(|(p, _, _)| *p == u32::from(port))
+                .then(|| format!("outbound|{port}||{}", s.fqdn))
+        })
+    };
+    let (jwt, problems) = super::authn::jwt_filter(&authn_rules, &cluster_for);
+    for (namespace, name, reason) in problems {
+        if let Some(m) = authn_meta
+            .iter()
+            .find(|m| ns(m) == namespace && m.name == name)
+        {
+            bad.push(invalid("RequestAuthentication", m, reason));
+        }
+    }
+    if let Some(j) = jwt {
+        http.insert(0, j);
     }
     (http, tcp)
 }

@@ -393,3 +393,69 @@ spec:
         json!({"remote_ip": {"address_prefix": "10.0.0.0", "prefix_len": 8}})
     );
 }
+
+#[test]
+fn request_authentication_puts_jwt_authn_before_the_authorization_filters() {
+    let policies = r#"
+---
+apiVersion: security.istio.io/v1
+kind: RequestAuthentication
+metadata: { name: jwt, namespace: istio-system }
+spec:
+  selector: { matchLabels: { istio: ingressgateway } }
+  jwtRules:
+  - issuer: https://issuer.example
+    jwksUri: http://web.default.svc.cluster.local/jwks
+    outputClaimToHeaders: [{ header: x-group, claim: group }]
+  - issuer: https://elsewhere.example
+    jwksUri: https://elsewhere.example/keys
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: { name: need-token, namespace: istio-system }
+spec:
+  selector: { matchLabels: { istio: ingressgateway } }
+  rules:
+  - from: [{ source: { requestPrincipals: ["*"] } }]
+"#;
+    let (out, bad) = translate_json(
+        &config(&format!("{GATEWAY}{policies}")),
+        &gateway_node(),
+        &Options::default(),
+    );
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert_eq!(bad[0].kind, "RequestAuthentication");
+    assert!(
+        bad[0].reason.starts_with("spec.jwtRules[1].jwksUri:"),
+        "{}",
+        bad[0].reason
+    );
+    let filters = out.listeners["0.0.0.0_8080"]
+        .pointer("/filter_chains/0/filters/0/typed_config/http_filters")
+        .and_then(Json::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let names: Vec<&str> = filters.iter().filter_map(|f| f["name"].as_str()).collect();
+    assert_eq!(
+        names[..3],
+        [
+            "envoy.filters.http.jwt_authn",
+            "envoy.filters.http.rbac",
+            "envoy.filters.http.fault"
+        ]
+    );
+    let providers = &filters[0]["typed_config"]["providers"];
+    // Sorted by issuer: elsewhere before issuer.
+    assert_eq!(
+        providers["origins-0"]["issuer"],
+        "https://elsewhere.example"
+    );
+    assert_eq!(
+        providers["origins-1"]["remote_jwks"]["http_uri"]["cluster"],
+        "outbound|80||web.default.svc.cluster.local"
+    );
+    assert_eq!(
+        providers["origins-1"]["claim_to_headers"],
+        json!([{"header_name": "x-group", "claim_name": "group"}])
+    );
+}
