@@ -292,6 +292,18 @@ fn build(
     for_tcp: bool,
     problems: &mut Vec<Problem>,
 ) -> Option<(Option<Json>, Option<Json>)> {
+    build_named(policies, action, for_tcp, "", problems)
+}
+
+/// [`build`] with a prefix on every policy name (CUSTOM's `istio-ext-authz-<provider>-`).
+#[allow(clippy::type_complexity)]
+fn build_named(
+    policies: &[&Policy<'_>],
+    action: Action,
+    for_tcp: bool,
+    prefix: &str,
+    problems: &mut Vec<Problem>,
+) -> Option<(Option<Json>, Option<Json>)> {
     if policies.is_empty() {
         return None;
     }
@@ -304,7 +316,7 @@ fn build(
             enforced.get_or_insert_with(Map::new)
         };
         for (i, rule) in p.spec.rules.iter().enumerate() {
-            let name = format!("ns[{}]-policy[{}]-rule[{i}]", p.namespace, p.name);
+            let name = format!("{prefix}ns[{}]-policy[{}]-rule[{i}]", p.namespace, p.name);
             let mut problem =
                 |m: String| problems.push((p.namespace.to_string(), p.name.to_string(), m));
             let Some(rule) = rule else {
@@ -329,7 +341,7 @@ fn build(
             }
         }
         if p.spec.rules.is_empty() {
-            let name = format!("ns[{}]-policy[{}]-rule[0]", p.namespace, p.name);
+            let name = format!("{prefix}ns[{}]-policy[{}]-rule[0]", p.namespace, p.name);
             set.insert(
                 name,
                 json!({
@@ -343,6 +355,540 @@ fn build(
         m.map(|m| json!({"action": action.rbac(), "policies": Json::Object(m)}))
     };
     Some((wrap(enforced), wrap(shadow)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUSTOM: external authorization through a provider of the mesh config (istiod's extauthz.go).
+
+/// The part of Istio's MeshConfig (the `mesh` key of the `istio` ConfigMap) CUSTOM reads.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MeshConfig {
+    #[serde(default)]
+    pub extension_providers: Vec<ExtensionProvider>,
+}
+
+/// One extension provider; kinds other than the two ext_authz ones (tracing, access
+/// logging) are kept out of the way.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtensionProvider {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub envoy_ext_authz_http: Option<ExtAuthzHttp>,
+    #[serde(default)]
+    pub envoy_ext_authz_grpc: Option<ExtAuthzGrpc>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExtAuthzHttp {
+    pub service: String,
+    #[serde(default)]
+    pub port: u32,
+    #[serde(default)]
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub path_prefix: String,
+    #[serde(default)]
+    pub fail_open: bool,
+    #[serde(default)]
+    pub status_on_error: String,
+    #[serde(default)]
+    pub include_request_headers_in_check: Vec<String>,
+    #[serde(default)]
+    pub include_headers_in_check: Vec<String>,
+    #[serde(default)]
+    pub include_additional_headers_in_check: BTreeMap<String, String>,
+    #[serde(default)]
+    pub include_request_body_in_check: Option<RequestBody>,
+    #[serde(default)]
+    pub headers_to_upstream_on_allow: Vec<String>,
+    #[serde(default)]
+    pub headers_to_downstream_on_deny: Vec<String>,
+    #[serde(default)]
+    pub headers_to_downstream_on_allow: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExtAuthzGrpc {
+    pub service: String,
+    #[serde(default)]
+    pub port: u32,
+    #[serde(default)]
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub fail_open: bool,
+    #[serde(default)]
+    pub status_on_error: String,
+    #[serde(default)]
+    pub include_request_body_in_check: Option<RequestBody>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RequestBody {
+    #[serde(default)]
+    pub max_request_bytes: u32,
+    #[serde(default)]
+    pub allow_partial_message: bool,
+    #[serde(default)]
+    pub pack_as_bytes: bool,
+}
+
+/// A provider's filters: HTTP, and for gRPC providers the network one too.
+struct BuiltExtAuthz {
+    http: Json,
+    tcp: Option<Json>,
+}
+
+/// A mesh cluster for a provider's `service` (`[<namespace>/]<hostname>`) and port:
+/// (hostname, cluster name), or why there is none.
+pub type ClusterLookup<'a> = &'a dyn Fn(&str, u32) -> Result<(String, String), String>;
+
+fn resolve_providers(
+    mesh: &MeshConfig,
+    lookup: ClusterLookup<'_>,
+) -> BTreeMap<String, Result<BuiltExtAuthz, String>> {
+    let mut out = BTreeMap::new();
+    for (i, p) in mesh.extension_providers.iter().enumerate() {
+        let mut errs: Vec<String> = Vec::new();
+        if p.name.is_empty() {
+            errs.push(format!(
+                "extension provider name must not be empty, found empty at index: {i}"
+            ));
+        } else if out.contains_key(&p.name) {
+            errs.push(format!(
+                "extension provider name must be unique, found duplicate: {}",
+                p.name
+            ));
+        }
+        let built = match (&p.envoy_ext_authz_http, &p.envoy_ext_authz_grpc) {
+            (Some(h), _) => ext_authz_http(h, lookup),
+            (None, Some(g)) => ext_authz_grpc(g, lookup),
+            (None, None) => continue,
+        };
+        let entry = match built {
+            Err(e) => {
+                errs.push(format!(
+                    "failed to parse extension provider {:?}: {e}",
+                    p.name
+                ));
+                Err(errs.join("; "))
+            }
+            Ok(_) if !errs.is_empty() => Err(errs.join("; ")),
+            Ok(b) => Ok(b),
+        };
+        out.entry(p.name.clone()).or_insert(entry);
+    }
+    out
+}
+
+fn provider_port(port: u32) -> Result<u32, String> {
+    if (1..=65535).contains(&port) {
+        Ok(port)
+    } else {
+        Err(format!(
+            "port must be in the range [1, 65535], found: {port}"
+        ))
+    }
+}
+
+/// `statusOnError` as Envoy's HttpStatus code name.
+fn status_on_error(s: &str) -> Result<Option<Json>, String> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    let code: u16 = s
+        .parse()
+        .map_err(|_| format!("invalid statusOnError {s:?}"))?;
+    use envoy_types::pb::envoy::r#type::v3::StatusCode;
+    match StatusCode::try_from(i32::from(code)) {
+        Ok(c) if code != 0 => Ok(Some(json!({"code": c.as_str_name()}))),
+        _ => Err(format!("unsupported statusOnError {s}")),
+    }
+}
+
+fn timeout_or_default(t: &Option<String>) -> Result<String, String> {
+    match t {
+        None => Ok("600s".into()),
+        Some(t) => super::translate::duration(t),
+    }
+}
+
+fn header_list(headers: &[String]) -> Option<Json> {
+    if headers.is_empty() {
+        return None;
+    }
+    let patterns: Vec<Json> = headers
+        .iter()
+        .map(|h| {
+            if let Some(rest) = h.strip_prefix('*') {
+                json!({"ignore_case": true, "suffix": rest})
+            } else if let Some(rest) = h.strip_suffix('*') {
+                json!({"ignore_case": true, "prefix": rest})
+            } else {
+                json!({"ignore_case": true, "exact": h})
+            }
+        })
+        .collect();
+    Some(json!({"patterns": patterns}))
+}
+
+fn body(b: &Option<RequestBody>) -> Option<Json> {
+    b.as_ref().map(|b| {
+        let mut m = Map::new();
+        m.insert("max_request_bytes".into(), b.max_request_bytes.into());
+        m.insert(
+            "allow_partial_message".into(),
+            b.allow_partial_message.into(),
+        );
+        m.insert("pack_as_bytes".into(), b.pack_as_bytes.into());
+        Json::Object(m)
+    })
+}
+
+fn enabled_metadata(filter: &str, prefix: &str) -> Json {
+    json!({
+        "filter": filter,
+        "path": [{"key": "istio_ext_authz_shadow_effective_policy_id"}],
+        "value": {"string_match": {"prefix": prefix}}
+    })
+}
+
+fn ext_authz_http(c: &ExtAuthzHttp, lookup: ClusterLookup<'_>) -> Result<BuiltExtAuthz, String> {
+    let mut errs = Vec::new();
+    let port = provider_port(c.port).map_err(|e| errs.push(e)).ok();
+    let found = port.and_then(|p| lookup(&c.service, p).map_err(|e| errs.push(e)).ok());
+    let status = status_on_error(&c.status_on_error)
+        .map_err(|e| errs.push(e))
+        .ok()
+        .flatten();
+    if !c.path_prefix.is_empty() && !c.path_prefix.starts_with('/') {
+        errs.push(format!(
+            "pathPrefix must begin with `/`, found: {:?}",
+            c.path_prefix
+        ));
+    }
+    for (field, values) in [
+        (
+            "IncludeRequestHeadersInCheck",
+            &c.include_request_headers_in_check,
+        ),
+        ("IncludeHeadersInCheck", &c.include_headers_in_check),
+        (
+            "HeadersToDownstreamOnDeny",
+            &c.headers_to_downstream_on_deny,
+        ),
+        (
+            "HeadersToDownstreamOnAllow",
+            &c.headers_to_downstream_on_allow,
+        ),
+        ("HeadersToUpstreamOnAllow", &c.headers_to_upstream_on_allow),
+    ] {
+        if values.iter().any(|v| v == "*") {
+            errs.push(format!("a single wildcard (\"*\") is not supported, change it to either prefix or suffix match: {field}"));
+        }
+    }
+    let timeout = timeout_or_default(&c.timeout)
+        .map_err(|e| errs.push(e))
+        .ok();
+    let (Some((hostname, cluster)), Some(timeout), true) = (found, timeout, errs.is_empty()) else {
+        return Err(errs.join("; "));
+    };
+    let mut service = Map::new();
+    if !c.path_prefix.is_empty() {
+        service.insert("path_prefix".into(), c.path_prefix.clone().into());
+    }
+    service.insert(
+        "server_uri".into(),
+        json!({"timeout": timeout, "uri": format!("http://{hostname}"), "cluster": cluster}),
+    );
+    if !c.include_additional_headers_in_check.is_empty() {
+        let add: Vec<Json> = c
+            .include_additional_headers_in_check
+            .iter()
+            .map(|(k, v)| json!({"key": k, "value": v}))
+            .collect();
+        service.insert(
+            "authorization_request".into(),
+            json!({"headers_to_add": add}),
+        );
+    }
+    if !c.headers_to_upstream_on_allow.is_empty()
+        || !c.headers_to_downstream_on_deny.is_empty()
+        || !c.headers_to_downstream_on_allow.is_empty()
+    {
+        let mut r = Map::new();
+        for (k, v) in [
+            ("allowed_upstream_headers", &c.headers_to_upstream_on_allow),
+            ("allowed_client_headers", &c.headers_to_downstream_on_deny),
+            (
+                "allowed_client_headers_on_success",
+                &c.headers_to_downstream_on_allow,
+            ),
+        ] {
+            if let Some(l) = header_list(v) {
+                r.insert(k.into(), l);
+            }
+        }
+        service.insert("authorization_response".into(), Json::Object(r));
+    }
+    let mut http = Map::new();
+    http.insert(
+        "@type".into(),
+        "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz".into(),
+    );
+    if let Some(s) = status {
+        http.insert("status_on_error".into(), s);
+    }
+    if c.fail_open {
+        http.insert("failure_mode_allow".into(), true.into());
+    }
+    http.insert("transport_api_version".into(), "V3".into());
+    http.insert("http_service".into(), Json::Object(service));
+    http.insert(
+        "filter_enabled_metadata".into(),
+        enabled_metadata("envoy.filters.http.rbac", "istio-ext-authz"),
+    );
+    if let Some(b) = body(&c.include_request_body_in_check) {
+        http.insert("with_request_body".into(), b);
+    }
+    let allowed = header_list(&c.include_request_headers_in_check)
+        .or_else(|| header_list(&c.include_headers_in_check));
+    if let Some(a) = allowed {
+        http.insert("allowed_headers".into(), a);
+    }
+    Ok(BuiltExtAuthz {
+        http: Json::Object(http),
+        tcp: None,
+    })
+}
+
+fn ext_authz_grpc(c: &ExtAuthzGrpc, lookup: ClusterLookup<'_>) -> Result<BuiltExtAuthz, String> {
+    let mut errs = Vec::new();
+    let port = provider_port(c.port).map_err(|e| errs.push(e)).ok();
+    let found = port.and_then(|p| lookup(&c.service, p).map_err(|e| errs.push(e)).ok());
+    let status = status_on_error(&c.status_on_error)
+        .map_err(|e| errs.push(e))
+        .ok()
+        .flatten();
+    let timeout = timeout_or_default(&c.timeout)
+        .map_err(|e| errs.push(e))
+        .ok();
+    let (Some((hostname, cluster)), Some(timeout), true) = (found, timeout, errs.is_empty()) else {
+        return Err(errs.join("; "));
+    };
+    let grpc = json!({
+        "envoy_grpc": {"cluster_name": cluster, "authority": hostname},
+        "timeout": timeout
+    });
+    let mut http = Map::new();
+    http.insert(
+        "@type".into(),
+        "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz".into(),
+    );
+    if let Some(s) = status {
+        http.insert("status_on_error".into(), s);
+    }
+    if c.fail_open {
+        http.insert("failure_mode_allow".into(), true.into());
+    }
+    http.insert("grpc_service".into(), grpc.clone());
+    http.insert(
+        "filter_enabled_metadata".into(),
+        enabled_metadata("envoy.filters.http.rbac", "istio-ext-authz"),
+    );
+    http.insert("transport_api_version".into(), "V3".into());
+    if let Some(b) = body(&c.include_request_body_in_check) {
+        http.insert("with_request_body".into(), b);
+    }
+    let mut tcp = Map::new();
+    tcp.insert(
+        "@type".into(),
+        "type.googleapis.com/envoy.extensions.filters.network.ext_authz.v3.ExtAuthz".into(),
+    );
+    tcp.insert("stat_prefix".into(), "tcp.".into());
+    if c.fail_open {
+        tcp.insert("failure_mode_allow".into(), true.into());
+    }
+    tcp.insert("transport_api_version".into(), "V3".into());
+    tcp.insert("grpc_service".into(), grpc);
+    tcp.insert(
+        "filter_enabled_metadata".into(),
+        enabled_metadata("envoy.filters.network.rbac", "istio-ext-authz"),
+    );
+    Ok(BuiltExtAuthz {
+        http: Json::Object(http),
+        tcp: Some(Json::Object(tcp)),
+    })
+}
+
+/// Renames every policy of a rule set as istiod does when a CUSTOM provider is unusable,
+/// and makes it a DENY: what the rules match is refused (fail closed).
+fn bad_custom_deny(rules: &Option<Json>) -> Json {
+    let mut policies = Map::new();
+    if let Some(Json::Object(m)) = rules.as_ref().and_then(|r| r.get("policies")) {
+        for (k, v) in m {
+            policies.insert(format!("{k}-deny-due-to-bad-CUSTOM-action"), v.clone());
+        }
+    }
+    json!({"action": "DENY", "policies": policies})
+}
+
+/// istiod's CUSTOM builder: per provider (sorted by name) an RBAC filter that only marks the
+/// requests its rules match (shadow rules, `istio_ext_authz_` prefix) and the provider's
+/// ext_authz filter, enabled by that mark. An unusable provider, or more than one provider
+/// on the gateway (istiod's default), gives a DENY of what the rules match instead. Returns
+/// the HTTP filters, the TCP filters and the problems.
+pub fn build_custom(
+    policies: &[Policy<'_>],
+    mesh: &MeshConfig,
+    lookup: ClusterLookup<'_>,
+) -> (Vec<Json>, Vec<Json>, Vec<Problem>) {
+    let mut problems = Vec::new();
+    let (mut http, mut tcp) = (Vec::new(), Vec::new());
+    let mut by_provider: BTreeMap<String, Vec<&Policy<'_>>> = BTreeMap::new();
+    for p in policies {
+        if matches!(action(p.spec), Ok(None)) {
+            let name = p
+                .spec
+                .provider
+                .as_ref()
+                .map(|x| x.name.clone())
+                .unwrap_or_default();
+            by_provider.entry(name).or_default().push(p);
+        }
+    }
+    if by_provider.is_empty() {
+        return (http, tcp, problems);
+    }
+    let resolved = resolve_providers(mesh, lookup);
+    let several = by_provider.len() > 1;
+    for (provider, of) in &by_provider {
+        let prefix = format!("istio-ext-authz-{provider}-");
+        let enforced: Vec<&Policy<'_>> = of.iter().copied().filter(|p| !p.dry_run).collect();
+        let dry: Vec<&Policy<'_>> = of.iter().copied().filter(|p| p.dry_run).collect();
+        let rules_of = |set: &[&Policy<'_>], for_tcp: bool, problems: &mut Vec<Problem>| {
+            build_named(set, Action::Deny, for_tcp, &prefix, problems)
+                .and_then(|(r, _)| r)
+                .unwrap_or_else(|| json!({"action": "DENY", "policies": {}}))
+        };
+        let found = match resolved.get(provider) {
+            _ if several => Err(format!(
+                "multiple CUSTOM authorization providers per workload are not enabled (istiod's PILOT_ENABLE_MULTIPLE_CUSTOM_AUTHZ_PROVIDERS), found {} providers: {:?}",
+                by_provider.len(),
+                by_provider.keys().collect::<Vec<_>>()
+            )),
+            None if provider.is_empty() => Err("no provider specified in authorization policy".into()),
+            None => Err(format!(
+                "available providers are {:?} but found {provider:?}",
+                resolved.keys().collect::<Vec<_>>()
+            )),
+            Some(Err(e)) => Err(format!("found errors in provider {provider}: {e}")),
+            Some(Ok(b)) => Ok(b),
+        };
+        let mut http_problems = Vec::new();
+        let enforced_http = rules_of(&enforced, false, &mut http_problems);
+        let dry_http = rules_of(&dry, false, &mut http_problems);
+        match found {
+            Err(e) => {
+                for p in of {
+                    problems.push((
+                        p.namespace.to_string(),
+                        p.name.to_string(),
+                        format!("spec.provider: {e}; the policy's rules deny the requests they match (fail closed, as istiod does)"),
+                    ));
+                }
+                http.push(rbac_filter(
+                    false,
+                    Some(bad_custom_deny(&Some(enforced_http))),
+                    None,
+                    None,
+                ));
+                let mut ignore = Vec::new();
+                let enforced_tcp = rules_of(&enforced, true, &mut ignore);
+                tcp.push(rbac_filter(
+                    true,
+                    Some(bad_custom_deny(&Some(enforced_tcp))),
+                    None,
+                    None,
+                ));
+            }
+            Ok(b) => {
+                problems.extend(http_problems);
+                let has_dry = dry_http["policies"]
+                    .as_object()
+                    .is_some_and(|m| !m.is_empty());
+                let enabled =
+                    |filter: &str| enabled_metadata(filter, &format!("istio-ext-authz-{provider}"));
+                http.push(rbac_filter(
+                    false,
+                    has_dry.then(|| dry_http.clone()),
+                    Some(enforced_http),
+                    Some("istio_ext_authz_"),
+                ));
+                let mut f = b.http.clone();
+                f["filter_enabled_metadata"] = enabled("envoy.filters.http.rbac");
+                http.push(json!({"name": "envoy.filters.http.ext_authz", "typed_config": f}));
+                if let Some(t) = &b.tcp {
+                    let mut ignore = Vec::new();
+                    let enforced_tcp = rules_of(&enforced, true, &mut ignore);
+                    let dry_tcp = rules_of(&dry, true, &mut ignore);
+                    let has_dry = dry_tcp["policies"]
+                        .as_object()
+                        .is_some_and(|m| !m.is_empty());
+                    tcp.push(rbac_filter(
+                        true,
+                        has_dry.then_some(dry_tcp),
+                        Some(enforced_tcp),
+                        Some("istio_ext_authz_"),
+                    ));
+                    let mut f = t.clone();
+                    f["filter_enabled_metadata"] = enabled("envoy.filters.network.rbac");
+                    tcp.push(json!({"name": "envoy.filters.network.ext_authz", "typed_config": f}));
+                }
+            }
+        }
+    }
+    (http, tcp, problems)
+}
+
+/// An RBAC filter (HTTP or network) with the given rule sets.
+fn rbac_filter(
+    network: bool,
+    rules: Option<Json>,
+    shadow: Option<Json>,
+    shadow_prefix: Option<&str>,
+) -> Json {
+    let mut config = Map::new();
+    let (name, type_url) = if network {
+        (
+            "envoy.filters.network.rbac",
+            "type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC",
+        )
+    } else {
+        (
+            "envoy.filters.http.rbac",
+            "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC",
+        )
+    };
+    config.insert("@type".into(), type_url.into());
+    if let Some(r) = rules {
+        config.insert("rules".into(), r);
+    }
+    if network {
+        config.insert("stat_prefix".into(), "tcp.".into());
+    }
+    if let Some(s) = shadow {
+        config.insert("shadow_rules".into(), s);
+    }
+    if let Some(p) = shadow_prefix {
+        config.insert("shadow_rules_stat_prefix".into(), p.into());
+    }
+    json!({"name": name, "typed_config": Json::Object(config)})
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -174,3 +174,147 @@ fn an_allow_rule_with_a_bad_value_is_dropped_a_deny_rule_keeps_the_rest() {
     assert_eq!(decode(&f[0]).rules.expect("rules").policies.len(), 1);
     assert!(problems.is_empty());
 }
+
+/// A filter (proto-JSON, either case) as its proto, through the descriptor pool.
+fn decode_any(filter: &Json) -> envoy_types::pb::google::protobuf::Any {
+    let cfg = filter
+        .get("typed_config")
+        .or_else(|| filter.get("typedConfig"))
+        .expect("typed config");
+    let type_url = cfg["@type"].as_str().expect("@type").to_string();
+    let mut cfg = cfg.clone();
+    if let Json::Object(m) = &mut cfg {
+        m.remove("@type");
+    }
+    crate::istio::translate::encode(&type_url, &cfg).unwrap_or_else(|e| panic!("{e}: {cfg}"))
+}
+
+/// Two filters' configs equal as protos (maps compared as maps).
+fn same_filter(got: &Json, want: &Json) -> bool {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::ExtAuthz;
+    use prost::Message;
+    let (g, w) = (decode_any(got), decode_any(want));
+    if g.type_url != w.type_url {
+        return false;
+    }
+    if g.type_url.ends_with("RBAC") {
+        let d = |b: &[u8]| Rbac::decode(b).expect("RBAC decodes");
+        return d(&g.value) == d(&w.value);
+    }
+    let d = |b: &[u8]| ExtAuthz::decode(b).expect("ExtAuthz decodes");
+    d(&g.value) == d(&w.value)
+}
+
+fn mesh(yaml: &str) -> MeshConfig {
+    serde_yaml::from_str(yaml).expect("mesh config")
+}
+
+/// istiod's CUSTOM goldens, with the mesh configs of its builder test.
+#[test]
+fn custom_filters_match_istiods_golden_output() {
+    let grpc_no_ns = mesh(
+        "extensionProviders: [{name: default, envoyExtAuthzGrpc: {service: my-custom-ext-authz.foo.svc.cluster.local, port: 9000, failOpen: true, statusOnError: '403'}}]",
+    );
+    let grpc = mesh(
+        "extensionProviders: [{name: default, envoyExtAuthzGrpc: {service: foo/my-custom-ext-authz.foo.svc.cluster.local, port: 9000, timeout: 2ms, failOpen: true, statusOnError: '403', includeRequestBodyInCheck: {maxRequestBytes: 4096, allowPartialMessage: true}}}]",
+    );
+    let http = mesh(
+        r#"extensionProviders:
+- name: default
+  envoyExtAuthzHttp:
+    service: foo/my-custom-ext-authz.foo.svc.cluster.local
+    port: 9000
+    timeout: 10s
+    failOpen: true
+    statusOnError: "403"
+    pathPrefix: /check
+    includeRequestHeadersInCheck: [x-custom-id, x-prefix-*, "*-suffix"]
+    includeHeadersInCheck: [should-not-include-when-IncludeRequestHeadersInCheck-is-set]
+    includeAdditionalHeadersInCheck: {x-header-1: value-1, x-header-2: value-2}
+    includeRequestBodyInCheck: {maxRequestBytes: 2048, allowPartialMessage: true, packAsBytes: true}
+    headersToUpstreamOnAllow: [Authorization, x-prefix-*, "*-suffix"]
+    headersToDownstreamOnDeny: [Set-cookie, x-prefix-*, "*-suffix"]
+    headersToDownstreamOnAllow: [Set-cookie, x-prefix-*, "*-suffix"]
+"#,
+    );
+    let invalid = mesh(
+        "extensionProviders: [{name: default, envoyExtAuthzHttp: {service: foo/my-custom-ext-authz, port: 999999, pathPrefix: check, statusOnError: '999'}}]",
+    );
+    let lookup = |service: &str, port: u32| -> Result<(String, String), String> {
+        let host = service.rsplit('/').next().unwrap_or(service);
+        if host == "my-custom-ext-authz.foo.svc.cluster.local" {
+            Ok((host.to_string(), format!("outbound|{port}||{host}")))
+        } else {
+            Err(format!("could not find service {service}"))
+        }
+    };
+    let cases: &[(&str, &MeshConfig, &str, &[&str])] = &[
+        (
+            "grpc-no-namespace",
+            &grpc_no_ns,
+            "custom-simple-http-in.yaml",
+            &[
+                "custom-grpc-provider-no-namespace-out1.yaml",
+                "custom-grpc-provider-no-namespace-out2.yaml",
+            ],
+        ),
+        (
+            "grpc",
+            &grpc,
+            "custom-simple-http-in.yaml",
+            &[
+                "custom-grpc-provider-out1.yaml",
+                "custom-grpc-provider-out2.yaml",
+            ],
+        ),
+        (
+            "http",
+            &http,
+            "custom-simple-http-in.yaml",
+            &[
+                "custom-http-provider-out1.yaml",
+                "custom-http-provider-out2.yaml",
+            ],
+        ),
+        (
+            "multiple-providers",
+            &http,
+            "custom-bad-multiple-providers-in.yaml",
+            &[
+                "custom-bad-multiple-providers-out1.yaml",
+                "custom-bad-multiple-providers-out2.yaml",
+            ],
+        ),
+        (
+            "invalid",
+            &invalid,
+            "custom-simple-http-in.yaml",
+            &["custom-bad-out.yaml"],
+        ),
+    ];
+    for (case, mesh, input, wants) in cases {
+        let text = std::fs::read_to_string(format!("{DIR}/{input}")).expect("input");
+        let parsed = policies(&text);
+        let list: Vec<Policy<'_>> = parsed
+            .iter()
+            .map(|(m, s)| Policy {
+                namespace: m.namespace.as_deref().unwrap_or("default"),
+                name: &m.name,
+                spec: s,
+                dry_run: false,
+            })
+            .collect();
+        let (got, _tcp, _problems) = build_custom(&list, mesh, &lookup);
+        assert_eq!(got.len(), wants.len(), "{case}: {got:#?}");
+        for (g, w) in got.iter().zip(wants.iter()) {
+            let want: Json =
+                serde_yaml::from_str(&std::fs::read_to_string(format!("{DIR}/{w}")).expect("want"))
+                    .expect("golden yaml");
+            assert_eq!(g["name"], want["name"], "{case}: {w}");
+            assert!(
+                same_filter(g, &want),
+                "{case}: {w}:\n got {g:#}\nwant {want:#}"
+            );
+        }
+    }
+}

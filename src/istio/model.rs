@@ -814,6 +814,8 @@ pub enum Object {
     Secret(Metadata, SecretData),
     AuthorizationPolicy(Metadata, super::authz::AuthorizationPolicySpec),
     RequestAuthentication(Metadata, super::authn::RequestAuthenticationSpec),
+    /// Istio's mesh config: the `mesh` key of a ConfigMap (`istio` in `istio-system`).
+    MeshConfig(Metadata, super::authz::MeshConfig),
 }
 
 impl Object {
@@ -830,6 +832,7 @@ impl Object {
             Object::Secret(..) => "Secret",
             Object::AuthorizationPolicy(..) => "AuthorizationPolicy",
             Object::RequestAuthentication(..) => "RequestAuthentication",
+            Object::MeshConfig(..) => "ConfigMap",
         }
     }
 
@@ -845,7 +848,8 @@ impl Object {
             | Object::WorkloadEntry(m, _)
             | Object::Secret(m, _)
             | Object::AuthorizationPolicy(m, _)
-            | Object::RequestAuthentication(m, _) => m,
+            | Object::RequestAuthentication(m, _)
+            | Object::MeshConfig(m, _) => m,
         }
     }
 }
@@ -968,6 +972,14 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
             ("RequestAuthentication", _, "security.istio.io/v1" | "security.istio.io/v1beta1") => {
                 spec(&env.spec).map(|s| Object::RequestAuthentication(env.metadata.clone(), s))
             }
+            ("ConfigMap", _, "v1") => match env.rest.get("data").and_then(|d| d.get("mesh")) {
+                Some(serde_yaml::Value::String(mesh)) => serde_yaml::from_str(mesh)
+                    .map_err(|e| format!("data.mesh: {e}"))
+                    .map(|m| Object::MeshConfig(env.metadata.clone(), m)),
+                _ => Err(
+                    "unsupported ConfigMap: only Istio's mesh config (data.mesh) is read".into(),
+                ),
+            },
             ("Pod", _, "v1") => spec(&env.status).map(|s| Object::Pod(env.metadata.clone(), s)),
             // Like EndpointSlice, a Secret keeps its content at the top level.
             ("Secret", _, "v1") => {

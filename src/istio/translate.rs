@@ -572,10 +572,10 @@ pub fn translate_json(
 }
 
 /// The gateway's AuthorizationPolicies as istiod renders them for it (`authz` module): RBAC
-/// HTTP filters and network RBAC filters. CUSTOM policies need an ext_authz provider this
-/// control plane does not render yet: their rules deny (fail closed, as istiod does for a
-/// provider it cannot use) and each is reported. RequestAuthentications become the
-/// `jwt_authn` filter in front of them (`authn` module).
+/// HTTP filters and network RBAC filters; CUSTOM ones as the mesh config's ext_authz
+/// provider behind an RBAC filter that marks what their rules match (a provider that cannot
+/// be used denies what they match, as istiod does, and is reported). RequestAuthentications
+/// become the `jwt_authn` filter between them (`authn` module).
 fn authorization(
     config: &Config,
     node: &NodeInfo,
@@ -584,7 +584,6 @@ fn authorization(
 ) -> (Vec<Json>, Vec<Json>) {
     use super::authz;
     let node_ns = node.namespace.as_deref().unwrap_or("default");
-    let mut custom_as_deny = Vec::new();
     let mut selected = Vec::new();
     for o in &config.objects {
         let Object::AuthorizationPolicy(m, spec) = o else {
@@ -597,20 +596,9 @@ fn authorization(
         }
         match authz::action(spec) {
             Err(e) => bad.push(invalid("AuthorizationPolicy", m, e)),
-            Ok(Some(_)) => selected.push((m, spec.clone())),
-            Ok(None) => {
-                bad.push(invalid(
-                    "AuthorizationPolicy",
-                    m,
-                    "spec.action: CUSTOM (ext_authz providers) is not rendered by this control plane yet; the policy's rules deny the requests they match (fail closed)".into(),
-                ));
-                let mut deny = spec.clone();
-                deny.action = Some("DENY".into());
-                custom_as_deny.push((m, deny));
-            }
+            Ok(_) => selected.push((m, spec.clone())),
         }
     }
-    selected.extend(custom_as_deny);
     let policies: Vec<authz::Policy<'_>> = selected
         .iter()
         .map(|(m, spec)| authz::Policy {
@@ -623,6 +611,42 @@ fn authorization(
                 .is_some_and(|v| v.eq_ignore_ascii_case("true")),
         })
         .collect();
+    // CUSTOM: the mesh config's ext_authz providers (istiod reads the `istio` ConfigMap of its
+    // root namespace).
+    let mesh = config
+        .objects
+        .iter()
+        .find_map(|o| match o {
+            Object::MeshConfig(m, c) if ns(m) == authz::ROOT_NAMESPACE && m.name == "istio" => {
+                Some(c.clone())
+            }
+            _ => None,
+        })
+        .unwrap_or_default();
+    let lookup = |service: &str, port: u32| -> Result<(String, String), String> {
+        let (want_ns, host) = match service.split_once('/') {
+            Some((n, h)) => (Some(n), h),
+            None => (None, service),
+        };
+        let s = reg
+            .services
+            .get(host)
+            .filter(|s| want_ns.is_none_or(|n| n == s.namespace))
+            .ok_or_else(|| format!("could not find service {service:?} in the registry"))?;
+        if !s.ports.iter().any(|(p, _, _)| *p == port) {
+            return Err(format!("service {host} has no port {port}"));
+        }
+        Ok((s.fqdn.clone(), format!("outbound|{port}||{}", s.fqdn)))
+    };
+    let (custom_http, custom_tcp, custom_problems) = authz::build_custom(&policies, &mesh, &lookup);
+    for (namespace, name, reason) in custom_problems {
+        if let Some((m, _)) = selected
+            .iter()
+            .find(|(m, _)| ns(m) == namespace && m.name == name)
+        {
+            bad.push(invalid("AuthorizationPolicy", m, reason));
+        }
+    }
     let (mut http, problems) = authz::build_http(&policies, false);
     let (tcp, _) = authz::build_tcp(&policies);
     for (namespace, name, reason) in problems {
@@ -676,6 +700,9 @@ fn authorization(
     if let Some(j) = jwt {
         http.insert(0, j);
     }
+    // istiod's order: CUSTOM first, then authentication, then ALLOW/DENY/AUDIT.
+    let http = custom_http.into_iter().chain(http).collect();
+    let tcp = custom_tcp.into_iter().chain(tcp).collect();
     (http, tcp)
 }
 

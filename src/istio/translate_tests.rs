@@ -350,9 +350,8 @@ spec:
         .map(|b| (b.name.clone(), b.reason.clone()))
         .collect();
     assert_eq!(reasons.len(), 2, "{reasons:?}");
-    assert!(reasons
-        .iter()
-        .any(|(n, r)| n == "istio-system/oauth" && r.starts_with("spec.action: CUSTOM")));
+    assert!(reasons.iter().any(|(n, r)| n == "istio-system/oauth"
+        && r.starts_with("spec.provider: available providers are [] but found \"oauth2-proxy\"")));
     assert!(reasons.iter().any(|(n, r)| n == "istio-system/allow-office"
         && r.contains("spec.rules[1]")
         && r.contains("unknown attribute request.bogus")));
@@ -367,25 +366,32 @@ spec:
         [
             "envoy.filters.http.rbac",
             "envoy.filters.http.rbac",
+            "envoy.filters.http.rbac",
             "envoy.filters.http.fault",
             "envoy.filters.http.cors",
             "envoy.filters.http.router"
         ]
     );
-    let deny = &filters[0]["typed_config"]["rules"];
-    assert_eq!(deny["action"], "DENY");
-    let deny_names: Vec<&String> = deny["policies"]
-        .as_object()
-        .map(|m| m.keys().collect())
-        .unwrap_or_default();
+    // The unusable CUSTOM provider: what its rules match is denied.
+    let custom = &filters[0]["typed_config"]["rules"];
+    assert_eq!(custom["action"], "DENY");
+    let names_of = |rules: &Json| -> Vec<String> {
+        rules["policies"]
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    };
     assert_eq!(
-        deny_names,
-        [
-            "ns[istio-system]-policy[deny-admin]-rule[0]",
-            "ns[istio-system]-policy[oauth]-rule[0]"
-        ]
+        names_of(custom),
+        ["istio-ext-authz-oauth2-proxy-ns[istio-system]-policy[oauth]-rule[0]-deny-due-to-bad-CUSTOM-action"]
     );
-    let allow = &filters[1]["typed_config"]["rules"];
+    let deny = &filters[1]["typed_config"]["rules"];
+    assert_eq!(deny["action"], "DENY");
+    assert_eq!(
+        names_of(deny),
+        ["ns[istio-system]-policy[deny-admin]-rule[0]"]
+    );
+    let allow = &filters[2]["typed_config"]["rules"];
     assert_eq!(allow["action"], "ALLOW");
     assert_eq!(
         allow["policies"]["ns[istio-system]-policy[allow-office]-rule[0]"]["principals"][0]
@@ -457,5 +463,66 @@ spec:
     assert_eq!(
         providers["origins-1"]["claim_to_headers"],
         json!([{"header_name": "x-group", "claim_name": "group"}])
+    );
+}
+
+#[test]
+fn custom_policies_call_the_mesh_configs_ext_authz_provider() {
+    let objects = r#"
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: { name: istio, namespace: istio-system }
+data:
+  mesh: |
+    extensionProviders:
+    - name: authz
+      envoyExtAuthzGrpc: { service: authz.default.svc.cluster.local, port: 9000 }
+---
+apiVersion: v1
+kind: Service
+metadata: { name: authz, namespace: default }
+spec:
+  selector: { app: authz }
+  ports: [{ name: grpc, port: 9000 }]
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: { name: ext, namespace: istio-system }
+spec:
+  selector: { matchLabels: { istio: ingressgateway } }
+  action: CUSTOM
+  provider: { name: authz }
+  rules:
+  - to: [{ operation: { paths: ["/private/*"] } }]
+"#;
+    let (out, bad) = translate_json(
+        &config(&format!("{GATEWAY}{objects}")),
+        &gateway_node(),
+        &Options::default(),
+    );
+    assert!(bad.is_empty(), "{bad:?}");
+    let filters = out.listeners["0.0.0.0_8080"]
+        .pointer("/filter_chains/0/filters/0/typed_config/http_filters")
+        .and_then(Json::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let names: Vec<&str> = filters.iter().filter_map(|f| f["name"].as_str()).collect();
+    assert_eq!(
+        names[..2],
+        ["envoy.filters.http.rbac", "envoy.filters.http.ext_authz"]
+    );
+    assert_eq!(
+        filters[0]["typed_config"]["shadow_rules_stat_prefix"],
+        "istio_ext_authz_"
+    );
+    let ext = &filters[1]["typed_config"];
+    assert_eq!(
+        ext["grpc_service"]["envoy_grpc"]["cluster_name"],
+        "outbound|9000||authz.default.svc.cluster.local"
+    );
+    assert_eq!(
+        ext["filter_enabled_metadata"]["value"]["string_match"]["prefix"],
+        "istio-ext-authz-authz"
     );
 }
