@@ -816,6 +816,39 @@ pub enum Object {
     RequestAuthentication(Metadata, super::authn::RequestAuthenticationSpec),
     /// Istio's mesh config: the `mesh` key of a ConfigMap (`istio` in `istio-system`).
     MeshConfig(Metadata, super::authz::MeshConfig),
+    /// Read and checked; no effect at a gateway (see [`PeerAuthenticationSpec`]).
+    PeerAuthentication(Metadata, PeerAuthenticationSpec),
+}
+
+/// `security.istio.io` PeerAuthentication. istiod applies it to the inbound listeners of
+/// sidecars and waypoints only: a gateway's listeners take their TLS from the Gateway's
+/// servers, so at a gateway it changes nothing, and this control plane reads it only to
+/// check it (a typo is still reported).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PeerAuthenticationSpec {
+    #[serde(default)]
+    pub selector: Option<super::authz::WorkloadSelector>,
+    #[serde(default)]
+    pub mtls: Option<PeerMtls>,
+    #[serde(default)]
+    pub port_level_mtls: BTreeMap<String, PeerMtls>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerMtls {
+    #[serde(default)]
+    pub mode: Option<PeerMtlsMode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum PeerMtlsMode {
+    Unset,
+    Disable,
+    Permissive,
+    Strict,
 }
 
 impl Object {
@@ -833,6 +866,7 @@ impl Object {
             Object::AuthorizationPolicy(..) => "AuthorizationPolicy",
             Object::RequestAuthentication(..) => "RequestAuthentication",
             Object::MeshConfig(..) => "ConfigMap",
+            Object::PeerAuthentication(..) => "PeerAuthentication",
         }
     }
 
@@ -849,7 +883,8 @@ impl Object {
             | Object::Secret(m, _)
             | Object::AuthorizationPolicy(m, _)
             | Object::RequestAuthentication(m, _)
-            | Object::MeshConfig(m, _) => m,
+            | Object::MeshConfig(m, _)
+            | Object::PeerAuthentication(m, _) => m,
         }
     }
 }
@@ -971,6 +1006,9 @@ pub fn parse_file(file: &str, text: &str) -> (Vec<Object>, Vec<Invalid>) {
             }
             ("RequestAuthentication", _, "security.istio.io/v1" | "security.istio.io/v1beta1") => {
                 spec(&env.spec).map(|s| Object::RequestAuthentication(env.metadata.clone(), s))
+            }
+            ("PeerAuthentication", _, "security.istio.io/v1" | "security.istio.io/v1beta1") => {
+                spec(&env.spec).map(|s| Object::PeerAuthentication(env.metadata.clone(), s))
             }
             ("ConfigMap", _, "v1") => match env.rest.get("data").and_then(|d| d.get("mesh")) {
                 Some(serde_yaml::Value::String(mesh)) => serde_yaml::from_str(mesh)

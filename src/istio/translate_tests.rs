@@ -526,3 +526,35 @@ spec:
         "istio-ext-authz-authz"
     );
 }
+
+#[test]
+fn peer_authentication_is_checked_and_changes_nothing_at_a_gateway() {
+    let ok = r#"
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: { name: default, namespace: istio-system }
+spec:
+  mtls: { mode: STRICT }
+"#;
+    let (with, bad) = translate_json(
+        &config(&format!("{GATEWAY}{ok}")),
+        &gateway_node(),
+        &Options::default(),
+    );
+    assert!(bad.is_empty(), "{bad:?}");
+    let (without, _) = translate_json(&config(GATEWAY), &gateway_node(), &Options::default());
+    assert_eq!(with, without);
+    let (_, bad) = crate::istio::model::parse_file(
+        "pa.yaml",
+        "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: x}\nspec: {mtls: {mode: STRICTT}}\n",
+    );
+    assert_eq!(bad.len(), 1);
+    assert!(
+        bad[0]
+            .reason
+            .starts_with("spec.mtls.mode: unknown variant `STRICTT`"),
+        "{}",
+        bad[0].reason
+    );
+}
