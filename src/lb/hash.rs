@@ -134,6 +134,17 @@ impl Ring {
         self.hashes.len()
     }
 
+    /// How many entries each host (by index, `n` hosts) holds: the weights made visible.
+    pub fn entries_per_host(&self, n: usize) -> Vec<usize> {
+        let mut out = vec![0; n];
+        for h in &self.hosts {
+            if let Some(c) = out.get_mut(*h as usize) {
+                *c += 1;
+            }
+        }
+        out
+    }
+
     pub fn is_empty(&self) -> bool {
         self.hashes.is_empty()
     }
@@ -256,6 +267,23 @@ impl MaglevTable {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// How many slots each host (by index, `n` hosts) holds.
+    pub fn slots_per_host(&self, n: usize) -> Vec<usize> {
+        let mut out = vec![0; n];
+        let mut count = |pos: usize| {
+            if let Some(c) = self.hosts.get(pos).and_then(|i| out.get_mut(*i as usize)) {
+                *c += 1;
+            }
+        };
+        match &self.slots {
+            Slots::Empty => {}
+            Slots::U8(s) => s.iter().for_each(|p| count(usize::from(*p))),
+            Slots::U16(s) => s.iter().for_each(|p| count(usize::from(*p))),
+            Slots::U32(s) => s.iter().for_each(|p| count(*p as usize)),
+        }
+        out
     }
 
     pub fn pick(&self, h: u64) -> Option<usize> {
