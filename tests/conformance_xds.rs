@@ -785,8 +785,9 @@ async fn eds_degraded_endpoint_only_takes_what_healthy_ones_cannot() {
     let dist = distribution(&mesh, "/half", 200).await;
     let deg = count(&dist, "degraded");
     eprintln!("observed: 1 healthy + 1 degraded: {dist:?}");
+    // p = 0.3 over 200: outside 25..=95 has probability 7e-8 (binomial, computed).
     assert!(
-        (30..=90).contains(&deg),
+        (25..=95).contains(&deg),
         "degraded share {deg}/200: {dist:?}"
     );
     assert_eq!(count(&dist, "h1") + deg, 200, "{dist:?}");

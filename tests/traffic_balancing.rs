@@ -121,6 +121,11 @@ fn count(seen: &BTreeMap<String, usize>, name: &str) -> usize {
 }
 
 #[track_caller]
+/// `name` took `want` of the requests, give or take `slack`. Where the pick is random (the
+/// priority a request goes to is drawn per request, as in Envoy), the slack is at least 5.5
+/// binomial standard deviations: 400 requests split 0.25 to 0.75, +-55, fail with probability
+/// below 3e-8 (computed); within a priority and between localities the choice is a
+/// deterministic schedule and the slack only absorbs where it started.
 fn near(seen: &BTreeMap<String, usize>, name: &str, want: usize, slack: usize) {
     let got = count(seen, name);
     assert!(
@@ -167,8 +172,8 @@ async fn a_lower_priority_takes_what_p0_cannot() {
     .await;
     settle(&m, "p1").await;
     let seen = spread(&m, 400).await;
-    near(&seen, "p0-a", 280, 45);
-    near(&seen, "p1", 120, 45);
+    near(&seen, "p0-a", 280, 55);
+    near(&seen, "p1", 120, 55);
     assert_eq!(count(&seen, "p0-b"), 0, "{seen:?}");
 
     // All of P0 down: P1 takes everything.
@@ -202,8 +207,8 @@ async fn a_lower_priority_takes_what_p0_cannot() {
     });
     push_endpoints(&m, "3", half).await;
     let seen = spread(&m, 400).await;
-    near(&seen, "p0-a", 200, 45);
-    near(&seen, "p1", 200, 45);
+    near(&seen, "p0-a", 200, 55);
+    near(&seen, "p1", 200, 55);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,8 +235,8 @@ async fn panic_mode_as_envoy_decides_it() {
     .await;
     settle(&m, "p1").await;
     let seen = spread(&m, 400).await;
-    near(&seen, "p0-a", 184, 45);
-    near(&seen, "p1", 216, 45);
+    near(&seen, "p0-a", 184, 55);
+    near(&seen, "p1", 216, 55);
     assert_eq!(count(&seen, "p0-b") + count(&seen, "p0-c"), 0, "{seen:?}");
 
     // Every level under the threshold: load by host count over all hosts, whatever their
@@ -250,9 +255,9 @@ async fn panic_mode_as_envoy_decides_it() {
     .await;
     let seen = spread(&m, 400).await;
     for name in ["p0-a", "p0-b", "p0-c"] {
-        near(&seen, name, 100, 35);
+        near(&seen, name, 100, 55);
     }
-    near(&seen, "p1", 100, 35);
+    near(&seen, "p1", 100, 55);
     let stats = m.gw.prometheus().await;
     let (metric, label) = envoy_cluster_metric("pool", "lb_healthy_panic");
     assert!(
