@@ -476,6 +476,11 @@ impl Stats {
                 (Kind::Counter, "no_route", s.no_route.load(Relaxed)),
                 (
                     Kind::Counter,
+                    "downstream_rq_rx_reset",
+                    s.rq_rx_reset.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
                     "downstream_rq_ws_on_non_ws_route",
                     s.ws_on_non_ws_route.load(Relaxed),
                 ),

@@ -124,6 +124,8 @@ pub struct HcmStats {
     /// Upgrade requests let through, and those still open.
     pub upgrades_total: AtomicU64,
     pub upgrades_active: AtomicU64,
+    /// Requests the client ended (reset, hung up) before their response was complete.
+    pub rq_rx_reset: AtomicU64,
     pub fault: FaultStats,
 }
 

@@ -40,6 +40,7 @@ pub mod io;
 mod istio;
 pub mod listeners;
 mod local_reply;
+pub mod log_limit;
 mod mirror;
 mod normalize;
 mod observe;
@@ -262,6 +263,29 @@ fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether pingora's log line about `e` is held back: a client's own doing always (logged at
+/// debug), the rest beyond the per-second budget (`log_limit`).
+fn quiet(session: &Session, e: &Error) -> bool {
+    if *e.esource() == pingora_error::ErrorSource::Downstream {
+        tracing::debug!(
+            "request ended by the client: {e}, {}",
+            session.request_summary()
+        );
+        return true;
+    }
+    match log_limit::PROXY.check() {
+        log_limit::Verdict::Suppress => true,
+        log_limit::Verdict::Log { suppressed: 0 } => false,
+        log_limit::Verdict::Log { suppressed } => {
+            tracing::warn!(
+                "{suppressed} proxy warnings and errors were not logged (more than {} a second)",
+                log_limit::BURST
+            );
+            false
+        }
+    }
 }
 
 /// The filters' changes to the request's headers, made on the request itself: the route is
@@ -640,6 +664,25 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         observe::transport_failure(&mut ctx.info, &e);
         self.connect_failed(session, ctx, e)
+    }
+
+    /// A client's own doing (it hung up, it sent garbage) is counted and logged at debug;
+    /// the rest at a bounded rate (`log_limit`).
+    fn suppress_error_log(&self, session: &Session, _ctx: &Ctx, e: &Error) -> bool {
+        if *e.esource() == pingora_error::ErrorSource::Downstream {
+            self.hcm_stats.rq_rx_reset.fetch_add(1, Relaxed);
+        }
+        quiet(session, e)
+    }
+
+    fn suppress_proxy_warn_log(
+        &self,
+        session: &Session,
+        _ctx: &Ctx,
+        e: &Error,
+        _context: pingora_proxy::ProxyWarnLogContext,
+    ) -> bool {
+        quiet(session, e)
     }
 
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
