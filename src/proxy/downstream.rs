@@ -70,6 +70,11 @@ impl Gateway {
             // Envoy answers Expect: 100-continue itself; upstream 1xx are not relayed.
             h1.set_ignore_info_resp(true);
         }
+        if let Err(()) = absolute_form(session) {
+            session.set_keepalive(None);
+            let body = Some(Bytes::from_static(b"Bad Request"));
+            return self.local_reply(session, ctx, 400, body, &[]).await;
+        }
         if let Some((status, body, close)) = reject(session) {
             if close {
                 session.set_keepalive(None);
@@ -306,6 +311,62 @@ fn request_id(
             .or_err(ErrorType::InternalError, "request id")?;
         req.insert_header(X_REQUEST_ID.clone(), id)?;
     }
+    Ok(())
+}
+
+/// An HTTP/1 request target in absolute form (`GET http://host/path`, RFC 9112 3.2.2), as
+/// Envoy's codec takes it: the target's authority (less any userinfo) replaces Host, its path
+/// (`/` when it has none) becomes the target. Only http and https, with an authority: anything
+/// else is refused (`Err`).
+fn absolute_form(session: &mut Session) -> std::result::Result<(), ()> {
+    if !matches!(
+        session.as_downstream(),
+        pingora_core::protocols::http::ServerSession::H1(_)
+    ) {
+        return Ok(());
+    }
+    let req = session.req_header();
+    if req.method == http::Method::CONNECT {
+        return Ok(());
+    }
+    let raw = req.raw_path();
+    let Some(colon) = raw.iter().position(|b| *b == b':') else {
+        return Ok(());
+    };
+    let (scheme, rest) = raw.split_at(colon);
+    let Some(rest) = rest.strip_prefix(b"://") else {
+        return Ok(());
+    };
+    if scheme.is_empty()
+        || !scheme
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(b))
+    {
+        return Ok(());
+    }
+    if !scheme.eq_ignore_ascii_case(b"http") && !scheme.eq_ignore_ascii_case(b"https") {
+        return Err(());
+    }
+    // Envoy's codec ends the authority at the first '/' only (`http://a?q` names host `a?q`).
+    let end = rest.iter().position(|b| *b == b'/').unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(end);
+    let authority = match authority.iter().rposition(|b| *b == b'@') {
+        Some(at) => &authority[at + 1..],
+        None => authority,
+    };
+    if authority.is_empty() {
+        return Err(());
+    }
+    let target: Vec<u8> = if path.is_empty() {
+        b"/".to_vec()
+    } else {
+        path.to_vec()
+    };
+    let host = http::HeaderValue::from_bytes(authority).map_err(|_| ())?;
+    let req = session.req_header_mut();
+    req.set_raw_path(&target).map_err(|_| ())?;
+    req.insert_header(http::header::HOST, host)
+        .map_err(|_| ())?;
     Ok(())
 }
 
