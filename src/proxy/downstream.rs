@@ -51,6 +51,7 @@ const EDGE_STRIPPED_HEADERS: &[&str] = &[
 ];
 
 /// Envoy's default limits: 60 KiB of request headers, 100 headers.
+/// Envoy's defaults, for a chain without a connection manager.
 const MAX_REQUEST_HEADERS_BYTES: usize = 60 * 1024;
 const MAX_REQUEST_HEADERS: usize = 100;
 
@@ -75,7 +76,7 @@ impl Gateway {
             let body = Some(Bytes::from_static(b"Bad Request"));
             return self.local_reply(session, ctx, 400, body, &[]).await;
         }
-        if let Some((status, body, close)) = reject(session) {
+        if let Some((status, body, close)) = reject(session, listener.def.hcm()) {
             if close {
                 session.set_keepalive(None);
             }
@@ -371,7 +372,10 @@ fn absolute_form(session: &mut Session) -> std::result::Result<(), ()> {
 }
 
 /// Requests Envoy's codec refuses before routing: (status, body, close the connection).
-fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
+fn reject(
+    session: &Session,
+    hcm: Option<&crate::snapshot::listener::Hcm>,
+) -> Option<(u16, &'static str, bool)> {
     let req = session.req_header();
     let h1 = matches!(
         session.as_downstream(),
@@ -389,7 +393,11 @@ fn reject(session: &Session) -> Option<(u16, &'static str, bool)> {
             .iter()
             .map(|(k, v)| k.as_str().len() + v.len())
             .sum::<usize>();
-    if size > MAX_REQUEST_HEADERS_BYTES || req.headers.len() > MAX_REQUEST_HEADERS {
+    let (max_bytes, max_count) = hcm
+        .map_or((MAX_REQUEST_HEADERS_BYTES, MAX_REQUEST_HEADERS), |h| {
+            (h.max_request_headers_bytes, h.max_headers_count)
+        });
+    if size > max_bytes || req.headers.len() > max_count {
         return Some((431, "Request Header Fields Too Large", true));
     }
     if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {

@@ -27,6 +27,8 @@ fn downstream_remote_follows_envoys_xff_rules() {
         alpn: None,
         istio: Default::default(),
         underscores: Default::default(),
+        max_request_headers_bytes: 60 * 1024,
+        max_headers_count: 100,
         access_log: Default::default(),
         tracing: None,
     };

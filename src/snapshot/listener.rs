@@ -355,6 +355,11 @@ pub struct Hcm {
     /// `common_http_protocol_options.headers_with_underscores_action` (Envoy Gateway sets
     /// REJECT_REQUEST).
     pub underscores: Underscores,
+    /// `max_request_headers_kb` (Envoy's default 60 KiB) and
+    /// `common_http_protocol_options.max_headers_count` (default 100): a request beyond
+    /// either is answered 431.
+    pub max_request_headers_bytes: usize,
+    pub max_headers_count: usize,
     /// `access_log`: one line per request, written when it ends.
     pub access_log: AccessLogs,
     /// `tracing`: Envoy's connection manager tracing (sampling, driver, tags); None: off.
@@ -1056,6 +1061,30 @@ impl Hcm {
                 ))
             }
         };
+        let max_request_headers_bytes = match h.max_request_headers_kb.as_ref().map(|v| v.value) {
+            None => 60 * 1024,
+            // Envoy's bounds (PGV: greater than 0, at most 8192).
+            Some(kb @ 1..=8192) => kb as usize * 1024,
+            Some(kb) => {
+                return Err(format!(
+                    "max_request_headers_kb: {kb} is out of range (1 to 8192)"
+                ))
+            }
+        };
+        let max_headers_count = match h
+            .common_http_protocol_options
+            .as_ref()
+            .and_then(|o| o.max_headers_count.as_ref())
+            .map(|v| v.value)
+        {
+            None => 100,
+            Some(n @ 1..) => n as usize,
+            Some(_) => {
+                return Err(
+                    "common_http_protocol_options.max_headers_count: must be at least 1".into(),
+                )
+            }
+        };
         let access_log = AccessLogs::translate(&h.access_log, "access_log")?;
         let tracing = h
             .tracing
@@ -1068,6 +1097,8 @@ impl Hcm {
             istio,
             tracing,
             underscores,
+            max_request_headers_bytes,
+            max_headers_count,
             path,
             alpn,
             upgrades,

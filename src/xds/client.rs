@@ -420,6 +420,15 @@ impl AdsClient {
         out
     }
 
+    /// A rejected first response still ends that type's wait at start-up, as in Envoy (its
+    /// subscriptions' `onConfigUpdateFailed` marks their init targets ready: a bad config must
+    /// not keep the server from starting, the last good one, if any, keeps serving).
+    fn answered_with_nack(&mut self, kind: Kind) {
+        if let Some(s) = self.subs.get_mut(&kind) {
+            s.acked = true;
+        }
+    }
+
     /// After an ACK of a push: holds a CDS ACK back while new clusters warm (as Envoy, which
     /// ACKs new clusters once their endpoints are in), and releases it once they are warm.
     fn ack_or_hold(&mut self, kind: Kind, ack: Outgoing, out: &mut Vec<Outgoing>) {
@@ -480,6 +489,7 @@ impl AdsClient {
                 self.ack_or_hold(kind, ack, &mut out);
             }
             Err(message) => {
+                self.answered_with_nack(kind);
                 let mut nack = self.request(kind, false);
                 nack.error_detail = Some(nack_status(message));
                 out.insert(0, Outgoing::Sotw(nack));
@@ -540,7 +550,10 @@ impl AdsClient {
                 let ack = Outgoing::Delta(self.delta_ack(kind, None));
                 self.ack_or_hold(kind, ack, &mut out);
             }
-            Err(message) => out.insert(0, Outgoing::Delta(self.delta_ack(kind, Some(message)))),
+            Err(message) => {
+                self.answered_with_nack(kind);
+                out.insert(0, Outgoing::Delta(self.delta_ack(kind, Some(message))));
+            }
         }
         self.update_readiness();
         out
