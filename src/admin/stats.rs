@@ -539,6 +539,9 @@ impl Stats {
             for (kind, stat, v) in stats {
                 h(kind, stat, &stat.replace('.', "_"), "", v);
             }
+            for (stat, v) in s.named.all() {
+                h(Kind::Counter, &stat, &stat.replace('.', "_"), "", v);
+            }
             for (i, x) in s.rq_xx.iter().enumerate() {
                 let class = format!("envoy_response_code_class=\"{}\",", i + 1);
                 h(
@@ -567,6 +570,16 @@ impl Stats {
                     v,
                 );
             }
+        }
+        // Filters outside a connection manager (network RBAC): full names, no tags.
+        for (stat, v) in crate::live::ROOT_COUNTERS.all() {
+            out.add(
+                Kind::Counter,
+                stat.clone(),
+                format!("envoy_{}", stat.replace('.', "_")),
+                String::new(),
+                v,
+            );
         }
         self.collect_xds(ctx, out);
     }

@@ -19,10 +19,12 @@ pub mod alpn;
 pub mod callout;
 pub mod compressor;
 pub mod cors;
+pub mod counters;
 pub mod fault;
 pub mod grpc_stats;
 pub mod health_check;
 pub mod local_ratelimit;
+pub mod rbac;
 pub mod telemetry;
 pub mod typed_struct;
 
@@ -47,6 +49,7 @@ pub enum HttpFilter {
     GrpcStats(grpc_stats::GrpcStatsFilter),
     Compressor(compressor::CompressorFilter),
     HealthCheck(health_check::HealthCheckFilter),
+    Rbac(rbac::RbacFilter),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -106,6 +109,11 @@ pub static REGISTRY: &[Registration] = &[
         translate: health_check::translate_filter,
     },
     Registration {
+        type_url: rbac::TYPE,
+        name: "envoy.filters.http.rbac",
+        translate: rbac::translate_filter,
+    },
+    Registration {
         type_url: compressor::TYPE,
         name: "envoy.filters.http.compressor",
         translate: compressor::translate_filter,
@@ -159,12 +167,19 @@ pub struct RouteFilters {
     /// CORS policies (None: no level sets one). Only forwarding routes carry them: their
     /// route entry is where Envoy's CORS filter looks.
     pub cors: Option<Arc<cors::RoutePolicies>>,
+    /// RBAC overrides (`RBACPerRoute`), most specific level first.
+    pub rbac: Vec<(String, Arc<rbac::PerRoute>)>,
 }
 
 impl RouteFilters {
     /// The word on the fault filter named `name`, if any.
     pub fn fault_override(&self, name: &str) -> Option<&fault::PerRoute> {
         self.faults.iter().find(|(n, _)| n == name).map(|(_, p)| p)
+    }
+
+    /// The word on the RBAC filter named `name`, if any.
+    pub fn rbac_override(&self, name: &str) -> Option<&rbac::PerRoute> {
+        self.rbac.iter().find(|(n, _)| n == name).map(|(_, p)| &**p)
     }
 }
 
@@ -363,6 +378,8 @@ impl FilterState {
 #[derive(Clone, Copy)]
 pub struct Stats<'a> {
     pub fault: &'a fault::FaultStats,
+    /// The connection manager's named counters (RBAC).
+    pub named: &'a crate::filters::counters::NamedCounters,
 }
 
 impl HttpFilter {
@@ -375,6 +392,7 @@ impl HttpFilter {
             HttpFilter::GrpcStats(f) => &f.name,
             HttpFilter::Compressor(f) => &f.name,
             HttpFilter::HealthCheck(f) => &f.name,
+            HttpFilter::Rbac(f) => &f.name,
         }
     }
 
@@ -387,6 +405,7 @@ impl HttpFilter {
             HttpFilter::GrpcStats(f) => f.decode(req, st),
             HttpFilter::Compressor(f) => f.decode(req, st),
             HttpFilter::HealthCheck(f) => f.decode(req, st),
+            HttpFilter::Rbac(f) => f.decode(req, st, stats.named),
         }
     }
 
@@ -403,7 +422,8 @@ impl HttpFilter {
             | HttpFilter::Cors(_)
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
-            | HttpFilter::HealthCheck(_) => Decision::Continue,
+            | HttpFilter::HealthCheck(_)
+            | HttpFilter::Rbac(_) => Decision::Continue,
         }
     }
 
@@ -416,7 +436,8 @@ impl HttpFilter {
             | HttpFilter::Cors(_)
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
-            | HttpFilter::HealthCheck(_) => Decision::Continue,
+            | HttpFilter::HealthCheck(_)
+            | HttpFilter::Rbac(_) => Decision::Continue,
         }
     }
 }

@@ -94,7 +94,12 @@ fn run_once(filters: &[HttpFilter], st: &mut FilterState, stats: &fault::FaultSt
         .enable_time()
         .build()
         .expect("runtime");
-    match rt.block_on(run(filters, 0, &req, st, Stats { fault: stats })) {
+    let named = crate::filters::counters::NamedCounters::default();
+    let stats = Stats {
+        fault: stats,
+        named: &named,
+    };
+    match rt.block_on(run(filters, 0, &req, st, stats)) {
         Outcome::Reply(r) => r.status,
         Outcome::Done | Outcome::Reroute { .. } => 200,
     }

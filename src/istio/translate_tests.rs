@@ -391,6 +391,13 @@ spec:
         names_of(deny),
         ["ns[istio-system]-policy[deny-admin]-rule[0]"]
     );
+    // What the control plane renders, the data plane enforces.
+    let (xds, _) = crate::istio::translate(
+        &config(&format!("{GATEWAY}{policies}")),
+        &node,
+        &Options::default(),
+    );
+    accepted_by_portico(&xds);
     let allow = &filters[2]["typed_config"]["rules"];
     assert_eq!(allow["action"], "ALLOW");
     assert_eq!(

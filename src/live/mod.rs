@@ -110,6 +110,8 @@ impl ClusterStats {
     }
 }
 
+pub use crate::filters::counters::{NamedCounters, ROOT_COUNTERS};
+
 #[derive(Debug, Default)]
 pub struct HcmStats {
     pub rq_total: AtomicU64,
@@ -126,6 +128,8 @@ pub struct HcmStats {
     pub upgrades_active: AtomicU64,
     /// Requests the client ended (reset, hung up) before their response was complete.
     pub rq_rx_reset: AtomicU64,
+    /// The filters' counters by name under `http.<prefix>.` (RBAC's `rbac.allowed`, ...).
+    pub named: NamedCounters,
     pub fault: FaultStats,
 }
 

@@ -774,10 +774,28 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             );
             return;
         };
-        match (l.chains.get(i), served.chains.get(i)) {
+        let chosen = match (l.chains.get(i), served.chains.get(i)) {
             (Some(c), Some(s)) => (c.clone(), s.clone()),
             _ => return,
+        };
+        // The chain's network RBAC filters, once for the connection (Envoy's
+        // ONE_TIME_ON_FIRST_BYTE): a denied connection is closed before anything is read.
+        if !chosen.0.def.rbac.is_empty() {
+            let local = local.or_else(|| tcp.local_addr().ok());
+            let view = crate::filters::Connection {
+                direct_remote: Some(peer),
+                remote: Some(peer.ip()),
+                local,
+                sni: (!hello.server_name.is_empty()).then_some(hello.server_name.as_str()),
+                peer: None,
+                tls: hello.tls,
+            };
+            if !chosen.0.def.rbac.iter().all(|r| r.allows(&view)) {
+                tracing::debug!(listener = %conns.listener, %peer, "connection denied by network RBAC");
+                return;
+            }
         }
+        chosen
     };
     // Told when the chain's drain ends, or (immediate strategy) starts.
     let told = server.signals.tell.subscribe();

@@ -424,6 +424,7 @@ impl ProxyHttp for Gateway {
         if !hcm.filters.is_empty() {
             let stats = filters::Stats {
                 fault: &self.hcm_stats.fault,
+                named: &self.hcm_stats.named,
             };
             let peer = client_cert::of(session.digest());
             let mut next = 0;

@@ -232,6 +232,9 @@ pub struct ChainDef {
     /// The network `istio.stats` filter in front of a tcp_proxy: Istio's TCP metrics for
     /// each connection. (On an HTTP chain istiod puts it among the HTTP filters instead.)
     pub istio_stats: Option<Arc<StatsConfig>>,
+    /// `envoy.filters.network.rbac` filters in front of the terminal filter: each decides,
+    /// once per connection, whether it goes on.
+    pub rbac: Vec<Arc<crate::filters::rbac::NetworkRbac>>,
     /// The `FilterChain` as received. Envoy tells a chain a push kept from one it changed by
     /// comparing these messages whole (match, name and filters included): a kept chain keeps
     /// its connections, a changed one drains them.
@@ -809,9 +812,21 @@ impl ChainDef {
         };
         let mut mx = false;
         let mut istio_stats = None;
+        let mut rbac = Vec::new();
         for (i, f) in before.iter().enumerate() {
             if f.name.is_empty() {
                 return Err(format!("{at}.filters[{i}]: name must not be empty"));
+            }
+            if let Some(lpb::filter::ConfigType::TypedConfig(a)) = &f.config_type {
+                if a.type_url == crate::filters::rbac::NETWORK_TYPE {
+                    let r = crate::filters::rbac::NetworkRbac::translate(
+                        a,
+                        &crate::live::ROOT_COUNTERS,
+                    )
+                    .map_err(|e| format!("{at}.filters[{i}] '{}': {e}", f.name))?;
+                    rbac.push(Arc::new(r));
+                    continue;
+                }
             }
             let kind = match &f.config_type {
                 Some(lpb::filter::ConfigType::TypedConfig(a)) => match istio_telemetry(a) {
@@ -893,6 +908,7 @@ impl ChainDef {
         };
         Ok(ChainDef {
             istio_stats,
+            rbac,
             name: chain.name.clone(),
             addr,
             tls,

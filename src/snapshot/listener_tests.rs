@@ -582,6 +582,20 @@ fn chain_without_network_filters_is_rejected() {
 #[test]
 fn several_network_filters_are_rejected() {
     let mut l = listener();
+    let limit = lpb::Filter {
+        name: "envoy.filters.network.connection_limit".into(),
+        config_type: Some(lpb::filter::ConfigType::TypedConfig(Any {
+            type_url: "type.googleapis.com/envoy.extensions.filters.network.connection_limit.v3.ConnectionLimit".into(),
+            value: vec![],
+        })),
+    };
+    l.filter_chains[0].filters.insert(0, limit);
+    rejected(
+        &l,
+        "filter_chains[0]: only a single http_connection_manager or tcp_proxy is supported, found network filter 'envoy.filters.network.connection_limit' (type.googleapis.com/envoy.extensions.filters.network.connection_limit.v3.ConnectionLimit) first",
+    );
+    // Network RBAC in front of the terminal filter is translated, and checked.
+    let mut l = listener();
     let rbac = lpb::Filter {
         name: "envoy.filters.network.rbac".into(),
         config_type: Some(lpb::filter::ConfigType::TypedConfig(Any {
@@ -592,7 +606,7 @@ fn several_network_filters_are_rejected() {
     l.filter_chains[0].filters.insert(0, rbac);
     rejected(
         &l,
-        "filter_chains[0]: only a single http_connection_manager or tcp_proxy is supported, found network filter 'envoy.filters.network.rbac' (type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC) first",
+        "filter_chains[0].filters[0] 'envoy.filters.network.rbac': stat_prefix: value length must be at least 1 characters",
     );
 }
 

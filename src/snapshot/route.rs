@@ -557,6 +557,7 @@ impl RouteTable {
         let rc_faults = fault::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let rc_limits =
             crate::filters::local_ratelimit::per_route(&rc.typed_per_filter_config).map_err(err)?;
+        let rc_rbac = crate::filters::rbac::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let most_specific_wins = rc.most_specific_header_mutations_wins;
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
@@ -616,6 +617,8 @@ impl RouteTable {
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
             let vh_limits = crate::filters::local_ratelimit::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
+            let vh_rbac = crate::filters::rbac::per_route(&vh.typed_per_filter_config)
+                .map_err(|e| err(format!("{vctx}: {e}")))?;
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
                 let mut route = translate_route(r, &vhost_ctx)
@@ -642,6 +645,16 @@ impl RouteTable {
                     for (name, c) in level.iter() {
                         if !route.filters.rate_limits.iter().any(|(n, _)| n == name) {
                             route.filters.rate_limits.push((name.clone(), c.clone()));
+                        }
+                    }
+                }
+                // RBACPerRoute: the most specific level's word for each filter name.
+                route.filters.rbac = crate::filters::rbac::per_route(&r.typed_per_filter_config)
+                    .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                for level in [&vh_rbac, &rc_rbac] {
+                    for (name, c) in level.iter() {
+                        if !route.filters.rbac.iter().any(|(n, _)| n == name) {
+                            route.filters.rbac.push((name.clone(), c.clone()));
                         }
                     }
                 }
