@@ -1,4 +1,15 @@
 # Multi-stage build: compile with the Rust toolchain, ship a slim non-root runtime.
+#
+#   docker build -t portico .                                   # standalone (the last stage)
+#   docker build --target proxyv2 -t portico-proxyv2:1.30.0 .   # Istio's proxyv2 with Portico
+#
+# The proxyv2 target keeps Istio's image whole (pilot-agent, its entrypoint, the bootstrap
+# template, user 1337) and puts Portico where pilot-agent starts Envoy. The build stage is
+# Debian bookworm (glibc 2.36): the binary runs on proxyv2's ubuntu:noble base (2.39) and on
+# its distroless variant (bookworm).
+ARG ISTIO_VERSION=1.30.0
+ARG ISTIO_HUB=docker.io/istio
+
 FROM rust:1-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
@@ -8,7 +19,11 @@ COPY benches ./benches
 COPY gateway-examples ./gateway-examples
 RUN cargo build --profile dist --locked --bin portico
 
-FROM debian:bookworm-slim
+# Istio's proxyv2 with Portico as its proxy: the same Istio version as the control plane.
+FROM ${ISTIO_HUB}/proxyv2:${ISTIO_VERSION} AS proxyv2
+COPY --from=build --chmod=0755 /src/target/dist/portico /usr/local/bin/envoy
+
+FROM debian:bookworm-slim AS standalone
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 1337 --home-dir /nonexistent --shell /usr/sbin/nologin portico
 COPY --from=build /src/target/dist/portico /usr/local/bin/portico

@@ -23,6 +23,8 @@ for f in gateway-examples/bootstraps/*.yaml; do
   "$portico_bin" --mode validate -c "$f" --log-level error
   "$envoy_bin" --mode validate -c "$f" --log-level error >/dev/null
 done
+step "validate gateway-examples/kubernetes against Kubernetes' schemas"
+scripts/validate-k8s.sh
 step "tests against Portico"
 cargo test --all-targets
 step "integration tests against Envoy ($envoy_bin)"
