@@ -388,6 +388,8 @@ const BOOTSTRAP_RULE: Rule = Fields(&[
     ),
     // The default tracer driver (translated by the server, `telemetry::trace`).
     ("tracing", Fields(&[("http", Accept)])),
+    // The global downstream connection limit; anything else in it is refused by the server.
+    ("overload_manager", Accept),
 ]);
 
 const CLUSTER_RULE: Rule = Fields(&[
@@ -1347,7 +1349,6 @@ static_resources:
         let mut expected = vec![
             msg("bootstrap_extensions"),
             msg("layered_runtime"),
-            msg("overload_manager"),
             msg("stats_config.stats_matcher"),
         ];
         expected.sort();

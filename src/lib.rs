@@ -63,6 +63,8 @@ pub struct State {
     pub tracer: std::sync::Arc<telemetry::trace::Tracer>,
     /// The listeners, for `POST /drain_listeners` (set once they are served).
     pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
+    /// The overload manager's global downstream connection limit (the server sets `max`).
+    pub global_connections: live::GlobalConnections,
 }
 
 /// What the admin may ask of the listeners.
@@ -93,6 +95,7 @@ impl State {
             bootstrap,
             tracer: Default::default(),
             listeners: std::sync::OnceLock::new(),
+            global_connections: Default::default(),
         }
     }
 

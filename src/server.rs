@@ -34,7 +34,57 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
         ads_target(b, &store, &ads.cluster_name)?;
     }
     bootstrap_tracer(b)?;
+    global_connection_limit(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     Ok(store)
+}
+
+const DOWNSTREAM_CONNECTIONS_MONITOR: &str =
+    "envoy.resource_monitors.global_downstream_max_connections";
+const DOWNSTREAM_CONNECTIONS_TYPE: &str = "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig";
+
+/// The overload manager's global downstream connection limit: the
+/// `global_downstream_max_connections` resource monitor, else the older runtime key
+/// `overload.global_downstream_max_connections` (Istio before 1.28 set that), else none.
+/// Other resource monitors and any overload action are refused by name: what they would do
+/// (shed requests, stop accepting) decides whether a request is served, and Portico does not
+/// implement them.
+fn global_connection_limit(
+    b: &envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+) -> Result<Option<u64>, String> {
+    use prost::Message;
+    let mut limit = None;
+    if let Some(o) = &b.overload_manager {
+        for (i, m) in o.resource_monitors.iter().enumerate() {
+            let at = format!("overload_manager.resource_monitors[{i}]");
+            let any = match &m.config_type {
+                Some(envoy_types::pb::envoy::config::overload::v3::resource_monitor::ConfigType::TypedConfig(a)) => a,
+                None => return Err(format!("{at}: typed_config is required")),
+            };
+            if m.name != DOWNSTREAM_CONNECTIONS_MONITOR
+                && any.type_url != DOWNSTREAM_CONNECTIONS_TYPE
+            {
+                return Err(format!(
+                    "{at}: resource monitor '{}' is not supported (only {DOWNSTREAM_CONNECTIONS_MONITOR})",
+                    m.name
+                ));
+            }
+            let cfg = envoy_types::pb::envoy::extensions::resource_monitors::downstream_connections::v3::DownstreamConnectionsConfig::decode(any.value.as_slice())
+                .map_err(|e| format!("{at}: {e}"))?;
+            if cfg.max_active_downstream_connections <= 0 {
+                return Err(format!(
+                    "{at}.max_active_downstream_connections: value must be greater than 0"
+                ));
+            }
+            limit = Some(cfg.max_active_downstream_connections as u64);
+        }
+        if let Some((i, a)) = o.actions.iter().enumerate().next() {
+            return Err(format!(
+                "overload_manager.actions[{i}]: overload action '{}' is not supported",
+                a.name
+            ));
+        }
+    }
+    Ok(limit.or_else(|| static_runtime_u64(b, "overload.global_downstream_max_connections")))
 }
 
 /// The ADS server's address (a socket address or a unix socket); None when the cluster has
@@ -76,6 +126,14 @@ pub fn run_drained(
         .map_err(ServerError::Runtime)?;
     let worker_handles = workers.handles.clone();
     let state = Arc::new(State::new(Some(b.proto.clone())));
+    if let Some(max) =
+        global_connection_limit(&b.proto).map_err(|e| ServerError::Static(vec![e]))?
+    {
+        state
+            .global_connections
+            .max
+            .store(max, std::sync::atomic::Ordering::Relaxed);
+    }
     control.block_on(async move {
         let stop = shutdown_signal();
         reopen_logs_on_sigusr1();

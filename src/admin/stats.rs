@@ -211,6 +211,11 @@ impl Stats {
                     "no_filter_chain_match",
                     &s.no_filter_chain_match,
                 ),
+                (
+                    Kind::Counter,
+                    "downstream_global_cx_overflow",
+                    &s.global_cx_overflow,
+                ),
                 (Kind::Counter, "ssl.handshake", &s.ssl.handshake),
                 (
                     Kind::Counter,

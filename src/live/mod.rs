@@ -112,6 +112,48 @@ impl ClusterStats {
 
 pub use crate::filters::counters::{NamedCounters, ROOT_COUNTERS};
 
+/// The overload manager's global downstream connection limit
+/// (`envoy.resource_monitors.global_downstream_max_connections`): connections open on the
+/// listeners it applies to, and the most it allows (`u64::MAX`: none).
+#[derive(Debug)]
+pub struct GlobalConnections {
+    pub max: AtomicU64,
+    pub active: AtomicU64,
+}
+
+impl Default for GlobalConnections {
+    fn default() -> Self {
+        GlobalConnections {
+            max: AtomicU64::new(u64::MAX),
+            active: AtomicU64::new(0),
+        }
+    }
+}
+
+impl GlobalConnections {
+    /// Takes a place for a new connection; false (and nothing taken) at the limit.
+    pub fn try_open(&self) -> bool {
+        let max = self.max.load(Relaxed);
+        let mut cur = self.active.load(Relaxed);
+        loop {
+            if cur >= max {
+                return false;
+            }
+            match self
+                .active
+                .compare_exchange_weak(cur, cur + 1, Relaxed, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(seen) => cur = seen,
+            }
+        }
+    }
+
+    pub fn close(&self) {
+        self.active.fetch_sub(1, Relaxed);
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct HcmStats {
     pub rq_total: AtomicU64,
@@ -149,6 +191,8 @@ pub struct TcpStats {
 /// Envoy's `listener.<address>.*` stats: connections and, on TLS chains, `ssl.*`.
 #[derive(Debug, Default)]
 pub struct ListenerStats {
+    /// Connections closed at once because the global downstream limit was reached.
+    pub global_cx_overflow: AtomicU64,
     pub cx_total: AtomicU64,
     pub cx_destroy: AtomicU64,
     pub cx_active: AtomicU64,

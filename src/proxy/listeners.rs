@@ -950,6 +950,18 @@ async fn with_timeout<T>(
     }
 }
 
+/// A connection's place under the global connection limit, given back when it ends (also if
+/// its task ends by a panic).
+struct GlobalSlot(Option<Arc<State>>);
+
+impl Drop for GlobalSlot {
+    fn drop(&mut self) {
+        if let Some(s) = &self.0 {
+            s.global_connections.close();
+        }
+    }
+}
+
 async fn accept_loop(
     sock: std::net::TcpListener,
     conns: Conns,
@@ -966,8 +978,18 @@ async fn accept_loop(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, peer)) => {
+                    // The overload manager's global limit, as Envoy applies it: past it the
+                    // connection is accepted and closed at once, and counted.
+                    let limited = !conns.served.load().listener.def.ignore_global_conn_limit;
+                    if limited && !conns.state.global_connections.try_open() {
+                        conns.stats.global_cx_overflow.fetch_add(1, Relaxed);
+                        drop(tcp);
+                        continue;
+                    }
+                    let slot = GlobalSlot(limited.then(|| conns.state.clone()));
                     let conns = conns.clone();
                     tokio::spawn(async move {
+                        let _slot = slot;
                         let stats = conns.stats.clone();
                         stats.cx_total.fetch_add(1, Relaxed);
                         stats.cx_active.fetch_add(1, Relaxed);

@@ -53,6 +53,9 @@ pub struct ListenerDef {
     /// `listener_filters_timeout` (default 15 s; zero: none).
     pub listener_filters_timeout: Option<std::time::Duration>,
     pub continue_on_listener_filters_timeout: bool,
+    /// `ignore_global_conn_limit`: the overload manager's global downstream connection limit
+    /// does not apply to this listener (istio-agent's 15021 and 15090 listeners).
+    pub ignore_global_conn_limit: bool,
     /// The `listener.<name>.*` stats scope: `stat_prefix`, else the address as Envoy writes
     /// it (`0.0.0.0_443`).
     pub stat_name: String,
@@ -674,6 +677,7 @@ impl ListenerDef {
             tls_inspector,
             listener_filters_timeout,
             continue_on_listener_filters_timeout: l.continue_on_listener_filters_timeout,
+            ignore_global_conn_limit: l.ignore_global_conn_limit,
             stat_name: if !l.stat_prefix.is_empty() {
                 l.stat_prefix.clone()
             } else if internal {
@@ -764,8 +768,8 @@ fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
     //   workers each accept on the socket, and a connection's handling does not depend on it.
     // - per_connection_buffer_limit_bytes: flow-control watermarks of Envoy's buffers; pingora
     //   has its own, and no request is routed or refused by it.
-    // - ignore_global_conn_limit, bypass_overload_manager: Portico has no global connection
-    //   limit nor overload manager for them to exempt a listener from.
+    // - bypass_overload_manager: Portico's overload manager has no action a listener could be
+    //   exempted from (ignore_global_conn_limit is read: the global connection limit).
     // - socket_options (and `additional_addresses[].socket_options`): options set on the
     //   listening socket (keepalive, buffer sizes, TOS); none changes where a request goes.
     // - traffic_direction, metadata, stat_prefix handling aside, stats_matcher,
