@@ -347,7 +347,12 @@ const BOOTSTRAP_RULE: Rule = Fields(&[
     // The tag rules name Envoy's own stats in Prometheus (`admin::stats::TagRules`).
     (
         "stats_config",
-        Fields(&[("stats_tags", Accept), ("use_all_default_tags", Accept)]),
+        Fields(&[
+            ("stats_tags", Accept),
+            ("use_all_default_tags", Accept),
+            // Which stats exist (`admin::stats::StatsMatcher`).
+            ("stats_matcher", Accept),
+        ]),
     ),
     (
         "node",
@@ -1346,11 +1351,7 @@ static_resources:
             |p: &str| format!("bootstrap field '{p}' is not implemented by Portico and is ignored");
         let mut warnings = b.warnings.clone();
         warnings.sort();
-        let mut expected = vec![
-            msg("bootstrap_extensions"),
-            msg("layered_runtime"),
-            msg("stats_config.stats_matcher"),
-        ];
+        let mut expected = vec![msg("bootstrap_extensions"), msg("layered_runtime")];
         expected.sort();
         assert_eq!(warnings, expected);
     }

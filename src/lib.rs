@@ -65,6 +65,8 @@ pub struct State {
     pub listeners: std::sync::OnceLock<std::sync::Arc<dyn ListenerControl>>,
     /// The overload manager's global downstream connection limit (the server sets `max`).
     pub global_connections: live::GlobalConnections,
+    /// `stats_config.stats_matcher`: the stats that exist (checked when the bootstrap is).
+    pub stats_matcher: admin::stats::StatsMatcher,
 }
 
 /// What the admin may ask of the listeners.
@@ -77,6 +79,11 @@ impl State {
     pub fn new(
         bootstrap: Option<envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap>,
     ) -> State {
+        let stats_matcher = bootstrap
+            .as_ref()
+            .and_then(|b| b.stats_config.as_ref())
+            .and_then(|sc| admin::stats::StatsMatcher::from_bootstrap(sc).ok())
+            .unwrap_or_default();
         State {
             serving: ArcSwap::from_pointee(Serving::default()),
             stats: admin::stats::Stats::new(),
@@ -96,6 +103,7 @@ impl State {
             tracer: Default::default(),
             listeners: std::sync::OnceLock::new(),
             global_connections: Default::default(),
+            stats_matcher,
         }
     }
 

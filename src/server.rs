@@ -35,6 +35,10 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     }
     bootstrap_tracer(b)?;
     global_connection_limit(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
+    if let Some(sc) = &b.proto.stats_config {
+        crate::admin::stats::StatsMatcher::from_bootstrap(sc)
+            .map_err(|e| ServerError::Static(vec![e]))?;
+    }
     Ok(store)
 }
 

@@ -335,6 +335,7 @@ fn compressor_stats<'a>(
 fn stat_list(state: &State) -> stats::StatList {
     let mut list = raw_stat_list(state);
     state.stats.rebase(&mut list);
+    state.stats_matcher.apply(&mut list);
     list
 }
 

@@ -1307,3 +1307,65 @@ mod tag_rules_tests {
         );
     }
 }
+
+/// The bootstrap's `stats_config.stats_matcher`: which stats exist at all. Envoy matches the
+/// stat's full dotted name (before tags are extracted); a stat left out is in no listing
+/// (`/stats`, its JSON and Prometheus forms, the 15090 listener).
+#[derive(Debug, Default)]
+pub enum StatsMatcher {
+    #[default]
+    All,
+    RejectAll,
+    Include(Vec<crate::matcher::StringMatch>),
+    Exclude(Vec<crate::matcher::StringMatch>),
+}
+
+impl StatsMatcher {
+    pub fn from_bootstrap(
+        sc: &envoy_types::pb::envoy::config::metrics::v3::StatsConfig,
+    ) -> Result<StatsMatcher, String> {
+        use envoy_types::pb::envoy::config::metrics::v3::stats_matcher::StatsMatcher as M;
+        let Some(m) = sc
+            .stats_matcher
+            .as_ref()
+            .and_then(|m| m.stats_matcher.as_ref())
+        else {
+            return Ok(StatsMatcher::All);
+        };
+        let list = |l: &envoy_types::pb::envoy::r#type::matcher::v3::ListStringMatcher,
+                    at: &str| {
+            l.patterns
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    crate::matcher::string_matcher(p)
+                        .map_err(|e| format!("stats_config.stats_matcher.{at}.patterns[{i}]: {e}"))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(match m {
+            M::RejectAll(true) => StatsMatcher::RejectAll,
+            M::RejectAll(false) => StatsMatcher::All,
+            M::InclusionList(l) => StatsMatcher::Include(list(l, "inclusion_list")?),
+            M::ExclusionList(l) => StatsMatcher::Exclude(list(l, "exclusion_list")?),
+        })
+    }
+
+    pub fn keeps(&self, name: &str) -> bool {
+        match self {
+            StatsMatcher::All => true,
+            StatsMatcher::RejectAll => false,
+            StatsMatcher::Include(p) => p.iter().any(|m| m.matches(name)),
+            StatsMatcher::Exclude(p) => !p.iter().any(|m| m.matches(name)),
+        }
+    }
+
+    /// Drops from `list` what the matcher leaves out.
+    pub fn apply(&self, list: &mut StatList) {
+        if matches!(self, StatsMatcher::All) {
+            return;
+        }
+        list.stats.retain(|s| self.keeps(&s.name));
+        list.texts.retain(|(n, _)| self.keeps(n));
+    }
+}
