@@ -35,11 +35,40 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     }
     bootstrap_tracer(b)?;
     global_connection_limit(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
+    bootstrap_extensions(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     if let Some(sc) = &b.proto.stats_config {
         crate::admin::stats::StatsMatcher::from_bootstrap(sc)
             .map_err(|e| ServerError::Static(vec![e]))?;
     }
     Ok(store)
+}
+
+/// `bootstrap_extensions` istio-agent writes: the internal listener registry (Portico's
+/// internal listeners, istiod's HBONE `connect_originate`, need no registry settings; its
+/// `buffer_size_kb` tunes Envoy's in-memory pipe) and Istio's `metadata_discovery` (workload
+/// metadata for ambient peers' telemetry labels, which Portico's `istio.stats` reads from the
+/// peer exchange instead). Any other extension is refused, as Envoy refuses one it lacks.
+fn bootstrap_extensions(
+    b: &envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+) -> Result<(), String> {
+    const KNOWN: [&str; 2] = [
+        "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
+        "type.googleapis.com/istio.workload.BootstrapExtension",
+    ];
+    for (i, e) in b.bootstrap_extensions.iter().enumerate() {
+        let t = e
+            .typed_config
+            .as_ref()
+            .map(crate::filters::telemetry::config_type)
+            .unwrap_or_default();
+        if !KNOWN.contains(&t.as_str()) {
+            return Err(format!(
+                "bootstrap_extensions[{i}] '{}': extension type '{t}' is not supported",
+                e.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 const DOWNSTREAM_CONNECTIONS_MONITOR: &str =
@@ -491,6 +520,72 @@ mod tracer_tests {
         assert_eq!(
             static_runtime_u64(&b, "tracing.opentelemetry.min_flush_spans"),
             None
+        );
+    }
+}
+
+#[cfg(test)]
+mod bootstrap_section_tests {
+    use super::{bootstrap_extensions, global_connection_limit};
+    use envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap;
+
+    fn bootstrap(json: serde_json::Value) -> Bootstrap {
+        let _pool = crate::protojson::pool();
+        crate::protojson::dynamic_from_json("envoy.config.bootstrap.v3.Bootstrap", &json)
+            .expect("proto json")
+            .transcode_to()
+            .expect("transcode")
+    }
+
+    #[test]
+    fn the_global_connection_limit_from_the_monitor_or_the_runtime_key() {
+        let monitor = bootstrap(
+            serde_json::json!({"overload_manager": {"resource_monitors": [{
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                    "max_active_downstream_connections": 500
+                }
+            }]}}),
+        );
+        assert_eq!(global_connection_limit(&monitor), Ok(Some(500)));
+        let runtime = bootstrap(serde_json::json!({"layered_runtime": {"layers": [{
+            "name": "global config",
+            "static_layer": {"overload.global_downstream_max_connections": 700}
+        }]}}));
+        assert_eq!(global_connection_limit(&runtime), Ok(Some(700)));
+        assert_eq!(global_connection_limit(&Bootstrap::default()), Ok(None));
+        let action = bootstrap(serde_json::json!({"overload_manager": {"actions": [{
+            "name": "envoy.overload_actions.stop_accepting_requests",
+            "triggers": [{"name": "x", "threshold": {"value": 0.9}}]
+        }]}}));
+        assert_eq!(
+            global_connection_limit(&action),
+            Err("overload_manager.actions[0]: overload action 'envoy.overload_actions.stop_accepting_requests' is not supported".into())
+        );
+    }
+
+    #[test]
+    fn istio_agents_bootstrap_extensions_are_accepted_others_refused() {
+        let istio = bootstrap(serde_json::json!({"bootstrap_extensions": [
+            {"name": "envoy.bootstrap.internal_listener", "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
+                "value": {"buffer_size_kb": 64}
+            }},
+            {"name": "metadata_discovery", "typed_config": {
+                "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                "type_url": "type.googleapis.com/istio.workload.BootstrapExtension",
+                "value": {"config_source": {"ads": {}}}
+            }}
+        ]}));
+        assert_eq!(bootstrap_extensions(&istio), Ok(()));
+        let other = bootstrap(serde_json::json!({"bootstrap_extensions": [
+            {"name": "wasm", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService"}}
+        ]}));
+        assert_eq!(
+            bootstrap_extensions(&other),
+            Err("bootstrap_extensions[0] 'wasm': extension type 'type.googleapis.com/envoy.extensions.wasm.v3.WasmService' is not supported".into())
         );
     }
 }
