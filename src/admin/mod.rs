@@ -2,6 +2,7 @@
 //! `/server_info`.
 
 mod dump_filter;
+pub mod explain;
 pub mod logging;
 pub mod stats;
 
@@ -206,6 +207,10 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
             reply(200, "application/json", pretty(&clusters_json(state)))
         }
         "/clusters" => reply(200, "text/plain", clusters(state)),
+        "/explain" => match explain::explain(&state.snapshot(), &params(query)) {
+            Ok(v) => reply(200, "application/json", pretty(&v)),
+            Err(e) => reply(400, TEXT, format!("{e}\n")),
+        },
         "/listeners" if query.split('&').any(|p| p == "format=json") => {
             reply(200, "application/json", listeners_json(state))
         }
