@@ -241,6 +241,7 @@ fn menu() -> String {
     [
         "/clusters",
         "/config_dump",
+        "/explain",
         "/healthcheck/fail",
         "/healthcheck/ok",
         "/listeners",
