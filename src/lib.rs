@@ -67,6 +67,8 @@ pub struct State {
     pub global_connections: live::GlobalConnections,
     /// `stats_config.stats_matcher`: the stats that exist (checked when the bootstrap is).
     pub stats_matcher: admin::stats::StatsMatcher,
+    /// The runtime's admin layer: what `POST /runtime_modify` set (admin requests only).
+    pub runtime_admin: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
 /// What the admin may ask of the listeners.
@@ -104,6 +106,7 @@ impl State {
             listeners: std::sync::OnceLock::new(),
             global_connections: Default::default(),
             stats_matcher,
+            runtime_admin: Default::default(),
         }
     }
 

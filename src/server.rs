@@ -36,6 +36,7 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     bootstrap_tracer(b)?;
     global_connection_limit(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     bootstrap_extensions(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
+    runtime_layers(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     if let Some(sc) = &b.proto.stats_config {
         crate::admin::stats::StatsMatcher::from_bootstrap(sc)
             .map_err(|e| ServerError::Static(vec![e]))?;
@@ -66,6 +67,43 @@ fn bootstrap_extensions(
                 "bootstrap_extensions[{i}] '{}': extension type '{t}' is not supported",
                 e.name
             ));
+        }
+    }
+    Ok(())
+}
+
+/// `layered_runtime`: static layers and the admin layer are what Portico has; an RTDS or
+/// disk layer would change runtime values Portico would never see, so it is refused.
+fn runtime_layers(
+    b: &envoy_types::pb::envoy::config::bootstrap::v3::Bootstrap,
+) -> Result<(), String> {
+    use envoy_types::pb::envoy::config::bootstrap::v3::runtime_layer::LayerSpecifier as L;
+    for (i, l) in b
+        .layered_runtime
+        .iter()
+        .flat_map(|r| r.layers.iter())
+        .enumerate()
+    {
+        match &l.layer_specifier {
+            Some(L::StaticLayer(_)) | Some(L::AdminLayer(_)) => {}
+            Some(L::DiskLayer(_)) => {
+                return Err(format!(
+                    "layered_runtime.layers[{i}] '{}': disk_layer is not supported",
+                    l.name
+                ))
+            }
+            Some(L::RtdsLayer(_)) => {
+                return Err(format!(
+                    "layered_runtime.layers[{i}] '{}': rtds_layer is not supported",
+                    l.name
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "layered_runtime.layers[{i}] '{}': no layer specifier set",
+                    l.name
+                ))
+            }
         }
     }
     Ok(())

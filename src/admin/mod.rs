@@ -187,6 +187,7 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
         "/logging" => logging(query),
         "/memory" => reply(200, "application/json", pretty(&memory())),
         "/runtime" => reply(200, "application/json", pretty(&runtime(state))),
+        "/runtime_modify" => runtime_modify(state, query),
         "/config_dump" => match config_dump_narrowed(state, query) {
             Err(r) => reply(r.status, TEXT, r.message),
             Ok(v) => {
@@ -628,8 +629,16 @@ fn runtime(state: &State) -> serde_json::Value {
     let mut values: Vec<std::collections::BTreeMap<String, String>> = Vec::new();
     for l in &layers {
         let mut m = Default::default();
-        if let Some(LayerSpecifier::StaticLayer(s)) = &l.layer_specifier {
-            flatten("", s, &mut m);
+        match &l.layer_specifier {
+            Some(LayerSpecifier::StaticLayer(s)) => flatten("", s, &mut m),
+            Some(LayerSpecifier::AdminLayer(_)) => {
+                m = state
+                    .runtime_admin
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+            }
+            _ => {}
         }
         values.push(m);
     }
@@ -655,6 +664,60 @@ fn runtime(state: &State) -> serde_json::Value {
         "entries": entries,
         "layers": layers.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
     })
+}
+
+/// `POST /runtime_modify?key=value[&...]`: sets keys in the runtime's admin layer (an empty
+/// value removes the key), as Envoy's admin does. Portico reads one runtime key after start:
+/// `overload.global_downstream_max_connections`, when no resource monitor sets the limit.
+fn runtime_modify(state: &State, query: &str) -> Response<Full<Bytes>> {
+    use envoy_types::pb::envoy::config::bootstrap::v3::runtime_layer::LayerSpecifier;
+    let has_admin_layer = state
+        .bootstrap
+        .as_ref()
+        .and_then(|b| b.layered_runtime.as_ref())
+        .is_some_and(|r| {
+            r.layers
+                .iter()
+                .any(|l| matches!(l.layer_specifier, Some(LayerSpecifier::AdminLayer(_))))
+        });
+    if !has_admin_layer {
+        return reply(503, TEXT, "No admin layer specified\n".to_string());
+    }
+    let kv = params(query);
+    if kv.is_empty() {
+        return reply(
+            400,
+            TEXT,
+            "usage: /runtime_modify?key1=value1&key2=value2&keyN=valueN\n".to_string(),
+        );
+    }
+    let monitor = state
+        .bootstrap
+        .as_ref()
+        .and_then(|b| b.overload_manager.as_ref())
+        .is_some_and(|o| !o.resource_monitors.is_empty());
+    let mut admin = state
+        .runtime_admin
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    for (k, v) in kv {
+        if k == "overload.global_downstream_max_connections" && !monitor {
+            let max = if v.is_empty() {
+                Some(u64::MAX)
+            } else {
+                v.parse().ok()
+            };
+            if let Some(max) = max {
+                state.global_connections.max.store(max, Ordering::Relaxed);
+            }
+        }
+        if v.is_empty() {
+            admin.remove(&k);
+        } else {
+            admin.insert(k, v);
+        }
+    }
+    reply(200, TEXT, "OK\n".to_string())
 }
 
 fn flatten(
