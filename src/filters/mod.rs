@@ -22,6 +22,7 @@ pub mod cors;
 pub mod fault;
 pub mod grpc_stats;
 pub mod health_check;
+pub mod jwt_authn;
 pub mod local_ratelimit;
 pub mod telemetry;
 pub mod typed_struct;
@@ -47,6 +48,7 @@ pub enum HttpFilter {
     GrpcStats(grpc_stats::GrpcStatsFilter),
     Compressor(compressor::CompressorFilter),
     HealthCheck(health_check::HealthCheckFilter),
+    JwtAuthn(Box<jwt_authn::JwtAuthnFilter>),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -104,6 +106,11 @@ pub static REGISTRY: &[Registration] = &[
         type_url: health_check::TYPE,
         name: "envoy.filters.http.health_check",
         translate: health_check::translate_filter,
+    },
+    Registration {
+        type_url: jwt_authn::TYPE,
+        name: "envoy.filters.http.jwt_authn",
+        translate: jwt_authn::translate_filter,
     },
     Registration {
         type_url: compressor::TYPE,
@@ -375,6 +382,7 @@ impl HttpFilter {
             HttpFilter::GrpcStats(f) => &f.name,
             HttpFilter::Compressor(f) => &f.name,
             HttpFilter::HealthCheck(f) => &f.name,
+            HttpFilter::JwtAuthn(f) => &f.name,
         }
     }
 
@@ -387,6 +395,7 @@ impl HttpFilter {
             HttpFilter::GrpcStats(f) => f.decode(req, st),
             HttpFilter::Compressor(f) => f.decode(req, st),
             HttpFilter::HealthCheck(f) => f.decode(req, st),
+            HttpFilter::JwtAuthn(f) => f.decode(req, st),
         }
     }
 
@@ -403,7 +412,8 @@ impl HttpFilter {
             | HttpFilter::Cors(_)
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
-            | HttpFilter::HealthCheck(_) => Decision::Continue,
+            | HttpFilter::HealthCheck(_)
+            | HttpFilter::JwtAuthn(_) => Decision::Continue,
         }
     }
 
@@ -416,7 +426,8 @@ impl HttpFilter {
             | HttpFilter::Cors(_)
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
-            | HttpFilter::HealthCheck(_) => Decision::Continue,
+            | HttpFilter::HealthCheck(_)
+            | HttpFilter::JwtAuthn(_) => Decision::Continue,
         }
     }
 }
