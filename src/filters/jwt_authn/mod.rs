@@ -551,6 +551,7 @@ impl JwtAuthnFilter {
     /// The authenticator: every token must verify (`provider` given: against that provider;
     /// else against the provider of the token's issuer); `allow_failed` / `allow_missing` as
     /// Envoy's.
+    #[allow(clippy::too_many_arguments)] // Envoy's authenticator state, passed flat
     fn authenticate(
         &self,
         tokens: Vec<Token<'_>>,
@@ -631,7 +632,7 @@ impl JwtAuthnFilter {
         if let Some(h) = &p.forward_payload_header {
             let mut v = jwt.payload_b64.to_string();
             if p.pad_forward_payload_header {
-                while v.len() % 4 != 0 {
+                while !v.len().is_multiple_of(4) {
                     v.push('=');
                 }
             }
