@@ -23,6 +23,7 @@ pub mod counters;
 pub mod fault;
 pub mod grpc_stats;
 pub mod health_check;
+pub mod jwt_authn;
 pub mod local_ratelimit;
 pub mod rbac;
 pub mod telemetry;
@@ -50,6 +51,7 @@ pub enum HttpFilter {
     Compressor(compressor::CompressorFilter),
     HealthCheck(health_check::HealthCheckFilter),
     Rbac(rbac::RbacFilter),
+    JwtAuthn(Box<jwt_authn::JwtAuthnFilter>),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -112,6 +114,11 @@ pub static REGISTRY: &[Registration] = &[
         type_url: rbac::TYPE,
         name: "envoy.filters.http.rbac",
         translate: rbac::translate_filter,
+    },
+    Registration {
+        type_url: jwt_authn::TYPE,
+        name: "envoy.filters.http.jwt_authn",
+        translate: jwt_authn::translate_filter,
     },
     Registration {
         type_url: compressor::TYPE,
@@ -393,7 +400,14 @@ impl HttpFilter {
             HttpFilter::Compressor(f) => &f.name,
             HttpFilter::HealthCheck(f) => &f.name,
             HttpFilter::Rbac(f) => &f.name,
+            HttpFilter::JwtAuthn(f) => &f.name,
         }
+    }
+
+    /// The filter reads the connection (`Request::conn`): only then does the request path
+    /// work it out.
+    pub fn reads_connection(&self) -> bool {
+        matches!(self, HttpFilter::Rbac(_))
     }
 
     /// The request's headers reach this filter.
@@ -406,6 +420,7 @@ impl HttpFilter {
             HttpFilter::Compressor(f) => f.decode(req, st),
             HttpFilter::HealthCheck(f) => f.decode(req, st),
             HttpFilter::Rbac(f) => f.decode(req, st, stats.named),
+            HttpFilter::JwtAuthn(f) => f.decode(req, st),
         }
     }
 
@@ -423,7 +438,8 @@ impl HttpFilter {
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
             | HttpFilter::HealthCheck(_)
-            | HttpFilter::Rbac(_) => Decision::Continue,
+            | HttpFilter::Rbac(_)
+            | HttpFilter::JwtAuthn(_) => Decision::Continue,
         }
     }
 
@@ -437,7 +453,8 @@ impl HttpFilter {
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
             | HttpFilter::HealthCheck(_)
-            | HttpFilter::Rbac(_) => Decision::Continue,
+            | HttpFilter::Rbac(_)
+            | HttpFilter::JwtAuthn(_) => Decision::Continue,
         }
     }
 }

@@ -426,7 +426,17 @@ impl ProxyHttp for Gateway {
                 fault: &self.hcm_stats.fault,
                 named: &self.hcm_stats.named,
             };
-            let peer = client_cert::of(session.digest());
+            // The connection as the policy filters see it, worked out only for a chain that
+            // has one (istiod's chains always carry fault and CORS, which do not read it).
+            let reads_conn = hcm
+                .filters
+                .iter()
+                .any(filters::HttpFilter::reads_connection);
+            let peer = if reads_conn {
+                client_cert::of(session.digest())
+            } else {
+                None
+            };
             let mut next = 0;
             loop {
                 let server = ServerView {
@@ -435,16 +445,20 @@ impl ProxyHttp for Gateway {
                 };
                 let view = routing::request_view(session.req_header(), &host);
                 let direct = ctx.info.downstream_direct_remote;
-                let conn = filters::Connection {
-                    direct_remote: direct,
-                    remote: downstream::downstream_remote(view.headers, direct, hcm)
-                        .map(|a| a.ip()),
-                    local: ctx.info.downstream_local,
-                    sni: None,
-                    peer: peer
-                        .as_deref()
-                        .map(|p| p as &(dyn filters::PeerIdentity + Sync)),
-                    tls: ctx.info.downstream_tls,
+                let conn = if reads_conn {
+                    filters::Connection {
+                        direct_remote: direct,
+                        remote: downstream::downstream_remote(view.headers, direct, hcm)
+                            .map(|a| a.ip()),
+                        local: ctx.info.downstream_local,
+                        sni: None,
+                        peer: peer
+                            .as_deref()
+                            .map(|p| p as &(dyn filters::PeerIdentity + Sync)),
+                        tls: ctx.info.downstream_tls,
+                    }
+                } else {
+                    filters::Connection::default()
                 };
                 let filter_req = filters::Request {
                     view: &view,
