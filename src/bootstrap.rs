@@ -368,10 +368,11 @@ const BOOTSTRAP_RULE: Rule = Fields(&[
         "admin",
         Fields(&[
             ("address", Accept),
-            // Portico's admin server does not log or profile, but these only affect
-            // diagnostics, so Istio's settings are not worth a warning.
+            // Written per admin request (`admin::access_logs`).
             ("access_log", Accept),
             ("access_log_path", Accept),
+            // Envoy's CPU profiler output (`/cpuprofiler`, which Portico has not): no effect
+            // on traffic, so istio-agent's path is not worth a warning.
             ("profile_path", Accept),
         ]),
     ),
@@ -399,6 +400,12 @@ const BOOTSTRAP_RULE: Rule = Fields(&[
     ("bootstrap_extensions", Accept),
     // Static and admin layers (`/runtime`, `/runtime_modify`); the server refuses the others.
     ("layered_runtime", Accept),
+    // statsd over UDP is flushed; the other sinks are accepted without effect, with a
+    // warning (`admin::sinks`).
+    ("stats_sinks", Accept),
+    ("stats_flush_interval", Accept),
+    ("stats_flush_on_admin", Accept),
+    ("stats_eviction_interval", Accept),
 ]);
 
 const CLUSTER_RULE: Rule = Fields(&[
@@ -1259,7 +1266,7 @@ static_resources:
     #[test]
     fn warnings_are_listed_once_per_path() {
         let text = r#"
-stats_flush_interval: 5s
+flags_path: /etc/envoy/flags
 stats_config: {use_all_default_tags: false}
 node: {id: n, client_features: [envoy.lb.does_not_support_overprovisioning]}
 admin:
@@ -1306,7 +1313,7 @@ static_resources:
                 msg("static_resources.clusters[*].load_assignment.endpoints[*].lb_endpoints[*].endpoint.hostname"),
                 msg("static_resources.clusters[*].load_assignment.endpoints[*].priority"),
                 msg("static_resources.secrets"),
-                msg("stats_flush_interval"),
+                msg("flags_path"),
                 msg("admin.ignore_global_conn_limit"),
             ]
         );

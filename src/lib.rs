@@ -69,6 +69,11 @@ pub struct State {
     pub stats_matcher: admin::stats::StatsMatcher,
     /// The runtime's admin layer: what `POST /runtime_modify` set (admin requests only).
     pub runtime_admin: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
+    /// The admin's access logs (checked when the bootstrap is).
+    pub admin_access_log: telemetry::access_log::AccessLogs,
+    /// Notified on each admin `/stats` read: the stats sinks flush on it with
+    /// `stats_flush_on_admin`.
+    pub stats_flush: tokio::sync::Notify,
 }
 
 /// What the admin may ask of the listeners.
@@ -85,6 +90,11 @@ impl State {
             .as_ref()
             .and_then(|b| b.stats_config.as_ref())
             .and_then(|sc| admin::stats::StatsMatcher::from_bootstrap(sc).ok())
+            .unwrap_or_default();
+        let admin_access_log = bootstrap
+            .as_ref()
+            .and_then(|b| b.admin.as_ref())
+            .and_then(|a| admin::access_logs(a).ok())
             .unwrap_or_default();
         State {
             serving: ArcSwap::from_pointee(Serving::default()),
@@ -107,6 +117,8 @@ impl State {
             global_connections: Default::default(),
             stats_matcher,
             runtime_admin: Default::default(),
+            admin_access_log,
+            stats_flush: tokio::sync::Notify::new(),
         }
     }
 

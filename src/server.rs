@@ -37,6 +37,10 @@ pub fn validate(b: &Bootstrap) -> Result<Store, ServerError> {
     global_connection_limit(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     bootstrap_extensions(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     runtime_layers(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
+    if let Some(a) = &b.proto.admin {
+        crate::admin::access_logs(a).map_err(|e| ServerError::Static(vec![e]))?;
+    }
+    crate::admin::sinks::translate(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
     if let Some(sc) = &b.proto.stats_config {
         crate::admin::stats::StatsMatcher::from_bootstrap(sc)
             .map_err(|e| ServerError::Static(vec![e]))?;
@@ -234,6 +238,8 @@ pub fn run_drained(
             tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
             tokio::spawn(crate::admin::serve(l, state.clone()));
         }
+        let sinks = crate::admin::sinks::translate(&b.proto).map_err(|e| ServerError::Static(vec![e]))?;
+        tokio::spawn(crate::admin::sinks::run(sinks, state.clone()));
         let ads = b.ads.as_ref().map(|a| ads_target(&b, &store, &a.cluster_name)).transpose()?;
         if let (Some(a), Some(None)) = (&b.ads, &ads) {
             tracing::error!(cluster = %a.cluster_name, "the ADS cluster has no endpoint: no dynamic config will arrive");

@@ -4,6 +4,7 @@
 mod dump_filter;
 pub mod explain;
 pub mod logging;
+pub mod sinks;
 pub mod stats;
 
 use std::convert::Infallible;
@@ -26,7 +27,7 @@ use crate::State;
 
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("admin accept failed: {e}");
@@ -35,13 +36,19 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
             }
         };
         let state = state.clone();
+        let local = stream.local_addr().ok();
         tokio::spawn(async move {
             let quit = Arc::new(AtomicBool::new(false));
             let svc = {
                 let (state, quit) = (state.clone(), quit.clone());
                 hyper::service::service_fn(move |req| {
                     let (state, quit) = (state.clone(), quit.clone());
-                    async move { Ok::<_, Infallible>(handle(&req, &state, &quit)) }
+                    async move {
+                        let mut info = crate::telemetry::StreamInfo::new(protocol(&req));
+                        let resp = handle(&req, &state, &quit);
+                        access_log(&state, &mut info, &req, &resp, peer, local);
+                        Ok::<_, Infallible>(resp)
+                    }
                 })
             };
             if let Err(e) = hyper::server::conn::http1::Builder::new()
@@ -57,6 +64,91 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
             }
         });
     }
+}
+
+/// Translates `admin.access_log` and the deprecated `admin.access_log_path` (a file logger
+/// with Envoy's default format, as Envoy reads it).
+pub fn access_logs(
+    admin: &envoy_types::pb::envoy::config::bootstrap::v3::Admin,
+) -> Result<crate::telemetry::access_log::AccessLogs, String> {
+    use envoy_types::pb::envoy::config::accesslog::v3 as apb;
+    use envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog;
+    use prost::Message as _;
+    let mut list = admin.access_log.clone();
+    #[allow(deprecated)]
+    let path = &admin.access_log_path;
+    if !path.is_empty() {
+        let file = FileAccessLog {
+            path: path.clone(),
+            ..Default::default()
+        };
+        list.push(apb::AccessLog {
+            name: "envoy.access_loggers.file".into(),
+            config_type: Some(apb::access_log::ConfigType::TypedConfig(Any {
+                type_url: crate::telemetry::access_log::FILE_TYPE.into(),
+                value: file.encode_to_vec(),
+            })),
+            ..Default::default()
+        });
+    }
+    crate::telemetry::access_log::AccessLogs::translate(&list, "admin.access_log")
+}
+
+fn protocol(req: &Request<Incoming>) -> crate::telemetry::Protocol {
+    match req.version() {
+        http::Version::HTTP_10 => crate::telemetry::Protocol::Http10,
+        _ => crate::telemetry::Protocol::Http11,
+    }
+}
+
+/// The admin's access logs (`admin.access_log`, `admin.access_log_path`), written as Envoy
+/// writes them for its admin listener: one line per request once the answer is ready (the
+/// admin's answers are whole bodies, so its size is known before it is sent).
+fn access_log(
+    state: &State,
+    info: &mut crate::telemetry::StreamInfo,
+    req: &Request<Incoming>,
+    resp: &Response<Full<Bytes>>,
+    peer: SocketAddr,
+    local: Option<SocketAddr>,
+) {
+    use hyper::body::Body as _;
+    if state.admin_access_log.is_empty() {
+        return;
+    }
+    info.downstream_remote = Some(peer);
+    info.downstream_direct_remote = Some(peer);
+    info.downstream_local = local;
+    info.response_code = resp.status().as_u16();
+    info.response_code_details = std::borrow::Cow::Borrowed("admin_filter_response");
+    info.bytes_sent = resp.body().size_hint().exact().unwrap_or(0);
+    info.last_downstream_tx = Some(info.elapsed());
+    let authority = req
+        .headers()
+        .get(http::header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    state
+        .admin_access_log
+        .log(&crate::telemetry::access_log::LogContext {
+            info,
+            request: Some(crate::matcher::RequestView {
+                host: authority,
+                authority,
+                path,
+                method: req.method().as_str(),
+                scheme: "http",
+                headers: req.headers(),
+            }),
+            response: Some(resp.headers()),
+            trailers: None,
+            log_type: crate::telemetry::access_log::log_type::DOWNSTREAM_END,
+        });
 }
 
 fn reply(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -144,8 +236,12 @@ fn handle(req: &Request<Incoming>, state: &State, quit: &AtomicBool) -> Response
             (0, name) => reply(200, TEXT, format!("{name}\n")),
             (_, name) => reply(503, TEXT, format!("{name}\n")),
         },
-        "/stats" => stats(state, query),
+        "/stats" => {
+            state.stats_flush.notify_one();
+            stats(state, query)
+        }
         "/stats/prometheus" => {
+            state.stats_flush.notify_one();
             let list = stat_list(state);
             let mut text = list.prometheus(&stats::Select::default());
             state.istio.store.prometheus_histograms(&mut text);
