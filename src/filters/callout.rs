@@ -20,6 +20,8 @@ pub struct CalloutRequest {
     pub body: Bytes,
     /// The whole exchange, connection included.
     pub timeout: Duration,
+    /// A gRPC call: HTTP/2 whatever the cluster's protocol options say.
+    pub grpc: bool,
 }
 
 /// The whole response.

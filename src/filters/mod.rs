@@ -20,6 +20,7 @@ pub mod callout;
 pub mod compressor;
 pub mod cors;
 pub mod counters;
+pub mod ext_authz;
 pub mod fault;
 pub mod grpc_stats;
 pub mod health_check;
@@ -52,6 +53,7 @@ pub enum HttpFilter {
     HealthCheck(health_check::HealthCheckFilter),
     Rbac(rbac::RbacFilter),
     JwtAuthn(Box<jwt_authn::JwtAuthnFilter>),
+    ExtAuthz(Box<ext_authz::ExtAuthzFilter>),
 }
 
 /// An `http_filters` entry as a translate function sees it.
@@ -116,6 +118,11 @@ pub static REGISTRY: &[Registration] = &[
         translate: rbac::translate_filter,
     },
     Registration {
+        type_url: ext_authz::TYPE,
+        name: "envoy.filters.http.ext_authz",
+        translate: ext_authz::translate_filter,
+    },
+    Registration {
         type_url: jwt_authn::TYPE,
         name: "envoy.filters.http.jwt_authn",
         translate: jwt_authn::translate_filter,
@@ -176,12 +183,22 @@ pub struct RouteFilters {
     pub cors: Option<Arc<cors::RoutePolicies>>,
     /// RBAC overrides (`RBACPerRoute`), most specific level first.
     pub rbac: Vec<(String, Arc<rbac::PerRoute>)>,
+    /// ext_authz's word (`ExtAuthzPerRoute`), the levels merged.
+    pub ext_authz: Vec<(String, Arc<ext_authz::PerRoute>)>,
 }
 
 impl RouteFilters {
     /// The word on the fault filter named `name`, if any.
     pub fn fault_override(&self, name: &str) -> Option<&fault::PerRoute> {
         self.faults.iter().find(|(n, _)| n == name).map(|(_, p)| p)
+    }
+
+    /// The word on the ext_authz filter named `name`, if any.
+    pub fn ext_authz_override(&self, name: &str) -> Option<&ext_authz::PerRoute> {
+        self.ext_authz
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| &**p)
     }
 
     /// The word on the RBAC filter named `name`, if any.
@@ -401,13 +418,14 @@ impl HttpFilter {
             HttpFilter::HealthCheck(f) => &f.name,
             HttpFilter::Rbac(f) => &f.name,
             HttpFilter::JwtAuthn(f) => &f.name,
+            HttpFilter::ExtAuthz(f) => &f.name,
         }
     }
 
     /// The filter reads the connection (`Request::conn`): only then does the request path
     /// work it out.
     pub fn reads_connection(&self) -> bool {
-        matches!(self, HttpFilter::Rbac(_))
+        matches!(self, HttpFilter::Rbac(_) | HttpFilter::ExtAuthz(_))
     }
 
     /// The request's headers reach this filter.
@@ -421,6 +439,7 @@ impl HttpFilter {
             HttpFilter::HealthCheck(f) => f.decode(req, st),
             HttpFilter::Rbac(f) => f.decode(req, st, stats.named),
             HttpFilter::JwtAuthn(f) => f.decode(req, st),
+            HttpFilter::ExtAuthz(f) => f.decode(req, st, stats.named),
         }
     }
 
@@ -439,14 +458,16 @@ impl HttpFilter {
             | HttpFilter::Compressor(_)
             | HttpFilter::HealthCheck(_)
             | HttpFilter::Rbac(_)
-            | HttpFilter::JwtAuthn(_) => Decision::Continue,
+            | HttpFilter::JwtAuthn(_)
+            | HttpFilter::ExtAuthz(_) => Decision::Continue,
         }
     }
 
     /// The filter said [`Decision::Async`]: its I/O, awaited. Its answer is final (a filter
     /// never says `Async` twice for one request).
-    pub async fn decode_async(&self, _req: &Request<'_>, _st: &mut FilterState) -> Decision {
+    pub async fn decode_async(&self, req: &Request<'_>, st: &mut FilterState) -> Decision {
         match self {
+            HttpFilter::ExtAuthz(f) => f.decode_async(req, st).await,
             HttpFilter::Fault(_)
             | HttpFilter::LocalRateLimit(_)
             | HttpFilter::Cors(_)

@@ -169,7 +169,7 @@ impl ValueMatcher {
 }
 
 impl MetadataMatcher {
-    fn translate(m: &mpb::MetadataMatcher) -> Result<MetadataMatcher, String> {
+    pub(crate) fn translate(m: &mpb::MetadataMatcher) -> Result<MetadataMatcher, String> {
         let mut path = Vec::new();
         for seg in &m.path {
             match &seg.segment {
@@ -196,7 +196,7 @@ impl MetadataMatcher {
         })
     }
 
-    fn matches(&self, st: &super::FilterState) -> bool {
+    pub(crate) fn matches(&self, st: &super::FilterState) -> bool {
         let mut v = st.metadata(&self.filter);
         for k in &self.path {
             v = v.and_then(|x| x.get(k));

@@ -33,6 +33,7 @@
 //! selection, drains), `tls`, `client_cert`, `proxy_protocol`, `tcp` (tcp_proxy), `hbone`
 //! (internal listeners), `upgrade`, `upstream_tls`, `io`.
 
+mod callout;
 pub mod client_cert;
 mod downstream;
 mod hbone;
@@ -460,13 +461,19 @@ impl ProxyHttp for Gateway {
                 } else {
                     filters::Connection::default()
                 };
+                let callouts = ctx
+                    .snapshot
+                    .as_deref()
+                    .map(|snapshot| callout::Callouts { snapshot });
                 let filter_req = filters::Request {
                     view: &view,
                     route: matched.map(|r| &r.filters),
                     picked: picked.map(|(c, e)| (c.as_ref(), e.map(|e| &e.filters))),
                     server: Some(&server),
                     conn,
-                    upstreams: None,
+                    upstreams: callouts
+                        .as_ref()
+                        .map(|c| c as &dyn filters::callout::Upstreams),
                 };
                 let outcome =
                     filters::run(&hcm.filters, next, &filter_req, &mut ctx.filters, stats).await;

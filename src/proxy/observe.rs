@@ -47,6 +47,7 @@ pub(super) fn filter_flag(details: &str) -> Option<ResponseFlag> {
         "fault_filter_abort" => Some(ResponseFlag::FaultInjected),
         "local_rate_limited" => Some(ResponseFlag::RateLimited),
         "health_check_failed" => Some(ResponseFlag::FailedLocalHealthCheck),
+        "ext_authz_denied" | "ext_authz_error" => Some(ResponseFlag::UnauthorizedExternalService),
         _ => None,
     }
 }

@@ -863,16 +863,17 @@ fn router_in_the_middle_is_rejected_even_if_optional() {
 
 #[test]
 fn unsupported_http_filter_is_rejected_unless_optional() {
-    let ext_authz = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz";
+    let ext_proc =
+        "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor";
     let mut h = base_hcm();
     h.http_filters = vec![
-        typed_filter("envoy.filters.http.ext_authz", ext_authz),
+        typed_filter("envoy.filters.http.ext_proc", ext_proc),
         router(),
     ];
     hcm_rejected(
         h.clone(),
         &format!(
-            "http_filters[0]: http filter 'envoy.filters.http.ext_authz' ({ext_authz}) is not supported; mark it is_optional to skip it"
+            "http_filters[0]: http filter 'envoy.filters.http.ext_proc' ({ext_proc}) is not supported; mark it is_optional to skip it"
         ),
     );
     h.http_filters[0].is_optional = true;

@@ -558,6 +558,8 @@ impl RouteTable {
         let rc_limits =
             crate::filters::local_ratelimit::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let rc_rbac = crate::filters::rbac::per_route(&rc.typed_per_filter_config).map_err(err)?;
+        let rc_authz =
+            crate::filters::ext_authz::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let most_specific_wins = rc.most_specific_header_mutations_wins;
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
@@ -619,6 +621,8 @@ impl RouteTable {
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
             let vh_rbac = crate::filters::rbac::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
+            let vh_authz = crate::filters::ext_authz::per_route(&vh.typed_per_filter_config)
+                .map_err(|e| err(format!("{vctx}: {e}")))?;
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
                 let mut route = translate_route(r, &vhost_ctx)
@@ -657,6 +661,12 @@ impl RouteTable {
                             route.filters.rbac.push((name.clone(), c.clone()));
                         }
                     }
+                }
+                let own_authz = crate::filters::ext_authz::per_route(&r.typed_per_filter_config)
+                    .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                if !(own_authz.is_empty() && vh_authz.is_empty() && rc_authz.is_empty()) {
+                    route.filters.ext_authz =
+                        crate::filters::ext_authz::merge(&[&own_authz, &vh_authz, &rc_authz]);
                 }
                 routes.push(route);
             }

@@ -1,0 +1,440 @@
+//! `envoy.filters.http.ext_authz` as Envoy runs it, against a raw HTTP authorization server
+//! and a gRPC one (`envoy.service.auth.v3.Authorization`): allowed requests carry the
+//! server's headers upstream, denials are relayed with the server's status, headers and body,
+//! an unreachable or failing server is `status_on_error` (403) or, with
+//! `failure_mode_allow`, let through, a route can turn the check off or add context
+//! extensions, and the stats count each outcome. Runs against Envoy too:
+//! `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh) cargo test --test policy_ext_authz`.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use common::*;
+use envoy_types::pb::envoy::config::core::v3::{
+    grpc_service, header_value_option, GrpcService, HeaderValue, HeaderValueOption, HttpUri,
+};
+use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::{
+    ext_authz, ext_authz_per_route, AuthorizationResponse, CheckSettings, ExtAuthz,
+    ExtAuthzPerRoute, HttpService,
+};
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_filter, HttpFilter,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    string_matcher, ListStringMatcher, StringMatcher,
+};
+use envoy_types::pb::envoy::service::auth::v3 as authpb;
+use http_body_util::Full;
+
+const HOST: &str = "example.com";
+
+fn exact(names: &[&str]) -> Option<ListStringMatcher> {
+    Some(ListStringMatcher {
+        patterns: names
+            .iter()
+            .map(|n| StringMatcher {
+                match_pattern: Some(string_matcher::MatchPattern::Exact(n.to_string())),
+                ..Default::default()
+            })
+            .collect(),
+    })
+}
+
+/// A backend that answers 200 with every request header as `x-req-<name>`.
+async fn header_echo() -> SocketAddr {
+    serve(|req| {
+        let mut b = hyper::Response::builder().status(200);
+        for (k, v) in req.headers() {
+            b = b.header(format!("x-req-{k}"), v.clone());
+        }
+        b.body(Full::new(Bytes::from_static(b"web")))
+            .expect("response")
+    })
+    .await
+}
+
+/// The raw HTTP authorization server: `/check/allow...` is allowed (200 with `x-user`, and
+/// `x-auth-seen` naming the headers it got), `/check/deny...` is denied (401 with a body
+/// and headers), anything else fails (503).
+async fn http_authz() -> SocketAddr {
+    serve(|req| {
+        let mut seen: Vec<String> = req.headers().keys().map(|k| k.to_string()).collect();
+        seen.sort();
+        let path = req.uri().path().to_string();
+        let b = hyper::Response::builder()
+            .header("x-auth-seen", seen.join(","))
+            .header("x-auth-method", req.method().as_str())
+            .header("x-auth-path", path.as_str());
+        let r = if path.starts_with("/check/allow") {
+            b.status(200)
+                .header("x-user", "alice")
+                .header("x-on-success", "yes")
+                .header("x-not-forwarded", "no")
+                .body(Full::new(Bytes::new()))
+        } else if path.starts_with("/check/deny") {
+            b.status(401)
+                .header("www-authenticate", "Bearer realm=\"test\"")
+                .header("x-deny-reason", "nope")
+                .header("x-not-forwarded", "no")
+                .body(Full::new(Bytes::from_static(b"denied by test")))
+        } else {
+            b.status(503).body(Full::new(Bytes::from_static(b"down")))
+        };
+        r.expect("response")
+    })
+    .await
+}
+
+async fn serve(
+    f: impl Fn(&hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>>
+        + Send
+        + Sync
+        + Clone
+        + 'static,
+) -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let f = f.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let r = f(&req);
+                    async move { Ok::<_, Infallible>(r) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+fn authz_filter(c: ExtAuthz) -> HttpFilter {
+    HttpFilter {
+        name: "envoy.filters.http.ext_authz".into(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(any(c))),
+        ..Default::default()
+    }
+}
+
+fn snapshot(
+    port: u16,
+    filter: ExtAuthz,
+    authz: (&str, SocketAddr, bool),
+    web: SocketAddr,
+) -> Snapshot {
+    let mut h = hcm(port);
+    let router = h.http_filters.pop().expect("router");
+    h.http_filters = vec![authz_filter(filter), router];
+    let mut open = rt(prefix("/open"), to_cluster("web"));
+    open.typed_per_filter_config.insert(
+        "envoy.filters.http.ext_authz".into(),
+        any(ExtAuthzPerRoute {
+            r#override: Some(ext_authz_per_route::Override::Disabled(true)),
+        }),
+    );
+    let mut ctx = rt(prefix("/allow/ctx"), to_cluster("web"));
+    ctx.typed_per_filter_config.insert(
+        "envoy.filters.http.ext_authz".into(),
+        any(ExtAuthzPerRoute {
+            r#override: Some(ext_authz_per_route::Override::CheckSettings(
+                CheckSettings {
+                    context_extensions: [("team".to_string(), "blue".to_string())].into(),
+                    ..Default::default()
+                },
+            )),
+        }),
+    );
+    let (name, addr, h2) = authz;
+    let cluster = if h2 {
+        h2_cluster(name)
+    } else {
+        eds_cluster(name)
+    };
+    Snapshot {
+        listeners: vec![listener_with(port, h)],
+        routes: vec![route_config(
+            &route_name(port),
+            vec![vhost(
+                "all",
+                &["*"],
+                vec![open, ctx, rt(prefix("/"), to_cluster("web"))],
+            )],
+        )],
+        clusters: vec![eds_cluster("web"), cluster],
+        endpoints: vec![cla("web", &[web]), cla(name, &[addr])],
+        ..Default::default()
+    }
+}
+
+fn http_service(cluster: &str) -> ExtAuthz {
+    ExtAuthz {
+        transport_api_version: 2,
+        services: Some(ext_authz::Services::HttpService(HttpService {
+            server_uri: Some(HttpUri {
+                uri: format!("http://{cluster}"),
+                http_upstream_type: Some(
+                    envoy_types::pb::envoy::config::core::v3::http_uri::HttpUpstreamType::Cluster(
+                        cluster.into(),
+                    ),
+                ),
+                timeout: Some(envoy_types::pb::google::protobuf::Duration {
+                    seconds: 2,
+                    nanos: 0,
+                }),
+            }),
+            path_prefix: "/check".into(),
+            authorization_response: Some(AuthorizationResponse {
+                allowed_upstream_headers: exact(&["x-user", "x-auth-seen", "x-auth-path"]),
+                allowed_client_headers: exact(&["x-deny-reason"]),
+                allowed_client_headers_on_success: exact(&["x-on-success"]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })),
+        allowed_headers: exact(&["x-extra"]),
+        ..Default::default()
+    }
+}
+
+async fn stat(mesh: &Mesh, name: &str) -> u64 {
+    let body = mesh
+        .gw
+        .admin_get(&format!("/stats?filter={}$", name.replace('.', "\\.")))
+        .await
+        .body;
+    body.lines()
+        .find_map(|l| l.split_once(": ").filter(|(n, _)| n.ends_with(name)))
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_service_allows_denies_and_fails_closed() {
+    let web = header_echo().await;
+    let authz = http_authz().await;
+    let mesh =
+        Mesh::start_raw(|port| snapshot(port, http_service("authz"), ("authz", authz, false), web))
+            .await;
+    let allowed = eventually("allowed", std::time::Duration::from_secs(15), || async {
+        let r = mesh
+            .get(
+                "/allow/x?q=1",
+                HOST,
+                &[
+                    ("x-extra", "1"),
+                    ("x-other", "2"),
+                    ("authorization", "Bearer t"),
+                ],
+            )
+            .await;
+        (r.status == 200).then_some(r).ok_or("not yet".to_string())
+    })
+    .await;
+    // Upstream: the server's allowed headers; the client: allowed_client_headers_on_success.
+    assert_eq!(allowed.header("x-req-x-user"), Some("alice"));
+    assert_eq!(allowed.header("x-req-x-not-forwarded"), None);
+    assert_eq!(allowed.header("x-on-success"), Some("yes"));
+    assert_eq!(allowed.header("x-req-authorization"), Some("Bearer t"));
+    // The check: path_prefix + the request's path and query, with its method and the
+    // headers Envoy always sends plus those allowed_headers names.
+    assert_eq!(allowed.header("x-req-x-auth-path"), Some("/check/allow/x"));
+    // (Envoy's async client marks the check internal and says its timeout.)
+    assert_eq!(
+        allowed.header("x-req-x-auth-seen"),
+        Some("authorization,content-length,host,x-envoy-expected-rq-timeout-ms,x-envoy-internal,x-extra")
+    );
+
+    let denied = mesh.get("/deny/me", HOST, &[]).await;
+    assert_eq!(denied.status, 401);
+    assert_eq!(denied.body, "denied by test");
+    assert_eq!(
+        denied.header("www-authenticate"),
+        Some("Bearer realm=\"test\"")
+    );
+    assert_eq!(denied.header("x-deny-reason"), Some("nope"));
+    assert_eq!(denied.header("x-not-forwarded"), None);
+
+    let failed = mesh.get("/broken", HOST, &[]).await;
+    assert_eq!(failed.status, 403);
+    assert_eq!(failed.body, "");
+
+    // The route turns the check off: the server would fail this path.
+    let open = mesh.get("/open", HOST, &[]).await;
+    assert_eq!(open.status, 200);
+    assert_eq!(open.header("x-req-x-user"), None);
+
+    assert!(stat(&mesh, "ext_authz.ok").await >= 1);
+    assert_eq!(stat(&mesh, "ext_authz.denied").await, 1);
+    assert_eq!(stat(&mesh, "ext_authz.error").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_fails_closed_or_open_as_configured() {
+    let web = header_echo().await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    for allow in [false, true] {
+        let mut f = http_service("authz");
+        f.failure_mode_allow = allow;
+        f.failure_mode_allow_header_add = allow;
+        let mesh = Mesh::start_raw(|port| snapshot(port, f, ("authz", closed, false), web)).await;
+        let r = eventually("served", std::time::Duration::from_secs(15), || async {
+            let r = mesh.get("/allow", HOST, &[]).await;
+            (r.status == 200 || r.status == 403)
+                .then_some(r)
+                .ok_or("not yet".to_string())
+        })
+        .await;
+        if allow {
+            assert_eq!(r.status, 200);
+            assert_eq!(
+                r.header("x-req-x-envoy-auth-failure-mode-allowed"),
+                Some("true")
+            );
+            assert_eq!(stat(&mesh, "ext_authz.failure_mode_allowed").await, 1);
+        } else {
+            assert_eq!(r.status, 403);
+            assert_eq!(r.body, "");
+        }
+        assert_eq!(stat(&mesh, "ext_authz.error").await, 1);
+    }
+}
+
+/// The gRPC authorization server: allows paths under `/allow` (with `x-user` and the
+/// route's `team` context extension as `x-team`), denies the rest with 401, a header and a
+/// body.
+#[derive(Clone)]
+struct Grpc;
+
+#[tonic::async_trait]
+impl authpb::authorization_server::Authorization for Grpc {
+    async fn check(
+        &self,
+        req: tonic::Request<authpb::CheckRequest>,
+    ) -> Result<tonic::Response<authpb::CheckResponse>, tonic::Status> {
+        let attrs = req.into_inner().attributes.unwrap_or_default();
+        let http = attrs.request.and_then(|r| r.http).unwrap_or_default();
+        let header = |k: &str, v: &str| HeaderValueOption {
+            header: Some(HeaderValue {
+                key: k.into(),
+                value: v.into(),
+                ..Default::default()
+            }),
+            append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+            ..Default::default()
+        };
+        let resp = if http.path.starts_with("/allow") {
+            let mut headers = vec![
+                header("x-user", "alice"),
+                header("x-method-seen", &http.method),
+                header("x-host-seen", &http.host),
+            ];
+            if let Some(t) = attrs.context_extensions.get("team") {
+                headers.push(header("x-team", t));
+            }
+            authpb::CheckResponse {
+                status: Some(Default::default()),
+                http_response: Some(authpb::check_response::HttpResponse::OkResponse(
+                    authpb::OkHttpResponse {
+                        headers,
+                        headers_to_remove: vec!["x-secret".into()],
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            }
+        } else {
+            authpb::CheckResponse {
+                status: Some(envoy_types::pb::google::rpc::Status {
+                    code: 7,
+                    ..Default::default()
+                }),
+                http_response: Some(authpb::check_response::HttpResponse::DeniedResponse(
+                    authpb::DeniedHttpResponse {
+                        status: Some(envoy_types::pb::envoy::r#type::v3::HttpStatus { code: 401 }),
+                        headers: vec![header("x-deny-reason", "grpc says no")],
+                        body: "denied over grpc".into(),
+                    },
+                )),
+                ..Default::default()
+            }
+        };
+        Ok(tonic::Response::new(resp))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_service_allows_with_headers_and_denies_with_body() {
+    let web = header_echo().await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let authz = l.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(authpb::authorization_server::AuthorizationServer::new(Grpc))
+            .serve_with_incoming(tokio_stream_listener(l)),
+    );
+    let filter = ExtAuthz {
+        transport_api_version: 2,
+        services: Some(ext_authz::Services::GrpcService(GrpcService {
+            target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                grpc_service::EnvoyGrpc {
+                    cluster_name: "authz".into(),
+                    ..Default::default()
+                },
+            )),
+            timeout: Some(envoy_types::pb::google::protobuf::Duration {
+                seconds: 2,
+                nanos: 0,
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| snapshot(port, filter, ("authz", authz, true), web)).await;
+    let allowed = eventually("allowed", std::time::Duration::from_secs(15), || async {
+        let r = mesh.get("/allow/x", HOST, &[("x-secret", "s")]).await;
+        (r.status == 200).then_some(r).ok_or("not yet".to_string())
+    })
+    .await;
+    assert_eq!(allowed.header("x-req-x-user"), Some("alice"));
+    assert_eq!(allowed.header("x-req-x-method-seen"), Some("GET"));
+    assert_eq!(allowed.header("x-req-x-host-seen"), Some(HOST));
+    assert_eq!(allowed.header("x-req-x-secret"), None);
+    assert_eq!(allowed.header("x-req-x-team"), None);
+
+    let ctx = mesh.get("/allow/ctx", HOST, &[]).await;
+    assert_eq!(ctx.status, 200);
+    assert_eq!(ctx.header("x-req-x-team"), Some("blue"));
+
+    let denied = mesh.get("/private", HOST, &[]).await;
+    assert_eq!(denied.status, 401);
+    assert_eq!(denied.body, "denied over grpc");
+    assert_eq!(denied.header("x-deny-reason"), Some("grpc says no"));
+
+    assert_eq!(stat(&mesh, "ext_authz.ok").await, 2);
+    assert_eq!(stat(&mesh, "ext_authz.denied").await, 1);
+}
+
+fn tokio_stream_listener(
+    l: tokio::net::TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures::stream::unfold(l, |l| async move {
+        let r = l.accept().await.map(|(s, _)| s);
+        Some((r, l))
+    })
+}
