@@ -468,14 +468,14 @@ impl HttpFilter {
     pub async fn decode_async(&self, req: &Request<'_>, st: &mut FilterState) -> Decision {
         match self {
             HttpFilter::ExtAuthz(f) => f.decode_async(req, st).await,
+            HttpFilter::JwtAuthn(f) => f.decode_async(req, st).await,
             HttpFilter::Fault(_)
             | HttpFilter::LocalRateLimit(_)
             | HttpFilter::Cors(_)
             | HttpFilter::GrpcStats(_)
             | HttpFilter::Compressor(_)
             | HttpFilter::HealthCheck(_)
-            | HttpFilter::Rbac(_)
-            | HttpFilter::JwtAuthn(_) => Decision::Continue,
+            | HttpFilter::Rbac(_) => Decision::Continue,
         }
     }
 }

@@ -12,9 +12,15 @@
 //! `claim_to_headers` add headers (spoofed copies from the client are removed first); without
 //! `forward` the token's header is removed.
 //!
-//! Keys come from `local_jwks` (inline, as istiod renders it by default). `remote_jwks` and a
-//! JWKS `filename` are refused with a reason: the cluster fetch needs the proxy's callout
-//! (`filters::callout::Upstreams`) and translation reads no files.
+//! Keys come from `local_jwks` (inline, as istiod renders it by default) or `remote_jwks`:
+//! fetched through the named cluster (`filters::callout::Upstreams`) when a token of that
+//! provider first needs them, kept for `cache_duration` (Envoy's default 10 minutes) and
+//! fetched again by the first request after that, so a rotated key set is picked up. A
+//! request whose keys are being fetched waits for the fetch (bounded by `http_uri.timeout`);
+//! a failed fetch (no answer, not 200, not a JWKS) answers `Jwks remote fetch is failed` and
+//! the next request tries again. `async_fetch` is accepted: its background fetch is a warm-up
+//! of the same cache (Portico's first request waits where Envoy's listener warms); a
+//! `retry_policy` is refused. A JWKS `filename` is refused: translation reads no files.
 
 mod verify;
 
@@ -76,7 +82,82 @@ pub struct Provider {
     pub claim_to_headers: Vec<(HeaderName, String)>,
     pub clock_skew: u64,
     pub clear_route_cache: bool,
-    pub keys: Vec<Jwk>,
+    pub keys: Keys,
+}
+
+/// Where a provider's keys come from.
+#[derive(Debug)]
+pub enum Keys {
+    Local(Vec<Jwk>),
+    Remote(Box<RemoteJwks>),
+}
+
+/// `remote_jwks`: the fetch and its cache.
+#[derive(Debug)]
+pub struct RemoteJwks {
+    pub cluster: String,
+    pub authority: String,
+    pub path: String,
+    pub timeout: std::time::Duration,
+    pub cache_duration: std::time::Duration,
+    /// The key set and when it was fetched.
+    cached: std::sync::RwLock<Option<(std::time::Instant, std::sync::Arc<Vec<Jwk>>)>>,
+}
+
+impl RemoteJwks {
+    fn fresh(&self) -> Option<std::sync::Arc<Vec<Jwk>>> {
+        let c = self.cached.read().unwrap_or_else(|p| p.into_inner());
+        c.as_ref()
+            .filter(|(at, _)| at.elapsed() < self.cache_duration)
+            .map(|(_, k)| k.clone())
+    }
+
+    /// Fetches the key set through the cluster; true when it was stored.
+    async fn fetch(&self, up: &dyn super::callout::Upstreams) -> bool {
+        let req = super::callout::CalloutRequest {
+            method: http::Method::GET,
+            path: self.path.clone(),
+            authority: self.authority.clone(),
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::new(),
+            timeout: self.timeout,
+            grpc: false,
+        };
+        let keys = match up.call(&self.cluster, req).await {
+            Ok(r) if r.status == 200 => {
+                verify::parse_jwks(std::str::from_utf8(&r.body).unwrap_or(""))
+            }
+            Ok(r) => {
+                tracing::debug!(cluster = %self.cluster, status = r.status, "JWKS fetch failed");
+                return false;
+            }
+            Err(e) => {
+                tracing::debug!(cluster = %self.cluster, "JWKS fetch failed: {e}");
+                return false;
+            }
+        };
+        if keys.is_empty() {
+            return false;
+        }
+        *self.cached.write().unwrap_or_else(|p| p.into_inner()) =
+            Some((std::time::Instant::now(), std::sync::Arc::new(keys)));
+        true
+    }
+}
+
+/// Splits `http://host[:port]/path?query` into (authority, path and query).
+fn split_uri(uri: &str) -> Option<(String, String)> {
+    let rest = uri
+        .strip_prefix("http://")
+        .or_else(|| uri.strip_prefix("https://"))?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    if authority.is_empty() {
+        return None;
+    }
+    Some((authority.to_string(), path.to_string()))
 }
 
 /// A requirement, with providers by index into the filter's list.
@@ -143,7 +224,7 @@ fn provider(name: &str, p: &jpb::JwtProvider) -> Result<Provider, String> {
         ));
     }
     let keys = match &p.jwks_source_specifier {
-        Some(jpb::jwt_provider::JwksSourceSpecifier::LocalJwks(ds)) => match &ds.specifier {
+        Some(jpb::jwt_provider::JwksSourceSpecifier::LocalJwks(ds)) => Keys::Local(match &ds.specifier {
             Some(Specifier::InlineString(s)) => verify::parse_jwks(s),
             Some(Specifier::InlineBytes(b)) => {
                 verify::parse_jwks(std::str::from_utf8(b).unwrap_or(""))
@@ -160,13 +241,46 @@ fn provider(name: &str, p: &jpb::JwtProvider) -> Result<Provider, String> {
                     at("local_jwks")
                 ))
             }
-        },
-        Some(jpb::jwt_provider::JwksSourceSpecifier::RemoteJwks(_)) => {
-            return Err(format!(
-                "{}: not supported yet (Portico verifies with local_jwks; istiod inlines \
-                 jwksUri keys by default)",
-                at("remote_jwks")
-            ))
+        }),
+        Some(jpb::jwt_provider::JwksSourceSpecifier::RemoteJwks(r)) => {
+            if r.retry_policy.is_some() {
+                return Err(format!(
+                    "{}: not supported (a failed fetch is tried again by the next request)",
+                    at("remote_jwks.retry_policy")
+                ));
+            }
+            let uri = r
+                .http_uri
+                .as_ref()
+                .ok_or(format!("{}: is required", at("remote_jwks.http_uri")))?;
+            use envoy_types::pb::envoy::config::core::v3::http_uri::HttpUpstreamType as U;
+            let cluster = match &uri.http_upstream_type {
+                Some(U::Cluster(c)) if !c.is_empty() => c.clone(),
+                _ => return Err(format!("{}: is required", at("remote_jwks.http_uri.cluster"))),
+            };
+            let (authority, path) = split_uri(&uri.uri).ok_or(format!(
+                "{}: '{}' is not an http(s) URI",
+                at("remote_jwks.http_uri.uri"),
+                uri.uri
+            ))?;
+            let timeout = match &uri.timeout {
+                Some(d) => crate::units::duration(d)
+                    .map_err(|e| format!("{}: {e}", at("remote_jwks.http_uri.timeout")))?,
+                None => return Err(format!("{}: is required", at("remote_jwks.http_uri.timeout"))),
+            };
+            let cache_duration = match &r.cache_duration {
+                Some(d) => crate::units::duration(d)
+                    .map_err(|e| format!("{}: {e}", at("remote_jwks.cache_duration")))?,
+                None => std::time::Duration::from_secs(600),
+            };
+            Keys::Remote(Box::new(RemoteJwks {
+                cluster,
+                authority,
+                path,
+                timeout,
+                cache_duration,
+                cached: Default::default(),
+            }))
         }
         None => {
             return Err(format!(
@@ -444,6 +558,10 @@ struct Outputs {
     ops: Vec<HeaderOp>,
     metadata: Vec<(String, Value)>,
     clear_route_cache: bool,
+    /// Providers whose remote keys must be fetched before this request can be decided.
+    fetch: Vec<usize>,
+    /// The fetch this request waited for is over: stale keys now mean it failed.
+    fetched: bool,
 }
 
 fn cookie<'r>(req: &RequestView<'r>, name: &str) -> Option<&'r str> {
@@ -619,7 +737,29 @@ impl JwtAuthnFilter {
         if !audiences_allowed(audiences.unwrap_or(&p.audiences), &jwt.audiences) {
             return Status::JwtAudienceNotAllowed;
         }
-        let s = verify::verify_signature(&jwt, &p.keys);
+        let remote;
+        let keys: &[Jwk] = match &p.keys {
+            Keys::Local(k) => k,
+            Keys::Remote(r) => match r.fresh() {
+                Some(k) => {
+                    remote = k;
+                    &remote
+                }
+                None if o.fetched => return Status::JwksFetchFail,
+                None => {
+                    let i = self
+                        .providers
+                        .iter()
+                        .position(|x| std::ptr::eq(x, p))
+                        .unwrap_or(0);
+                    if !o.fetch.contains(&i) {
+                        o.fetch.push(i);
+                    }
+                    return Status::JwksFetchFail;
+                }
+            },
+        };
+        let s = verify::verify_signature(&jwt, keys);
         if s != Status::Ok {
             return s;
         }
@@ -742,6 +882,31 @@ impl JwtAuthnFilter {
     }
 
     pub fn decode_at(&self, req: &Request<'_>, st: &mut FilterState, now: u64) -> Decision {
+        self.decide(req, st, now, false)
+    }
+
+    /// The keys a token needs were stale: fetch them (each once), then decide.
+    pub async fn decode_async(&self, req: &Request<'_>, st: &mut FilterState) -> Decision {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut o = Outputs::default();
+        if let Some(r) = self.requirement(req.view) {
+            let _ = self.check(r, req.view, now, &mut o);
+        }
+        for i in o.fetch {
+            if let (Keys::Remote(r), Some(up)) = (&self.providers[i].keys, req.upstreams) {
+                if r.fetch(up).await {
+                    self.stats.jwks_fetch_success.fetch_add(1, Relaxed);
+                } else {
+                    self.stats.jwks_fetch_failed.fetch_add(1, Relaxed);
+                }
+            }
+        }
+        self.decide(req, st, now, true)
+    }
+
+    fn decide(&self, req: &Request<'_>, st: &mut FilterState, now: u64, fetched: bool) -> Decision {
         let v = req.view;
         if self.bypass_cors_preflight
             && v.method == "OPTIONS"
@@ -760,8 +925,14 @@ impl JwtAuthnFilter {
             self.stats.allowed.fetch_add(1, Relaxed);
             return Decision::Continue;
         };
-        let mut o = Outputs::default();
+        let mut o = Outputs {
+            fetched,
+            ..Default::default()
+        };
         let status = self.check(r, v, now, &mut o);
+        if !o.fetch.is_empty() && !fetched {
+            return Decision::Async;
+        }
         if status != Status::Ok {
             self.stats.denied.fetch_add(1, Relaxed);
             return Decision::Reply(self.deny(v, status));

@@ -446,9 +446,52 @@ fn translation_refusals_name_the_field() {
         providers: [("r".to_string(), remote)].into(),
         ..Default::default()
     };
-    assert!(translate("jwt", &c)
+    assert_eq!(
+        translate("jwt", &c).unwrap_err(),
+        "providers['r'].remote_jwks.http_uri: is required"
+    );
+    let remote_with = |uri: &str, retry: bool| {
+        let mut p = provider_cfg("i", String::new());
+        p.jwks_source_specifier = Some(jpb::jwt_provider::JwksSourceSpecifier::RemoteJwks(
+            jpb::RemoteJwks {
+                http_uri: Some(envoy_types::pb::envoy::config::core::v3::HttpUri {
+                    uri: uri.into(),
+                    http_upstream_type: Some(
+                        envoy_types::pb::envoy::config::core::v3::http_uri::HttpUpstreamType::Cluster(
+                            "jwks".into(),
+                        ),
+                    ),
+                    timeout: Some(envoy_types::pb::google::protobuf::Duration {
+                        seconds: 1,
+                        nanos: 0,
+                    }),
+                }),
+                retry_policy: retry.then(Default::default),
+                ..Default::default()
+            },
+        ));
+        jpb::JwtAuthentication {
+            providers: [("r".to_string(), p)].into(),
+            ..Default::default()
+        }
+    };
+    let f = translate("jwt", &remote_with("http://keys.local:8080/jwks.json?v=1", false))
+        .expect("remote_jwks translates");
+    match &f.providers[0].keys {
+        Keys::Remote(r) => {
+            assert_eq!(r.authority, "keys.local:8080");
+            assert_eq!(r.path, "/jwks.json?v=1");
+            assert_eq!(r.cluster, "jwks");
+            assert_eq!(r.cache_duration, std::time::Duration::from_secs(600));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(translate("jwt", &remote_with("keys.local/jwks", false))
         .unwrap_err()
-        .starts_with("providers['r'].remote_jwks: not supported yet"));
+        .contains("remote_jwks.http_uri.uri"));
+    assert!(translate("jwt", &remote_with("http://k/jwks", true))
+        .unwrap_err()
+        .contains("remote_jwks.retry_policy"));
 
     let c = jpb::JwtAuthentication {
         providers: [("p".to_string(), provider_cfg("i", jwks(&[s.jwk("k")])))].into(),

@@ -25,6 +25,7 @@ pub enum Status {
     JwtVerificationFail,
     JwksNoValidKeys,
     JwksKidAlgMismatch,
+    JwksFetchFail,
 }
 
 impl Status {
@@ -48,6 +49,7 @@ impl Status {
             Status::JwtVerificationFail => "Jwt verification fails",
             Status::JwksNoValidKeys => "Jwks doesn't have any valid public key",
             Status::JwksKidAlgMismatch => "Jwks doesn't have key to match kid or alg from Jwt",
+            Status::JwksFetchFail => "Jwks remote fetch is failed",
         }
     }
 }
