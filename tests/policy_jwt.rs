@@ -27,8 +27,7 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     http_filter, HttpFilter,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{
-    metadata_matcher, string_matcher, value_matcher, MetadataMatcher, StringMatcher,
-    ValueMatcher,
+    metadata_matcher, string_matcher, value_matcher, MetadataMatcher, StringMatcher, ValueMatcher,
 };
 use http_body_util::Full;
 use ring::rand::SystemRandom;
@@ -183,12 +182,7 @@ fn remote(cluster: &str, cache: Duration) -> jpb::jwt_provider::JwksSourceSpecif
 
 /// jwt_authn requiring the provider on `/api`, then RBAC allowing `/api/admin` only to
 /// tokens whose `group` claim is `admins` (istiod's `request.auth.claims[group]`).
-fn snapshot(
-    port: u16,
-    p: jpb::JwtProvider,
-    web: SocketAddr,
-    jwks: Option<SocketAddr>,
-) -> Snapshot {
+fn snapshot(port: u16, p: jpb::JwtProvider, web: SocketAddr, jwks: Option<SocketAddr>) -> Snapshot {
     let jwt = jpb::JwtAuthentication {
         providers: [("origins".to_string(), p)].into(),
         rules: vec![jpb::RequirementRule {
@@ -241,25 +235,17 @@ fn snapshot(
                 filter: "envoy.filters.http.jwt_authn".into(),
                 path: vec![
                     metadata_matcher::PathSegment {
-                        segment: Some(metadata_matcher::path_segment::Segment::Key(
-                            ISSUER.into(),
-                        )),
+                        segment: Some(metadata_matcher::path_segment::Segment::Key(ISSUER.into())),
                     },
                     metadata_matcher::PathSegment {
-                        segment: Some(metadata_matcher::path_segment::Segment::Key(
-                            "group".into(),
-                        )),
+                        segment: Some(metadata_matcher::path_segment::Segment::Key("group".into())),
                     },
                 ],
                 value: Some(ValueMatcher {
-                    match_pattern: Some(value_matcher::MatchPattern::StringMatch(
-                        StringMatcher {
-                            match_pattern: Some(string_matcher::MatchPattern::Exact(
-                                "admins".into(),
-                            )),
-                            ..Default::default()
-                        },
-                    )),
+                    match_pattern: Some(value_matcher::MatchPattern::StringMatch(StringMatcher {
+                        match_pattern: Some(string_matcher::MatchPattern::Exact("admins".into())),
+                        ..Default::default()
+                    })),
                 }),
                 ..Default::default()
             })),
@@ -289,7 +275,11 @@ fn snapshot(
         listeners: vec![listener_with(port, h)],
         routes: vec![route_config(
             &route_name(port),
-            vec![vhost("all", &["*"], vec![rt(prefix("/"), to_cluster("web"))])],
+            vec![vhost(
+                "all",
+                &["*"],
+                vec![rt(prefix("/"), to_cluster("web"))],
+            )],
         )],
         clusters: vec![eds_cluster("web")],
         endpoints: vec![cla("web", &[web])],
@@ -305,7 +295,9 @@ fn snapshot(
 async fn serving(mesh: &Mesh) {
     eventually("listener", Duration::from_secs(15), || async {
         let r = mesh.get("/public", HOST, &[]).await;
-        (r.status == 200).then_some(()).ok_or(format!("{}", r.status))
+        (r.status == 200)
+            .then_some(())
+            .ok_or(format!("{}", r.status))
     })
     .await;
 }
@@ -347,7 +339,11 @@ async fn local_jwks_verifies_and_rbac_reads_the_claims() {
 
     assert_refused(&get(&mesh, "/api", None).await, 401, "Jwt is missing");
     let expired = signer.token("k1", claims("alice", "users", now() - 600));
-    assert_refused(&get(&mesh, "/api", Some(&expired)).await, 401, "Jwt is expired");
+    assert_refused(
+        &get(&mesh, "/api", Some(&expired)).await,
+        401,
+        "Jwt is expired",
+    );
     let forged = other.token("k1", claims("alice", "users", now() + 600));
     assert_refused(
         &get(&mesh, "/api", Some(&forged)).await,
@@ -368,6 +364,19 @@ async fn local_jwks_verifies_and_rbac_reads_the_claims() {
     assert_eq!((r.status, r.body.as_str()), (403, "RBAC: access denied"));
     let admin = signer.token("k1", claims("bob", "admins", now() + 600));
     assert_eq!(get(&mesh, "/api/admin", Some(&admin)).await.status, 200);
+    assert_eq!(stat(&mesh, "jwt_authn.denied").await, 4);
+}
+
+async fn stat(mesh: &Mesh, name: &str) -> u64 {
+    let body = mesh
+        .gw
+        .admin_get(&format!("/stats?filter={}$", name.replace('.', "\\.")))
+        .await
+        .body;
+    body.lines()
+        .find_map(|l| l.split_once(": ").filter(|(n, _)| n.ends_with(name)))
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -414,6 +423,7 @@ async fn remote_jwks_is_fetched_cached_and_rotated() {
     .await;
     assert_eq!(r.header("x-req-x-jwt-sub"), Some("carol"));
     assert!(fetches.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+    assert!(stat(&mesh, "jwt_authn.jwks_fetch_success").await >= 2);
     // The old token's key id is gone from the set.
     assert_refused(
         &get(&mesh, "/api", Some(&t1)).await,
@@ -441,4 +451,5 @@ async fn an_unreachable_jwks_server_fails_the_request() {
     );
     // A request without a token never needs the keys.
     assert_refused(&get(&mesh, "/api", None).await, 401, "Jwt is missing");
+    assert_eq!(stat(&mesh, "jwt_authn.jwks_fetch_failed").await, 1);
 }

@@ -438,7 +438,7 @@ impl HttpFilter {
             HttpFilter::Compressor(f) => f.decode(req, st),
             HttpFilter::HealthCheck(f) => f.decode(req, st),
             HttpFilter::Rbac(f) => f.decode(req, st, stats.named),
-            HttpFilter::JwtAuthn(f) => f.decode(req, st),
+            HttpFilter::JwtAuthn(f) => f.decode(req, st, stats.named),
             HttpFilter::ExtAuthz(f) => f.decode(req, st, stats.named),
         }
     }

@@ -25,6 +25,7 @@
 mod verify;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
@@ -46,16 +47,32 @@ pub const TYPE: &str =
 /// The dynamic metadata namespace the payloads go under.
 pub const NAMESPACE: &str = "envoy.filters.http.jwt_authn";
 
-/// Envoy's `http.<prefix>.jwt_authn.<stat_prefix>*` counters.
+/// Envoy's `http.<prefix>.jwt_authn.<stat_prefix>*` counters, in the connection manager's
+/// scope (bound on the filter's first request; unbound in unit tests).
 #[derive(Debug, Default)]
 pub struct JwtStats {
-    pub allowed: AtomicU64,
-    pub denied: AtomicU64,
-    pub cors_preflight_bypassed: AtomicU64,
-    pub jwks_fetch_success: AtomicU64,
-    pub jwks_fetch_failed: AtomicU64,
-    pub jwt_cache_hit: AtomicU64,
-    pub jwt_cache_miss: AtomicU64,
+    pub allowed: Arc<AtomicU64>,
+    pub denied: Arc<AtomicU64>,
+    pub cors_preflight_bypassed: Arc<AtomicU64>,
+    pub jwks_fetch_success: Arc<AtomicU64>,
+    pub jwks_fetch_failed: Arc<AtomicU64>,
+    pub jwt_cache_hit: Arc<AtomicU64>,
+    pub jwt_cache_miss: Arc<AtomicU64>,
+}
+
+impl JwtStats {
+    fn resolve(named: &crate::filters::counters::NamedCounters, prefix: &str) -> JwtStats {
+        let c = |n: &str| named.get(&format!("jwt_authn.{prefix}{n}"));
+        JwtStats {
+            allowed: c("allowed"),
+            denied: c("denied"),
+            cors_preflight_bypassed: c("cors_preflight_bypassed"),
+            jwks_fetch_success: c("jwks_fetch_success"),
+            jwks_fetch_failed: c("jwks_fetch_failed"),
+            jwt_cache_hit: c("jwt_cache_hit"),
+            jwt_cache_miss: c("jwt_cache_miss"),
+        }
+    }
 }
 
 /// Where a provider looks for tokens.
@@ -198,7 +215,7 @@ pub struct JwtAuthnFilter {
     pub rules: Vec<(RuleMatch, Option<std::sync::Arc<Requirement>>)>,
     pub bypass_cors_preflight: bool,
     pub strip_failure_response: bool,
-    pub stats: JwtStats,
+    pub stats: OnceLock<JwtStats>,
 }
 
 fn header_name(s: &str, field: &str) -> Result<HeaderName, String> {
@@ -224,24 +241,26 @@ fn provider(name: &str, p: &jpb::JwtProvider) -> Result<Provider, String> {
         ));
     }
     let keys = match &p.jwks_source_specifier {
-        Some(jpb::jwt_provider::JwksSourceSpecifier::LocalJwks(ds)) => Keys::Local(match &ds.specifier {
-            Some(Specifier::InlineString(s)) => verify::parse_jwks(s),
-            Some(Specifier::InlineBytes(b)) => {
-                verify::parse_jwks(std::str::from_utf8(b).unwrap_or(""))
-            }
-            Some(Specifier::Filename(_)) => {
-                return Err(format!(
-                    "{}: a JWKS file is not supported (inline the JWKS)",
-                    at("local_jwks.filename")
-                ))
-            }
-            _ => {
-                return Err(format!(
-                    "{}: only inline_string and inline_bytes are supported",
-                    at("local_jwks")
-                ))
-            }
-        }),
+        Some(jpb::jwt_provider::JwksSourceSpecifier::LocalJwks(ds)) => {
+            Keys::Local(match &ds.specifier {
+                Some(Specifier::InlineString(s)) => verify::parse_jwks(s),
+                Some(Specifier::InlineBytes(b)) => {
+                    verify::parse_jwks(std::str::from_utf8(b).unwrap_or(""))
+                }
+                Some(Specifier::Filename(_)) => {
+                    return Err(format!(
+                        "{}: a JWKS file is not supported (inline the JWKS)",
+                        at("local_jwks.filename")
+                    ))
+                }
+                _ => {
+                    return Err(format!(
+                        "{}: only inline_string and inline_bytes are supported",
+                        at("local_jwks")
+                    ))
+                }
+            })
+        }
         Some(jpb::jwt_provider::JwksSourceSpecifier::RemoteJwks(r)) => {
             if r.retry_policy.is_some() {
                 return Err(format!(
@@ -256,7 +275,12 @@ fn provider(name: &str, p: &jpb::JwtProvider) -> Result<Provider, String> {
             use envoy_types::pb::envoy::config::core::v3::http_uri::HttpUpstreamType as U;
             let cluster = match &uri.http_upstream_type {
                 Some(U::Cluster(c)) if !c.is_empty() => c.clone(),
-                _ => return Err(format!("{}: is required", at("remote_jwks.http_uri.cluster"))),
+                _ => {
+                    return Err(format!(
+                        "{}: is required",
+                        at("remote_jwks.http_uri.cluster")
+                    ))
+                }
             };
             let (authority, path) = split_uri(&uri.uri).ok_or(format!(
                 "{}: '{}' is not an http(s) URI",
@@ -266,7 +290,12 @@ fn provider(name: &str, p: &jpb::JwtProvider) -> Result<Provider, String> {
             let timeout = match &uri.timeout {
                 Some(d) => crate::units::duration(d)
                     .map_err(|e| format!("{}: {e}", at("remote_jwks.http_uri.timeout")))?,
-                None => return Err(format!("{}: is required", at("remote_jwks.http_uri.timeout"))),
+                None => {
+                    return Err(format!(
+                        "{}: is required",
+                        at("remote_jwks.http_uri.timeout")
+                    ))
+                }
             };
             let cache_duration = match &r.cache_duration {
                 Some(d) => crate::units::duration(d)
@@ -531,7 +560,7 @@ pub fn translate(name: &str, c: &jpb::JwtAuthentication) -> Result<JwtAuthnFilte
         rules,
         bypass_cors_preflight: c.bypass_cors_preflight,
         strip_failure_response: c.strip_failure_response,
-        stats: JwtStats::default(),
+        stats: OnceLock::new(),
     })
 }
 
@@ -874,7 +903,18 @@ impl JwtAuthnFilter {
             .and_then(|(_, r)| r.as_deref())
     }
 
-    pub fn decode(&self, req: &Request<'_>, st: &mut FilterState) -> Decision {
+    fn stats(&self) -> &JwtStats {
+        self.stats.get_or_init(JwtStats::default)
+    }
+
+    pub fn decode(
+        &self,
+        req: &Request<'_>,
+        st: &mut FilterState,
+        named: &crate::filters::counters::NamedCounters,
+    ) -> Decision {
+        self.stats
+            .get_or_init(|| JwtStats::resolve(named, &self.stat_prefix));
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -897,9 +937,9 @@ impl JwtAuthnFilter {
         for i in o.fetch {
             if let (Keys::Remote(r), Some(up)) = (&self.providers[i].keys, req.upstreams) {
                 if r.fetch(up).await {
-                    self.stats.jwks_fetch_success.fetch_add(1, Relaxed);
+                    self.stats().jwks_fetch_success.fetch_add(1, Relaxed);
                 } else {
-                    self.stats.jwks_fetch_failed.fetch_add(1, Relaxed);
+                    self.stats().jwks_fetch_failed.fetch_add(1, Relaxed);
                 }
             }
         }
@@ -917,12 +957,12 @@ impl JwtAuthnFilter {
                 .get(http::header::ACCESS_CONTROL_REQUEST_METHOD)
                 .is_some_and(|x| !x.is_empty())
         {
-            self.stats.cors_preflight_bypassed.fetch_add(1, Relaxed);
-            self.stats.allowed.fetch_add(1, Relaxed);
+            self.stats().cors_preflight_bypassed.fetch_add(1, Relaxed);
+            self.stats().allowed.fetch_add(1, Relaxed);
             return Decision::Continue;
         }
         let Some(r) = self.requirement(v) else {
-            self.stats.allowed.fetch_add(1, Relaxed);
+            self.stats().allowed.fetch_add(1, Relaxed);
             return Decision::Continue;
         };
         let mut o = Outputs {
@@ -934,10 +974,10 @@ impl JwtAuthnFilter {
             return Decision::Async;
         }
         if status != Status::Ok {
-            self.stats.denied.fetch_add(1, Relaxed);
+            self.stats().denied.fetch_add(1, Relaxed);
             return Decision::Reply(self.deny(v, status));
         }
-        self.stats.allowed.fetch_add(1, Relaxed);
+        self.stats().allowed.fetch_add(1, Relaxed);
         st.request_header_ops.append(&mut o.ops);
         for (k, payload) in o.metadata {
             st.set_metadata(NAMESPACE, k, payload);

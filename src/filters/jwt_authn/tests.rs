@@ -279,8 +279,8 @@ fn envoys_failures_and_their_codes() {
         r.body.as_deref(),
         Some(&b"Jwt is not in the form of Header.Payload.Signature"[..])
     );
-    assert_eq!(f.stats.denied.load(Relaxed), 7);
-    assert_eq!(f.stats.allowed.load(Relaxed), 1);
+    assert_eq!(f.stats().denied.load(Relaxed), 7);
+    assert_eq!(f.stats().allowed.load(Relaxed), 1);
     // No rule requires a token here.
     assert!(run(&f, "/open/x", &[]).0.is_ok());
 }
@@ -475,8 +475,11 @@ fn translation_refusals_name_the_field() {
             ..Default::default()
         }
     };
-    let f = translate("jwt", &remote_with("http://keys.local:8080/jwks.json?v=1", false))
-        .expect("remote_jwks translates");
+    let f = translate(
+        "jwt",
+        &remote_with("http://keys.local:8080/jwks.json?v=1", false),
+    )
+    .expect("remote_jwks translates");
     match &f.providers[0].keys {
         Keys::Remote(r) => {
             assert_eq!(r.authority, "keys.local:8080");
@@ -562,5 +565,5 @@ fn cors_preflight_bypassed() {
         f.decode_at(&req, &mut FilterState::default(), NOW),
         Decision::Continue
     ));
-    assert_eq!(f.stats.cors_preflight_bypassed.load(Relaxed), 1);
+    assert_eq!(f.stats().cors_preflight_bypassed.load(Relaxed), 1);
 }
