@@ -128,7 +128,7 @@ async fn serve(f: Handler) -> SocketAddr {
     addr
 }
 
-fn filter(name: &str, config: impl prost::Message + prost::Name) -> HttpFilter {
+fn filter(name: &str, config: impl prost::Name) -> HttpFilter {
     HttpFilter {
         name: name.into(),
         config_type: Some(http_filter::ConfigType::TypedConfig(any(config))),
