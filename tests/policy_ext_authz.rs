@@ -438,3 +438,123 @@ fn tokio_stream_listener(
         Some((r, l))
     })
 }
+
+/// A gRPC server with one answer for every check (network filters send no HTTP request).
+#[derive(Clone)]
+struct Fixed(bool);
+
+#[tonic::async_trait]
+impl authpb::authorization_server::Authorization for Fixed {
+    async fn check(
+        &self,
+        req: tonic::Request<authpb::CheckRequest>,
+    ) -> Result<tonic::Response<authpb::CheckResponse>, tonic::Status> {
+        let attrs = req.into_inner().attributes.unwrap_or_default();
+        // The connection's addresses are what a TCP check carries.
+        let code = if self.0 && attrs.source.is_some() && attrs.destination.is_some() {
+            0
+        } else {
+            7
+        };
+        Ok(tonic::Response::new(authpb::CheckResponse {
+            status: Some(envoy_types::pb::google::rpc::Status {
+                code,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+}
+
+async fn grpc_server(s: Fixed) -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(authpb::authorization_server::AuthorizationServer::new(s))
+            .serve_with_incoming(tokio_stream_listener(l)),
+    );
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_ext_authz_closes_a_denied_connection() {
+    use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
+    use envoy_types::pb::envoy::extensions::filters::network::ext_authz::v3::ExtAuthz as NetworkExtAuthz;
+    use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
+        tcp_proxy::ClusterSpecifier, TcpProxy,
+    };
+    let web = header_echo().await;
+    let (yes, no) = (grpc_server(Fixed(true)).await, grpc_server(Fixed(false)).await);
+    let (open_port, closed_port) = (free_port(), free_port());
+    let listener = |port: u16, cluster: &str, prefix: &str| {
+        let authz = NetworkExtAuthz {
+            stat_prefix: prefix.into(),
+            transport_api_version: 2,
+            grpc_service: Some(GrpcService {
+                target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                    grpc_service::EnvoyGrpc {
+                        cluster_name: cluster.into(),
+                        ..Default::default()
+                    },
+                )),
+                timeout: Some(envoy_types::pb::google::protobuf::Duration {
+                    seconds: 2,
+                    nanos: 0,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        Listener {
+            name: format!("tcp_{port}"),
+            address: Some(socket_addr("127.0.0.1", port)),
+            filter_chains: vec![FilterChain {
+                filters: vec![
+                    Filter {
+                        name: "envoy.filters.network.ext_authz".into(),
+                        config_type: Some(filter::ConfigType::TypedConfig(any(authz))),
+                    },
+                    Filter {
+                        name: "envoy.filters.network.tcp_proxy".into(),
+                        config_type: Some(filter::ConfigType::TypedConfig(any(TcpProxy {
+                            stat_prefix: "web".into(),
+                            cluster_specifier: Some(ClusterSpecifier::Cluster("web".into())),
+                            ..Default::default()
+                        }))),
+                    },
+                ],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    };
+    let mesh = Mesh::start_raw(|_| Snapshot {
+        listeners: vec![
+            listener(open_port, "yes", "open"),
+            listener(closed_port, "no", "closed"),
+        ],
+        clusters: vec![eds_cluster("web"), h2_cluster("yes"), h2_cluster("no")],
+        endpoints: vec![cla("web", &[web]), cla("yes", &[yes]), cla("no", &[no])],
+        ..Default::default()
+    })
+    .await;
+    let req = b"GET / HTTP/1.1\r\nhost: example.com\r\nconnection: close\r\n\r\n";
+    eventually(
+        "the open listener",
+        std::time::Duration::from_secs(15),
+        || async {
+            let r = raw_http1(open_port, req, false).await;
+            (r.status == 200)
+                .then_some(())
+                .ok_or(format!("{} {}", r.status, r.body_str()))
+        },
+    )
+    .await;
+    let r = raw_http1(closed_port, req, false).await;
+    assert_eq!(r.status, 0, "closed without an answer: {}", r.body_str());
+    assert_eq!(stat(&mesh, "ext_authz.closed.denied").await, 1);
+    assert!(stat(&mesh, "ext_authz.open.ok").await >= 1);
+}

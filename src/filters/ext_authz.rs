@@ -618,32 +618,7 @@ impl ExtAuthzFilter {
                 ..Default::default()
             }),
         };
-        let msg = check.encode_to_vec();
-        let mut body = BytesMut::with_capacity(5 + msg.len());
-        body.put_u8(0);
-        body.put_u32(msg.len() as u32);
-        body.put_slice(&msg);
-        let mut h = HeaderMap::new();
-        h.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpc"),
-        );
-        h.insert(http::header::TE, HeaderValue::from_static("trailers"));
-        if let Ok(v) = HeaderValue::from_str(&format!("{}m", timeout.as_millis().max(1))) {
-            h.insert("grpc-timeout", v);
-        }
-        for (k, v) in initial_metadata {
-            h.append(k.clone(), v.clone());
-        }
-        CalloutRequest {
-            method: Method::POST,
-            path: CHECK_PATH.to_string(),
-            authority: authority.clone(),
-            headers: h,
-            body: body.freeze(),
-            timeout: *timeout,
-            grpc: true,
-        }
+        grpc_call(&check, authority, *timeout, initial_metadata)
     }
 
     fn http_request(&self, h: &HttpService, req: &Request<'_>) -> CalloutRequest {
@@ -1040,6 +1015,182 @@ pub fn merge(levels: &[&[(String, Arc<PerRoute>)]]) -> Vec<(String, Arc<PerRoute
             )
         })
         .collect()
+}
+
+pub const NETWORK_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.network.ext_authz.v3.ExtAuthz";
+
+/// `envoy.filters.network.ext_authz` on a TCP chain: each connection is checked once, when it
+/// is accepted (Envoy checks on its first bytes; a gateway's TCP clients speak first or wait,
+/// and either way nothing is proxied before the answer). OK: the connection goes on; denied,
+/// or failed without `failure_mode_allow`: it is closed. gRPC only, as in Envoy.
+#[derive(Debug)]
+pub struct NetworkExtAuthz {
+    cluster: String,
+    authority: String,
+    timeout: Duration,
+    failure_mode_allow: bool,
+    enabled_metadata: Option<super::rbac::MetadataMatcher>,
+    total: Arc<AtomicU64>,
+    ok: Arc<AtomicU64>,
+    denied: Arc<AtomicU64>,
+    error: Arc<AtomicU64>,
+    disabled: Arc<AtomicU64>,
+    failure_mode_allowed: Arc<AtomicU64>,
+    cx_closed: Arc<AtomicU64>,
+}
+
+impl NetworkExtAuthz {
+    pub fn translate(any: &Any, named: &super::counters::NamedCounters) -> Result<NetworkExtAuthz, String> {
+        use envoy_types::pb::envoy::extensions::filters::network::ext_authz::v3 as npb;
+        let c = npb::ExtAuthz::decode(any.value.as_slice())
+            .map_err(|e| format!("cannot decode network ExtAuthz: {e}"))?;
+        if c.stat_prefix.is_empty() {
+            return Err("stat_prefix: value length must be at least 1 characters".into());
+        }
+        if c.transport_api_version != corepb::ApiVersion::V3 as i32 {
+            return Err("transport_api_version: only V3 is supported".into());
+        }
+        if c.include_peer_certificate {
+            return Err("include_peer_certificate is not supported: the client certificate's PEM is not kept".into());
+        }
+        if c.shadow_mode {
+            return Err("shadow_mode is not supported".into());
+        }
+        if !c.bootstrap_metadata_labels_key.is_empty() {
+            return Err("bootstrap_metadata_labels_key is not supported: destination labels are not sent".into());
+        }
+        if !c.metadata_context_namespaces.is_empty() || !c.typed_metadata_context_namespaces.is_empty() {
+            return Err("metadata_context_namespaces are not supported on the network filter".into());
+        }
+        use corepb::grpc_service::TargetSpecifier as T;
+        let g = c.grpc_service.as_ref().ok_or("grpc_service is required")?;
+        let Some(T::EnvoyGrpc(e)) = &g.target_specifier else {
+            return Err("grpc_service.google_grpc is not supported: only envoy_grpc (a cluster) is".into());
+        };
+        if e.cluster_name.is_empty() {
+            return Err("grpc_service.envoy_grpc.cluster_name is required".into());
+        }
+        let enabled_metadata = c
+            .filter_enabled_metadata
+            .as_ref()
+            .map(|m| {
+                super::rbac::MetadataMatcher::translate(m)
+                    .map_err(|e| format!("filter_enabled_metadata: {e}"))
+            })
+            .transpose()?;
+        let p = format!("ext_authz.{}", c.stat_prefix);
+        let p = if p.ends_with('.') { p } else { format!("{p}.") };
+        let n = |s: &str| named.get(&format!("{p}{s}"));
+        Ok(NetworkExtAuthz {
+            cluster: e.cluster_name.clone(),
+            authority: if e.authority.is_empty() {
+                e.cluster_name.clone()
+            } else {
+                e.authority.clone()
+            },
+            timeout: timeout_of(g.timeout.as_ref(), "grpc_service.timeout")?,
+            failure_mode_allow: c.failure_mode_allow,
+            enabled_metadata,
+            total: n("total"),
+            ok: n("ok"),
+            denied: n("denied"),
+            error: n("error"),
+            disabled: n("disabled"),
+            failure_mode_allowed: n("failure_mode_allowed"),
+            cx_closed: n("cx_closed"),
+        })
+    }
+
+    /// Whether the connection may go on.
+    pub async fn allows(
+        &self,
+        conn: &super::Connection<'_>,
+        st: &FilterState,
+        up: Option<&dyn super::callout::Upstreams>,
+    ) -> bool {
+        if self.enabled_metadata.as_ref().is_some_and(|m| !m.matches(st)) {
+            self.disabled.fetch_add(1, Relaxed);
+            return true;
+        }
+        self.total.fetch_add(1, Relaxed);
+        let verdict = match up {
+            None => Verdict::Error("no way to the configuration's clusters".into()),
+            Some(up) => {
+                let peer = |addr: Option<std::net::SocketAddr>| authpb::attribute_context::Peer {
+                    address: addr.map(socket_address),
+                    principal: String::new(),
+                    ..Default::default()
+                };
+                let check = authpb::CheckRequest {
+                    attributes: Some(authpb::AttributeContext {
+                        source: Some(peer(conn.direct_remote)),
+                        destination: Some(peer(conn.local)),
+                        tls_session: conn.sni.map(|s| authpb::attribute_context::TlsSession {
+                            sni: s.to_string(),
+                        }),
+                        ..Default::default()
+                    }),
+                };
+                let req = grpc_call(&check, &self.authority, self.timeout, &[]);
+                parse_grpc(up.call(&self.cluster, req).await, 0)
+            }
+        };
+        match verdict {
+            Verdict::Ok(_) => {
+                self.ok.fetch_add(1, Relaxed);
+                true
+            }
+            Verdict::Denied { .. } => {
+                self.denied.fetch_add(1, Relaxed);
+                self.cx_closed.fetch_add(1, Relaxed);
+                false
+            }
+            Verdict::Error(why) => {
+                self.error.fetch_add(1, Relaxed);
+                tracing::debug!("network ext_authz check failed: {why}");
+                if self.failure_mode_allow {
+                    self.failure_mode_allowed.fetch_add(1, Relaxed);
+                    true
+                } else {
+                    self.cx_closed.fetch_add(1, Relaxed);
+                    false
+                }
+            }
+        }
+    }
+}
+
+/// A unary `Authorization/Check` call, framed.
+fn grpc_call(
+    check: &authpb::CheckRequest,
+    authority: &str,
+    timeout: Duration,
+    initial_metadata: &[(HeaderName, HeaderValue)],
+) -> CalloutRequest {
+    let msg = check.encode_to_vec();
+    let mut body = BytesMut::with_capacity(5 + msg.len());
+    body.put_u8(0);
+    body.put_u32(msg.len() as u32);
+    body.put_slice(&msg);
+    let mut h = HeaderMap::new();
+    h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(http::header::TE, HeaderValue::from_static("trailers"));
+    if let Ok(v) = HeaderValue::from_str(&format!("{}m", timeout.as_millis().max(1))) {
+        h.insert("grpc-timeout", v);
+    }
+    for (k, v) in initial_metadata {
+        h.append(k.clone(), v.clone());
+    }
+    CalloutRequest {
+        method: Method::POST,
+        path: CHECK_PATH.to_string(),
+        authority: authority.to_string(),
+        headers: h,
+        body: body.freeze(),
+        timeout,
+        grpc: true,
+    }
 }
 
 #[cfg(test)]

@@ -31,6 +31,8 @@ pub const NETWORK_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.net
 
 /// The dynamic metadata namespace of the HTTP filter's shadow results.
 pub const HTTP_NAMESPACE: &str = "envoy.filters.http.rbac";
+/// The same for the network filter (what istiod's network ext_authz keys on).
+pub const NETWORK_NAMESPACE: &str = "envoy.filters.network.rbac";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -856,22 +858,41 @@ impl NetworkRbac {
         })
     }
 
-    /// Whether the connection may go on.
-    pub fn allows(&self, conn: &super::Connection<'_>) -> bool {
-        let st = super::FilterState::default();
-        let subject = Subject {
-            req: None,
-            conn,
-            state: &st,
-        };
+    /// Whether the connection may go on. The shadow rules' result goes to the connection's
+    /// dynamic metadata, as the HTTP filter's does.
+    pub fn allows(&self, conn: &super::Connection<'_>, st: &mut super::FilterState) -> bool {
         if let Some(shadow) = &self.shadow {
-            let (ok, _) = shadow.allows(&subject);
+            let subject = Subject {
+                req: None,
+                conn,
+                state: st,
+            };
+            let (ok, policy) = shadow.allows(&subject);
+            let policy = policy.map(str::to_string);
             if ok {
                 self.counters.shadow_allowed.fetch_add(1, Relaxed);
             } else {
                 self.counters.shadow_denied.fetch_add(1, Relaxed);
             }
+            let prefix = &self.shadow_rules_stat_prefix;
+            if let Some(p) = policy {
+                st.set_metadata(
+                    NETWORK_NAMESPACE,
+                    format!("{prefix}shadow_effective_policy_id"),
+                    p.into(),
+                );
+            }
+            st.set_metadata(
+                NETWORK_NAMESPACE,
+                format!("{prefix}shadow_engine_result"),
+                if ok { "allowed" } else { "denied" }.into(),
+            );
         }
+        let subject = Subject {
+            req: None,
+            conn,
+            state: st,
+        };
         let Some(rules) = &self.rules else {
             return true;
         };

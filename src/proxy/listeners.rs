@@ -778,9 +778,10 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             (Some(c), Some(s)) => (c.clone(), s.clone()),
             _ => return,
         };
-        // The chain's network RBAC filters, once for the connection (Envoy's
-        // ONE_TIME_ON_FIRST_BYTE): a denied connection is closed before anything is read.
-        if !chosen.0.def.rbac.is_empty() {
+        // The chain's network policy filters (RBAC, ext_authz), once for the connection
+        // (Envoy's ONE_TIME_ON_FIRST_BYTE): a denied connection is closed before anything is
+        // read.
+        if !chosen.0.def.policy.is_empty() {
             let local = local.or_else(|| tcp.local_addr().ok());
             let view = crate::filters::Connection {
                 direct_remote: Some(peer),
@@ -790,9 +791,20 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 peer: None,
                 tls: hello.tls,
             };
-            if !chosen.0.def.rbac.iter().all(|r| r.allows(&view)) {
-                tracing::debug!(listener = %conns.listener, %peer, "connection denied by network RBAC");
-                return;
+            let mut st = crate::filters::FilterState::default();
+            let snap = conns.state.snapshot();
+            let callouts = super::callout::Callouts { snapshot: &snap };
+            for p in &chosen.0.def.policy {
+                let ok = match p {
+                    crate::snapshot::listener::NetworkPolicy::Rbac(r) => r.allows(&view, &mut st),
+                    crate::snapshot::listener::NetworkPolicy::ExtAuthz(a) => {
+                        a.allows(&view, &st, Some(&callouts)).await
+                    }
+                };
+                if !ok {
+                    tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
+                    return;
+                }
             }
         }
         chosen

@@ -221,6 +221,13 @@ impl ProxyProtocol {
     }
 }
 
+/// A network filter that decides whether a connection goes on.
+#[derive(Debug, Clone)]
+pub enum NetworkPolicy {
+    Rbac(Arc<crate::filters::rbac::NetworkRbac>),
+    ExtAuthz(Arc<crate::filters::ext_authz::NetworkExtAuthz>),
+}
+
 /// One filter chain: how it terminates the transport, and its network filter.
 #[derive(Debug)]
 pub struct ChainDef {
@@ -235,9 +242,9 @@ pub struct ChainDef {
     /// The network `istio.stats` filter in front of a tcp_proxy: Istio's TCP metrics for
     /// each connection. (On an HTTP chain istiod puts it among the HTTP filters instead.)
     pub istio_stats: Option<Arc<StatsConfig>>,
-    /// `envoy.filters.network.rbac` filters in front of the terminal filter: each decides,
-    /// once per connection, whether it goes on.
-    pub rbac: Vec<Arc<crate::filters::rbac::NetworkRbac>>,
+    /// `envoy.filters.network.rbac` and `envoy.filters.network.ext_authz` filters in front of
+    /// the terminal filter, in order: each decides, once per connection, whether it goes on.
+    pub policy: Vec<NetworkPolicy>,
     /// The `FilterChain` as received. Envoy tells a chain a push kept from one it changed by
     /// comparing these messages whole (match, name and filters included): a kept chain keeps
     /// its connections, a changed one drains them.
@@ -816,7 +823,7 @@ impl ChainDef {
         };
         let mut mx = false;
         let mut istio_stats = None;
-        let mut rbac = Vec::new();
+        let mut policy = Vec::new();
         for (i, f) in before.iter().enumerate() {
             if f.name.is_empty() {
                 return Err(format!("{at}.filters[{i}]: name must not be empty"));
@@ -828,7 +835,16 @@ impl ChainDef {
                         &crate::live::ROOT_COUNTERS,
                     )
                     .map_err(|e| format!("{at}.filters[{i}] '{}': {e}", f.name))?;
-                    rbac.push(Arc::new(r));
+                    policy.push(NetworkPolicy::Rbac(Arc::new(r)));
+                    continue;
+                }
+                if a.type_url == crate::filters::ext_authz::NETWORK_TYPE {
+                    let r = crate::filters::ext_authz::NetworkExtAuthz::translate(
+                        a,
+                        &crate::live::ROOT_COUNTERS,
+                    )
+                    .map_err(|e| format!("{at}.filters[{i}] '{}': {e}", f.name))?;
+                    policy.push(NetworkPolicy::ExtAuthz(Arc::new(r)));
                     continue;
                 }
             }
@@ -912,7 +928,7 @@ impl ChainDef {
         };
         Ok(ChainDef {
             istio_stats,
-            rbac,
+            policy,
             name: chain.name.clone(),
             addr,
             tls,
