@@ -487,7 +487,10 @@ async fn network_ext_authz_closes_a_denied_connection() {
         tcp_proxy::ClusterSpecifier, TcpProxy,
     };
     let web = header_echo().await;
-    let (yes, no) = (grpc_server(Fixed(true)).await, grpc_server(Fixed(false)).await);
+    let (yes, no) = (
+        grpc_server(Fixed(true)).await,
+        grpc_server(Fixed(false)).await,
+    );
     let (open_port, closed_port) = (free_port(), free_port());
     let listener = |port: u16, cluster: &str, prefix: &str| {
         let authz = NetworkExtAuthz {

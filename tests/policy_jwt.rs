@@ -11,10 +11,10 @@ mod common;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use base64::Engine;
 use bytes::Bytes;
+use common::jwt::{now, Signer};
 use common::*;
 use envoy_types::pb::envoy::config::core::v3::{data_source, DataSource, HttpUri};
 use envoy_types::pb::envoy::config::rbac::v3::{
@@ -30,55 +30,10 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
     metadata_matcher, string_matcher, value_matcher, MetadataMatcher, StringMatcher, ValueMatcher,
 };
 use http_body_util::Full;
-use ring::rand::SystemRandom;
-use ring::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
 use serde_json::json;
 
 const HOST: &str = "example.com";
 const ISSUER: &str = "https://issuer.example";
-
-fn b64(b: &[u8]) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
-}
-
-struct Signer(EcdsaKeyPair);
-
-impl Signer {
-    fn new() -> Signer {
-        let rng = SystemRandom::new();
-        let pkcs8 =
-            EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).expect("key");
-        Signer(
-            EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng)
-                .expect("key"),
-        )
-    }
-
-    fn jwks(&self, kid: &str) -> String {
-        let p = self.0.public_key().as_ref();
-        json!({"keys": [{"kty":"EC","crv":"P-256","alg":"ES256","kid":kid,"x":b64(&p[1..33]),"y":b64(&p[33..65])}]})
-            .to_string()
-    }
-
-    fn token(&self, kid: &str, claims: serde_json::Value) -> String {
-        let h = b64(json!({"alg": "ES256", "kid": kid, "typ": "JWT"})
-            .to_string()
-            .as_bytes());
-        let p = b64(claims.to_string().as_bytes());
-        let msg = format!("{h}.{p}");
-        let sig = self
-            .0
-            .sign(&SystemRandom::new(), msg.as_bytes())
-            .expect("sign");
-        format!("{msg}.{}", b64(sig.as_ref()))
-    }
-}
-
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
 
 fn claims(sub: &str, group: &str, exp: u64) -> serde_json::Value {
     json!({"iss": ISSUER, "sub": sub, "aud": "api", "group": group, "exp": exp})

@@ -1041,7 +1041,10 @@ pub struct NetworkExtAuthz {
 }
 
 impl NetworkExtAuthz {
-    pub fn translate(any: &Any, named: &super::counters::NamedCounters) -> Result<NetworkExtAuthz, String> {
+    pub fn translate(
+        any: &Any,
+        named: &super::counters::NamedCounters,
+    ) -> Result<NetworkExtAuthz, String> {
         use envoy_types::pb::envoy::extensions::filters::network::ext_authz::v3 as npb;
         let c = npb::ExtAuthz::decode(any.value.as_slice())
             .map_err(|e| format!("cannot decode network ExtAuthz: {e}"))?;
@@ -1058,15 +1061,24 @@ impl NetworkExtAuthz {
             return Err("shadow_mode is not supported".into());
         }
         if !c.bootstrap_metadata_labels_key.is_empty() {
-            return Err("bootstrap_metadata_labels_key is not supported: destination labels are not sent".into());
+            return Err(
+                "bootstrap_metadata_labels_key is not supported: destination labels are not sent"
+                    .into(),
+            );
         }
-        if !c.metadata_context_namespaces.is_empty() || !c.typed_metadata_context_namespaces.is_empty() {
-            return Err("metadata_context_namespaces are not supported on the network filter".into());
+        if !c.metadata_context_namespaces.is_empty()
+            || !c.typed_metadata_context_namespaces.is_empty()
+        {
+            return Err(
+                "metadata_context_namespaces are not supported on the network filter".into(),
+            );
         }
         use corepb::grpc_service::TargetSpecifier as T;
         let g = c.grpc_service.as_ref().ok_or("grpc_service is required")?;
         let Some(T::EnvoyGrpc(e)) = &g.target_specifier else {
-            return Err("grpc_service.google_grpc is not supported: only envoy_grpc (a cluster) is".into());
+            return Err(
+                "grpc_service.google_grpc is not supported: only envoy_grpc (a cluster) is".into(),
+            );
         };
         if e.cluster_name.is_empty() {
             return Err("grpc_service.envoy_grpc.cluster_name is required".into());
@@ -1109,7 +1121,11 @@ impl NetworkExtAuthz {
         st: &FilterState,
         up: Option<&dyn super::callout::Upstreams>,
     ) -> bool {
-        if self.enabled_metadata.as_ref().is_some_and(|m| !m.matches(st)) {
+        if self
+            .enabled_metadata
+            .as_ref()
+            .is_some_and(|m| !m.matches(st))
+        {
             self.disabled.fetch_add(1, Relaxed);
             return true;
         }
@@ -1126,9 +1142,9 @@ impl NetworkExtAuthz {
                     attributes: Some(authpb::AttributeContext {
                         source: Some(peer(conn.direct_remote)),
                         destination: Some(peer(conn.local)),
-                        tls_session: conn.sni.map(|s| authpb::attribute_context::TlsSession {
-                            sni: s.to_string(),
-                        }),
+                        tls_session: conn
+                            .sni
+                            .map(|s| authpb::attribute_context::TlsSession { sni: s.to_string() }),
                         ..Default::default()
                     }),
                 };
@@ -1174,7 +1190,10 @@ fn grpc_call(
     body.put_u32(msg.len() as u32);
     body.put_slice(&msg);
     let mut h = HeaderMap::new();
-    h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
     h.insert(http::header::TE, HeaderValue::from_static("trailers"));
     if let Ok(v) = HeaderValue::from_str(&format!("{}m", timeout.as_millis().max(1))) {
         h.insert("grpc-timeout", v);

@@ -6,6 +6,8 @@
 // Each test binary uses a different subset of the harness.
 #![allow(dead_code)]
 
+#[allow(dead_code)]
+pub mod jwt;
 pub mod pki;
 #[allow(unused_imports)] // each binary uses what it needs
 pub use pki::{Leaf, Pki};
