@@ -59,7 +59,7 @@ async fn wrk_with_cpu(
     p: &Running,
     url: &str,
     conns: u32,
-    extra: &'static [&'static str],
+    extra: &[&str],
     (rps_case, cpu_case, what): (&str, &str, &str),
     results: &mut Results,
 ) -> Result<(), String> {
@@ -67,7 +67,12 @@ async fn wrk_with_cpu(
     let secs = opts.secs;
     let cpu0 = p.cpu_secs()?;
     let (e, o, u) = (env.clone(), opts.clone(), url.to_string());
-    let r = blocking(move || tools::wrk_with(&e, &o, &u, conns, secs, extra)).await?;
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let r = blocking(move || {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        tools::wrk_with(&e, &o, &u, conns, secs, &extra)
+    })
+    .await?;
     let cpu1 = p.cpu_secs()?;
     results.add(rps_case, who, r.rps);
     if r.requests > 0.0 {
@@ -179,6 +184,62 @@ pub async fn telemetry(
         lines as f64 / 1000.0,
     );
     let _ = std::fs::remove_file(&log);
+    Ok(())
+}
+
+/// Case 13: what a policy costs per request: RBAC with 10 and with 1,000 policies (none of
+/// which matches, so every one is evaluated, then the request is allowed), and JWT
+/// verification of a good ES256 token with the key inline (cached), to set against cases 1
+/// and 4 (the router alone).
+pub async fn policy(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let signer = common::jwt::Signer::new();
+    let token = signer.token(
+        "k1",
+        serde_json::json!({"iss": config::ISSUER, "sub": "bench", "aud": "api",
+            "exp": common::jwt::now() + 86_400}),
+    );
+    let bearer = format!("authorization: Bearer {token}");
+    let jwks = signer.jwks("k1");
+    let variants: [(&str, String, Vec<&str>); 3] = [
+        ("rbac, 10 policies", config::rbac_filter_yaml(10), vec![]),
+        (
+            "rbac, 1000 policies",
+            config::rbac_filter_yaml(1000),
+            vec![],
+        ),
+        (
+            "jwt_authn, ES256, key cached",
+            config::jwt_filter_yaml(&jwks),
+            vec!["-H", bearer.as_str()],
+        ),
+    ];
+    for (what, filters, extra) in variants {
+        let (admin, port) = (common::free_port(), common::free_port());
+        let boot = config::policy_bootstrap(admin, port, &backend.ports, &filters);
+        let p = Running::start(env, opts, proxy, &boot, admin).await?;
+        let url = format!("http://127.0.0.1:{port}/");
+        let headers: Vec<(&str, &str)> = extra
+            .get(1)
+            .and_then(|h| h.split_once(": "))
+            .into_iter()
+            .collect();
+        let r = common::get(&url, None, &headers).await;
+        if r.status != 200 || r.body != BODY {
+            return Err(format!(
+                "{what}: {url}: {} {:?} {:?}",
+                r.status, r.body, r.error
+            ));
+        }
+        let rps = format!("13 h1 rps, 50 conns, {what}");
+        let cpu = format!("13 cpu per 100k requests, {what}");
+        wrk_with_cpu(env, opts, &p, &url, 50, &extra, (&rps, &cpu, what), results).await?;
+    }
     Ok(())
 }
 

@@ -319,3 +319,55 @@ static_resources:
         fmt = ISTIO_ACCESS_LOG,
     )
 }
+
+/// The JWT issuer of the policy case.
+pub const ISSUER: &str = "https://issuer.example";
+
+/// The basic bootstrap with `filters` (YAML list entries at the http_filters indent) before
+/// the router.
+pub fn policy_bootstrap(admin: u16, listener: u16, backends: &[u16], filters: &str) -> String {
+    static_bootstrap(admin, listener, 0, backends).replacen(
+        "          http_filters:\n",
+        &format!("          http_filters:\n{filters}"),
+        1,
+    )
+}
+
+/// An RBAC filter that allows what none of its `n` DENY policies matches: each policy names
+/// one path prefix and a header, so a request to `/` is checked against all of them.
+pub fn rbac_filter_yaml(n: usize) -> String {
+    let mut policies = String::new();
+    for i in 0..n {
+        policies.push_str(&format!(
+            "                  deny-{i:04}:\n                    permissions:\n                    - and_rules:\n                        rules:\n                        - url_path: {{ path: {{ prefix: /blocked/{i}/ }} }}\n                        - header: {{ name: x-tenant, string_match: {{ exact: t{i} }} }}\n                    principals: [ {{ any: true }} ]\n"
+        ));
+    }
+    format!(
+        r#"          - name: envoy.filters.http.rbac
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC
+              rules:
+                action: DENY
+                policies:
+{policies}"#
+    )
+}
+
+/// A jwt_authn filter requiring a token from one provider with the key inline.
+pub fn jwt_filter_yaml(jwks: &str) -> String {
+    format!(
+        r#"          - name: envoy.filters.http.jwt_authn
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
+              providers:
+                origins:
+                  issuer: {ISSUER}
+                  audiences: [ api ]
+                  payload_in_metadata: {ISSUER}
+                  local_jwks: {{ inline_string: '{jwks}' }}
+              rules:
+              - match: {{ prefix: / }}
+                requires: {{ provider_name: origins }}
+"#
+    )
+}

@@ -81,6 +81,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
             if opts.wants("telemetry") {
                 cases::telemetry(&env, &opts, &backend, proxy, &mut results).await?;
             }
+            if opts.wants("policy") {
+                cases::policy(&env, &opts, &backend, proxy, &mut results).await?;
+            }
             if opts.wants("https") {
                 cases::https(&env, &opts, &backend, proxy, &mut results).await?;
             }
