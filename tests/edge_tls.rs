@@ -2047,3 +2047,79 @@ async fn session_resumption_as_envoy_offers_it() {
     );
     assert!(reused >= 5.0, "ssl.session_reused {reused}");
 }
+
+/// RBAC's `requested_server_name` on an HTTPS chain reads the SNI of the connection the
+/// request came on (and the access log's `%REQUESTED_SERVER_NAME%` with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rbac_reads_the_server_name_of_the_tls_connection() {
+    use envoy_types::pb::envoy::config::rbac::v3::{
+        permission, principal, Permission, Policy, Principal, Rbac as Rules,
+    };
+    use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac;
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+        http_filter, HttpFilter,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
+    let pki = Pki::new("portico test CA");
+    let wild = pki.leaf(&["*.example.com"]);
+    let mesh = Mesh::start_raw(|port| {
+        let mut h = hcm_for("route-sni");
+        let router = h.http_filters.pop().expect("router");
+        let deny = Rbac {
+            rules: Some(Rules {
+                action: 1,
+                policies: [(
+                    "blocked-name".to_string(),
+                    Policy {
+                        permissions: vec![Permission {
+                            rule: Some(permission::Rule::RequestedServerName(StringMatcher {
+                                match_pattern: Some(string_matcher::MatchPattern::Exact(
+                                    "blocked.example.com".into(),
+                                )),
+                                ..Default::default()
+                            })),
+                        }],
+                        principals: vec![Principal {
+                            identifier: Some(principal::Identifier::Any(true)),
+                        }],
+                        ..Default::default()
+                    },
+                )]
+                .into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        h.http_filters = vec![
+            HttpFilter {
+                name: "envoy.filters.http.rbac".into(),
+                config_type: Some(http_filter::ConfigType::TypedConfig(any(deny))),
+                ..Default::default()
+            },
+            router,
+        ];
+        let chain = FilterChain {
+            name: "wild".into(),
+            transport_socket: Some(inline_tls(&wild, &[], None)),
+            filters: vec![Filter {
+                name: "envoy.filters.network.http_connection_manager".into(),
+                config_type: Some(filter::ConfigType::TypedConfig(any(h))),
+            }],
+            ..Default::default()
+        };
+        Snapshot {
+            listeners: vec![tls_listener(port, vec![chain], None)],
+            routes: vec![answering("route-sni", "served")],
+            ..Default::default()
+        }
+    })
+    .await;
+    let client = Client::new(&pki);
+    let r = wait_tls(&client, mesh.port, "a.example.com").await;
+    assert_eq!(r.body, "served");
+    let r = client
+        .get(mesh.port, "blocked.example.com", "/")
+        .await
+        .expect("an answer");
+    assert_eq!((r.status, r.body.as_str()), (403, "RBAC: access denied"));
+}

@@ -59,15 +59,6 @@ impl PeerCert {
         })
     }
 
-    /// The digest that carries it to the request path.
-    pub fn into_digest(self) -> Option<ProxyDigest> {
-        let response = ResponseHeader::build(200, Some(0)).ok()?;
-        Some(ProxyDigest {
-            response: Box::new(response),
-            user_data: Some(Box::new(Arc::new(self))),
-        })
-    }
-
     /// The current hop's element, in Envoy's order: By, Hash, then the configured details
     /// in the order Envoy 1.40 writes them (Cert, Chain, Subject, URI, DNS, Issuer).
     fn element(&self, x: &Xfcc) -> String {
@@ -111,15 +102,45 @@ impl crate::filters::PeerIdentity for PeerCert {
     }
 }
 
-/// The peer certificate of the connection a request came on, if it was mTLS.
-pub fn of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<PeerCert>> {
+/// What a TLS connection tells its requests: the client certificate (mTLS) and the server
+/// name the client asked for.
+#[derive(Debug, Default)]
+pub struct TlsConn {
+    pub peer: Option<Arc<PeerCert>>,
+    pub sni: Option<Arc<str>>,
+}
+
+impl TlsConn {
+    /// The digest that carries it to the request path (None when there is nothing to carry).
+    pub fn into_digest(self) -> Option<ProxyDigest> {
+        if self.peer.is_none() && self.sni.is_none() {
+            return None;
+        }
+        let response = ResponseHeader::build(200, Some(0)).ok()?;
+        Some(ProxyDigest {
+            response: Box::new(response),
+            user_data: Some(Box::new(Arc::new(self))),
+        })
+    }
+}
+
+fn tls_conn(digest: Option<&pingora_core::protocols::Digest>) -> Option<&Arc<TlsConn>> {
     digest?
         .proxy_digest
         .as_ref()?
         .user_data
         .as_ref()?
-        .downcast_ref::<Arc<PeerCert>>()
-        .cloned()
+        .downcast_ref::<Arc<TlsConn>>()
+}
+
+/// The peer certificate of the connection a request came on, if it was mTLS.
+pub fn of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<PeerCert>> {
+    tls_conn(digest)?.peer.clone()
+}
+
+/// The TLS server name (SNI) of the connection a request came on.
+pub fn sni_of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<str>> {
+    tls_conn(digest)?.sni.clone()
 }
 
 const XFCC: &str = "x-forwarded-client-cert";

@@ -872,10 +872,14 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 Ok((session, alpn)) => {
                     let c = session.get_ref().1;
                     super::tls::count_handshake(&conns.stats.ssl, c);
-                    let client = c.peer_certificates().and_then(|chain| {
-                        super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
-                            .and_then(|p| p.into_digest())
-                    });
+                    let client = super::client_cert::TlsConn {
+                        peer: c.peer_certificates().and_then(|chain| {
+                            super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
+                                .map(Arc::new)
+                        }),
+                        sni: c.server_name().map(Arc::from),
+                    }
+                    .into_digest();
                     let mut d = super::io::Downstream::new_tls(session, peer, alpn);
                     d.set_local_addr(local);
                     if let Some(digest) = client {

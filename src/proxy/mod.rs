@@ -452,7 +452,7 @@ impl ProxyHttp for Gateway {
                         remote: downstream::downstream_remote(view.headers, direct, hcm)
                             .map(|a| a.ip()),
                         local: ctx.info.downstream_local,
-                        sni: None,
+                        sni: ctx.info.requested_server_name.as_deref(),
                         peer: peer
                             .as_deref()
                             .map(|p| p as &(dyn filters::PeerIdentity + Sync)),

@@ -76,6 +76,9 @@ pub(super) fn begin(session: &Session, info: &mut StreamInfo) {
     info.downstream_direct_remote = session.client_addr().and_then(|a| a.as_inet()).copied();
     info.downstream_local = session.server_addr().and_then(|a| a.as_inet()).copied();
     info.downstream_tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+    if info.downstream_tls {
+        info.requested_server_name = super::client_cert::sni_of(session.digest());
+    }
 }
 
 /// At the request's end (pingora's `logging`): the rest of the record, from the session and
