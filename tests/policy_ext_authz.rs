@@ -561,3 +561,96 @@ async fn network_ext_authz_closes_a_denied_connection() {
     assert_eq!(stat(&mesh, "ext_authz.closed.denied").await, 1);
     assert!(stat(&mesh, "ext_authz.open.ok").await >= 1);
 }
+
+/// `with_request_body`: the check carries the body (cut at `max_request_bytes` with
+/// `allow_partial_message`, refused with 413 without it), and the upstream still gets all of
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_carries_the_request_body() {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::BufferSettings;
+    let web = EchoBackend::start("web").await;
+    // Allows a body that starts with "let me in"; says what it saw.
+    let authz = serve(|req| {
+        let partial = req
+            .headers()
+            .get("x-envoy-auth-partial-body")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_string();
+        let len = req
+            .headers()
+            .get("content-length")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_string();
+        hyper::Response::builder()
+            .status(200)
+            .header("x-auth-partial", partial)
+            .header("x-auth-length", len)
+            .body(Full::new(Bytes::new()))
+            .expect("response")
+    })
+    .await;
+    for allow_partial in [true, false] {
+        let mut f = http_service("authz");
+        if let Some(ext_authz::Services::HttpService(h)) = f.services.as_mut() {
+            h.authorization_response = Some(AuthorizationResponse {
+                allowed_client_headers_on_success: exact(&["x-auth-partial", "x-auth-length"]),
+                ..Default::default()
+            });
+        }
+        f.with_request_body = Some(BufferSettings {
+            max_request_bytes: 16,
+            allow_partial_message: allow_partial,
+            ..Default::default()
+        });
+        let mesh = Mesh::start_raw(|port| {
+            let mut h = hcm(port);
+            let router = h.http_filters.pop().expect("router");
+            h.http_filters = vec![authz_filter(f), router];
+            Snapshot {
+                listeners: vec![listener_with(port, h)],
+                routes: vec![route_config(
+                    &route_name(port),
+                    vec![vhost(
+                        "all",
+                        &["*"],
+                        vec![rt(prefix("/"), to_cluster("web"))],
+                    )],
+                )],
+                clusters: vec![eds_cluster("web"), eds_cluster("authz")],
+                endpoints: vec![cla("web", &[web.addr]), cla("authz", &[authz])],
+                ..Default::default()
+            }
+        })
+        .await;
+        let post = |body: &'static str| {
+            let req = format!(
+                "POST /allow HTTP/1.1\r\nhost: {HOST}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let port = mesh.port;
+            async move { raw_http1(port, req.as_bytes(), false).await }
+        };
+        let short = eventually("served", std::time::Duration::from_secs(15), || async {
+            let r = post("short body").await;
+            (r.status == 200).then_some(r).ok_or("not yet".to_string())
+        })
+        .await;
+        assert_eq!(short.body_str(), "short body", "the upstream gets the body");
+        assert_eq!(short.header("x-auth-length"), Some("10"));
+        assert_eq!(short.header("x-auth-partial"), Some("false"));
+        let long = post("a body longer than sixteen bytes").await;
+        if allow_partial {
+            assert_eq!(long.status, 200);
+            assert_eq!(long.body_str(), "a body longer than sixteen bytes");
+            assert_eq!(long.header("x-auth-length"), Some("16"));
+            assert_eq!(long.header("x-auth-partial"), Some("true"));
+        } else {
+            assert_eq!(
+                (long.status, long.body_str()),
+                (413, "Payload Too Large".into())
+            );
+        }
+    }
+}

@@ -26,8 +26,12 @@
 //! - Stats under the connection manager's scope: `ext_authz.[<stat_prefix>.]{ok, denied,
 //!   error, disabled, failure_mode_allowed}`.
 //!
-//! Refused, each with its reason: request bodies (`with_request_body`: Portico checks on the
-//! headers alone and would send the server less than it asked for), header mutation rules,
+//! `with_request_body`: the connection manager reads the body (up to `max_request_bytes`,
+//! at most 64 KiB: it is replayed upstream from pingora's retry buffer) before the filters
+//! run; a longer body is cut with `allow_partial_message` (`x-envoy-auth-partial-body: true`)
+//! and answered 413 without it, as Envoy's buffer limit does.
+//!
+//! Refused, each with its reason: a larger `max_request_bytes`, header mutation rules,
 //! shadow mode, `path_override`, retries and service overrides, typed and route metadata
 //! namespaces, `include_peer_certificate` (the PEM is not kept), `encode_raw_headers`.
 
@@ -82,7 +86,21 @@ struct Config {
     clear_route_cache: bool,
     stat_prefix: String,
     max_denied_body: usize,
+    /// `with_request_body`.
+    body: Option<BodySettings>,
 }
+
+/// `with_request_body`: how much of the body the check carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodySettings {
+    pub max_bytes: usize,
+    pub allow_partial: bool,
+    pub pack_as_bytes: bool,
+}
+
+/// The most body a check can carry: pingora replays a body read before proxying from its
+/// 64 KiB retry buffer.
+pub const MAX_BODY: usize = 64 * 1024;
 
 #[derive(Debug)]
 enum Service {
@@ -125,6 +143,8 @@ struct Counters {
 pub struct PerRoute {
     pub disabled: bool,
     pub context_extensions: Vec<(String, String)>,
+    /// `check_settings.disable_request_body_buffering`.
+    pub no_body: bool,
 }
 
 pub fn translate_filter(d: &FilterDecl<'_>) -> Result<Translated, String> {
@@ -166,9 +186,28 @@ impl ExtAuthzFilter {
         if c.transport_api_version != corepb::ApiVersion::V3 as i32 {
             return Err("transport_api_version: only V3 is supported".into());
         }
-        if c.with_request_body.is_some() {
-            return refuse("with_request_body", "Portico checks on the request headers alone, and the server would get less than the config asks for");
-        }
+        let body = match &c.with_request_body {
+            None => None,
+            Some(b) => {
+                let max_bytes = b.max_request_bytes as usize;
+                if max_bytes == 0 {
+                    return Err(
+                        "with_request_body.max_request_bytes: must be greater than 0".into(),
+                    );
+                }
+                if max_bytes > MAX_BODY {
+                    return refuse(
+                        "with_request_body.max_request_bytes above 65536",
+                        "the body is held for the check in a 64 KiB replay buffer",
+                    );
+                }
+                Some(BodySettings {
+                    max_bytes,
+                    allow_partial: b.allow_partial_message,
+                    pack_as_bytes: b.pack_as_bytes,
+                })
+            }
+        };
         if c.decoder_header_mutation_rules.is_some() {
             return refuse(
                 "decoder_header_mutation_rules",
@@ -346,9 +385,25 @@ impl ExtAuthzFilter {
                 } else {
                     c.max_denied_response_body_bytes as usize
                 },
+                body,
             },
             counters: OnceLock::new(),
         })
+    }
+
+    /// The body this filter's checks carry, if any: what the connection manager buffers
+    /// before the filters run.
+    pub fn body_settings(&self) -> Option<BodySettings> {
+        self.cfg.body
+    }
+
+    /// The buffered body, unless this route turned buffering off.
+    fn body<'r>(&self, req: &'r Request<'_>) -> Option<&'r super::BufferedBody> {
+        self.cfg.body?;
+        if self.per_route(req).is_some_and(|p| p.no_body) {
+            return None;
+        }
+        req.body
     }
 
     fn counters(&self, named: &super::counters::NamedCounters) -> &Counters {
@@ -553,6 +608,13 @@ impl ExtAuthzFilter {
                 })
                 .or_insert_with(|| val.into_owned());
         }
+        let body = self.body(req);
+        if let Some(b) = body {
+            headers.insert(
+                "x-envoy-auth-partial-body".into(),
+                if b.partial { "true" } else { "false" }.into(),
+            );
+        }
         let (_, query, fragment) = split_path(v.path);
         let peer = |addr: Option<std::net::SocketAddr>| authpb::attribute_context::Peer {
             address: addr.map(socket_address),
@@ -610,6 +672,16 @@ impl ExtAuthzFilter {
                         fragment: fragment.to_string(),
                         size,
                         protocol: protocol_of(req),
+                        body: match (body, self.cfg.body) {
+                            (Some(b), Some(s)) if !s.pack_as_bytes => {
+                                String::from_utf8_lossy(&b.bytes).into_owned()
+                            }
+                            _ => String::new(),
+                        },
+                        raw_body: match (body, self.cfg.body) {
+                            (Some(b), Some(s)) if s.pack_as_bytes => b.bytes.to_vec(),
+                            _ => Vec::new(),
+                        },
                         ..Default::default()
                     }),
                 }),
@@ -624,7 +696,17 @@ impl ExtAuthzFilter {
     fn http_request(&self, h: &HttpService, req: &Request<'_>) -> CalloutRequest {
         let v = req.view;
         let mut headers = HeaderMap::new();
-        headers.insert(http::header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+        let body = self.body(req);
+        let len = body.map_or(0, |b| b.bytes.len());
+        if let Ok(l) = HeaderValue::from_str(&len.to_string()) {
+            headers.insert(http::header::CONTENT_LENGTH, l);
+        }
+        if let Some(b) = body {
+            headers.insert(
+                "x-envoy-auth-partial-body",
+                HeaderValue::from_static(if b.partial { "true" } else { "false" }),
+            );
+        }
         // Envoy's raw HTTP check always carries these; `allowed_headers` (top level, or the
         // legacy `authorization_request.allowed_headers`) adds to them.
         for (k, val) in v.headers.iter() {
@@ -657,7 +739,7 @@ impl ExtAuthzFilter {
             path: format!("{}{}", h.path_prefix, v.path),
             authority: v.authority.to_string(),
             headers,
-            body: Bytes::new(),
+            body: body.map(|b| b.bytes.clone()).unwrap_or_default(),
             timeout: h.timeout,
             grpc: false,
         }
@@ -939,13 +1021,14 @@ pub fn per_route(map: &HashMap<String, Any>) -> Result<Vec<(String, Arc<PerRoute
             Some(pb::ext_authz_per_route::Override::Disabled(true)) => PerRoute {
                 disabled: true,
                 context_extensions: Vec::new(),
+                no_body: false,
             },
             Some(pb::ext_authz_per_route::Override::Disabled(false)) => {
                 return Err(format!("{at}.disabled: must be true when set"))
             }
             Some(pb::ext_authz_per_route::Override::CheckSettings(s)) => {
-                if s.with_request_body.is_some() || s.disable_request_body_buffering {
-                    return Err(format!("{at}.check_settings: request body settings are not supported (Portico checks on the headers alone)"));
+                if s.with_request_body.is_some() {
+                    return Err(format!("{at}.check_settings.with_request_body is not supported: the filter's own body settings apply"));
                 }
                 if s.service_override.is_some() {
                     return Err(format!(
@@ -957,6 +1040,7 @@ pub fn per_route(map: &HashMap<String, Any>) -> Result<Vec<(String, Arc<PerRoute
                 PerRoute {
                     disabled: false,
                     context_extensions: ext,
+                    no_body: s.disable_request_body_buffering,
                 }
             }
             None => {
@@ -991,6 +1075,7 @@ pub fn merge(levels: &[&[(String, Arc<PerRoute>)]]) -> Vec<(String, Arc<PerRoute
                 Arc::new(PerRoute {
                     disabled: false,
                     context_extensions: Vec::new(),
+                    no_body: false,
                 })
             });
             let rest: Vec<_> = found.collect();
@@ -1011,6 +1096,7 @@ pub fn merge(levels: &[&[(String, Arc<PerRoute>)]]) -> Vec<(String, Arc<PerRoute
                 Arc::new(PerRoute {
                     disabled: false,
                     context_extensions: ext,
+                    no_body: first.no_body,
                 }),
             )
         })

@@ -50,7 +50,7 @@ filter_enabled_metadata:
 #[test]
 fn what_cannot_be_honoured_is_refused_by_field() {
     for (yaml, field) in [
-        ("transport_api_version: V3\nhttp_service: {server_uri: {uri: 'http://a', cluster: a, timeout: 1s}}\nwith_request_body: {max_request_bytes: 10}\n", "with_request_body"),
+        ("transport_api_version: V3\nhttp_service: {server_uri: {uri: 'http://a', cluster: a, timeout: 1s}}\nwith_request_body: {max_request_bytes: 100000}\n", "with_request_body.max_request_bytes"),
         ("transport_api_version: V3\ngrpc_service: {google_grpc: {target_uri: a, stat_prefix: a}}\n", "google_grpc"),
         ("transport_api_version: V3\n", "one of grpc_service or http_service"),
         ("transport_api_version: V3\nhttp_service: {server_uri: {uri: 'http://a', cluster: a, timeout: 1s}}\nstatus_on_error: {code: 42}\n", "status_on_error"),
@@ -165,6 +165,7 @@ fn per_route_levels_merge() {
                     .iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect(),
+                no_body: false,
             }),
         )]
     };

@@ -221,6 +221,17 @@ pub struct Request<'a> {
     /// Requests to the configuration's clusters (ext_authz, remote JWKS); None where no
     /// filter of the chain makes one (unit tests).
     pub upstreams: Option<&'a dyn callout::Upstreams>,
+    /// The request body the connection manager buffered for a filter that checks it
+    /// (ext_authz's `with_request_body`); None when no filter asked.
+    pub body: Option<&'a BufferedBody>,
+}
+
+/// A request body read before the filters ran (it still goes upstream, replayed).
+#[derive(Debug, Clone, Default)]
+pub struct BufferedBody {
+    pub bytes: bytes::Bytes,
+    /// More followed than was buffered.
+    pub partial: bool,
 }
 
 /// The downstream connection, as Envoy's policy filters see it (RBAC's `direct_remote_ip`,

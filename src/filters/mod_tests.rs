@@ -89,6 +89,7 @@ fn run_once(filters: &[HttpFilter], st: &mut FilterState, stats: &fault::FaultSt
         picked: None,
         conn: Connection::default(),
         upstreams: None,
+        body: None,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()

@@ -67,6 +67,7 @@ fn check(
         server: None,
         conn,
         upstreams: None,
+        body: None,
     };
     let s = Subject {
         req: Some(&req),
@@ -330,6 +331,7 @@ fn per_route_override_disables_or_replaces() {
             server: None,
             conn: conn("1.1.1.1"),
             upstreams: None,
+            body: None,
         };
         let mut st = FilterState::default();
         matches!(f.decode(&req, &mut st, &named), Decision::Continue)

@@ -384,6 +384,73 @@ impl Gateway {
     }
 }
 
+/// What the connection manager read of the body for its filters.
+enum BodyRead {
+    None,
+    Read(filters::BufferedBody),
+    /// Longer than a filter allows without `allow_partial_message`.
+    TooLarge,
+}
+
+impl Gateway {
+    /// Reads the request body a filter wants to check (ext_authz's `with_request_body`): up
+    /// to the largest `max_request_bytes` of the chain's filters, kept in pingora's retry
+    /// buffer so the proxy still sends it upstream.
+    async fn buffer_body_for_filters(
+        &self,
+        session: &mut Session,
+        hcm: &crate::snapshot::listener::Hcm,
+        expect_continue: &mut bool,
+    ) -> Result<BodyRead> {
+        let wanted = hcm
+            .filters
+            .iter()
+            .filter_map(|f| match f {
+                filters::HttpFilter::ExtAuthz(a) => a.body_settings(),
+                _ => None,
+            })
+            .max_by_key(|b| b.max_bytes);
+        let Some(want) = wanted else {
+            return Ok(BodyRead::None);
+        };
+        if session.as_mut().is_body_empty() || session.is_upgrade_req() {
+            return Ok(BodyRead::Read(filters::BufferedBody::default()));
+        }
+        if std::mem::take(expect_continue) {
+            session
+                .write_response_header(Box::new(ResponseHeader::build(100, Some(0))?), false)
+                .await?;
+            session
+                .req_header_mut()
+                .remove_header(&http::header::EXPECT);
+        }
+        session.as_mut().enable_retry_buffering();
+        let mut buf = bytes::BytesMut::new();
+        let mut done = false;
+        while buf.len() < want.max_bytes {
+            match session.read_request_body().await? {
+                Some(chunk) => buf.extend_from_slice(&chunk),
+                None => {
+                    done = true;
+                    break;
+                }
+            }
+        }
+        if !done && session.as_mut().is_body_done() {
+            done = true;
+        }
+        let partial = !done || buf.len() > want.max_bytes;
+        if partial && !want.allow_partial {
+            return Ok(BodyRead::TooLarge);
+        }
+        buf.truncate(want.max_bytes);
+        Ok(BodyRead::Read(filters::BufferedBody {
+            bytes: buf.freeze(),
+            partial,
+        }))
+    }
+}
+
 #[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = Ctx;
@@ -401,10 +468,37 @@ impl ProxyHttp for Gateway {
         ctx.traceable = true;
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
-        let expect_continue = downstream::expects_continue(session.req_header());
+        let mut expect_continue = downstream::expects_continue(session.req_header());
         // `istio.metadata_exchange` and `istio.stats` read the request's headers (the former
         // removes the peer's metadata headers, which are not forwarded).
         istio::request(session, ctx);
+        // ext_authz's `with_request_body`: the body is read before the filters run and
+        // replayed upstream from pingora's retry buffer (a client waiting for `100 Continue`
+        // gets it first, as Envoy's connection manager sends it).
+        let body = match listener.def.hcm() {
+            Some(h) => {
+                match self
+                    .buffer_body_for_filters(session, h, &mut expect_continue)
+                    .await?
+                {
+                    BodyRead::Read(b) => Some(b),
+                    BodyRead::None => None,
+                    BodyRead::TooLarge => {
+                        ctx.outcome(None, "request_payload_too_large");
+                        return self
+                            .local_reply(
+                                session,
+                                ctx,
+                                413,
+                                Some(bytes::Bytes::from_static(b"Payload Too Large")),
+                                &[],
+                            )
+                            .await;
+                    }
+                }
+            }
+            None => None,
+        };
         // The route and its weighted-cluster pick, before any filter runs.
         let mut host = downstream::authority(session, &listener);
         let mut matched = {
@@ -474,6 +568,7 @@ impl ProxyHttp for Gateway {
                     upstreams: callouts
                         .as_ref()
                         .map(|c| c as &dyn filters::callout::Upstreams),
+                    body: body.as_ref(),
                 };
                 let outcome =
                     filters::run(&hcm.filters, next, &filter_req, &mut ctx.filters, stats).await;

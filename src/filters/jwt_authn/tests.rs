@@ -158,6 +158,7 @@ fn run(
         picked: None,
         conn: Connection::default(),
         upstreams: None,
+        body: None,
     };
     let mut st = FilterState::default();
     let r = match f.decode_at(&req, &mut st, NOW) {
@@ -560,6 +561,7 @@ fn cors_preflight_bypassed() {
         picked: None,
         conn: Connection::default(),
         upstreams: None,
+        body: None,
     };
     assert!(matches!(
         f.decode_at(&req, &mut FilterState::default(), NOW),
