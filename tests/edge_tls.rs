@@ -2123,3 +2123,98 @@ async fn rbac_reads_the_server_name_of_the_tls_connection() {
         .expect("an answer");
     assert_eq!((r.status, r.body.as_str()), (403, "RBAC: access denied"));
 }
+
+/// Network RBAC in front of a chain that terminates mTLS decides once the handshake is done,
+/// so an `authenticated` principal names the client certificate (as Envoy's network filters
+/// see the decrypted connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_rbac_on_an_mtls_chain_reads_the_client_certificate() {
+    use envoy_types::pb::envoy::config::rbac::v3::{
+        permission, principal, Permission, Policy, Principal, Rbac as Rules,
+    };
+    use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
+    use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
+    use http_connection_manager::ForwardClientCertDetails;
+    let pki = Pki::new("portico server CA");
+    let clients = Pki::new("portico client CA");
+    let server = pki.leaf(&["mtls.example.com"]);
+    let good = client_leaf(&clients, "good client", "spiffe://td/ns/good/sa/a");
+    let other = client_leaf(&clients, "other", "spiffe://td/ns/other/sa/b");
+    let backend = Backend::start("mtls-backend").await;
+    let ctx = DownstreamTlsContext {
+        require_client_certificate: Some(envoy_types::pb::google::protobuf::BoolValue { value: true }),
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![tls_certificate(&server)],
+            validation_context_type: Some(
+                envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::common_tls_context::ValidationContextType::ValidationContext(
+                    validation(&clients.ca_pem(), None),
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let rbac = NetworkRbac {
+        stat_prefix: "tcp.".into(),
+        rules: Some(Rules {
+            action: 0,
+            policies: [(
+                "good-only".to_string(),
+                Policy {
+                    permissions: vec![Permission {
+                        rule: Some(permission::Rule::Any(true)),
+                    }],
+                    principals: vec![Principal {
+                        identifier: Some(principal::Identifier::Authenticated(
+                            principal::Authenticated {
+                                principal_name: Some(StringMatcher {
+                                    match_pattern: Some(string_matcher::MatchPattern::Exact(
+                                        "spiffe://td/ns/good/sa/a".into(),
+                                    )),
+                                    ..Default::default()
+                                }),
+                            },
+                        )),
+                    }],
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_raw(|port| {
+        let mut chain = xfcc_chain(
+            mtls_transport(ctx.clone()),
+            ForwardClientCertDetails::Sanitize,
+            None,
+        );
+        chain.filters.insert(
+            0,
+            Filter {
+                name: "envoy.filters.network.rbac".into(),
+                config_type: Some(filter::ConfigType::TypedConfig(any(rbac))),
+            },
+        );
+        Snapshot {
+            listeners: vec![tls_listener(port, vec![chain], None)],
+            routes: vec![to_backend(&backend.name)],
+            ..Default::default()
+        }
+        .with_backends(&[(backend.name.as_str(), &backend)])
+    })
+    .await;
+    let ok = Client::new(&pki).cert(&good);
+    let r = wait_tls(&ok, mesh.port, "mtls.example.com").await;
+    assert_eq!(r.body, "mtls-backend");
+    let r = Client::new(&pki)
+        .cert(&other)
+        .get(mesh.port, "mtls.example.com", "/")
+        .await;
+    assert!(
+        r.is_err(),
+        "another principal is closed: {:?}",
+        r.map(|r| r.status)
+    );
+}

@@ -780,8 +780,9 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
         };
         // The chain's network policy filters (RBAC, ext_authz), once for the connection
         // (Envoy's ONE_TIME_ON_FIRST_BYTE): a denied connection is closed before anything is
-        // read.
-        if !chosen.0.def.policy.is_empty() {
+        // read. A chain that terminates TLS decides after the handshake, when the client's
+        // certificate (`authenticated`) is known, as Envoy's filters see the decrypted bytes.
+        if !chosen.0.def.policy.is_empty() && chosen.0.tls.is_none() {
             let local = local.or_else(|| tcp.local_addr().ok());
             let view = crate::filters::Connection {
                 direct_remote: Some(peer),
@@ -791,20 +792,9 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 peer: None,
                 tls: hello.tls,
             };
-            let mut st = crate::filters::FilterState::default();
-            let snap = conns.state.snapshot();
-            let callouts = super::callout::Callouts { snapshot: &snap };
-            for p in &chosen.0.def.policy {
-                let ok = match p {
-                    crate::snapshot::listener::NetworkPolicy::Rbac(r) => r.allows(&view, &mut st),
-                    crate::snapshot::listener::NetworkPolicy::ExtAuthz(a) => {
-                        a.allows(&view, &st, Some(&callouts)).await
-                    }
-                };
-                if !ok {
-                    tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
-                    return;
-                }
+            if !network_policy_allows(&chosen.0.def, &view, &conns.state).await {
+                tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
+                return;
             }
         }
         chosen
@@ -834,7 +824,30 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                     .await
                     {
                         Ok((session, _)) => {
-                            super::tls::count_handshake(&conns.stats.ssl, session.get_ref().1);
+                            let c = session.get_ref().1;
+                            super::tls::count_handshake(&conns.stats.ssl, c);
+                            if !active.def.policy.is_empty() {
+                                let cert = c.peer_certificates().and_then(|chain| {
+                                    super::client_cert::PeerCert::from_chain(
+                                        chain,
+                                        tls.local_uris.clone(),
+                                    )
+                                });
+                                let view = crate::filters::Connection {
+                                    direct_remote: Some(peer),
+                                    remote: Some(peer.ip()),
+                                    local,
+                                    sni: c.server_name(),
+                                    peer: cert
+                                        .as_ref()
+                                        .map(|p| p as &(dyn crate::filters::PeerIdentity + Sync)),
+                                    tls: true,
+                                };
+                                if !network_policy_allows(&active.def, &view, &conns.state).await {
+                                    tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
+                                    return;
+                                }
+                            }
                             super::tcp::serve(session, (peer, local), proxy, snap, s, close, istio)
                                 .await;
                         }
@@ -872,11 +885,29 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 Ok((session, alpn)) => {
                     let c = session.get_ref().1;
                     super::tls::count_handshake(&conns.stats.ssl, c);
+                    let cert = c.peer_certificates().and_then(|chain| {
+                        super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
+                            .map(Arc::new)
+                    });
+                    if !active.def.policy.is_empty() {
+                        let view = crate::filters::Connection {
+                            direct_remote: Some(peer),
+                            remote: Some(peer.ip()),
+                            local,
+                            sni: c.server_name(),
+                            peer: cert
+                                .as_deref()
+                                .map(|p| p as &(dyn crate::filters::PeerIdentity + Sync)),
+                            tls: true,
+                        };
+                        if !network_policy_allows(&active.def, &view, &conns.state).await {
+                            tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
+                            stats.cx_ssl_active.fetch_sub(1, Relaxed);
+                            return;
+                        }
+                    }
                     let client = super::client_cert::TlsConn {
-                        peer: c.peer_certificates().and_then(|chain| {
-                            super::client_cert::PeerCert::from_chain(chain, tls.local_uris.clone())
-                                .map(Arc::new)
-                        }),
+                        peer: cert,
                         sni: c.server_name().map(Arc::from),
                     }
                     .into_digest();
@@ -919,6 +950,30 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
 /// Runs the listener filters in their configured order; None when one of them closed the
 /// connection. A PROXY header's addresses replace `peer` (and set `local`) for everything
 /// after it: the TLS inspector, chain selection, XFF and the request path.
+/// The chain's network policy filters in order (RBAC, ext_authz): whether the connection
+/// goes on.
+async fn network_policy_allows(
+    def: &crate::snapshot::listener::ChainDef,
+    view: &crate::filters::Connection<'_>,
+    state: &crate::State,
+) -> bool {
+    let mut st = crate::filters::FilterState::default();
+    let snap = state.snapshot();
+    let callouts = super::callout::Callouts { snapshot: &snap };
+    for p in &def.policy {
+        let ok = match p {
+            crate::snapshot::listener::NetworkPolicy::Rbac(r) => r.allows(view, &mut st),
+            crate::snapshot::listener::NetworkPolicy::ExtAuthz(a) => {
+                a.allows(view, &st, Some(&callouts)).await
+            }
+        };
+        if !ok {
+            return false;
+        }
+    }
+    true
+}
+
 async fn run_listener_filters(
     tcp: &mut tokio::net::TcpStream,
     def: &crate::snapshot::listener::ListenerDef,
