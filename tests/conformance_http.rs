@@ -395,6 +395,17 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
     ),
     ("content-length abc", "pingora's own 400 (empty body)"),
     ("content-length -1", "pingora's own 400 (empty body)"),
+    ("content-length +5", "pingora's own 400 (empty body)"),
+    (
+        "te chunked, identity",
+        "pingora's parser refuses it first (400, empty body)",
+    ),
+    ("chunk size with bare LF", "pingora's own 400 (empty body)"),
+    ("NUL in header value", "pingora's own 400 (empty body)"),
+    (
+        "request line of 70000 bytes path",
+        "pingora's parser limit answers 400 before Portico sees it",
+    ),
     ("CONNECT", "pingora answers 405"),
     ("obs-fold", "pingora's parser rejects obs-fold"),
     (
@@ -516,6 +527,19 @@ async fn malformed_requests() {
         ("bare LF line ends", format!("GET /lf HTTP/1.1\nhost: {HOST}\n\n"), v(200, "raw-backend", false)),
         ("two Host headers", "GET /two-hosts HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n".into(), v(200, "raw-backend", false)),
         ("absolute-form target", "GET http://abs.example/abs?q=1 HTTP/1.1\r\nhost: other.example\r\n\r\n".into(), v(200, "raw-backend", false)),
+        ("te chunked, identity", format!("POST /bad HTTP/1.1\r\n{h}transfer-encoding: chunked, identity\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), v(501, "Not Implemented", true)),
+        ("te unknown, chunked", format!("POST /bad HTTP/1.1\r\n{h}transfer-encoding: foo, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), v(501, "Not Implemented", true)),
+        ("te chunked twice", format!("POST /bad HTTP/1.1\r\n{h}transfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), v(501, "Not Implemented", true)),
+        ("te Chunked capitalised", format!("POST /te-caps HTTP/1.1\r\n{h}transfer-encoding: Chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), v(200, "raw-backend", false)),
+        ("content-length +5", format!("POST /bad HTTP/1.1\r\n{h}content-length: +5\r\n\r\nhello"), v(400, BAD_REQUEST, true)),
+        ("content-length 005", format!("POST /cl-zeros HTTP/1.1\r\n{h}content-length: 005\r\n\r\nhello"), v(200, "raw-backend", false)),
+        ("two content-lengths of 5", format!("POST /bad HTTP/1.1\r\n{h}content-length: 5\r\ncontent-length: 5\r\n\r\nhello"), v(400, BAD_REQUEST, true)),
+        ("content-length 5, 5", format!("POST /cl-list HTTP/1.1\r\n{h}content-length: 5, 5\r\n\r\nhello"), v(400, BAD_REQUEST, true)),
+        ("chunk extension", format!("POST /chunk-ext HTTP/1.1\r\n{h}transfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n0\r\n\r\n"), v(200, "raw-backend", false)),
+        ("chunk size with bare LF", format!("POST /bad HTTP/1.1\r\n{h}transfer-encoding: chunked\r\n\r\n5\nhello\r\n0\r\n\r\n"), v(400, BAD_REQUEST, true)),
+        ("request line of 70000 bytes path", format!("GET /{} HTTP/1.1\r\n{h}\r\n", a(70000)), v(431, "Request Header Fields Too Large", true)),
+        ("header name with underscore", format!("GET /underscore HTTP/1.1\r\n{h}x_y: 1\r\n\r\n"), v(200, "raw-backend", false)),
+        ("NUL in header value", format!("GET /bad HTTP/1.1\r\n{h}x-y: a\x00b\r\n\r\n"), v(400, BAD_REQUEST, true)),
     ];
     let results = futures::future::join_all(
         cases

@@ -422,8 +422,30 @@ fn reject(
     {
         return Some((400, "Bad Request", true));
     }
+    // Content-Length must be digits only: a list (`5, 5`) or a sign is refused as Envoy's
+    // codec refuses it, so no upstream parser reads it differently.
+    if h1 {
+        let mut cls = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        if let Some(cl) = cls.next() {
+            let digits = |v: &http::HeaderValue| {
+                !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit)
+            };
+            if !digits(cl) || cls.next().is_some() {
+                return Some((400, "Bad Request", true));
+            }
+        }
+    }
     if let Some(te) = req.headers.get(http::header::TRANSFER_ENCODING) {
-        if !te.as_bytes().eq_ignore_ascii_case(b"chunked") {
+        // One coding, chunked, once: anything else (`chunked, chunked` in two headers
+        // included) is Envoy's 501.
+        if !te.as_bytes().eq_ignore_ascii_case(b"chunked")
+            || req
+                .headers
+                .get_all(http::header::TRANSFER_ENCODING)
+                .iter()
+                .count()
+                > 1
+        {
             return Some((501, "Not Implemented", true));
         }
         // The parser drops Content-Length next to chunked; the raw head still shows both.
