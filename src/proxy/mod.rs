@@ -466,6 +466,16 @@ impl ProxyHttp for Gateway {
             return Ok(true);
         }
         ctx.traceable = true;
+        // `idle_timeout`: how long this HTTP/1 connection may wait for its next request (the
+        // keep-alive pingora decided for it stays as it is otherwise).
+        if let Some(h) = listener.def.hcm() {
+            if let pingora_core::protocols::http::ServerSession::H1(s1) = session.as_downstream() {
+                if s1.get_keepalive_timeout().is_some() {
+                    let secs = h.idle_timeout.map_or(0, |d| d.as_secs_f64().ceil() as u64);
+                    session.set_keepalive(Some(secs));
+                }
+            }
+        }
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
         let mut expect_continue = downstream::expects_continue(session.req_header());

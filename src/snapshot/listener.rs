@@ -349,6 +349,11 @@ pub struct Hcm {
     pub filters: Vec<HttpFilter>,
     /// `stream_idle_timeout`: Envoy's default is 5 minutes; zero disables it.
     pub stream_idle_timeout: Option<std::time::Duration>,
+    /// `common_http_protocol_options.idle_timeout`: an HTTP/1 connection with no request in
+    /// flight is closed this long after its last response (Envoy's default 1 hour; zero:
+    /// never), plus what Envoy's drain adds after its idle timer fires: `drain_timeout`
+    /// (default 5 s) and `delayed_close_timeout` (default 1 s).
+    pub idle_timeout: Option<std::time::Duration>,
     /// `common_http_protocol_options.max_stream_duration` (unset or zero: no limit).
     pub max_stream_duration: Option<std::time::Duration>,
     /// `internal_address_config.cidr_ranges`: downstream addresses Envoy treats as internal.
@@ -1014,6 +1019,21 @@ impl Hcm {
                 None => Some(std::time::Duration::from_secs(300)),
                 Some(d) => (!d.is_zero()).then_some(d),
             };
+        let idle_timeout = match opt_duration(
+            "common_http_protocol_options.idle_timeout",
+            h.common_http_protocol_options
+                .as_ref()
+                .and_then(|o| o.idle_timeout.as_ref()),
+        )? {
+            None => Some(std::time::Duration::from_secs(3600)),
+            Some(d) => (!d.is_zero()).then_some(d),
+        };
+        let drain_timeout = opt_duration("drain_timeout", h.drain_timeout.as_ref())?
+            .unwrap_or(std::time::Duration::from_secs(5));
+        let delayed_close =
+            opt_duration("delayed_close_timeout", h.delayed_close_timeout.as_ref())?
+                .unwrap_or(std::time::Duration::from_secs(1));
+        let idle_timeout = idle_timeout.map(|d| d + drain_timeout + delayed_close);
         let max_stream_duration = opt_duration(
             "common_http_protocol_options.max_stream_duration",
             h.common_http_protocol_options
@@ -1140,6 +1160,7 @@ impl Hcm {
             upgrades,
             xfcc,
             stream_idle_timeout,
+            idle_timeout,
             max_stream_duration,
             internal_ranges,
             filters,
@@ -1185,9 +1206,9 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     {
         return Err("http2_protocol_options.allow_connect: extended CONNECT (WebSocket over HTTP/2) is not supported".into());
     }
-    // common_http_protocol_options: idle_timeout and max_connection_duration close idle or
-    // old downstream connections, max_requests_per_connection likewise: connection hygiene,
-    // not routing (max_stream_duration and headers_with_underscores_action are read above).
+    // common_http_protocol_options: idle_timeout is read above (HTTP/1); max_connection_duration
+    // and max_requests_per_connection close old downstream connections: connection hygiene,
+    // not routing, accepted without effect (see the README's hostile clients section).
     if let Some(r) = &h.request_id_extension {
         let t = r
             .typed_config
