@@ -19,6 +19,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         server_name: "envoy".into(),
         filters: Vec::new(),
         stream_idle_timeout: None,
+        idle_timeout: None,
         max_stream_duration: None,
         internal_ranges: Vec::new(),
         upgrades: Default::default(),
