@@ -207,18 +207,6 @@ fn http_service(cluster: &str) -> ExtAuthz {
     }
 }
 
-async fn stat(mesh: &Mesh, name: &str) -> u64 {
-    let body = mesh
-        .gw
-        .admin_get(&format!("/stats?filter={}$", name.replace('.', "\\.")))
-        .await
-        .body;
-    body.lines()
-        .find_map(|l| l.split_once(": ").filter(|(n, _)| n.ends_with(name)))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_service_allows_denies_and_fails_closed() {
     let web = header_echo().await;
@@ -274,9 +262,9 @@ async fn http_service_allows_denies_and_fails_closed() {
     assert_eq!(open.status, 200);
     assert_eq!(open.header("x-req-x-user"), None);
 
-    assert!(stat(&mesh, "ext_authz.ok").await >= 1);
-    assert_eq!(stat(&mesh, "ext_authz.denied").await, 1);
-    assert_eq!(stat(&mesh, "ext_authz.error").await, 1);
+    assert!(mesh.gw.stat_ending("ext_authz.ok").await >= 1);
+    assert_eq!(mesh.gw.stat_ending("ext_authz.denied").await, 1);
+    assert_eq!(mesh.gw.stat_ending("ext_authz.error").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,12 +292,15 @@ async fn an_unreachable_server_fails_closed_or_open_as_configured() {
                 r.header("x-req-x-envoy-auth-failure-mode-allowed"),
                 Some("true")
             );
-            assert_eq!(stat(&mesh, "ext_authz.failure_mode_allowed").await, 1);
+            assert_eq!(
+                mesh.gw.stat_ending("ext_authz.failure_mode_allowed").await,
+                1
+            );
         } else {
             assert_eq!(r.status, 403);
             assert_eq!(r.body, "");
         }
-        assert_eq!(stat(&mesh, "ext_authz.error").await, 1);
+        assert_eq!(mesh.gw.stat_ending("ext_authz.error").await, 1);
     }
 }
 
@@ -379,30 +370,10 @@ impl authpb::authorization_server::Authorization for Grpc {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_service_allows_with_headers_and_denies_with_body() {
     let web = header_echo().await;
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let authz = l.local_addr().expect("addr");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(authpb::authorization_server::AuthorizationServer::new(Grpc))
-            .serve_with_incoming(tokio_stream_listener(l)),
-    );
+    let authz = grpc_server(Grpc).await;
     let filter = ExtAuthz {
         transport_api_version: 2,
-        services: Some(ext_authz::Services::GrpcService(GrpcService {
-            target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
-                grpc_service::EnvoyGrpc {
-                    cluster_name: "authz".into(),
-                    ..Default::default()
-                },
-            )),
-            timeout: Some(envoy_types::pb::google::protobuf::Duration {
-                seconds: 2,
-                nanos: 0,
-            }),
-            ..Default::default()
-        })),
+        services: Some(ext_authz::Services::GrpcService(grpc_to("authz"))),
         ..Default::default()
     };
     let mesh = Mesh::start_raw(|port| snapshot(port, filter, ("authz", authz, true), web)).await;
@@ -426,8 +397,8 @@ async fn grpc_service_allows_with_headers_and_denies_with_body() {
     assert_eq!(denied.body, "denied over grpc");
     assert_eq!(denied.header("x-deny-reason"), Some("grpc says no"));
 
-    assert_eq!(stat(&mesh, "ext_authz.ok").await, 2);
-    assert_eq!(stat(&mesh, "ext_authz.denied").await, 1);
+    assert_eq!(mesh.gw.stat_ending("ext_authz.ok").await, 2);
+    assert_eq!(mesh.gw.stat_ending("ext_authz.denied").await, 1);
 }
 
 fn tokio_stream_listener(
@@ -466,7 +437,24 @@ impl authpb::authorization_server::Authorization for Fixed {
     }
 }
 
-async fn grpc_server(s: Fixed) -> SocketAddr {
+/// The cluster's `envoy_grpc` service, 2 s timeout.
+fn grpc_to(cluster: &str) -> GrpcService {
+    GrpcService {
+        target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+            grpc_service::EnvoyGrpc {
+                cluster_name: cluster.into(),
+                ..Default::default()
+            },
+        )),
+        timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 2,
+            nanos: 0,
+        }),
+        ..Default::default()
+    }
+}
+
+async fn grpc_server(s: impl authpb::authorization_server::Authorization) -> SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -496,19 +484,7 @@ async fn network_ext_authz_closes_a_denied_connection() {
         let authz = NetworkExtAuthz {
             stat_prefix: prefix.into(),
             transport_api_version: 2,
-            grpc_service: Some(GrpcService {
-                target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
-                    grpc_service::EnvoyGrpc {
-                        cluster_name: cluster.into(),
-                        ..Default::default()
-                    },
-                )),
-                timeout: Some(envoy_types::pb::google::protobuf::Duration {
-                    seconds: 2,
-                    nanos: 0,
-                }),
-                ..Default::default()
-            }),
+            grpc_service: Some(grpc_to(cluster)),
             ..Default::default()
         };
         Listener {
@@ -558,8 +534,8 @@ async fn network_ext_authz_closes_a_denied_connection() {
     .await;
     let r = raw_http1(closed_port, req, false).await;
     assert_eq!(r.status, 0, "closed without an answer: {}", r.body_str());
-    assert_eq!(stat(&mesh, "ext_authz.closed.denied").await, 1);
-    assert!(stat(&mesh, "ext_authz.open.ok").await >= 1);
+    assert_eq!(mesh.gw.stat_ending("ext_authz.closed.denied").await, 1);
+    assert!(mesh.gw.stat_ending("ext_authz.open.ok").await >= 1);
 }
 
 /// `with_request_body`: the check carries the body (cut at `max_request_bytes` with

@@ -319,19 +319,7 @@ async fn local_jwks_verifies_and_rbac_reads_the_claims() {
     assert_eq!((r.status, r.body.as_str()), (403, "RBAC: access denied"));
     let admin = signer.token("k1", claims("bob", "admins", now() + 600));
     assert_eq!(get(&mesh, "/api/admin", Some(&admin)).await.status, 200);
-    assert_eq!(stat(&mesh, "jwt_authn.denied").await, 4);
-}
-
-async fn stat(mesh: &Mesh, name: &str) -> u64 {
-    let body = mesh
-        .gw
-        .admin_get(&format!("/stats?filter={}$", name.replace('.', "\\.")))
-        .await
-        .body;
-    body.lines()
-        .find_map(|l| l.split_once(": ").filter(|(n, _)| n.ends_with(name)))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0)
+    assert_eq!(mesh.gw.stat_ending("jwt_authn.denied").await, 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -378,7 +366,7 @@ async fn remote_jwks_is_fetched_cached_and_rotated() {
     .await;
     assert_eq!(r.header("x-req-x-jwt-sub"), Some("carol"));
     assert!(fetches.load(std::sync::atomic::Ordering::SeqCst) >= 2);
-    assert!(stat(&mesh, "jwt_authn.jwks_fetch_success").await >= 2);
+    assert!(mesh.gw.stat_ending("jwt_authn.jwks_fetch_success").await >= 2);
     // The old token's key id is gone from the set.
     assert_refused(
         &get(&mesh, "/api", Some(&t1)).await,
@@ -406,5 +394,5 @@ async fn an_unreachable_jwks_server_fails_the_request() {
     );
     // A request without a token never needs the keys.
     assert_refused(&get(&mesh, "/api", None).await, 401, "Jwt is missing");
-    assert_eq!(stat(&mesh, "jwt_authn.jwks_fetch_failed").await, 1);
+    assert_eq!(mesh.gw.stat_ending("jwt_authn.jwks_fetch_failed").await, 1);
 }

@@ -2297,6 +2297,19 @@ impl Gateway {
     pub async fn admin_get(&self, path: &str) -> Resp {
         get(&self.admin_url(path), None, &[]).await
     }
+
+    /// The first counter on `/stats` whose name ends with `suffix` (0 when there is none):
+    /// for a filter's counter under whatever scope prefix the proxy gives it.
+    pub async fn stat_ending(&self, suffix: &str) -> u64 {
+        let body = self
+            .admin_get(&format!("/stats?filter={}$", suffix.replace('.', "\\.")))
+            .await
+            .body;
+        body.lines()
+            .find_map(|l| l.split_once(": ").filter(|(n, _)| n.ends_with(suffix)))
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
 }
 
 /// What a TCP connect to 127.0.0.1:`port` does: `Ok(())` when accepted,
