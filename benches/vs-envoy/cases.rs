@@ -556,6 +556,91 @@ pub async fn churn(
     Ok(())
 }
 
+/// Case 14, the soak (`--cases soak`, not part of `all`): saturating HTTP/1.1 load for
+/// `--soak-secs` while the control plane pushes every 100 ms (clusters' settings, endpoints,
+/// the route's cluster, and a second listener that changes each push) and restarts every
+/// minute; RSS and open file descriptors sampled every 5 s after a 10 s warm-up.
+pub async fn soak(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let who = proxy.name();
+    let (port, extra) = (common::free_port(), common::free_port());
+    let snap = move |k: usize, ports: &[u16]| {
+        let mut s = config::churn_snapshot(port, k, ports);
+        let mut h = common::hcm(extra);
+        h.stat_prefix = format!("soak_{}", k % 7);
+        s.listeners.push(common::listener_with(extra, h));
+        s
+    };
+    let ads_port = common::free_port();
+    let ads = Arc::new(tokio::sync::RwLock::new(
+        AdsServer::start(ads_port, "0", &snap(0, &backend.ports)).await,
+    ));
+    let p = {
+        let a = ads.read().await;
+        start_on_ads(env, opts, proxy, &a).await?
+    };
+    let url = format!("http://127.0.0.1:{port}/");
+    until_body(&HttpClient::new(), &url, BODY, Duration::from_secs(20)).await?;
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pusher = {
+        let (ads, stop, ports) = (ads.clone(), stop.clone(), backend.ports.clone());
+        tokio::spawn(async move {
+            let (mut k, mut restarts) = (0usize, 0usize);
+            let mut last_restart = std::time::Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                k += 1;
+                if last_restart.elapsed() >= Duration::from_secs(60) {
+                    let mut a = ads.write().await;
+                    a.stop().await;
+                    *a = AdsServer::start(ads_port, &k.to_string(), &snap(k, &ports)).await;
+                    last_restart = std::time::Instant::now();
+                    restarts += 1;
+                } else {
+                    ads.read().await.set_snapshot(&k.to_string(), &snap(k, &ports));
+                }
+            }
+            (k, restarts)
+        })
+    };
+    let secs = opts.soak_secs;
+    let load = {
+        let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+        tokio::task::spawn_blocking(move || tools::wrk(&e, &o, &u, 50, secs))
+    };
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let fds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count()) as f64
+    };
+    let (rss0, fd0) = (p.rss_mib()?, fds(p.pid()));
+    let (mut rss_max, mut rss_last, mut fd_last) = (rss0, rss0, fd0);
+    while !load.is_finished() {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        if let Ok(r) = p.rss_mib() {
+            rss_max = rss_max.max(r);
+            rss_last = r;
+        }
+        fd_last = fds(p.pid());
+    }
+    let r = load.await.map_err(|e| e.to_string())??;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (pushes, restarts) = pusher.await.map_err(|e| e.to_string())?;
+    results.add("14 soak failed requests", who, r.errors as f64);
+    results.add("14 soak rps", who, r.rps);
+    results.add("14 soak rss after warm-up", who, rss0);
+    results.add("14 soak rss growth, end vs warm-up", who, (rss_last - rss0) / rss0 * 100.0);
+    results.add("14 soak rss growth, max vs warm-up", who, (rss_max - rss0) / rss0 * 100.0);
+    results.add("14 soak open fds, end minus warm-up", who, fd_last - fd0);
+    eprintln!("   ({pushes} pushes, {restarts} control plane restarts, {secs} s)");
+    Ok(())
+}
+
 /// Case 8: HTTPS (TLS 1.3, an ECDSA P-256 certificate) with keep-alive, and with a new
 /// connection (so a full handshake) per request.
 pub async fn https(

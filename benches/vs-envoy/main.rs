@@ -93,6 +93,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
             if opts.wants("scale") {
                 cases::scale(&env, &opts, &backend, proxy, &mut results).await?;
             }
+            if opts.names("soak") {
+                cases::soak(&env, &opts, &backend, proxy, &mut results).await?;
+            }
             if opts.wants("churn") {
                 cases::churn(&env, &opts, &backend, proxy, &mut results).await?;
             }

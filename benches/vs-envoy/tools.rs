@@ -17,6 +17,8 @@ pub struct Opts {
     pub scale: usize,
     /// The proxies' log level; their logs are copied under target/vs-envoy/logs.
     pub proxy_log: String,
+    /// How long the soak case runs per proxy (`--soak-secs`, default 600).
+    pub soak_secs: u64,
 }
 
 impl Opts {
@@ -29,6 +31,7 @@ impl Opts {
             load_cpu: 1,
             scale: 10_000,
             proxy_log: "warn".into(),
+            soak_secs: 600,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -45,6 +48,7 @@ impl Opts {
                 "--bench" => {}
                 "--rounds" => o.rounds = num(a, val(a)?)?.max(1) as usize,
                 "--secs" => o.secs = num(a, val(a)?)?.max(1),
+                "--soak-secs" => o.soak_secs = num(a, val(a)?)?.max(10),
                 "--scale" => o.scale = num(a, val(a)?)?.max(1) as usize,
                 "--proxy-cpu" => o.proxy_cpu = num(a, val(a)?)? as usize,
                 "--load-cpu" => o.load_cpu = num(a, val(a)?)? as usize,
@@ -64,6 +68,11 @@ impl Opts {
 
     pub fn wants(&self, case: &str) -> bool {
         self.cases.iter().any(|c| c == "all" || c == case)
+    }
+
+    /// A case `all` leaves out (the soak: ten minutes per proxy).
+    pub fn names(&self, case: &str) -> bool {
+        self.cases.iter().any(|c| c == case)
     }
 }
 
