@@ -603,7 +603,9 @@ pub async fn soak(
                     last_restart = std::time::Instant::now();
                     restarts += 1;
                 } else {
-                    ads.read().await.set_snapshot(&k.to_string(), &snap(k, &ports));
+                    ads.read()
+                        .await
+                        .set_snapshot(&k.to_string(), &snap(k, &ports));
                 }
             }
             (k, restarts)
@@ -615,13 +617,16 @@ pub async fn soak(
         tokio::task::spawn_blocking(move || tools::wrk(&e, &o, &u, 50, secs))
     };
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let fds = |pid: u32| {
-        std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count()) as f64
-    };
+    let fds =
+        |pid: u32| std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count()) as f64;
     let (rss0, fd0) = (p.rss_mib()?, fds(p.pid()));
     let (mut rss_max, mut rss_last, mut fd_last) = (rss0, rss0, fd0);
-    while !load.is_finished() {
+    loop {
         tokio::time::sleep(Duration::from_secs(5)).await;
+        // Sampled only under load: once wrk closes its connections the fds drop.
+        if load.is_finished() {
+            break;
+        }
         if let Ok(r) = p.rss_mib() {
             rss_max = rss_max.max(r);
             rss_last = r;
@@ -634,8 +639,16 @@ pub async fn soak(
     results.add("14 soak failed requests", who, r.errors as f64);
     results.add("14 soak rps", who, r.rps);
     results.add("14 soak rss after warm-up", who, rss0);
-    results.add("14 soak rss growth, end vs warm-up", who, (rss_last - rss0) / rss0 * 100.0);
-    results.add("14 soak rss growth, max vs warm-up", who, (rss_max - rss0) / rss0 * 100.0);
+    results.add(
+        "14 soak rss growth, end vs warm-up",
+        who,
+        (rss_last - rss0) / rss0 * 100.0,
+    );
+    results.add(
+        "14 soak rss growth, max vs warm-up",
+        who,
+        (rss_max - rss0) / rss0 * 100.0,
+    );
     results.add("14 soak open fds, end minus warm-up", who, fd_last - fd0);
     eprintln!("   ({pushes} pushes, {restarts} control plane restarts, {secs} s)");
     Ok(())
