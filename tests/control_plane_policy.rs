@@ -6,8 +6,6 @@
 mod common;
 mod control_plane_support;
 
-use std::convert::Infallible;
-
 use bytes::Bytes;
 use common::jwt::{now, Signer};
 use common::*;
@@ -20,32 +18,14 @@ const ISSUER: &str = "https://issuer.example";
 
 /// The authorization server: refuses everything it is asked about with 403 and a reason.
 async fn refusing_authz() -> std::net::SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = l.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|_req| async {
-                    Ok::<_, Infallible>(
-                        hyper::Response::builder()
-                            .status(403)
-                            .header("x-authz", "refused")
-                            .body(Full::new(Bytes::from_static(b"no secrets here")))
-                            .expect("response"),
-                    )
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                    .await;
-            });
-        }
-    });
-    addr
+    serve_fn(|_req| {
+        hyper::Response::builder()
+            .status(403)
+            .header("x-authz", "refused")
+            .body(Full::new(Bytes::from_static(b"no secrets here")))
+            .expect("response")
+    })
+    .await
 }
 
 fn policies(jwks: &str) -> String {

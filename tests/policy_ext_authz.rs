@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
@@ -43,24 +42,11 @@ fn exact(names: &[&str]) -> Option<ListStringMatcher> {
     })
 }
 
-/// A backend that answers 200 with every request header as `x-req-<name>`.
-async fn header_echo() -> SocketAddr {
-    serve(|req| {
-        let mut b = hyper::Response::builder().status(200);
-        for (k, v) in req.headers() {
-            b = b.header(format!("x-req-{k}"), v.clone());
-        }
-        b.body(Full::new(Bytes::from_static(b"web")))
-            .expect("response")
-    })
-    .await
-}
-
 /// The raw HTTP authorization server: `/check/allow...` is allowed (200 with `x-user`, and
 /// `x-auth-seen` naming the headers it got), `/check/deny...` is denied (401 with a body
 /// and headers), anything else fails (503).
 async fn http_authz() -> SocketAddr {
-    serve(|req| {
+    serve_fn(|req| {
         let mut seen: Vec<String> = req.headers().keys().map(|k| k.to_string()).collect();
         seen.sort();
         let path = req.uri().path().to_string();
@@ -86,37 +72,6 @@ async fn http_authz() -> SocketAddr {
         r.expect("response")
     })
     .await
-}
-
-async fn serve(
-    f: impl Fn(&hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>>
-        + Send
-        + Sync
-        + Clone
-        + 'static,
-) -> SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = l.accept().await else {
-                continue;
-            };
-            let f = f.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
-                    let r = f(&req);
-                    async move { Ok::<_, Infallible>(r) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                    .await;
-            });
-        }
-    });
-    addr
 }
 
 fn authz_filter(c: ExtAuthz) -> HttpFilter {
@@ -546,7 +501,7 @@ async fn the_check_carries_the_request_body() {
     use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::BufferSettings;
     let web = EchoBackend::start("web").await;
     // Allows a body that starts with "let me in"; says what it saw.
-    let authz = serve(|req| {
+    let authz = serve_fn(|req| {
         let partial = req
             .headers()
             .get("x-envoy-auth-partial-body")

@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,50 +36,6 @@ const ISSUER: &str = "https://issuer.example";
 
 fn claims(sub: &str, group: &str, exp: u64) -> serde_json::Value {
     json!({"iss": ISSUER, "sub": sub, "aud": "api", "group": group, "exp": exp})
-}
-
-/// A backend answering 200 with each request header as `x-req-<name>`.
-async fn header_echo() -> SocketAddr {
-    serve(Arc::new(|req: &hyper::Request<hyper::body::Incoming>| {
-        let mut b = hyper::Response::builder().status(200);
-        for (k, v) in req.headers() {
-            b = b.header(format!("x-req-{k}"), v.clone());
-        }
-        (200, b, Bytes::from_static(b"web"))
-    }))
-    .await
-}
-
-type Handler = Arc<
-    dyn Fn(&hyper::Request<hyper::body::Incoming>) -> (u16, http::response::Builder, Bytes)
-        + Send
-        + Sync,
->;
-
-async fn serve(f: Handler) -> SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = l.accept().await else {
-                continue;
-            };
-            let f = f.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
-                    let (status, b, body) = f(&req);
-                    let r = b.status(status).body(Full::new(body)).expect("response");
-                    async move { Ok::<_, Infallible>(r) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                    .await;
-            });
-        }
-    });
-    addr
 }
 
 fn filter(name: &str, config: impl prost::Name) -> HttpFilter {
@@ -331,19 +286,19 @@ async fn remote_jwks_is_fetched_cached_and_rotated() {
     let fetches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let jwks = {
         let (served, fetches) = (served.clone(), fetches.clone());
-        serve(Arc::new(move |req| {
+        serve_fn(move |req| {
             fetches.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let body = if req.uri().path() == "/keys.json" {
                 served.lock().expect("lock").clone()
             } else {
                 String::new()
             };
-            (
-                200,
-                hyper::Response::builder().header("content-type", "application/json"),
-                Bytes::from(body),
-            )
-        }))
+            hyper::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .expect("response")
+        })
         .await
     };
     let p = provider(remote("jwks", Duration::from_secs(2)));

@@ -465,8 +465,9 @@ impl ExtAuthzFilter {
     }
 
     pub async fn decode_async(&self, req: &Request<'_>, st: &mut FilterState) -> Decision {
+        // `decode` binds the counters before it says Async; should it not have, fail closed.
         let Some(c) = self.counters.get() else {
-            return Decision::Continue;
+            return Decision::Reply(self.error_reply());
         };
         let verdict = match req.upstreams {
             None => Verdict::Error("no way to the configuration's clusters".into()),
@@ -926,18 +927,9 @@ fn check_response(resp: authpb::CheckResponse, max_body: usize) -> Verdict {
     if code == 0 {
         let mut ok = Allowed::default();
         if let Some(R::OkResponse(o)) = &resp.http_response {
-            for h in &o.headers {
-                let Some((n, v)) = header_of(h.header.as_ref()) else {
-                    continue;
-                };
-                #[allow(deprecated)]
-                let append = h.append.as_ref().is_some_and(|a| a.value);
-                ok.request.push(if append {
-                    HeaderOp::Append(n, v)
-                } else {
-                    HeaderOp::Set(n, v)
-                });
-            }
+            // Upstream headers overwrite unless `append` says otherwise.
+            ok.request
+                .extend(o.headers.iter().filter_map(|h| header_op(h, false)));
             for n in &o.headers_to_remove {
                 if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
                     // Envoy never lets the server remove pseudo headers or `host`.
@@ -946,18 +938,12 @@ fn check_response(resp: authpb::CheckResponse, max_body: usize) -> Verdict {
                     }
                 }
             }
-            for h in &o.response_headers_to_add {
-                let Some((n, v)) = header_of(h.header.as_ref()) else {
-                    continue;
-                };
-                #[allow(deprecated)]
-                let append = h.append.as_ref().is_none_or(|a| a.value);
-                ok.response.push(if append {
-                    HeaderOp::Append(n, v)
-                } else {
-                    HeaderOp::Set(n, v)
-                });
-            }
+            // Response headers are added unless `append` is false.
+            ok.response.extend(
+                o.response_headers_to_add
+                    .iter()
+                    .filter_map(|h| header_op(h, true)),
+            );
         }
         let md = resp
             .dynamic_metadata
@@ -994,6 +980,19 @@ fn check_response(resp: authpb::CheckResponse, max_body: usize) -> Verdict {
         headers,
         body,
     }
+}
+
+/// One `HeaderValueOption` of the server's answer: append or overwrite, by its (deprecated,
+/// but what servers send) `append`, else `default_append`.
+fn header_op(h: &corepb::HeaderValueOption, default_append: bool) -> Option<HeaderOp> {
+    let (n, v) = header_of(h.header.as_ref())?;
+    #[allow(deprecated)]
+    let append = h.append.as_ref().map_or(default_append, |a| a.value);
+    Some(if append {
+        HeaderOp::Append(n, v)
+    } else {
+        HeaderOp::Set(n, v)
+    })
 }
 
 fn header_of(h: Option<&corepb::HeaderValue>) -> Option<(HeaderName, HeaderValue)> {

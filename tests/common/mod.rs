@@ -3047,3 +3047,52 @@ pub async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<(String, S
     }
     Some((head, String::from_utf8_lossy(&body).into_owned()))
 }
+
+// ---------------------------------------------------------------------------
+// Small HTTP/1 servers for the policy tests
+// ---------------------------------------------------------------------------
+
+/// An HTTP/1 server on a free port answering every request with `f`.
+pub async fn serve_fn(
+    f: impl Fn(&hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>>
+        + Send
+        + Sync
+        + Clone
+        + 'static,
+) -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let f = f.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let r = f(&req);
+                    async move { Ok::<_, Infallible>(r) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A backend that answers 200 with every request header as `x-req-<name>`.
+pub async fn header_echo() -> SocketAddr {
+    serve_fn(|req| {
+        let mut b = hyper::Response::builder().status(200);
+        for (k, v) in req.headers() {
+            b = b.header(format!("x-req-{k}"), v.clone());
+        }
+        b.body(Full::new(Bytes::from_static(b"web")))
+            .expect("response")
+    })
+    .await
+}
