@@ -232,6 +232,7 @@ fn init_logging(levels: portico::admin::logging::Levels) {
     let (filter, handle) = reload::Layer::new(filter);
     tracing_subscriber::registry()
         .with(filter)
+        .with(portico::proxy::log_limit::PingoraLogs)
         .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
         .init();
     portico::admin::logging::install(

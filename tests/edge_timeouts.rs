@@ -1,6 +1,9 @@
-//! Connection timeouts from the connection manager: `common_http_protocol_options.idle_timeout`
-//! closes an HTTP/1 connection that waits too long for its next request. Runs against Envoy
-//! too: `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh) cargo test --test edge_timeouts`.
+//! Connection timeouts and limits from the connection manager on HTTP/1 connections:
+//! `common_http_protocol_options.idle_timeout` closes a connection that waits too long for
+//! its next request, `request_headers_timeout` and `request_timeout` answer a slow client
+//! 408, `max_requests_per_connection` and `max_connection_duration` close old connections.
+//! Runs against Envoy too: `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh) cargo test --test
+//! edge_timeouts`.
 
 mod common;
 
@@ -101,4 +104,366 @@ async fn an_idle_http1_connection_is_closed_after_idle_timeout() {
         waited >= Duration::from_millis(6500) && waited < Duration::from_secs(9),
         "closed after {waited:?}"
     );
+}
+
+fn pb_ms(ms: u64) -> Option<envoy_types::pb::google::protobuf::Duration> {
+    Some(envoy_types::pb::google::protobuf::Duration {
+        seconds: (ms / 1000) as i64,
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    })
+}
+
+/// A gateway routing everything to one backend, its connection manager set by `tune`.
+async fn mesh_with(
+    web: &Backend,
+    tune: impl FnOnce(&mut envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager),
+) -> Mesh {
+    let mesh = Mesh::start_raw(|port| {
+        let mut h = hcm(port);
+        tune(&mut h);
+        Snapshot {
+            listeners: vec![listener_with(port, h)],
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "all",
+                    &["*"],
+                    vec![rt(prefix("/"), to_cluster("web"))],
+                )],
+            )],
+            ..Default::default()
+        }
+        .with_backends(&[("web", web)])
+    })
+    .await;
+    eventually("served", Duration::from_secs(15), || async {
+        let r = mesh.get("/", HOST, &[]).await;
+        (r.status == 200)
+            .then_some(())
+            .ok_or(format!("{}", r.status))
+    })
+    .await;
+    mesh
+}
+
+/// Everything the gateway sends until it closes (or `limit` passes), and when it closed.
+async fn read_until_close(
+    s: &mut tokio::net::TcpStream,
+    limit: Duration,
+) -> (String, Option<Duration>) {
+    let start = Instant::now();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = limit.saturating_sub(start.elapsed());
+        match tokio::time::timeout(left, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                return (String::from_utf8_lossy(&buf).into(), Some(start.elapsed()))
+            }
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => return (String::from_utf8_lossy(&buf).into(), None),
+        }
+    }
+}
+
+/// Reads until `s` has sent a whole head (`\r\n\r\n`): the text so far and when.
+async fn read_head(s: &mut tokio::net::tcp::OwnedReadHalf, limit: Duration) -> (String, Duration) {
+    let start = Instant::now();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&buf).contains("\r\n\r\n") {
+        let n = tokio::time::timeout(limit.saturating_sub(start.elapsed()), s.read(&mut chunk))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        assert!(
+            n > 0,
+            "closed without an answer: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    (String::from_utf8_lossy(&buf).into(), start.elapsed())
+}
+
+/// A connection manager counter summed over every prefix (Envoy also lists its admin
+/// listener's, at zero).
+async fn stat_sum(mesh: &Mesh, suffix: &str) -> u64 {
+    let body = mesh
+        .gw
+        .admin_get(&format!("/stats?filter={suffix}$"))
+        .await
+        .body;
+    body.lines()
+        .filter_map(|l| l.split_once(": ").filter(|(n, _)| n.ends_with(suffix)))
+        .filter_map(|(_, v)| v.trim().parse::<u64>().ok())
+        .sum()
+}
+
+fn header<'a>(resp: &'a str, name: &str) -> Option<&'a str> {
+    resp.split("\r\n\r\n").next()?.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_request_head_is_answered_408_at_request_headers_timeout() {
+    let web = Backend::start("web").await;
+    let mesh = mesh_with(&web, |h| h.request_headers_timeout = pb_ms(1000)).await;
+    let s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    let (mut r, mut w) = s.into_split();
+    w.write_all(b"GET / HTTP/1.1\r\nhost: example.com\r\n")
+        .await
+        .expect("write");
+    // A header line every 250 ms: every read is quick, the head never ends.
+    let trickle = tokio::spawn(async move {
+        for i in 0..40 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            if w.write_all(format!("x-h{i}: v\r\n").as_bytes())
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let (answer, after) = read_head(&mut r, Duration::from_secs(8)).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+        "{answer}"
+    );
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_millis(2500),
+        "answered after {after:?}"
+    );
+    assert_eq!(header(&answer, "connection"), Some("close"), "{answer}");
+    assert_eq!(
+        header(&answer, "content-type"),
+        Some("text/plain"),
+        "{answer}"
+    );
+    assert_eq!(header(&answer, "content-length"), Some("22"), "{answer}");
+    let mut body = Vec::new();
+    // Envoy keeps reading for its delayed close (1 s) before it closes; Portico half-closes
+    // at once and reads on as long: either way the body is there and the connection ends.
+    tokio::time::timeout(Duration::from_secs(5), r.read_to_end(&mut body))
+        .await
+        .expect("the connection ends")
+        .ok();
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        format!("{answer}{text}").ends_with("\r\n\r\nrequest header timeout"),
+        "{answer}{text}"
+    );
+    trickle.abort();
+    eventually("counted", Duration::from_secs(5), || async {
+        let n = stat_sum(&mesh, "downstream_rq_header_timeout").await;
+        (n == 1).then_some(()).ok_or(n.to_string())
+    })
+    .await;
+    // The timer starts with a request's first byte: idling before it is idle_timeout's
+    // business.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    s.write_all(format!("GET / HTTP/1.1\r\nhost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let ok = one_response(&mut s).await;
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    // And a quick head after a slow one on the same connection is timed afresh.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    s.write_all(b"GET / HTTP/1.1\r\n").await.expect("write");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    s.write_all(format!("host: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let ok = one_response(&mut s).await;
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_request_is_answered_408_at_request_timeout() {
+    // The backend takes longer than the timeout: the 408 is the gateway's, not a response.
+    let web = Backend::start_delayed("web", Duration::from_secs(4)).await;
+    let mesh = Mesh::start_raw(|port| {
+        let mut h = hcm(port);
+        h.request_timeout = pb_ms(1000);
+        Snapshot {
+            listeners: vec![listener_with(port, h)],
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "all",
+                    &["*"],
+                    vec![rt(prefix("/"), to_cluster("web"))],
+                )],
+            )],
+            ..Default::default()
+        }
+        .with_backends(&[("web", &web)])
+    })
+    .await;
+    eventually("served", Duration::from_secs(20), || async {
+        let r = mesh.get("/", HOST, &[]).await;
+        (r.status == 200)
+            .then_some(())
+            .ok_or(format!("{}", r.status))
+    })
+    .await;
+    // A head that never ends.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET / HTTP/1.1\r\nhost: example.com\r\n")
+        .await
+        .expect("write");
+    let started = Instant::now();
+    let (answer, closed) = read_until_close(&mut s, Duration::from_secs(6)).await;
+    assert!(closed.is_some(), "not closed: {answer}");
+    assert!(
+        answer.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+        "{answer}"
+    );
+    assert!(answer.ends_with("\r\n\r\nrequest timeout"), "{answer}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    // A body that never ends, the request already on its way upstream.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    s.write_all(b"POST / HTTP/1.1\r\nhost: example.com\r\ncontent-length: 10\r\n\r\nabcde")
+        .await
+        .expect("write");
+    let started = Instant::now();
+    let (answer, closed) = read_until_close(&mut s, Duration::from_secs(6)).await;
+    let took = started.elapsed();
+    assert!(closed.is_some(), "not closed: {answer}");
+    assert!(
+        answer.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+        "{answer}"
+    );
+    assert!(answer.ends_with("\r\n\r\nrequest timeout"), "{answer}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(3500),
+        "{took:?}"
+    );
+    eventually("counted", Duration::from_secs(5), || async {
+        let n = stat_sum(&mesh, "downstream_rq_timeout").await;
+        (n == 2).then_some(()).ok_or(n.to_string())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_request_a_connection_may_carry_closes_it() {
+    let web = Backend::start("web").await;
+    let mesh = mesh_with(&web, |h| {
+        h.common_http_protocol_options = Some(HttpProtocolOptions {
+            max_requests_per_connection: Some(envoy_types::pb::google::protobuf::UInt32Value {
+                value: 3,
+            }),
+            ..Default::default()
+        })
+    })
+    .await;
+    let before = stat_sum(&mesh, "downstream_cx_max_requests_reached").await;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    let req = format!("GET / HTTP/1.1\r\nhost: {HOST}\r\n\r\n");
+    for _ in 0..2 {
+        s.write_all(req.as_bytes()).await.expect("write");
+        let r = one_response(&mut s).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert_ne!(
+            header(&r, "connection")
+                .map(str::to_ascii_lowercase)
+                .as_deref(),
+            Some("close"),
+            "{r}"
+        );
+    }
+    s.write_all(req.as_bytes()).await.expect("write");
+    let (last, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(last.starts_with("HTTP/1.1 200"), "{last}");
+    assert_eq!(
+        header(&last, "connection")
+            .map(str::to_ascii_lowercase)
+            .as_deref(),
+        Some("close"),
+        "{last}"
+    );
+    assert!(closed.is_some(), "still open after the last request");
+    eventually("counted", Duration::from_secs(5), || async {
+        let n = stat_sum(&mesh, "downstream_cx_max_requests_reached").await;
+        (n > before).then_some(()).ok_or(n.to_string())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_past_its_max_duration_is_closed() {
+    // Each response takes a second: the second connection's request is in flight when the
+    // connection reaches its maximum duration.
+    let web = Backend::start_delayed("web", Duration::from_millis(1000)).await;
+    let mesh = mesh_with(&web, |h| {
+        h.common_http_protocol_options = Some(HttpProtocolOptions {
+            max_connection_duration: pb_ms(1500),
+            ..Default::default()
+        })
+    })
+    .await;
+    let req = format!("GET / HTTP/1.1\r\nhost: {HOST}\r\n\r\n");
+    // Idle at its deadline: drained (drain_timeout, 5 s, then the delayed close, 1 s).
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    let connected = Instant::now();
+    s.write_all(req.as_bytes()).await.expect("write");
+    let first = one_response(&mut s).await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert_ne!(
+        header(&first, "connection")
+            .map(str::to_ascii_lowercase)
+            .as_deref(),
+        Some("close"),
+        "{first}"
+    );
+    let (rest, closed) = read_until_close(&mut s, Duration::from_secs(15)).await;
+    assert!(rest.is_empty(), "{rest}");
+    let age = connected.elapsed();
+    assert!(closed.is_some(), "never closed");
+    // Envoy: 7.5 s; Portico's keep-alive counts whole seconds, up to one later.
+    assert!(
+        age >= Duration::from_millis(7000) && age < Duration::from_millis(9500),
+        "closed at {age:?}"
+    );
+    // Busy at its deadline: the response says `connection: close`.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    s.write_all(req.as_bytes()).await.expect("write");
+    let (late, _) = read_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(late.starts_with("HTTP/1.1 200"), "{late}");
+    assert_eq!(
+        header(&late, "connection")
+            .map(str::to_ascii_lowercase)
+            .as_deref(),
+        Some("close"),
+        "{late}"
+    );
+    eventually("counted", Duration::from_secs(5), || async {
+        let n = stat_sum(&mesh, "downstream_cx_max_duration_reached").await;
+        (n >= 2).then_some(()).ok_or(n.to_string())
+    })
+    .await;
 }

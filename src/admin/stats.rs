@@ -486,6 +486,26 @@ impl Stats {
                 ),
                 (
                     Kind::Counter,
+                    "downstream_rq_header_timeout",
+                    s.rq_header_timeout.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
+                    "downstream_rq_timeout",
+                    s.rq_timeout.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
+                    "downstream_cx_max_requests_reached",
+                    s.cx_max_requests_reached.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
+                    "downstream_cx_max_duration_reached",
+                    s.cx_max_duration_reached.load(Relaxed),
+                ),
+                (
+                    Kind::Counter,
                     "downstream_rq_ws_on_non_ws_route",
                     s.ws_on_non_ws_route.load(Relaxed),
                 ),

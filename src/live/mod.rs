@@ -170,6 +170,12 @@ pub struct HcmStats {
     pub upgrades_active: AtomicU64,
     /// Requests the client ended (reset, hung up) before their response was complete.
     pub rq_rx_reset: AtomicU64,
+    /// `request_headers_timeout` and `request_timeout` fired.
+    pub rq_header_timeout: AtomicU64,
+    pub rq_timeout: AtomicU64,
+    /// Connections closed by `max_requests_per_connection` and `max_connection_duration`.
+    pub cx_max_requests_reached: AtomicU64,
+    pub cx_max_duration_reached: AtomicU64,
     /// The filters' counters by name under `http.<prefix>.` (RBAC's `rbac.allowed`, ...).
     pub named: NamedCounters,
     pub fault: FaultStats,

@@ -2,14 +2,11 @@
 //!
 //! What Envoy reads from the TLS session per request (hash, subject, SANs, the PEM) is worked
 //! out once per handshake here, and rides with the connection to the request path in
-//! pingora's connection digest: pingora has no slot for application data on a downstream
-//! connection other than the proxy digest's `user_data`, which its HTTP/1 and HTTP/2 servers
-//! both copy from the stream into every request's session.
+//! pingora's connection digest (`conn::ConnInfo`).
 
 use std::sync::Arc;
 
-use pingora_core::protocols::raw_connect::ProxyDigest;
-use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_http::RequestHeader;
 use rustls::pki_types::CertificateDer;
 use x509_parser::der_parser::asn1_rs::ToDer;
 
@@ -102,45 +99,14 @@ impl crate::filters::PeerIdentity for PeerCert {
     }
 }
 
-/// What a TLS connection tells its requests: the client certificate (mTLS) and the server
-/// name the client asked for.
-#[derive(Debug, Default)]
-pub struct TlsConn {
-    pub peer: Option<Arc<PeerCert>>,
-    pub sni: Option<Arc<str>>,
-}
-
-impl TlsConn {
-    /// The digest that carries it to the request path (None when there is nothing to carry).
-    pub fn into_digest(self) -> Option<ProxyDigest> {
-        if self.peer.is_none() && self.sni.is_none() {
-            return None;
-        }
-        let response = ResponseHeader::build(200, Some(0)).ok()?;
-        Some(ProxyDigest {
-            response: Box::new(response),
-            user_data: Some(Box::new(Arc::new(self))),
-        })
-    }
-}
-
-fn tls_conn(digest: Option<&pingora_core::protocols::Digest>) -> Option<&Arc<TlsConn>> {
-    digest?
-        .proxy_digest
-        .as_ref()?
-        .user_data
-        .as_ref()?
-        .downcast_ref::<Arc<TlsConn>>()
-}
-
 /// The peer certificate of the connection a request came on, if it was mTLS.
 pub fn of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<PeerCert>> {
-    tls_conn(digest)?.peer.clone()
+    super::conn::info(digest)?.peer.clone()
 }
 
 /// The TLS server name (SNI) of the connection a request came on.
 pub fn sni_of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<str>> {
-    tls_conn(digest)?.sni.clone()
+    super::conn::info(digest)?.sni.clone()
 }
 
 const XFCC: &str = "x-forwarded-client-cert";

@@ -21,6 +21,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         stream_idle_timeout: None,
         idle_timeout: None,
         max_stream_duration: None,
+        conn_limits: Default::default(),
         internal_ranges: Vec::new(),
         upgrades: Default::default(),
         xfcc: Default::default(),

@@ -62,6 +62,8 @@ pub struct Downstream {
     socket_digest: Option<Arc<SocketDigest>>,
     proxy_digest: Option<Arc<ProxyDigest>>,
     established: SystemTime,
+    /// The connection manager's request timers, when its chain sets any (HTTP/1 only).
+    timer: Option<super::conn::ReadTimer>,
 }
 
 impl Downstream {
@@ -111,6 +113,7 @@ impl Downstream {
             socket_digest: Some(Arc::new(digest)),
             proxy_digest: None,
             established: SystemTime::now(),
+            timer: None,
         }
     }
 
@@ -120,6 +123,11 @@ impl Downstream {
         if let (Some(addr), Some(d)) = (local, &self.socket_digest) {
             let _ = d.local_addr.set(Some(addr.into()));
         }
+    }
+
+    /// Times this connection's requests (`request_headers_timeout`, `request_timeout`).
+    pub fn set_timer(&mut self, timer: super::conn::ReadTimer) {
+        self.timer = Some(timer);
     }
 
     /// Sends what is buffered; the buffer is empty when this returns ready.
@@ -220,7 +228,11 @@ impl AsyncRead for Downstream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_read(cx, buf)
+        let this = &mut *self;
+        match &mut this.timer {
+            Some(t) => t.poll_read(&mut this.tcp, cx, buf),
+            None => Pin::new(&mut this.tcp).poll_read(cx, buf),
+        }
     }
 }
 

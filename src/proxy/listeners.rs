@@ -724,6 +724,9 @@ enum ChainStats {
 }
 
 async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, conns: Conns) {
+    // A connection's age (`max_connection_duration`) counts from here, before any wait for
+    // the client's first bytes.
+    let accepted = std::time::Instant::now();
     let _ = tcp.set_nodelay(true);
     // The destination a PROXY header restored (None: the socket's own local address).
     let mut local = None;
@@ -870,6 +873,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
     stats
         .cx_total
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut limited = None;
     let (app, mut stream): (_, pingora_core::protocols::Stream) = match &active.tls {
         Some(tls) => {
             // Envoy's connection manager exists before the handshake, so failed ones count.
@@ -906,14 +910,19 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                             return;
                         }
                     }
-                    let client = super::client_cert::TlsConn {
-                        peer: cert,
-                        sni: c.server_name().map(Arc::from),
-                    }
-                    .into_digest();
+                    let sni = c.server_name().map(Arc::from);
+                    let h2 = alpn == Some(pingora_core::protocols::ALPN::H2);
                     let mut d = super::io::Downstream::new_tls(session, peer, alpn);
                     d.set_local_addr(local);
-                    if let Some(digest) = client {
+                    limited = (!h2)
+                        .then(|| conn_state(&active.def, stats, accepted, &mut d))
+                        .flatten();
+                    let info = super::conn::ConnInfo {
+                        peer: cert,
+                        sni,
+                        state: limited.clone(),
+                    };
+                    if let Some(digest) = info.into_digest() {
                         use pingora_core::protocols::GetProxyDigest;
                         d.set_proxy_digest(digest);
                     }
@@ -928,12 +937,23 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             }
         }
         None => {
-            let app = match &apps.h2c {
-                Some(h2c) if starts_with_h2_preface(&tcp).await => h2c.clone(),
-                _ => apps.h1.clone(),
+            let (app, h2) = match &apps.h2c {
+                Some(h2c) if starts_with_h2_preface(&tcp).await => (h2c.clone(), true),
+                _ => (apps.h1.clone(), false),
             };
-            let d = super::io::Downstream::new(tcp, peer);
+            let mut d = super::io::Downstream::new(tcp, peer);
             d.set_local_addr(local);
+            if !h2 {
+                limited = conn_state(&active.def, stats, accepted, &mut d);
+                let info = super::conn::ConnInfo {
+                    state: limited.clone(),
+                    ..Default::default()
+                };
+                if let Some(digest) = info.into_digest() {
+                    use pingora_core::protocols::GetProxyDigest;
+                    d.set_proxy_digest(digest);
+                }
+            }
             (app, Box::new(d))
         }
     };
@@ -942,9 +962,37 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
     while let Some(next) = app.process_new(stream, &told).await {
         stream = next;
     }
+    if let Some(c) = limited {
+        c.closed();
+    }
     if active_tls {
         stats.cx_ssl_active.fetch_sub(1, Relaxed);
     }
+}
+
+/// The connection manager's per-connection state of an HTTP/1 connection, when its chain
+/// limits connections; its read timers go into `d`.
+fn conn_state(
+    def: &crate::snapshot::listener::ChainDef,
+    stats: &Arc<crate::live::HcmStats>,
+    accepted: std::time::Instant,
+    d: &mut super::io::Downstream,
+) -> Option<Arc<super::conn::ConnState>> {
+    let hcm = def.hcm()?;
+    let limits = hcm.conn_limits;
+    if !limits.any() {
+        return None;
+    }
+    let state = Arc::new(super::conn::ConnState::new(
+        limits,
+        stats.clone(),
+        Arc::from(hcm.server_name.as_str()),
+        accepted,
+    ));
+    if limits.timed() {
+        d.set_timer(super::conn::ReadTimer::new(state.clone()));
+    }
+    Some(state)
 }
 
 /// Runs the listener filters in their configured order; None when one of them closed the

@@ -187,7 +187,18 @@ impl Gateway {
                 can_reuse_downstream: false,
             };
         }
-        let (code, body, flag, details) = failure_reply(e, ctx);
+        let late_body = super::conn_state(session).is_some_and(|c| c.body_timed_out());
+        let (code, body, flag, details) = if late_body {
+            // `request_timeout` fired while the body was still coming (`conn`).
+            (
+                408,
+                "request timeout",
+                None,
+                details::REQUEST_OVERALL_TIMEOUT,
+            )
+        } else {
+            failure_reply(e, ctx)
+        };
         if code > 0 || flag.is_some() {
             ctx.outcome(flag, details);
         }

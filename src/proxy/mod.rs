@@ -35,6 +35,7 @@
 
 mod callout;
 pub mod client_cert;
+pub mod conn;
 mod downstream;
 mod hbone;
 pub mod io;
@@ -266,6 +267,25 @@ fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
+/// How long an HTTP/1 connection waits for its next request after this response: the
+/// connection manager's `idle_timeout` (None: forever), capped or ended by its limits.
+fn set_keepalive(session: &mut Session, idle: Option<std::time::Duration>, admit: conn::Admit) {
+    let idle = match admit {
+        conn::Admit::Close => None,
+        conn::Admit::Keep => Some(idle),
+        conn::Admit::KeepAtMost(d) => Some(Some(idle.map_or(d, |i| i.min(d)))),
+    };
+    // pingora counts whole seconds, and zero means forever.
+    let secs = idle.map(|i| i.map_or(0, |d| d.as_secs_f64().ceil().max(1.0) as u64));
+    session.set_keepalive(secs);
+}
+
+/// The connection manager's state of the request's connection, when its chain limits
+/// connections (HTTP/1 only).
+fn conn_state(session: &Session) -> Option<&conn::ConnState> {
+    conn::info(session.digest())?.state.as_deref()
+}
+
 /// Whether pingora's log line about `e` is held back: a client's own doing always (logged at
 /// debug), the rest beyond the per-second budget (`log_limit`).
 fn quiet(session: &Session, e: &Error) -> bool {
@@ -461,19 +481,27 @@ impl ProxyHttp for Gateway {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let listener = self.begin(session, ctx);
+        let body_empty = session.as_mut().is_body_empty();
+        if let Some(c) = conn_state(session) {
+            c.head_received(body_empty);
+        }
         // Downstream, then routing, then the HTTP filters, then the router (module comment).
         if self.downstream_checks(session, ctx, &listener).await? {
             return Ok(true);
         }
         ctx.traceable = true;
         // `idle_timeout`: how long this HTTP/1 connection may wait for its next request (the
-        // keep-alive pingora decided for it stays as it is otherwise).
+        // keep-alive pingora decided for it stays as it is otherwise), no longer than its
+        // maximum duration allows; its maximum number of requests may close it.
         if let Some(h) = listener.def.hcm() {
-            if let pingora_core::protocols::http::ServerSession::H1(s1) = session.as_downstream() {
-                if s1.get_keepalive_timeout().is_some() {
-                    let secs = h.idle_timeout.map_or(0, |d| d.as_secs_f64().ceil() as u64);
-                    session.set_keepalive(Some(secs));
-                }
+            let kept = matches!(
+                session.as_downstream(),
+                pingora_core::protocols::http::ServerSession::H1(s1)
+                    if s1.get_keepalive_timeout().is_some()
+            );
+            let admit = conn_state(session).map_or(conn::Admit::Keep, |c| c.admit());
+            if kept {
+                set_keepalive(session, h.idle_timeout, admit);
             }
         }
         // Set after the codec-level checks above, whose replies stay plain.
@@ -698,7 +726,7 @@ impl ProxyHttp for Gateway {
 
     async fn request_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
         ctx: &mut Ctx,
@@ -709,6 +737,9 @@ impl ProxyHttp for Gateway {
         }
         if end_of_stream {
             observe::request_done(&mut ctx.info);
+            if let Some(c) = conn_state(session) {
+                c.body_received();
+            }
         }
         Ok(())
     }
@@ -776,6 +807,21 @@ impl ProxyHttp for Gateway {
         trace::response_headers(resp, ctx.decorator_response.as_ref())?;
         if self.chain.drain_close() {
             session.set_keepalive(None);
+        } else if let Some(c) = conn_state(session) {
+            let kept = matches!(
+                session.as_downstream(),
+                pingora_core::protocols::http::ServerSession::H1(s1)
+                    if s1.get_keepalive_timeout().is_some()
+            );
+            let admit = c.at_response();
+            if kept && admit != conn::Admit::Keep {
+                let idle = ctx
+                    .listener
+                    .as_ref()
+                    .and_then(|l| l.def.hcm())
+                    .and_then(|h| h.idle_timeout);
+                set_keepalive(session, idle, admit);
+            }
         }
         upstream::response_headers(session, resp, ctx)?;
         istio::response(resp, ctx, &self.state)?;
@@ -796,7 +842,9 @@ impl ProxyHttp for Gateway {
     /// A client's own doing (it hung up, it sent garbage) is counted and logged at debug;
     /// the rest at a bounded rate (`log_limit`).
     fn suppress_error_log(&self, session: &Session, _ctx: &Ctx, e: &Error) -> bool {
-        if *e.esource() == pingora_error::ErrorSource::Downstream {
+        if *e.esource() == pingora_error::ErrorSource::Downstream
+            && !conn_state(session).is_some_and(|c| c.body_timed_out())
+        {
             self.hcm_stats.rq_rx_reset.fetch_add(1, Relaxed);
         }
         quiet(session, e)
@@ -817,6 +865,9 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        if let Some(c) = conn_state(session) {
+            c.request_ended();
+        }
         observe::finish(session, ctx, e);
         if ctx.traceable && !ctx.trace_begun {
             if let Some(chain) = ctx.listener.clone() {

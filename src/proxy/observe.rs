@@ -25,6 +25,7 @@ pub(super) mod details {
     pub const PER_TRY_TIMEOUT: &str = "upstream_per_try_timeout";
     pub const STREAM_IDLE_TIMEOUT: &str = "stream_idle_timeout";
     pub const DURATION_TIMEOUT: &str = "max_duration_timeout";
+    pub const REQUEST_OVERALL_TIMEOUT: &str = "request_overall_timeout";
     pub const DOWNSTREAM_DISCONNECT: &str = "downstream_remote_disconnect";
     pub const RESET_OVERFLOW: &str = "upstream_reset_before_response_started{overflow}";
     pub const RESET_CONNECT_TIMEOUT: &str =

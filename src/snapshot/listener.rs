@@ -252,6 +252,8 @@ pub struct ChainDef {
 }
 
 /// The chain's one terminal network filter.
+// One per chain, behind the chain's Arc: the variants' sizes cost nothing per request.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum NetworkFilter {
     Http(Hcm),
@@ -329,6 +331,43 @@ pub enum Codec {
     Http2,
 }
 
+/// The connection manager's limits on one HTTP/1 downstream connection (Envoy's
+/// `request_headers_timeout`, `request_timeout` and `common_http_protocol_options`'
+/// `max_connection_duration` and `max_requests_per_connection`; unset or zero: none).
+/// HTTP/2 connections are not held to them (see the README's security section).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// From a request's first byte to the end of its headers; 408 past it.
+    pub request_headers_timeout: Option<std::time::Duration>,
+    /// From a request's first byte to the end of its body; 408 past it while no response
+    /// has begun.
+    pub request_timeout: Option<std::time::Duration>,
+    /// A connection this old gets `connection: close` on its next response, and is closed
+    /// `drain_timeout` after it when idle, as Envoy drains it.
+    pub max_connection_duration: Option<std::time::Duration>,
+    /// The response to this many-th request carries `connection: close`.
+    pub max_requests_per_connection: Option<u32>,
+    pub drain_timeout: std::time::Duration,
+    /// How long a connection answered 408 is still read from before it closes, so the
+    /// client reads the answer instead of a reset.
+    pub delayed_close: std::time::Duration,
+}
+
+impl ConnLimits {
+    /// Whether a connection needs the per-connection state at all.
+    pub fn any(&self) -> bool {
+        self.request_headers_timeout.is_some()
+            || self.request_timeout.is_some()
+            || self.max_connection_duration.is_some()
+            || self.max_requests_per_connection.is_some()
+    }
+
+    /// Whether a connection's reads are timed.
+    pub fn timed(&self) -> bool {
+        self.request_headers_timeout.is_some() || self.request_timeout.is_some()
+    }
+}
+
 /// The parts of `HttpConnectionManager` the request path reads.
 #[derive(Debug)]
 pub struct Hcm {
@@ -356,6 +395,9 @@ pub struct Hcm {
     pub idle_timeout: Option<std::time::Duration>,
     /// `common_http_protocol_options.max_stream_duration` (unset or zero: no limit).
     pub max_stream_duration: Option<std::time::Duration>,
+    /// What one HTTP/1 downstream connection may take: its request timers, its age and its
+    /// number of requests.
+    pub conn_limits: ConnLimits,
     /// `internal_address_config.cidr_ranges`: downstream addresses Envoy treats as internal.
     pub internal_ranges: Vec<Cidr>,
     /// `upgrade_configs`: which `Upgrade` types (WebSocket) are proxied.
@@ -1034,6 +1076,25 @@ impl Hcm {
             opt_duration("delayed_close_timeout", h.delayed_close_timeout.as_ref())?
                 .unwrap_or(std::time::Duration::from_secs(1));
         let idle_timeout = idle_timeout.map(|d| d + drain_timeout + delayed_close);
+        let common = h.common_http_protocol_options.as_ref();
+        let nonzero = |d: Option<std::time::Duration>| d.filter(|d| !d.is_zero());
+        let conn_limits = ConnLimits {
+            request_headers_timeout: nonzero(opt_duration(
+                "request_headers_timeout",
+                h.request_headers_timeout.as_ref(),
+            )?),
+            request_timeout: nonzero(opt_duration("request_timeout", h.request_timeout.as_ref())?),
+            max_connection_duration: nonzero(opt_duration(
+                "common_http_protocol_options.max_connection_duration",
+                common.and_then(|o| o.max_connection_duration.as_ref()),
+            )?),
+            max_requests_per_connection: common
+                .and_then(|o| o.max_requests_per_connection.as_ref())
+                .map(|v| v.value)
+                .filter(|n| *n > 0),
+            drain_timeout,
+            delayed_close,
+        };
         let max_stream_duration = opt_duration(
             "common_http_protocol_options.max_stream_duration",
             h.common_http_protocol_options
@@ -1162,6 +1223,7 @@ impl Hcm {
             stream_idle_timeout,
             idle_timeout,
             max_stream_duration,
+            conn_limits,
             internal_ranges,
             filters,
             stat_prefix: h.stat_prefix.clone(),
@@ -1206,9 +1268,8 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     {
         return Err("http2_protocol_options.allow_connect: extended CONNECT (WebSocket over HTTP/2) is not supported".into());
     }
-    // common_http_protocol_options: idle_timeout is read above (HTTP/1); max_connection_duration
-    // and max_requests_per_connection close old downstream connections: connection hygiene,
-    // not routing, accepted without effect (see the README's hostile clients section).
+    // common_http_protocol_options: idle_timeout, max_connection_duration and
+    // max_requests_per_connection are read above (HTTP/1 connections; see `ConnLimits`).
     if let Some(r) = &h.request_id_extension {
         let t = r
             .typed_config

@@ -2027,3 +2027,43 @@ fn tracing_is_translated_with_the_listeners_direction() {
     }
     hcm_rejected(h, "tracing.provider zipkin: collector_endpoint_version");
 }
+
+#[test]
+fn connection_limits_are_read_and_zero_means_none() {
+    use std::time::Duration;
+    let d = |ms: i64| {
+        Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: ms / 1000,
+            nanos: ((ms % 1000) * 1_000_000) as i32,
+        })
+    };
+    let def = ok(&listener_with(&base_hcm()));
+    let l = def.chains[0].hcm().expect("http chain").conn_limits;
+    assert!(!l.any(), "{l:?}");
+    assert_eq!(l.drain_timeout, Duration::from_secs(5));
+    assert_eq!(l.delayed_close, Duration::from_secs(1));
+
+    let mut h = base_hcm();
+    h.request_headers_timeout = d(1500);
+    h.request_timeout = d(0);
+    h.drain_timeout = d(2000);
+    h.common_http_protocol_options = Some(corepb::HttpProtocolOptions {
+        max_connection_duration: d(60_000),
+        max_requests_per_connection: Some(envoy_types::pb::google::protobuf::UInt32Value {
+            value: 100,
+        }),
+        ..Default::default()
+    });
+    let def = ok(&listener_with(&h));
+    let l = def.chains[0].hcm().expect("http chain").conn_limits;
+    assert_eq!(l.request_headers_timeout, Some(Duration::from_millis(1500)));
+    assert_eq!(l.request_timeout, None);
+    assert_eq!(l.max_connection_duration, Some(Duration::from_secs(60)));
+    assert_eq!(l.max_requests_per_connection, Some(100));
+    assert_eq!(l.drain_timeout, Duration::from_secs(2));
+    assert!(l.any() && l.timed());
+
+    let mut h = base_hcm();
+    h.request_headers_timeout = d(-1000);
+    hcm_rejected(h, "request_headers_timeout: invalid duration -1s 0ns");
+}
