@@ -1,5 +1,7 @@
-//! HTTP/2 abuse: the rapid reset flood (CVE-2023-44487), streams opened and reset in a loop.
-//! It must cost next to no backend requests and end the connection. Runs against Envoy too:
+//! HTTP/2 abuse: the rapid reset flood (CVE-2023-44487), streams opened and reset in a loop,
+//! must cost next to no backend requests and end the connection; PING, SETTINGS, empty DATA
+//! and CONTINUATION floods are bounded; the connection manager's `http2_protocol_options`
+//! and idle timeout apply to HTTP/2 connections. Runs against Envoy too:
 //! `PORTICO_GATEWAY_BIN=$(scripts/envoy-path.sh) cargo test --test edge_h2_abuse`.
 
 mod common;
@@ -323,4 +325,131 @@ async fn continuation_flood_is_cut_off_at_the_header_limit() {
     assert!(f.sent < 32 << 20, "{f:?}");
     assert_eq!(web.served(), served, "nothing of it reaches the backend");
     unharmed(&mesh, before_rss, 64, "CONTINUATION").await;
+}
+
+/// The frames a gateway sends on a fresh HTTP/2 connection until it closes or `limit`
+/// passes: (type, flags, stream, payload, when).
+async fn frames_until_close(
+    port: u16,
+    limit: Duration,
+) -> (Vec<(u8, u8, u32, Vec<u8>, Duration)>, Option<Duration>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let started = std::time::Instant::now();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(SETTINGS, 0, 0, &[]));
+    s.write_all(&hello).await.expect("preface");
+    let mut buf = Vec::new();
+    let mut frames = Vec::new();
+    let mut chunk = [0u8; 16384];
+    let mut acked = false;
+    loop {
+        while buf.len() >= 9 {
+            let len =
+                (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+            if buf.len() < 9 + len {
+                break;
+            }
+            let f: Vec<u8> = buf.drain(..9 + len).collect();
+            let stream = u32::from_be_bytes([f[5], f[6], f[7], f[8]]) & 0x7fff_ffff;
+            if f[3] == SETTINGS && f[4] & 1 == 0 && !acked {
+                s.write_all(&frame(SETTINGS, 1, 0, &[])).await.expect("ack");
+                acked = true;
+            }
+            frames.push((f[3], f[4], stream, f[9..].to_vec(), started.elapsed()));
+        }
+        let left = limit.saturating_sub(started.elapsed());
+        match tokio::time::timeout(left, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (frames, Some(started.elapsed())),
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => return (frames, None),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_managers_http2_settings_are_advertised_and_idle_connections_close() {
+    use envoy_types::pb::envoy::config::core::v3::{Http2ProtocolOptions, HttpProtocolOptions};
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    let web = Backend::start("web").await;
+    let mesh = Mesh::start_raw(|port| {
+        let mut h = hcm(port);
+        h.http2_protocol_options = Some(Http2ProtocolOptions {
+            max_concurrent_streams: Some(UInt32Value { value: 7 }),
+            initial_stream_window_size: Some(UInt32Value { value: 131_072 }),
+            initial_connection_window_size: Some(UInt32Value { value: 1_048_576 }),
+            ..Default::default()
+        });
+        h.common_http_protocol_options = Some(HttpProtocolOptions {
+            idle_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            ..Default::default()
+        });
+        Snapshot {
+            listeners: vec![listener_with(port, h)],
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "all",
+                    &["*"],
+                    vec![rt(prefix("/"), to_cluster("web"))],
+                )],
+            )],
+            ..Default::default()
+        }
+        .with_backends(&[("web", &web)])
+    })
+    .await;
+    eventually("served", Duration::from_secs(15), || async {
+        let r = mesh.get("/", HOST, &[]).await;
+        (r.status == 200)
+            .then_some(())
+            .ok_or(format!("{}", r.status))
+    })
+    .await;
+    let (frames, closed) = frames_until_close(mesh.port, Duration::from_secs(15)).await;
+    let summary: Vec<String> = frames
+        .iter()
+        .map(|(t, fl, s, p, at)| {
+            format!("type {t} flags {fl} stream {s} len {} at {at:?}", p.len())
+        })
+        .collect();
+    eprintln!("{summary:#?} closed {closed:?}");
+    let settings = frames
+        .iter()
+        .find(|f| f.0 == SETTINGS && f.1 & 1 == 0)
+        .expect("the server's SETTINGS");
+    let params: Vec<(u16, u32)> = settings
+        .3
+        .chunks(6)
+        .map(|c| {
+            (
+                u16::from_be_bytes([c[0], c[1]]),
+                u32::from_be_bytes([c[2], c[3], c[4], c[5]]),
+            )
+        })
+        .collect();
+    // SETTINGS_MAX_CONCURRENT_STREAMS (3), SETTINGS_INITIAL_WINDOW_SIZE (4).
+    assert!(params.contains(&(3, 7)), "{params:?}");
+    assert!(params.contains(&(4, 131_072)), "{params:?}");
+    // The connection window grows from the protocol's 65,535 with a WINDOW_UPDATE on stream 0.
+    let grown: u32 = frames
+        .iter()
+        .filter(|f| f.0 == 8 && f.2 == 0)
+        .map(|f| u32::from_be_bytes([f.3[0], f.3[1], f.3[2], f.3[3]]) & 0x7fff_ffff)
+        .sum();
+    assert_eq!(grown, 1_048_576 - 65_535, "{summary:#?}");
+    // Idle: closed after idle_timeout (1 s), drain_timeout (5 s) and the delayed close (1 s):
+    // 7.0 s on both. Envoy also sends GOAWAY at 1 s and again at 6 s; Portico (pingora's
+    // HTTP/2 server) closes without one, so a client that starts a stream in between is
+    // served rather than sent away.
+    let closed = closed.expect("the idle connection is closed");
+    assert!(
+        closed >= Duration::from_millis(900) && closed < Duration::from_secs(9),
+        "closed after {closed:?}"
+    );
 }

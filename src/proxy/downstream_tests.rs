@@ -22,6 +22,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         idle_timeout: None,
         max_stream_duration: None,
         conn_limits: Default::default(),
+        h2: crate::snapshot::listener::H2Settings::from_proto(None, 60 * 1024).expect("defaults"),
         internal_ranges: Vec::new(),
         upgrades: Default::default(),
         xfcc: Default::default(),

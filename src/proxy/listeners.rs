@@ -564,7 +564,11 @@ impl Inner {
             );
             let mut opts = HttpServerOptions::default();
             opts.h2c = h2c;
+            // An HTTP/2 connection with no stream in flight closes after the connection
+            // manager's idle_timeout (with Envoy's drain, as for HTTP/1).
+            opts.h2_idle_timeout = hcm.idle_timeout;
             proxy.server_options = Some(opts);
+            proxy.h2_options = Some(h2_options(&hcm.h2));
             proxy.handle_init_modules();
             Arc::new(proxy)
         };
@@ -968,6 +972,25 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
     if active_tls {
         stats.cx_ssl_active.fetch_sub(1, Relaxed);
     }
+}
+
+/// The HTTP/2 codec's settings from the connection manager's `http2_protocol_options`.
+fn h2_options(
+    h: &crate::snapshot::listener::H2Settings,
+) -> pingora_core::protocols::http::v2::server::H2Options {
+    let mut o = pingora_core::protocols::http::v2::server::default_h2_options();
+    o.max_concurrent_streams(h.max_concurrent_streams);
+    o.max_header_list_size(h.max_header_list);
+    if let Some(w) = h.stream_window {
+        o.initial_window_size(w);
+    }
+    if let Some(w) = h.connection_window {
+        o.initial_connection_window_size(w);
+    }
+    if let Some(t) = h.hpack_table_size {
+        o.header_table_size(t);
+    }
+    o
 }
 
 /// The connection manager's per-connection state of an HTTP/1 connection, when its chain

@@ -368,6 +368,65 @@ impl ConnLimits {
     }
 }
 
+/// The connection manager's `http2_protocol_options` as the HTTP/2 codec takes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct H2Settings {
+    /// `max_concurrent_streams`: Envoy's default is 2^31-1 (no practical limit).
+    pub max_concurrent_streams: u32,
+    /// `initial_stream_window_size` and `initial_connection_window_size`; None keeps the
+    /// codec's 64 KiB. Envoy's default of 256 MiB would let one slow upload hold 256 MiB per
+    /// stream in the gateway: Envoy bounds what it buffers with its buffer watermarks
+    /// (`per_connection_buffer_limit_bytes`), which pingora's HTTP/2 server does not have, so
+    /// the window is the bound here.
+    pub stream_window: Option<u32>,
+    pub connection_window: Option<u32>,
+    /// `hpack_table_size` (Envoy's default 4096, the protocol's).
+    pub hpack_table_size: Option<u32>,
+    /// The decoded header list a request may carry: `max_request_headers_kb`.
+    pub max_header_list: u32,
+}
+
+impl H2Settings {
+    const MAX_WINDOW: u32 = (1 << 31) - 1;
+
+    pub fn from_proto(
+        o: Option<&envoy_types::pb::envoy::config::core::v3::Http2ProtocolOptions>,
+        max_header_list: usize,
+    ) -> Result<H2Settings, String> {
+        let window = |field: &str, v: Option<u32>| match v {
+            None => Ok(None),
+            Some(w @ 65_535..=Self::MAX_WINDOW) => Ok(Some(w)),
+            Some(w) => Err(format!(
+                "http2_protocol_options.{field}: {w} is out of range (65535 to 2147483647)"
+            )),
+        };
+        let streams = match o.and_then(|o| o.max_concurrent_streams.as_ref()).map(|v| v.value) {
+            None => Self::MAX_WINDOW,
+            Some(n @ 1..=Self::MAX_WINDOW) => n,
+            Some(n) => {
+                return Err(format!(
+                    "http2_protocol_options.max_concurrent_streams: {n} is out of range (1 to 2147483647)"
+                ))
+            }
+        };
+        Ok(H2Settings {
+            max_concurrent_streams: streams,
+            stream_window: window(
+                "initial_stream_window_size",
+                o.and_then(|o| o.initial_stream_window_size.as_ref())
+                    .map(|v| v.value),
+            )?,
+            connection_window: window(
+                "initial_connection_window_size",
+                o.and_then(|o| o.initial_connection_window_size.as_ref())
+                    .map(|v| v.value),
+            )?,
+            hpack_table_size: o.and_then(|o| o.hpack_table_size.as_ref()).map(|v| v.value),
+            max_header_list: u32::try_from(max_header_list).unwrap_or(u32::MAX),
+        })
+    }
+}
+
 /// The parts of `HttpConnectionManager` the request path reads.
 #[derive(Debug)]
 pub struct Hcm {
@@ -398,6 +457,8 @@ pub struct Hcm {
     /// What one HTTP/1 downstream connection may take: its request timers, its age and its
     /// number of requests.
     pub conn_limits: ConnLimits,
+    /// `http2_protocol_options` for downstream HTTP/2 connections.
+    pub h2: H2Settings,
     /// `internal_address_config.cidr_ranges`: downstream addresses Envoy treats as internal.
     pub internal_ranges: Vec<Cidr>,
     /// `upgrade_configs`: which `Upgrade` types (WebSocket) are proxied.
@@ -1188,6 +1249,8 @@ impl Hcm {
                 ))
             }
         };
+        let h2 =
+            H2Settings::from_proto(h.http2_protocol_options.as_ref(), max_request_headers_bytes)?;
         let max_headers_count = match h
             .common_http_protocol_options
             .as_ref()
@@ -1224,6 +1287,7 @@ impl Hcm {
             idle_timeout,
             max_stream_duration,
             conn_limits,
+            h2,
             internal_ranges,
             filters,
             stat_prefix: h.stat_prefix.clone(),
@@ -1307,8 +1371,11 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     // Accepted: `access_log_options` (periodic and on-new-request lines; Portico writes one
     // line at the end of each request),
     // `proxy_100_continue` (Portico answers `Expect: 100-continue` itself; either way the body
-    // follows), `internal_address_config` (read above), `http2_protocol_options` windows and
-    // stream limits (flow control).
+    // follows), `internal_address_config` (read above), `http2_protocol_options` (its
+    // streams, windows and HPACK table are read above; its flood knobs
+    // (`max_outbound_frames`, `max_consecutive_inbound_frames_with_empty_payload`, ...) are
+    // the HTTP/2 codec's own fixed defences here, and `connection_keepalive` pings only
+    // probe liveness).
     Ok(())
 }
 

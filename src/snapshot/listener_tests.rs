@@ -2067,3 +2067,47 @@ fn connection_limits_are_read_and_zero_means_none() {
     h.request_headers_timeout = d(-1000);
     hcm_rejected(h, "request_headers_timeout: invalid duration -1s 0ns");
 }
+
+#[test]
+fn http2_settings_are_read_and_checked_against_envoys_ranges() {
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    let def = ok(&listener_with(&base_hcm()));
+    let h2 = def.chains[0].hcm().expect("http chain").h2;
+    assert_eq!(h2.max_concurrent_streams, 2_147_483_647);
+    assert_eq!((h2.stream_window, h2.connection_window), (None, None));
+    assert_eq!(h2.max_header_list, 60 * 1024);
+
+    let mut h = base_hcm();
+    h.max_request_headers_kb = Some(UInt32Value { value: 96 });
+    h.http2_protocol_options = Some(corepb::Http2ProtocolOptions {
+        max_concurrent_streams: Some(UInt32Value { value: 100 }),
+        initial_stream_window_size: Some(UInt32Value { value: 65536 }),
+        initial_connection_window_size: Some(UInt32Value { value: 1_048_576 }),
+        ..Default::default()
+    });
+    let def = ok(&listener_with(&h));
+    let h2 = def.chains[0].hcm().expect("http chain").h2;
+    assert_eq!(h2.max_concurrent_streams, 100);
+    assert_eq!(h2.stream_window, Some(65536));
+    assert_eq!(h2.connection_window, Some(1_048_576));
+    assert_eq!(h2.max_header_list, 96 * 1024);
+
+    let mut h = base_hcm();
+    h.http2_protocol_options = Some(corepb::Http2ProtocolOptions {
+        initial_stream_window_size: Some(UInt32Value { value: 1000 }),
+        ..Default::default()
+    });
+    hcm_rejected(
+        h,
+        "http2_protocol_options.initial_stream_window_size: 1000 is out of range (65535 to 2147483647)",
+    );
+    let mut h = base_hcm();
+    h.http2_protocol_options = Some(corepb::Http2ProtocolOptions {
+        max_concurrent_streams: Some(UInt32Value { value: 0 }),
+        ..Default::default()
+    });
+    hcm_rejected(
+        h,
+        "http2_protocol_options.max_concurrent_streams: 0 is out of range (1 to 2147483647)",
+    );
+}
