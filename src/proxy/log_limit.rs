@@ -188,7 +188,7 @@ mod tests {
             }
             // At most two seconds' budgets if the clock turned during the loop.
             let n = seen.0.load(Relaxed);
-            assert!(n >= BURST && n <= 2 * BURST, "{n}");
+            assert!((BURST..=2 * BURST).contains(&n), "{n}");
             for _ in 0..100 {
                 tracing::error!(target: "portico::proxy", "ours are not limited here");
             }
