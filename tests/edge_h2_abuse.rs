@@ -317,7 +317,7 @@ async fn continuation_flood_is_cut_off_at_the_header_limit() {
         Duration::from_secs(10),
     )
     .await;
-    eprintln!("CONTINUATION flood: {f:?}");
+    eprintln!("CONTINUATION flood: {f:?}, ended by GOAWAY: {}", f.goaway);
     // Both end the connection once the block passes the header limit: Portico with GOAWAY
     // (about 3 MB taken, most of it in socket buffers), Envoy 1.40 by closing it (about
     // 15 MB taken here).
