@@ -720,3 +720,111 @@ pub async fn https(
     );
     wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await
 }
+
+/// Connections held open for the memory-per-connection case.
+const HELD: usize = 2000;
+
+/// Case 15: memory per open connection. `HELD` clients each make one request and keep the
+/// connection open and idle (HTTP/1.1 keep-alive; then, on a fresh proxy, h2c); RSS before
+/// and after, per connection. Idle keep-alive connections are what a gateway facing many
+/// clients holds most of.
+pub async fn conns(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+    results: &mut Results,
+) -> Result<(), String> {
+    let who = proxy.name();
+    for h2 in [false, true] {
+        let (admin, port) = (common::free_port(), common::free_port());
+        let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
+        let p = Running::start(env, opts, proxy, &boot, admin).await?;
+        check_serves(&format!("http://127.0.0.1:{port}/")).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let before = p.rss_mib()?;
+        let held = if h2 {
+            hold_h2(port, HELD).await?.len()
+        } else {
+            hold_h1(port, HELD).await?.len()
+        };
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let after = p.rss_mib()?;
+        let kind = if h2 { "h2c" } else { "h1 keep-alive" };
+        results.add(
+            &format!("15 rss per idle {kind} connection ({held} open)"),
+            who,
+            (after - before) * 1024.0 / held as f64,
+        );
+        drop(p);
+    }
+    Ok(())
+}
+
+/// `n` HTTP/1.1 connections that each made one request and stay open.
+async fn hold_h1(port: u16, n: usize) -> Result<Vec<tokio::net::TcpStream>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .map_err(|e| e.to_string())?;
+        s.write_all(b"GET / HTTP/1.1\r\nhost: bench\r\n\r\n")
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).ends_with(BODY) {
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+                .await
+                .map_err(|_| "no response".to_string())?
+                .map_err(|e| e.to_string())?;
+            if n == 0 {
+                return Err("closed before its response".into());
+            }
+            got.extend_from_slice(&chunk[..n]);
+        }
+        held.push(s);
+    }
+    Ok(held)
+}
+
+/// A held HTTP/2 connection: its handle and the task driving it (stopped when dropped).
+struct HeldH2 {
+    _client: h2::client::SendRequest<bytes::Bytes>,
+    driver: tokio::task::JoinHandle<Result<(), h2::Error>>,
+}
+
+impl Drop for HeldH2 {
+    fn drop(&mut self) {
+        self.driver.abort();
+    }
+}
+
+/// `n` h2c connections that each made one request and stay open.
+async fn hold_h2(port: u16, n: usize) -> Result<Vec<HeldH2>, String> {
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        let s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .map_err(|e| e.to_string())?;
+        let (client, conn) = h2::client::handshake(s)
+            .await
+            .map_err(|e| e.to_string())?;
+        let driver = tokio::spawn(conn);
+        let mut ready = client.clone().ready().await.map_err(|e| e.to_string())?;
+        let req = http::Request::get("http://bench/")
+            .body(())
+            .map_err(|e| e.to_string())?;
+        let (resp, _) = ready.send_request(req, true).map_err(|e| e.to_string())?;
+        let mut body = resp.await.map_err(|e| e.to_string())?.into_body();
+        while let Some(chunk) = body.data().await {
+            chunk.map_err(|e| e.to_string())?;
+        }
+        held.push(HeldH2 {
+            _client: client,
+            driver,
+        });
+    }
+    Ok(held)
+}

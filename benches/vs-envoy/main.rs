@@ -90,6 +90,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
             if opts.wants("routes") {
                 cases::routes(&env, &opts, &backend, proxy, &mut results).await?;
             }
+            if opts.wants("conns") {
+                cases::conns(&env, &opts, &backend, proxy, &mut results).await?;
+            }
             if opts.wants("scale") {
                 cases::scale(&env, &opts, &backend, proxy, &mut results).await?;
             }

@@ -57,7 +57,7 @@ impl Opts {
                 other => {
                     return Err(format!(
                         "unknown argument '{other}' (--rounds N --secs N --scale N \
-                         --cases all|h1,h2c,latency,https,routes,scale,churn,delta --proxy-cpu N --load-cpu N \
+                         --cases all|h1,h2c,latency,https,routes,conns,scale,churn,delta --proxy-cpu N --load-cpu N \
                          --proxy-log LEVEL)"
                     ))
                 }
@@ -608,8 +608,10 @@ pub fn describe(case: &str) -> (&'static str, bool) {
         ("ms", false)
     } else if case.contains("rps") {
         ("req/s", true)
-    } else if case.contains("latency") {
-        ("ms", false)
+    } else if case.contains("per idle") {
+        ("KiB", false)
+    } else if case.contains("growth") {
+        ("%", false)
     } else if case.contains("rss") {
         ("MiB", false)
     } else if case.contains("cpu") {
