@@ -808,9 +808,7 @@ async fn hold_h2(port: u16, n: usize) -> Result<Vec<HeldH2>, String> {
         let s = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .map_err(|e| e.to_string())?;
-        let (client, conn) = h2::client::handshake(s)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (client, conn) = h2::client::handshake(s).await.map_err(|e| e.to_string())?;
         let driver = tokio::spawn(conn);
         let mut ready = client.clone().ready().await.map_err(|e| e.to_string())?;
         let req = http::Request::get("http://bench/")

@@ -130,6 +130,18 @@ impl Downstream {
         self.timer = Some(timer);
     }
 
+    /// Waits until the client sends something (or closes): bytes on the socket, or
+    /// plaintext the TLS session already holds.
+    pub async fn readable(&self) -> io::Result<()> {
+        if let Inner::Tls(t) = &self.tcp {
+            // rustls wants no more records while it holds plaintext not yet read.
+            if !t.get_ref().1.wants_read() {
+                return Ok(());
+            }
+        }
+        self.tcp.tcp().readable().await
+    }
+
     /// Sends what is buffered; the buffer is empty when this returns ready.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.written < self.buf.len() {

@@ -727,7 +727,51 @@ enum ChainStats {
     Tcp(Arc<crate::admin::stats::TcpStats>),
 }
 
-async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, conns: Conns) {
+/// Serves one accepted connection.
+///
+/// A task is as large as its largest step for as long as it lives, and most of an HTTP
+/// connection's life is spent idle in a keep-alive: so the steps before HTTP (listener
+/// filters, TLS handshake, network policy, or all of a tcp_proxy connection) run in their
+/// own boxed future, freed before the HTTP serving starts.
+async fn serve_connection(tcp: tokio::net::TcpStream, peer: SocketAddr, conns: Conns) {
+    let Some(c) = Box::pin(open_connection(tcp, peer, conns)).await else {
+        return;
+    };
+    if c.h1_only {
+        serve_h1(&c.app, c.stream, c.told).await;
+    } else {
+        let mut stream = c.stream;
+        while let Some(next) = c.app.process_new(stream, &c.told).await {
+            stream = next;
+        }
+    }
+    if let Some(limits) = c.limited {
+        limits.closed();
+    }
+    if c.tls {
+        c.stats.cx_ssl_active.fetch_sub(1, Relaxed);
+    }
+}
+
+/// An HTTP connection ready for pingora.
+struct HttpConn {
+    app: Arc<HttpProxy<Gateway>>,
+    stream: pingora_core::protocols::Stream,
+    told: watch::Receiver<bool>,
+    /// HTTP/1.1 (not h2c, not HTTP/2 by ALPN).
+    h1_only: bool,
+    limited: Option<Arc<super::conn::ConnState>>,
+    stats: Arc<crate::live::HcmStats>,
+    tls: bool,
+}
+
+/// Everything before HTTP: listener filters, chain selection, TLS, network policy; a
+/// tcp_proxy chain's connection is served here to its end (None).
+async fn open_connection(
+    mut tcp: tokio::net::TcpStream,
+    mut peer: SocketAddr,
+    conns: Conns,
+) -> Option<HttpConn> {
     // A connection's age (`max_connection_duration`) counts from here, before any wait for
     // the client's first bytes.
     let accepted = std::time::Instant::now();
@@ -743,7 +787,9 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
         let hello = if l.def.listener_filters.is_empty() {
             Default::default()
         } else {
-            let run = run_listener_filters(&mut tcp, &l.def, &mut peer, &mut local);
+            let run = Box::pin(run_listener_filters(
+                &mut tcp, &l.def, &mut peer, &mut local,
+            ));
             let done = match l.def.listener_filters_timeout {
                 Some(t) => tokio::time::timeout(t, run).await.map_err(|_| ()),
                 None => Ok(run.await),
@@ -751,10 +797,10 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             match done {
                 Ok(Some(hello)) => hello,
                 // The filters closed the connection.
-                Ok(None) => return,
+                Ok(None) => return None,
                 // Envoy closes the connection, unless told to carry on without the filters.
                 Err(()) if l.def.continue_on_listener_filters_timeout => Default::default(),
-                Err(()) => return,
+                Err(()) => return None,
             }
         };
         // The listener filters may have waited: pick from the chains in force now.
@@ -779,11 +825,11 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                 local,
                 &hello.server_name,
             );
-            return;
+            return None;
         };
         let chosen = match (l.chains.get(i), served.chains.get(i)) {
             (Some(c), Some(s)) => (c.clone(), s.clone()),
-            _ => return,
+            _ => return None,
         };
         // The chain's network policy filters (RBAC, ext_authz), once for the connection
         // (Envoy's ONE_TIME_ON_FIRST_BYTE): a denied connection is closed before anything is
@@ -801,7 +847,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             };
             if !network_policy_allows(&chosen.0.def, &view, &conns.state).await {
                 tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
-                return;
+                return None;
             }
         }
         chosen
@@ -850,9 +896,15 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                                         .map(|p| p as &(dyn crate::filters::PeerIdentity + Sync)),
                                     tls: true,
                                 };
-                                if !network_policy_allows(&active.def, &view, &conns.state).await {
+                                if !Box::pin(network_policy_allows(
+                                    &active.def,
+                                    &view,
+                                    &conns.state,
+                                ))
+                                .await
+                                {
                                     tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
-                                    return;
+                                    return None;
                                 }
                             }
                             super::tcp::serve(session, (peer, local), proxy, snap, s, close, istio)
@@ -864,21 +916,31 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                         }
                     },
                     None => {
-                        super::tcp::serve(tcp, (peer, local), proxy, snap, s, close, istio).await
+                        Box::pin(super::tcp::serve(
+                            tcp,
+                            (peer, local),
+                            proxy,
+                            snap,
+                            s,
+                            close,
+                            istio,
+                        ))
+                        .await
                     }
                 }
             }
-            return;
+            return None;
         }
     };
     let Some(apps) = &server.apps else {
-        return;
+        return None;
     };
     stats
         .cx_total
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut limited = None;
-    let (app, mut stream): (_, pingora_core::protocols::Stream) = match &active.tls {
+    let h1_only;
+    let (app, stream): (_, pingora_core::protocols::Stream) = match &active.tls {
         Some(tls) => {
             // Envoy's connection manager exists before the handshake, so failed ones count.
             stats.cx_ssl_total.fetch_add(1, Relaxed);
@@ -911,11 +973,12 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                         if !network_policy_allows(&active.def, &view, &conns.state).await {
                             tracing::debug!(listener = %conns.listener, %peer, "connection denied by a network policy filter");
                             stats.cx_ssl_active.fetch_sub(1, Relaxed);
-                            return;
+                            return None;
                         }
                     }
                     let sni = c.server_name().map(Arc::from);
                     let h2 = alpn == Some(pingora_core::protocols::ALPN::H2);
+                    h1_only = !h2;
                     let mut d = super::io::Downstream::new_tls(session, peer, alpn);
                     d.set_local_addr(local);
                     limited = (!h2)
@@ -936,7 +999,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
                     super::tls::count_failure(&conns.stats.ssl, &e);
                     tracing::debug!(listener = %conns.listener, %peer, "TLS handshake failed: {e}");
                     stats.cx_ssl_active.fetch_sub(1, Relaxed);
-                    return;
+                    return None;
                 }
             }
         }
@@ -947,6 +1010,7 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             };
             let mut d = super::io::Downstream::new(tcp, peer);
             d.set_local_addr(local);
+            h1_only = !h2;
             if !h2 {
                 limited = conn_state(&active.def, stats, accepted, &mut d);
                 let info = super::conn::ConnInfo {
@@ -961,16 +1025,83 @@ async fn serve_connection(mut tcp: tokio::net::TcpStream, mut peer: SocketAddr, 
             (app, Box::new(d))
         }
     };
-    let active_tls = active.tls.is_some();
-    drop(active);
-    while let Some(next) = app.process_new(stream, &told).await {
-        stream = next;
-    }
-    if let Some(c) = limited {
-        c.closed();
-    }
-    if active_tls {
-        stats.cx_ssl_active.fetch_sub(1, Relaxed);
+    let tls = active.tls.is_some();
+    Some(HttpConn {
+        app,
+        stream,
+        told,
+        h1_only,
+        limited,
+        stats: stats.clone(),
+        tls,
+    })
+}
+
+/// Serves an HTTP/1.1 connection request after request, as pingora's `process_new` does,
+/// except that the wait for the next request happens here. pingora waits inside the
+/// request's own future, which holds the whole proxy pipeline's state (and the session and
+/// its read buffer) for as long as the connection idles: tens of KiB per idle keep-alive
+/// connection. Here an idle connection holds its socket and little else, and pingora is
+/// handed it when bytes arrive, within the keep-alive the last request settled
+/// (`idle_timeout`, the connection limits), or it closes when the listener drains.
+async fn serve_h1(
+    app: &Arc<HttpProxy<Gateway>>,
+    stream: pingora_core::protocols::Stream,
+    told: watch::Receiver<bool>,
+) {
+    use pingora_core::protocols::http::ServerSession;
+    let mut session = ServerSession::new_http1(stream);
+    // pingora's default keep-alive for a new connection; the request path sets its own.
+    session.set_keepalive(Some(60));
+    loop {
+        if *told.borrow() {
+            session.set_keepalive(None);
+        }
+        let Some(reused) = app.process_new_http(session, &told).await else {
+            return;
+        };
+        let (stream, settings) = reused.consume();
+        let mut next = ServerSession::new_http1(stream);
+        if let Some(s) = settings {
+            s.apply_to_session(&mut next);
+        }
+        let idle = match next.get_keepalive() {
+            None => return,
+            Some(0) => None,
+            Some(secs) => Some(std::time::Duration::from_secs(secs)),
+        };
+        let ours = next
+            .stream()
+            .and_then(|s| s.as_any().downcast_ref::<super::io::Downstream>());
+        if let Some(d) = ours {
+            let mut told = told.clone();
+            let closing = async move {
+                loop {
+                    if *told.borrow_and_update() {
+                        return;
+                    }
+                    if told.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            };
+            let expired = async move {
+                match idle {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = d.readable() => {
+                    if r.is_err() {
+                        return;
+                    }
+                }
+                _ = expired => return,
+                _ = closing => return,
+            }
+        }
+        session = next;
     }
 }
 
