@@ -69,6 +69,9 @@ struct DrainSignals {
     tell: watch::Sender<bool>,
     /// The drain time is over: what is left closes (tcp_proxy connections at once).
     close: watch::Sender<bool>,
+    /// HTTP/1 connections idle between requests close now (with `Apps::close_idle`, which
+    /// wakes those pingora holds).
+    idle: watch::Sender<bool>,
 }
 
 /// What one worker serves a chain's connections with.
@@ -552,6 +555,7 @@ impl Inner {
         let signals = Arc::new(DrainSignals {
             tell: watch::channel(false).0,
             close: watch::channel(false).0,
+            idle: watch::channel(false).0,
         });
         let app = |hcm: &crate::snapshot::listener::Hcm, h2c: bool| {
             let mut proxy = HttpProxy::new(
@@ -643,6 +647,7 @@ impl RunningChain {
             pinned.close_all.store(true, Relaxed);
             let _ = signals.tell.send(true);
             let _ = signals.close.send(true);
+            let _ = signals.idle.send(true);
             for (w, apps) in workers.iter().zip(apps) {
                 if let Some(apps) = apps {
                     w.spawn(async move { apps.close_idle().await });
@@ -660,6 +665,7 @@ impl RunningChain {
         }
         self.pinned.close_all.store(true, Relaxed);
         let _ = self.signals.tell.send(true);
+        let _ = self.signals.idle.send(true);
         for (w, s) in workers.iter().zip(&self.workers) {
             if let Some(apps) = s.apps.clone() {
                 w.spawn(async move { apps.close_idle().await });
@@ -738,7 +744,7 @@ async fn serve_connection(tcp: tokio::net::TcpStream, peer: SocketAddr, conns: C
         return;
     };
     if c.h1_only {
-        serve_h1(&c.app, c.stream, c.told).await;
+        serve_h1(&c.app, c.stream, c.told, c.idle).await;
     } else {
         let mut stream = c.stream;
         while let Some(next) = c.app.process_new(stream, &c.told).await {
@@ -758,6 +764,7 @@ struct HttpConn {
     app: Arc<HttpProxy<Gateway>>,
     stream: pingora_core::protocols::Stream,
     told: watch::Receiver<bool>,
+    idle: watch::Receiver<bool>,
     /// HTTP/1.1 (not h2c, not HTTP/2 by ALPN).
     h1_only: bool,
     limited: Option<Arc<super::conn::ConnState>>,
@@ -1030,6 +1037,7 @@ async fn open_connection(
         app,
         stream,
         told,
+        idle: server.signals.idle.subscribe(),
         h1_only,
         limited,
         stats: stats.clone(),
@@ -1043,11 +1051,13 @@ async fn open_connection(
 /// its read buffer) for as long as the connection idles: tens of KiB per idle keep-alive
 /// connection. Here an idle connection holds its socket and little else, and pingora is
 /// handed it when bytes arrive, within the keep-alive the last request settled
-/// (`idle_timeout`, the connection limits), or it closes when the listener drains.
+/// (`idle_timeout`, the connection limits), or it closes when idle connections are closed
+/// (the end of a drain, shutdown).
 async fn serve_h1(
     app: &Arc<HttpProxy<Gateway>>,
     stream: pingora_core::protocols::Stream,
     told: watch::Receiver<bool>,
+    mut idle_close: watch::Receiver<bool>,
 ) {
     use pingora_core::protocols::http::ServerSession;
     let mut session = ServerSession::new_http1(stream);
@@ -1062,7 +1072,9 @@ async fn serve_h1(
         };
         let (stream, settings) = reused.consume();
         let mut next = ServerSession::new_http1(stream);
+        let mut pipelined = false;
         if let Some(s) = settings {
+            pipelined = carries_pipelined_bytes(&s);
             s.apply_to_session(&mut next);
         }
         let idle = match next.get_keepalive() {
@@ -1070,17 +1082,18 @@ async fn serve_h1(
             Some(0) => None,
             Some(secs) => Some(std::time::Duration::from_secs(secs)),
         };
+        // Bytes of a next request already read go to pingora at once (it refuses them).
         let ours = next
             .stream()
+            .filter(|_| !pipelined)
             .and_then(|s| s.as_any().downcast_ref::<super::io::Downstream>());
         if let Some(d) = ours {
-            let mut told = told.clone();
-            let closing = async move {
+            let closing = async {
                 loop {
-                    if *told.borrow_and_update() {
+                    if *idle_close.borrow_and_update() {
                         return;
                     }
-                    if told.changed().await.is_err() {
+                    if idle_close.changed().await.is_err() {
                         std::future::pending::<()>().await;
                     }
                 }
@@ -1103,6 +1116,35 @@ async fn serve_h1(
         }
         session = next;
     }
+}
+
+/// Whether pingora carries bytes the client sent after its last request over to the next
+/// one (a pipelined request): the next session reads those before the socket, so it must
+/// not wait for the socket. pingora keeps the field private; its `Debug` form names it,
+/// scanned here without allocating (`conformance_http`'s pipelining case pins this down).
+fn carries_pipelined_bytes(s: &pingora_core::apps::HttpPersistentSettings) -> bool {
+    // `Debug` writes a field as its name, `": "`, then the value (`Some(..)` or `None`).
+    #[derive(Default)]
+    struct Scan {
+        after_name: bool,
+        found: bool,
+    }
+    impl std::fmt::Write for Scan {
+        fn write_str(&mut self, piece: &str) -> std::fmt::Result {
+            if piece.contains("pipelined_prefix: Some") {
+                self.found = true;
+            } else if piece == "pipelined_prefix" {
+                self.after_name = true;
+            } else if self.after_name && piece != ": " {
+                self.found |= piece.starts_with("Some");
+                self.after_name = false;
+            }
+            Ok(())
+        }
+    }
+    let mut scan = Scan::default();
+    let _ = std::fmt::Write::write_fmt(&mut scan, format_args!("{s:?}"));
+    scan.found
 }
 
 /// The HTTP/2 codec's settings from the connection manager's `http2_protocol_options`.

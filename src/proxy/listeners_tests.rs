@@ -60,3 +60,21 @@ fn prepare_refuses_a_listener_when_any_of_its_addresses_is_taken() {
     // The trial sockets are released: the free address can be bound again.
     assert!(std::net::TcpListener::bind(free).is_ok());
 }
+
+#[tokio::test]
+async fn pipelined_bytes_carried_to_the_next_request_are_seen() {
+    use pingora_core::apps::HttpPersistentSettings;
+    use pingora_core::protocols::http::ServerSession;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (server, peer) = l.accept().await.expect("accept");
+    let session =
+        ServerSession::new_http1(Box::new(super::super::io::Downstream::new(server, peer)));
+    let mut settings = HttpPersistentSettings::for_session(&session);
+    assert!(!carries_pipelined_bytes(&settings));
+    settings.set_pipelined_prefix(bytes::BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]));
+    assert!(carries_pipelined_bytes(&settings));
+}
