@@ -126,17 +126,6 @@ fn padding_block(n: usize) -> Vec<u8> {
     out
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 /// What a flood came to: bytes the gateway took, whether it ended the connection, and
 /// whether it answered with GOAWAY.
 #[derive(Debug)]
@@ -245,14 +234,14 @@ async fn h2_mesh() -> (Backend, Mesh) {
 /// After a flood: the gateway still serves, and did not grow by more than `mib`.
 async fn unharmed(mesh: &Mesh, rss_before: u64, mib: u64, what: &str) {
     assert_eq!(mesh.get("/", HOST, &[]).await.status, 200, "{what}");
-    let grown = rss_kib(mesh.gw.pid()).saturating_sub(rss_before) / 1024;
+    let grown = mesh.gw.rss_kib().saturating_sub(rss_before) / 1024;
     assert!(grown <= mib, "{what}: RSS grew by {grown} MiB");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ping_and_settings_floods_from_a_client_that_never_reads_are_bounded() {
     let (_web, mesh) = h2_mesh().await;
-    let before = rss_kib(mesh.gw.pid());
+    let before = mesh.gw.rss_kib();
     for (name, each) in [
         ("PING", frame(PING, 0, 0, &[7; 8])),
         ("SETTINGS", frame(SETTINGS, 0, 0, &[0, 3, 0, 0, 0, 100])),
@@ -281,7 +270,7 @@ async fn ping_and_settings_floods_from_a_client_that_never_reads_are_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_data_frames_flood_is_bounded() {
     let (_web, mesh) = h2_mesh().await;
-    let before = rss_kib(mesh.gw.pid());
+    let before = mesh.gw.rss_kib();
     let start = frame(HEADERS, END_HEADERS, 1, &post_block());
     let f = flood(
         mesh.port,
@@ -303,7 +292,7 @@ async fn empty_data_frames_flood_is_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn continuation_flood_is_cut_off_at_the_header_limit() {
     let (web, mesh) = h2_mesh().await;
-    let before_rss = rss_kib(mesh.gw.pid());
+    let before_rss = mesh.gw.rss_kib();
     let served = web.served();
     // A header block that never ends: HEADERS without END_HEADERS, then CONTINUATION frames
     // of 16 KiB of header fields (CVE-2024-27316 class).

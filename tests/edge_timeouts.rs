@@ -467,3 +467,75 @@ async fn a_connection_past_its_max_duration_is_closed() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_its_response_costs_bounded_memory() {
+    const SIZE: usize = 64 << 20;
+    let body = bytes::Bytes::from(vec![b'x'; SIZE]);
+    let addr =
+        serve_fn(move |_| hyper::Response::new(http_body_util::Full::new(body.clone()))).await;
+    let mesh = Mesh::start_raw(|port| Snapshot {
+        listeners: vec![listener_with(port, hcm(port))],
+        routes: vec![route_config(
+            &route_name(port),
+            vec![vhost(
+                "all",
+                &["*"],
+                vec![rt(prefix("/"), to_cluster("big"))],
+            )],
+        )],
+        clusters: vec![eds_cluster("big")],
+        endpoints: vec![cla("big", &[addr])],
+        ..Default::default()
+    })
+    .await;
+    eventually("served", Duration::from_secs(15), || async {
+        let r = raw_http1(
+            mesh.port,
+            b"HEAD / HTTP/1.1\r\nhost: example.com\r\nconnection: close\r\n\r\n",
+            true,
+        )
+        .await;
+        (r.status == 200).then_some(()).ok_or(format!("{r:?}"))
+    })
+    .await;
+    let before = mesh.gw.rss_kib();
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", mesh.port))
+        .await
+        .expect("connect");
+    s.write_all(format!("GET / HTTP/1.1\r\nhost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    // The client reads nothing for a while: the upstream keeps sending.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let grown = mesh.gw.rss_kib().saturating_sub(before) / 1024;
+    eprintln!("a client not reading 64 MiB: the gateway grew by {grown} MiB");
+    // What the gateway holds is bounded by its buffers and the sockets' (Envoy:
+    // per_connection_buffer_limit_bytes, 1 MiB; Portico: backpressure from the client's
+    // socket to the upstream's), not by the 64 MiB response.
+    assert!(
+        grown < 24,
+        "the gateway grew by {grown} MiB for a client that does not read"
+    );
+    // Then it reads: everything arrives.
+    let mut got = 0usize;
+    let mut head = Vec::new();
+    let mut chunk = vec![0u8; 1 << 16];
+    let started = Instant::now();
+    while got < SIZE && started.elapsed() < Duration::from_secs(60) {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+            .await
+            .expect("data")
+            .expect("read");
+        assert!(n > 0, "closed after {got} body bytes");
+        if head.is_empty() || !String::from_utf8_lossy(&head).contains("\r\n\r\n") {
+            head.extend_from_slice(&chunk[..n]);
+            if let Some(end) = String::from_utf8_lossy(&head).find("\r\n\r\n") {
+                got = head.len() - end - 4;
+            }
+        } else {
+            got += n;
+        }
+    }
+    assert_eq!(got, SIZE);
+}

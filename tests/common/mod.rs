@@ -2279,6 +2279,18 @@ impl Gateway {
         self.child.id()
     }
 
+    /// The gateway's resident memory now, in KiB (0 if unreadable).
+    pub fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
     /// Waits up to `limit` for the gateway to exit; its status, or None if it still runs.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
         let deadline = std::time::Instant::now() + limit;
