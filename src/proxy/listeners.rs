@@ -1104,7 +1104,9 @@ async fn serve_h1(
                     None => std::future::pending().await,
                 }
             };
+            // Readable first: a client that already sent its next request costs no timer.
             tokio::select! {
+                biased;
                 r = d.readable() => {
                     if r.is_err() {
                         return;
