@@ -282,6 +282,15 @@ fn set_keepalive(session: &mut Session, idle: Option<std::time::Duration>, admit
 
 /// The connection manager's state of the request's connection, when its chain limits
 /// connections (HTTP/1 only).
+/// Whether pingora means to keep this HTTP/1 connection alive after the request.
+fn h1_kept_alive(session: &Session) -> bool {
+    matches!(
+        session.as_downstream(),
+        pingora_core::protocols::http::ServerSession::H1(s1)
+            if s1.get_keepalive_timeout().is_some()
+    )
+}
+
 fn conn_state(session: &Session) -> Option<&conn::ConnState> {
     conn::info(session.digest())?.state.as_deref()
 }
@@ -481,9 +490,12 @@ impl ProxyHttp for Gateway {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let listener = self.begin(session, ctx);
-        let body_empty = session.as_mut().is_body_empty();
-        if let Some(c) = conn_state(session) {
-            c.head_received(body_empty);
+        // Only a connection with timers needs to know whether a body follows.
+        if conn_state(session).is_some() {
+            let body_empty = session.as_mut().is_body_empty();
+            if let Some(c) = conn_state(session) {
+                c.head_received(body_empty);
+            }
         }
         // Downstream, then routing, then the HTTP filters, then the router (module comment).
         if self.downstream_checks(session, ctx, &listener).await? {
@@ -494,11 +506,7 @@ impl ProxyHttp for Gateway {
         // keep-alive pingora decided for it stays as it is otherwise), no longer than its
         // maximum duration allows; its maximum number of requests may close it.
         if let Some(h) = listener.def.hcm() {
-            let kept = matches!(
-                session.as_downstream(),
-                pingora_core::protocols::http::ServerSession::H1(s1)
-                    if s1.get_keepalive_timeout().is_some()
-            );
+            let kept = h1_kept_alive(session);
             let admit = conn_state(session).map_or(conn::Admit::Keep, |c| c.admit());
             if kept {
                 set_keepalive(session, h.idle_timeout, admit);
@@ -808,11 +816,7 @@ impl ProxyHttp for Gateway {
         if self.chain.drain_close() {
             session.set_keepalive(None);
         } else if let Some(c) = conn_state(session) {
-            let kept = matches!(
-                session.as_downstream(),
-                pingora_core::protocols::http::ServerSession::H1(s1)
-                    if s1.get_keepalive_timeout().is_some()
-            );
+            let kept = h1_kept_alive(session);
             let admit = c.at_response();
             if kept && admit != conn::Admit::Keep {
                 let idle = ctx
