@@ -36,6 +36,9 @@ pub struct Stats {
     tcps: Mutex<HashMap<String, Arc<TcpStats>>>,
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     pub xds: XdsCounters,
+    /// Requests Portico's own HTTP/1.1 loop served (`proxy::h1`), shown once there are any:
+    /// how much of the traffic skips pingora's proxy loop.
+    pub h1_loop_requests: std::sync::atomic::AtomicU64,
     /// `POST /reset_counters`: each counter's value then, taken off what it shows since.
     /// The counters themselves run on untouched (the request path never sees a reset).
     counter_baseline: Mutex<HashMap<String, u64>>,
@@ -76,6 +79,7 @@ impl Stats {
             tcps: Mutex::default(),
             listeners: Mutex::default(),
             xds,
+            h1_loop_requests: Default::default(),
             counter_baseline: Mutex::default(),
         }
     }
@@ -675,6 +679,18 @@ impl Stats {
                 "portico_xds_rejected_resources".into(),
                 format!("type=\"{}\"", esc(&kind)),
                 n,
+            );
+        }
+        let own = self
+            .h1_loop_requests
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if own > 0 {
+            out.add(
+                Kind::Counter,
+                "portico.http1_loop.rq_total".into(),
+                "portico_http1_loop_rq_total".into(),
+                String::new(),
+                own,
             );
         }
     }

@@ -64,6 +64,21 @@ pub struct Downstream {
     established: SystemTime,
     /// The connection manager's request timers, when its chain sets any (HTTP/1 only).
     timer: Option<super::conn::ReadTimer>,
+    /// Bytes read ahead (`read_head`, or handed back with `unread`) that the next reads
+    /// return before the socket's.
+    ahead: bytes::BytesMut,
+}
+
+/// What `read_head` found in front of the connection.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Head {
+    /// A whole request head (through its blank line) is buffered: its length.
+    Complete(usize),
+    /// The client closed (or the read failed) before a head arrived; nothing is buffered.
+    Closed,
+    /// Bytes are buffered but no whole head within the limit (or the timers answered the
+    /// connection themselves): whoever reads next deals with them.
+    Undecided,
 }
 
 impl Downstream {
@@ -114,6 +129,61 @@ impl Downstream {
             proxy_digest: None,
             established: SystemTime::now(),
             timer: None,
+            ahead: bytes::BytesMut::new(),
+        }
+    }
+
+    /// Reads until a whole request head is buffered, through the connection's timers as any
+    /// read, and keeps what it read for the next reader. Reads at most `limit` bytes ahead.
+    pub async fn read_head(&mut self, limit: usize) -> Head {
+        loop {
+            if let Some(end) = head_end(&self.ahead) {
+                return Head::Complete(end);
+            }
+            if self.ahead.len() >= limit {
+                return Head::Undecided;
+            }
+            let want = (limit - self.ahead.len()).min(4096);
+            let had = self.ahead.len();
+            // Read straight into the buffer (no array in this future: a connection's task is
+            // as large as its largest await).
+            self.ahead.resize(had + want, 0);
+            let read = std::future::poll_fn(|cx| {
+                let this = &mut *self;
+                let mut buf = ReadBuf::new(&mut this.ahead[had..]);
+                let r = match &mut this.timer {
+                    Some(t) => t.poll_read(&mut this.tcp, cx, &mut buf),
+                    None => Pin::new(&mut this.tcp).poll_read(cx, &mut buf),
+                };
+                r.map_ok(|()| buf.filled().len())
+            })
+            .await;
+            let n = read.unwrap_or(0);
+            self.ahead.truncate(had + n);
+            if n == 0 {
+                return if self.ahead.is_empty() {
+                    self.ahead = bytes::BytesMut::new();
+                    Head::Closed
+                } else {
+                    Head::Undecided
+                };
+            }
+        }
+    }
+
+    /// The bytes `read_head` buffered.
+    pub fn ahead(&self) -> &[u8] {
+        &self.ahead
+    }
+
+    /// Puts bytes read past a request back in front of the connection (a pipelined request
+    /// an HTTP/1 session read ahead of its time).
+    pub fn unread(&mut self, bytes: &[u8]) {
+        if !bytes.is_empty() {
+            let mut front = bytes::BytesMut::with_capacity(bytes.len() + self.ahead.len());
+            front.extend_from_slice(bytes);
+            front.extend_from_slice(&self.ahead);
+            self.ahead = front;
         }
     }
 
@@ -133,6 +203,9 @@ impl Downstream {
     /// Waits until the client sends something (or closes): bytes on the socket, or
     /// plaintext the TLS session already holds.
     pub async fn readable(&self) -> io::Result<()> {
+        if !self.ahead.is_empty() {
+            return Ok(());
+        }
         if let Inner::Tls(t) = &self.tcp {
             // rustls wants no more records while it holds plaintext not yet read.
             if !t.get_ref().1.wants_read() {
@@ -241,11 +314,44 @@ impl AsyncRead for Downstream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if !this.ahead.is_empty() {
+            let n = this.ahead.len().min(buf.remaining());
+            buf.put_slice(&this.ahead[..n]);
+            if n == this.ahead.len() {
+                // Freed, not kept: an idle connection should hold no read buffer.
+                this.ahead = bytes::BytesMut::new();
+            } else {
+                let _ = this.ahead.split_to(n);
+            }
+            return Poll::Ready(Ok(()));
+        }
         match &mut this.timer {
             Some(t) => t.poll_read(&mut this.tcp, cx, buf),
             None => Pin::new(&mut this.tcp).poll_read(cx, buf),
         }
     }
+}
+
+/// Where a request head ends (just past its blank line), if it does in `buf`. A bare LF line
+/// ending counts too, as httparse accepts it.
+fn head_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while let Some(p) = memchr_nl(&buf[i..]) {
+        let at = i + p;
+        let rest = &buf[at + 1..];
+        if rest.starts_with(b"\n") {
+            return Some(at + 2);
+        }
+        if rest.starts_with(b"\r\n") {
+            return Some(at + 3);
+        }
+        i = at + 1;
+    }
+    None
+}
+
+fn memchr_nl(buf: &[u8]) -> Option<usize> {
+    buf.iter().position(|b| *b == b'\n')
 }
 
 impl AsyncWrite for Downstream {
@@ -397,6 +503,40 @@ mod tests {
             got,
             b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial"
         );
+    }
+
+    #[test]
+    fn a_head_ends_at_its_blank_line() {
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nhost: a\r\n\r\nGET"), Some(27));
+        assert_eq!(head_end(b"GET / HTTP/1.1\nhost: a\n\nbody"), Some(24));
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nhost: a\r\n"), None);
+        assert_eq!(head_end(b""), None);
+    }
+
+    #[tokio::test]
+    async fn a_head_read_ahead_is_read_again_in_order() {
+        let (mut s, mut c) = pair().await;
+        c.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\nGET /2")
+            .await
+            .expect("write");
+        let head = s.read_head(64 * 1024).await;
+        assert_eq!(head, Head::Complete(27));
+        s.unread(b"<");
+        c.write_all(b" HTTP/1.1\r\n\r\n").await.expect("write");
+        drop(c);
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.expect("read");
+        assert_eq!(
+            got,
+            b"<GET / HTTP/1.1\r\nhost: a\r\n\r\nGET /2 HTTP/1.1\r\n\r\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_that_closes_before_a_head_is_closed() {
+        let (mut s, c) = pair().await;
+        drop(c);
+        assert_eq!(s.read_head(1024).await, Head::Closed);
     }
 
     #[tokio::test]

@@ -101,6 +101,8 @@ fn sorted_addrs(l: &ActiveListener) -> Vec<SocketAddr> {
 #[derive(Clone)]
 struct Apps {
     h1: Arc<HttpProxy<Gateway>>,
+    /// Portico's own loop for the HTTP/1.1 requests it serves (`h1`).
+    driver: Arc<super::h1::Driver>,
     h2c: Option<Arc<HttpProxy<Gateway>>>,
 }
 
@@ -594,9 +596,18 @@ impl Inner {
                     NetworkFilter::Tcp(t) => ChainStats::Tcp(self.state.stats.tcp(&t.stat_prefix)),
                 };
                 Arc::new(ChainServer {
-                    apps: active.def.hcm().map(|h| Apps {
-                        h1: app(h, false),
-                        h2c: (h.codec != Codec::Http1).then(|| app(h, true)),
+                    apps: active.def.hcm().map(|h| {
+                        let h1 = app(h, false);
+                        let gw = Gateway {
+                            chain: pinned.clone(),
+                            state: self.state.clone(),
+                            hcm_stats: self.state.stats.hcm(&h.stat_prefix),
+                        };
+                        Apps {
+                            driver: Arc::new(super::h1::Driver::new(gw, h1.clone(), &self.conf)),
+                            h1,
+                            h2c: (h.codec != Codec::Http1).then(|| app(h, true)),
+                        }
                     }),
                     stats,
                     signals: signals.clone(),
@@ -744,7 +755,7 @@ async fn serve_connection(tcp: tokio::net::TcpStream, peer: SocketAddr, conns: C
         return;
     };
     if c.h1_only {
-        serve_h1(&c.app, c.stream, c.told, c.idle).await;
+        serve_h1(&c.app, &c.driver, c.stream, c.told, c.idle).await;
     } else {
         let mut stream = c.stream;
         while let Some(next) = c.app.process_new(stream, &c.told).await {
@@ -762,6 +773,7 @@ async fn serve_connection(tcp: tokio::net::TcpStream, peer: SocketAddr, conns: C
 /// An HTTP connection ready for pingora.
 struct HttpConn {
     app: Arc<HttpProxy<Gateway>>,
+    driver: Arc<super::h1::Driver>,
     stream: pingora_core::protocols::Stream,
     told: watch::Receiver<bool>,
     idle: watch::Receiver<bool>,
@@ -1035,6 +1047,7 @@ async fn open_connection(
     let tls = active.tls.is_some();
     Some(HttpConn {
         app,
+        driver: apps.driver.clone(),
         stream,
         told,
         idle: server.signals.idle.subscribe(),
@@ -1055,6 +1068,7 @@ async fn open_connection(
 /// (the end of a drain, shutdown).
 async fn serve_h1(
     app: &Arc<HttpProxy<Gateway>>,
+    driver: &super::h1::Driver,
     stream: pingora_core::protocols::Stream,
     told: watch::Receiver<bool>,
     mut idle_close: watch::Receiver<bool>,
@@ -1063,16 +1077,51 @@ async fn serve_h1(
     let mut session = ServerSession::new_http1(stream);
     // pingora's default keep-alive for a new connection; the request path sets its own.
     session.set_keepalive(Some(60));
+    let mut pipelined = false;
     loop {
-        if *told.borrow() {
+        let told_now = *told.borrow();
+        if told_now {
             session.set_keepalive(None);
         }
-        let Some(reused) = app.process_new_http(session, &told).await else {
+        // A plain request goes to Portico's own loop (`h1`); a request pingora already read
+        // the start of (pipelined) stays with pingora, whose session holds those bytes.
+        let reused = if !pipelined && driver.routes_h1() {
+            match ours_with_settings(session) {
+                Ok((mut d, kept)) => {
+                    // As pingora's own read of a request head, cut short by the end of a drain.
+                    let head = tokio::select! {
+                        biased;
+                        h = d.read_head(super::h1::HEAD_LIMIT) => h,
+                        _ = closing(&mut idle_close) => return,
+                    };
+                    let plain = match head {
+                        super::io::Head::Closed => return,
+                        super::io::Head::Undecided => false,
+                        super::io::Head::Complete(end) => {
+                            super::h1::plain_request(&d.ahead()[..end])
+                        }
+                    };
+                    if plain {
+                        // Boxed, as pingora's request future is: a connection's task is as
+                        // large as its largest await, and it mostly idles between requests.
+                        Box::pin(super::h1::process(driver, d, kept, told_now)).await
+                    } else {
+                        let mut session = ServerSession::new_http1(d);
+                        kept.apply(&mut session);
+                        app.process_new_http(session, &told).await
+                    }
+                }
+                Err(session) => app.process_new_http(session, &told).await,
+            }
+        } else {
+            app.process_new_http(session, &told).await
+        };
+        let Some(reused) = reused else {
             return;
         };
         let (stream, settings) = reused.consume();
         let mut next = ServerSession::new_http1(stream);
-        let mut pipelined = false;
+        pipelined = false;
         if let Some(s) = settings {
             pipelined = carries_pipelined_bytes(&s);
             s.apply_to_session(&mut next);
@@ -1088,16 +1137,6 @@ async fn serve_h1(
             .filter(|_| !pipelined)
             .and_then(|s| s.as_any().downcast_ref::<super::io::Downstream>());
         if let Some(d) = ours {
-            let closing = async {
-                loop {
-                    if *idle_close.borrow_and_update() {
-                        return;
-                    }
-                    if idle_close.changed().await.is_err() {
-                        std::future::pending::<()>().await;
-                    }
-                }
-            };
             let expired = async move {
                 match idle {
                     Some(d) => tokio::time::sleep(d).await,
@@ -1113,10 +1152,52 @@ async fn serve_h1(
                     }
                 }
                 _ = expired => return,
-                _ = closing => return,
+                _ = closing(&mut idle_close) => return,
             }
         }
         session = next;
+    }
+}
+
+/// Resolves when idle connections are to close (the end of a drain, shutdown).
+async fn closing(idle_close: &mut watch::Receiver<bool>) {
+    loop {
+        if *idle_close.borrow_and_update() {
+            return;
+        }
+        if idle_close.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The connection under an HTTP/1 session (our `io::Downstream`), and what the last request
+/// left on the session for the next one; the session itself when it is not ours.
+#[allow(clippy::result_large_err)]
+fn ours_with_settings(
+    session: pingora_core::protocols::http::ServerSession,
+) -> Result<
+    (Box<super::io::Downstream>, super::h1::Kept),
+    pingora_core::protocols::http::ServerSession,
+> {
+    use pingora_core::protocols::http::ServerSession;
+    let ours = session
+        .stream()
+        .is_some_and(|s| s.as_any().is::<super::io::Downstream>());
+    match session {
+        ServerSession::H1(h1) if ours => {
+            let kept = super::h1::Kept::of(&h1);
+            match h1
+                .into_inner()
+                .into_any()
+                .downcast::<super::io::Downstream>()
+            {
+                Ok(d) => Ok((d, kept)),
+                // Checked above.
+                Err(_) => unreachable!("the stream was checked to be a Downstream"),
+            }
+        }
+        other => Err(other),
     }
 }
 

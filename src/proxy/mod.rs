@@ -37,6 +37,7 @@ mod callout;
 pub mod client_cert;
 pub mod conn;
 mod downstream;
+mod h1;
 mod hbone;
 pub mod io;
 mod istio;

@@ -1,0 +1,709 @@
+//! HTTP/1.1 requests without a body, to an HTTP/1 upstream, proxied by a loop of Portico's own
+//! over pingora's HTTP sessions and connector.
+//!
+//! pingora's `HttpProxy` runs every request as two tasks joined by two channels (a downstream
+//! half and an upstream half), with a cache state machine and module hooks around them: a
+//! request without a body, which is most of what a gateway sees, pays for that machinery
+//! without using it. This loop calls the same `ProxyHttp` hooks of `Gateway`, in the same order
+//! and with the same errors as `HttpProxy` (its `process_request`, `proxy_to_upstream` and
+//! `proxy_to_h1_upstream`), one step after the other. Everything else (a request body, an
+//! upgrade, `Expect`, HTTP/1.0, absolute-form targets, a route that can reach an HTTP/2
+//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`: `plain_request`
+//! decides on the head read ahead of the session, so either path reads the request itself.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use futures::FutureExt;
+
+use pingora_core::apps::{HttpPersistentSettings, ReusedHttpStream};
+use pingora_core::connectors::http::Connector;
+use pingora_core::protocols::http::client::HttpSession as ClientSession;
+use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
+use pingora_core::protocols::http::{HttpTask, ServerSession};
+use pingora_core::protocols::{Stream, UniqueID};
+use pingora_core::upstreams::peer::{HttpPeer, Peer};
+use pingora_error::{Error, ErrorType, Result};
+use pingora_http::RequestHeader;
+use pingora_proxy::{HttpProxy, ProxyHttp, Session};
+
+use super::{Ctx, Gateway};
+use crate::snapshot::route::{Action, RouteTable, Target};
+
+/// How far ahead of a session a request head is read to decide which loop serves it: past
+/// this, pingora reads the rest (and refuses what it must).
+pub(crate) const HEAD_LIMIT: usize = 16 * 1024;
+
+/// The most upstream tasks written downstream at once: pingora's pipe between its two halves
+/// holds four, and its downstream half writes what it finds there (and the task it waited for).
+const BATCH: usize = 5;
+
+/// One chain's loop on one worker.
+pub(crate) struct Driver {
+    pub gw: Gateway,
+    pub app: Arc<HttpProxy<Gateway>>,
+    connector: Connector,
+    max_retries: usize,
+    /// Whether the chain's routes reach only HTTP/1 clusters, for the snapshot version held.
+    plan_version: AtomicU64,
+    plan_h1: AtomicBool,
+}
+
+impl Driver {
+    pub fn new(
+        gw: Gateway,
+        app: Arc<HttpProxy<Gateway>>,
+        conf: &pingora_core::server::configuration::ServerConf,
+    ) -> Driver {
+        Driver {
+            gw,
+            app,
+            // As `HttpProxy` builds its own: the same pool settings and timeouts.
+            connector: Connector::new(Some(
+                pingora_core::connectors::ConnectorOptions::from_server_conf(conf),
+            )),
+            max_retries: conf.max_retries,
+            plan_version: AtomicU64::new(u64::MAX),
+            plan_h1: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether every cluster the chain's routes name speaks HTTP/1 in the serving snapshot
+    /// (an HTTP/2 upstream stays with pingora's loop). Worked out once per snapshot.
+    pub fn routes_h1(&self) -> bool {
+        if !enabled() {
+            return false;
+        }
+        let serving = self.gw.state.serving.load();
+        let snap = &serving.snapshot;
+        if self.plan_version.load(Relaxed) == snap.version {
+            return self.plan_h1.load(Relaxed);
+        }
+        let chain = self.gw.chain.in_snapshot(snap);
+        let h1 = upstreams_h1(&chain.routes, |name| {
+            snap.clusters.get(name).is_none_or(|c| !c.def.http2)
+        });
+        self.plan_h1.store(h1, Relaxed);
+        self.plan_version.store(snap.version, Relaxed);
+        h1
+    }
+}
+
+/// `PORTICO_H1_LOOP=pingora` leaves every request to pingora's loop: an operator's way back
+/// should this loop ever differ, and the tests' way to hold both loops to the same answers.
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PORTICO_H1_LOOP").map_or(true, |v| v != "pingora"))
+}
+
+/// Whether every cluster a route table can forward to passes `h1`.
+fn upstreams_h1(routes: &RouteTable, h1: impl Fn(&str) -> bool) -> bool {
+    routes
+        .vhosts
+        .iter()
+        .flat_map(|v| &v.routes)
+        .all(|r| match &r.action {
+            Action::Forward(f) => match &f.target {
+                Target::Cluster(c) => h1(c),
+                Target::Weighted(w) => w.clusters.iter().all(|(c, _)| h1(c)),
+            },
+            _ => true,
+        })
+}
+
+/// Whether a request head (complete, as `io::Downstream::read_head` found it) is one this loop
+/// serves: HTTP/1.1, origin-form, one Host, no body (no `transfer-encoding`, no
+/// `content-length` but 0), no upgrade or `Expect`, and a `Connection` header (if any) that
+/// only says `close` or `keep-alive`, so pingora's upstream request policy has nothing to
+/// strip that it names. Anything else, or anything httparse refuses, goes to pingora's loop.
+pub(crate) fn plain_request(head: &[u8]) -> bool {
+    let mut headers = [httparse::EMPTY_HEADER; 100];
+    let mut req = httparse::Request::new(&mut headers);
+    if !matches!(req.parse(head), Ok(httparse::Status::Complete(_))) {
+        return false;
+    }
+    if req.version != Some(1) {
+        return false;
+    }
+    let (Some(method), Some(path)) = (req.method, req.path) else {
+        return false;
+    };
+    if method == "CONNECT" || !path.starts_with('/') {
+        return false;
+    }
+    let (mut hosts, mut lengths) = (0, 0);
+    for h in req.headers.iter() {
+        let name = h.name;
+        let is = |n: &str| name.eq_ignore_ascii_case(n);
+        if is("host") {
+            hosts += 1;
+        } else if is("content-length") {
+            lengths += 1;
+            if h.value != b"0" {
+                return false;
+            }
+        } else if is("connection") {
+            let v = h.value;
+            if !(v.eq_ignore_ascii_case(b"close") || v.eq_ignore_ascii_case(b"keep-alive")) {
+                return false;
+            }
+        } else if is("transfer-encoding")
+            || is("upgrade")
+            || is("expect")
+            || is("http2-settings")
+            || is("close")
+        {
+            return false;
+        }
+    }
+    hosts == 1 && lengths <= 1
+}
+
+/// What a connection's last request left on its session for the next one (pingora's
+/// `HttpPersistentSettings`, read back once applied).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Kept {
+    keepalive: Option<u64>,
+    reuses: Option<u32>,
+    pipelining: bool,
+}
+
+impl Kept {
+    pub fn of(h1: &pingora_core::protocols::http::v1::server::HttpSession) -> Kept {
+        Kept {
+            keepalive: h1.get_keepalive_timeout(),
+            reuses: h1.get_keepalive_reuses_remaining(),
+            pipelining: h1.pipelining_enabled(),
+        }
+    }
+
+    pub fn apply(self, s: &mut ServerSession) {
+        s.set_keepalive(self.keepalive);
+        s.set_keepalive_reuses_remaining(self.reuses);
+        s.set_pipelining_enabled(self.pipelining);
+    }
+}
+
+/// One request, as `HttpProxy::process_new_http` serves it. `None`: the connection is done.
+pub(crate) async fn process(
+    d: &Driver,
+    stream: Stream,
+    kept: Kept,
+    told: bool,
+) -> Option<ReusedHttpStream> {
+    let mut s = Session::new_h1_with_modules(stream, &d.app.downstream_modules);
+    kept.apply(&mut s.downstream_session);
+    // `handle_new_request`: the head is already buffered, so no shutdown wait is needed.
+    match s.downstream_session.read_request().await {
+        Ok(true) => {}
+        Ok(false) => return None,
+        Err(mut e) => {
+            e.as_down();
+            if matches!(e.etype, ErrorType::InvalidHTTPHeader) {
+                if let Err(e) = s.downstream_session.respond_error(400).await {
+                    tracing::debug!("failed to send error response to downstream: {e}");
+                }
+            }
+            s.downstream_session.shutdown().await;
+            return None;
+        }
+    }
+    if told {
+        s.set_keepalive(None);
+    }
+    d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
+    let mut ctx = d.gw.new_ctx();
+    process_request(d, s, &mut ctx).await
+}
+
+/// `HttpProxy::process_request` without a cache, subrequests or custom sessions.
+async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<ReusedHttpStream> {
+    let gw = &d.gw;
+    if let Err(e) = gw.early_request_filter(&mut s, ctx).await {
+        return handle_error(d, s, ctx, e).await;
+    }
+    let req = s.downstream_session.req_header_mut();
+    if let Err(e) = s.downstream_modules_ctx.request_header_filter(req).await {
+        return handle_error(d, s, ctx, e).await;
+    }
+    match gw.request_filter(&mut s, ctx).await {
+        Ok(true) => {
+            gw.logging(&mut s, None, ctx).await;
+            return reuse(s).await;
+        }
+        Ok(false) => {}
+        Err(e) => return handle_error(d, s, ctx, e).await,
+    }
+    match gw.proxy_upstream_filter(&mut s, ctx).await {
+        Ok(true) => {}
+        Ok(false) => {
+            if s.response_written().is_none() {
+                let bad_gateway = pingora_http::ResponseHeader::build(502, Some(0));
+                let written = match bad_gateway {
+                    Ok(h) => s.write_response_header(Box::new(h), true).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = written {
+                    return handle_error(d, s, ctx, e).await;
+                }
+            }
+            return finish(d, s, ctx, true, None).await;
+        }
+        Err(e) => return handle_error(d, s, ctx, e).await,
+    }
+    let mut retries = 0;
+    let mut server_reuse = false;
+    let mut proxy_error: Option<Box<Error>> = None;
+    while retries < d.max_retries {
+        retries += 1;
+        let (reuse, e) = proxy_to_upstream(d, &mut s, ctx).await;
+        server_reuse = reuse;
+        match e {
+            Some(error) => {
+                let retry = error.retry();
+                if retry
+                    && !gw.suppress_proxy_warn_log(
+                        &s,
+                        ctx,
+                        &error,
+                        pingora_proxy::ProxyWarnLogContext::UpstreamRetry,
+                    )
+                {
+                    tracing::warn!("Fail to proxy: {error}, tries: {retries}, retry: {retry}");
+                }
+                proxy_error = Some(error);
+                if !retry {
+                    break;
+                }
+            }
+            None => {
+                proxy_error = None;
+                break;
+            }
+        }
+    }
+    if let Some(e) = proxy_error.as_ref() {
+        let res = gw.fail_to_proxy(&mut s, e, ctx).await;
+        if !gw.suppress_error_log(&s, ctx, e) {
+            tracing::error!(
+                "Fail to proxy: {e}, status: {}, tries: {retries}, retry: false",
+                res.error_code
+            );
+        }
+    }
+    finish(d, s, ctx, server_reuse, proxy_error).await
+}
+
+/// `HttpProxy::handle_error`.
+async fn handle_error(
+    d: &Driver,
+    mut s: Session,
+    ctx: &mut Ctx,
+    e: Box<Error>,
+) -> Option<ReusedHttpStream> {
+    let gw = &d.gw;
+    let res = gw.fail_to_proxy(&mut s, &e, ctx).await;
+    if !gw.suppress_error_log(&s, ctx, &e) {
+        tracing::error!("Fail to proxy: {e}, status: {}", res.error_code);
+    }
+    gw.logging(&mut s, Some(&e), ctx).await;
+    s.downstream_session.on_proxy_failure(e);
+    if res.can_reuse_downstream {
+        reuse(s).await
+    } else {
+        None
+    }
+}
+
+/// `HttpProxy::finish`.
+async fn finish(
+    d: &Driver,
+    mut s: Session,
+    ctx: &mut Ctx,
+    reuse_downstream: bool,
+    error: Option<Box<Error>>,
+) -> Option<ReusedHttpStream> {
+    d.gw.logging(&mut s, error.as_deref(), ctx).await;
+    if let Some(e) = error {
+        s.downstream_session.on_proxy_failure(e);
+    }
+    if reuse_downstream {
+        reuse(s).await
+    } else {
+        None
+    }
+}
+
+async fn reuse(s: Session) -> Option<ReusedHttpStream> {
+    let settings = HttpPersistentSettings::for_session(&s.downstream_session);
+    let session: ServerSession = *s.downstream_session;
+    session
+        .finish()
+        .await
+        .ok()
+        .flatten()
+        .map(|r| ReusedHttpStream::from_reusable_stream(r, settings))
+}
+
+/// `HttpProxy::proxy_to_upstream` for an HTTP/1 upstream: (reuse the downstream, error).
+async fn proxy_to_upstream(
+    d: &Driver,
+    s: &mut Session,
+    ctx: &mut Ctx,
+) -> (bool, Option<Box<Error>>) {
+    let gw = &d.gw;
+    let peer = match gw.upstream_peer(s, ctx).await {
+        Ok(p) => p,
+        Err(e) => return (false, Some(e)),
+    };
+    match d.connector.get_http_session(&*peer).await {
+        Ok((ClientSession::H1(mut h1), client_reused)) => {
+            let (server_reused, client_reuse, error) =
+                proxy_to_h1_upstream(d, s, &mut h1, client_reused, &peer, ctx).await;
+            if client_reuse {
+                d.connector
+                    .release_http_session(ClientSession::H1(h1), &*peer, peer.idle_timeout())
+                    .await;
+            }
+            let error = error.map(|e| gw.error_while_proxy(&peer, s, e, ctx, client_reused));
+            (server_reused, error)
+        }
+        Ok((other, _)) => {
+            // `routes_h1` keeps HTTP/2 clusters on pingora's loop; a peer that still asks
+            // for HTTP/2 is refused rather than spoken to half-way.
+            drop(other);
+            let e = Error::explain(
+                ErrorType::InternalError,
+                "an HTTP/2 upstream reached the HTTP/1 loop",
+            );
+            (false, Some(e))
+        }
+        Err(mut e) => {
+            e.as_up();
+            let e = gw.fail_to_connect(s, &peer, ctx, e);
+            (false, Some(e.into_up()))
+        }
+    }
+}
+
+/// `proxy_to_h1_upstream` and `proxy_1to1` for a request without a body: (reuse the
+/// downstream, reuse the upstream, error).
+async fn proxy_to_h1_upstream(
+    d: &Driver,
+    s: &mut Session,
+    client: &mut ClientV1,
+    reused: bool,
+    peer: &HttpPeer,
+    ctx: &mut Ctx,
+) -> (bool, bool, Option<Box<Error>>) {
+    let gw = &d.gw;
+    let id = client.id();
+    if let Err(e) = gw
+        .connected_to_upstream(s, reused, peer, id, Some(client.digest()), ctx)
+        .await
+    {
+        return (false, false, Some(e));
+    }
+    client.read_timeout = peer.options.read_timeout;
+    client.write_timeout = peer.options.write_timeout;
+
+    let mut req = s.req_header().clone();
+    req.set_version(http::Version::HTTP_11);
+    // pingora's default upstream request policy: hop-by-hop fields go (`plain_request` left
+    // nothing for a `Connection` header to name).
+    strip_hop_by_hop(&mut req);
+    if let Err(e) = gw.upstream_request_filter(s, &mut req, ctx).await {
+        return (false, true, Some(e));
+    }
+    if let Err(e) = reconcile_authority(&mut req) {
+        return (false, true, Some(e.into_in()));
+    }
+    if let Err(e) = pingora_core::protocols::http::authority::validate_request_authority(&req) {
+        return (false, true, Some(e.into_in()));
+    }
+    s.upstream_compression.request_filter(&req);
+    if let Err(e) = client.write_request_header(Box::new(req)).await {
+        return (false, false, Some(e.into_up()));
+    }
+
+    // The request's (empty) body, as the downstream half hands it over.
+    s.as_mut().enable_retry_buffering();
+    let mut data = s.as_ref().get_retry_buffer();
+    if let Err(e) = s
+        .downstream_modules_ctx
+        .request_body_filter(&mut data, true)
+        .await
+    {
+        return (false, false, Some(e));
+    }
+    if let Err(e) = gw.request_body_filter(s, &mut data, true, ctx).await {
+        return (false, false, Some(e));
+    }
+    if let Some(b) = data.filter(|b| !b.is_empty()) {
+        if let Err(e) = client.write_body(&b).await {
+            return (false, false, Some(e.into_up()));
+        }
+    }
+    if let Err(e) = client.finish_body().await {
+        return (false, false, Some(e.into_up()));
+    }
+
+    // The response, while watching the client: one that hangs up ends the request. What the
+    // upstream already sent goes out in one write, as pingora batches what its pipe holds.
+    loop {
+        let first = tokio::select! {
+            r = s.downstream_session.read_body_or_idle(true) => match r {
+                Err(e) => return (false, false, Some(e.into_down())),
+                Ok(_) => continue,
+            },
+            t = client.read_response_task() => t,
+        };
+        let mut batch = Vec::with_capacity(BATCH);
+        let mut next = Some(first);
+        while let Some(read) = next.take() {
+            match read {
+                Ok(t) => {
+                    let end = t.is_end();
+                    batch.push(t);
+                    // Only what is already buffered or readable now (a read that would wait has
+                    // taken nothing yet, so dropping it loses nothing), and no more than
+                    // pingora's pipe holds: the client's pace bounds what is read ahead.
+                    if !end && batch.len() < BATCH {
+                        next = client.read_response_task().now_or_never();
+                    }
+                }
+                Err(e) => batch.push(HttpTask::Failed(e.into_up())),
+            }
+        }
+        let end = batch.last().is_some_and(HttpTask::is_end);
+        let mut filtered = Vec::with_capacity(batch.len());
+        for task in batch {
+            match response_task(s, task, ctx, gw).await {
+                Ok(t) => filtered.push(t),
+                Err(e) => return (false, false, Some(e)),
+            }
+        }
+        match s.write_response_tasks(filtered).await {
+            Ok(done) if done || end => break,
+            Ok(_) => {}
+            Err(e) => return (false, false, Some(e)),
+        }
+    }
+    let reuse_downstream = match s.as_mut().finish_body().await {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::error!("Error finish sending body to downstream: {e}");
+            false
+        }
+    };
+    (reuse_downstream, true, None)
+}
+
+/// `upstream_filter` then `h1_response_filter`, without a cache.
+async fn response_task(
+    s: &mut Session,
+    mut task: HttpTask,
+    ctx: &mut Ctx,
+    gw: &Gateway,
+) -> Result<HttpTask> {
+    let delay = match &mut task {
+        HttpTask::Header(header, _) => {
+            gw.upstream_response_filter(s, header, ctx).await?;
+            None
+        }
+        HttpTask::Body(data, eos) | HttpTask::UpgradedBody(data, eos) => {
+            gw.upstream_response_body_filter(s, data, *eos, ctx)?
+        }
+        HttpTask::Trailer(Some(trailers)) => {
+            gw.upstream_response_trailer_filter(s, trailers, ctx)?;
+            None
+        }
+        _ => None,
+    };
+    if let Some(d) = delay {
+        tokio::time::sleep(d).await;
+    }
+    Ok(match task {
+        HttpTask::Header(mut header, end) => {
+            // pingora refuses a 101 only when the two sides disagree on the upgrade; neither
+            // asked for one here, so a 101 is relayed as it relays it.
+            // An HTTP/1.0-style response (no length) is made chunked so the connection stays.
+            let no_body = s.req_header().method == http::Method::HEAD
+                || matches!(header.status.as_u16(), 204 | 304);
+            if !no_body
+                && !header.status.is_informational()
+                && !header.headers.contains_key(http::header::TRANSFER_ENCODING)
+                && !header.headers.contains_key(http::header::CONTENT_LENGTH)
+                && !end
+            {
+                header.set_version(http::Version::HTTP_11);
+                header.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
+            }
+            gw.response_filter(s, &mut header, ctx).await?;
+            HttpTask::Header(header, end)
+        }
+        HttpTask::Body(mut data, end) => {
+            if let Some(d) = gw.response_body_filter(s, &mut data, end, ctx)? {
+                tokio::time::sleep(d).await;
+            }
+            HttpTask::Body(data, end)
+        }
+        other => other,
+    })
+}
+
+/// The hop-by-hop fields pingora's default upstream request policy removes.
+fn strip_hop_by_hop(req: &mut RequestHeader) {
+    use http::header;
+    for name in [
+        "keep-alive",
+        "proxy-connection",
+        header::PROXY_AUTHENTICATE.as_str(),
+        header::PROXY_AUTHORIZATION.as_str(),
+        header::TE.as_str(),
+        header::TRAILER.as_str(),
+        header::TRANSFER_ENCODING.as_str(),
+        header::CONNECTION.as_str(),
+        header::UPGRADE.as_str(),
+        "http2-settings",
+    ] {
+        req.remove_header(name);
+    }
+}
+
+/// pingora's `reconcile_upstream_authority` then `set_h1_host_from_authority` for a request
+/// that came with a Host: a Host a filter chose becomes the target's authority.
+fn reconcile_authority(req: &mut RequestHeader) -> Result<()> {
+    use pingora_http::authority::{raw_target_authority, RawTargetAuthority};
+    let invalid = |why: &'static str| Error::explain(ErrorType::InvalidHTTPHeader, why);
+    if let Some(host) = req.headers.get(http::header::HOST) {
+        if host.as_bytes().contains(&b'@') {
+            return Err(invalid("userinfo in Host header"));
+        }
+        if let Some(authority) = req.uri.authority() {
+            if !req.raw_path_is_utf8() {
+                return Err(invalid(
+                    "non-UTF-8 path cannot be reconciled with URI authority",
+                ));
+            }
+            if host.as_bytes() != authority.as_str().as_bytes() {
+                let authority = http::uri::Authority::try_from(host.as_bytes())
+                    .map_err(|_| invalid("invalid Host override for authority"))?;
+                let mut parts = http::uri::Parts::default();
+                parts.scheme = req.uri.scheme().cloned();
+                parts.authority = Some(authority);
+                parts.path_and_query = req.uri.path_and_query().cloned();
+                let uri = http::Uri::from_parts(parts)
+                    .map_err(|_| invalid("failed to apply Host override to URI authority"))?;
+                req.set_uri(uri);
+            }
+        } else if let RawTargetAuthority::Absolute {
+            scheme,
+            authority,
+            path_and_query,
+        } = raw_target_authority(req.raw_path())
+        {
+            if host.as_bytes() != authority {
+                http::uri::Authority::try_from(host.as_bytes())
+                    .map_err(|_| invalid("invalid Host override for authority"))?;
+                let mut target = Vec::with_capacity(
+                    scheme.len() + 3 + host.as_bytes().len() + path_and_query.len(),
+                );
+                target.extend_from_slice(scheme);
+                target.extend_from_slice(b"://");
+                target.extend_from_slice(host.as_bytes());
+                target.extend_from_slice(path_and_query);
+                req.set_raw_path(&target)?;
+            }
+        }
+    }
+    // The downstream request had a Host: one that matches the authority stays.
+    let authority = req
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes().to_vec())
+        .or_else(|| {
+            raw_target_authority(req.raw_path())
+                .authority()
+                .map(<[u8]>::to_vec)
+        });
+    let Some(authority) = authority else {
+        if !req.headers.contains_key(http::header::HOST) {
+            req.insert_header(http::header::HOST, "")?;
+        }
+        return Ok(());
+    };
+    if authority.contains(&b'@') {
+        return Err(invalid("userinfo in request authority"));
+    }
+    let mut hosts = req.headers.get_all(http::header::HOST).iter();
+    if hosts.next().is_some_and(|h| h.as_bytes() == authority) && hosts.next().is_none() {
+        return Ok(());
+    }
+    let host = http::HeaderValue::from_bytes(&authority)
+        .map_err(|_| invalid("invalid authority for Host header"))?;
+    req.insert_header(http::header::HOST, host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_requests_are_bodiless_http11_origin_form_with_one_host() {
+        let yes = [
+            "GET / HTTP/1.1\r\nHost: a\r\n\r\n",
+            "HEAD /x?y=1 HTTP/1.1\r\nhost: a\r\nuser-agent: t\r\n\r\n",
+            "DELETE /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nconnection: Close\r\n\r\n",
+        ];
+        for h in yes {
+            assert!(plain_request(h.as_bytes()), "{h:?}");
+        }
+        let no = [
+            "GET / HTTP/1.0\r\nHost: a\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
+            "CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\n",
+            "OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc",
+            "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nContent-Length: 0\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-secret\r\nx-secret: 1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\nclose: 1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\n",
+            "GET / HTTP/1.1\r\nHost a\r\n\r\n",
+        ];
+        for h in no {
+            assert!(!plain_request(h.as_bytes()), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn more_headers_than_pingora_takes_stay_with_pingora() {
+        let mut h = String::from("GET / HTTP/1.1\r\nHost: a\r\n");
+        for i in 0..120 {
+            h.push_str(&format!("x-{i}: v\r\n"));
+        }
+        h.push_str("\r\n");
+        assert!(!plain_request(h.as_bytes()));
+    }
+
+    #[test]
+    fn a_filter_chosen_host_stays_and_a_removed_one_is_empty() {
+        let mut req = RequestHeader::build("GET", b"/p", None).expect("req");
+        req.insert_header("host", "other.example").expect("host");
+        reconcile_authority(&mut req).expect("ok");
+        assert_eq!(req.headers["host"], "other.example");
+        req.remove_header("host");
+        reconcile_authority(&mut req).expect("ok");
+        assert_eq!(req.headers["host"], "");
+        req.insert_header("host", "u@h").expect("host");
+        assert!(reconcile_authority(&mut req).is_err());
+    }
+}
