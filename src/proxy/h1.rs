@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 
-use pingora_core::apps::{HttpPersistentSettings, ReusedHttpStream};
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession as ClientSession;
 use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
@@ -27,6 +26,7 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::RequestHeader;
 use pingora_proxy::{HttpProxy, ProxyHttp, Session};
 
+use super::io::Downstream;
 use super::{Ctx, Gateway};
 use crate::snapshot::route::{Action, RouteTable, Target};
 
@@ -177,6 +177,14 @@ impl Kept {
         }
     }
 
+    /// How long the connection may wait for its next request (None: no limit); None
+    /// overall when it is not to be kept.
+    pub fn idle(&self) -> Option<std::time::Duration> {
+        self.keepalive
+            .filter(|secs| *secs > 0)
+            .map(std::time::Duration::from_secs)
+    }
+
     pub fn apply(self, s: &mut ServerSession) {
         s.set_keepalive(self.keepalive);
         s.set_keepalive_reuses_remaining(self.reuses);
@@ -184,13 +192,18 @@ impl Kept {
     }
 }
 
+/// The connection after a request, for the next: bytes of that request already read are
+/// back in front of it.
+pub(crate) type Next = (Box<Downstream>, Kept);
+
 /// One request, as `HttpProxy::process_new_http` serves it. `None`: the connection is done.
 pub(crate) async fn process(
     d: &Driver,
-    stream: Stream,
+    stream: Box<Downstream>,
     kept: Kept,
     told: bool,
-) -> Option<ReusedHttpStream> {
+) -> Option<Next> {
+    let stream: Stream = stream;
     let mut s = Session::new_h1_with_modules(stream, &d.app.downstream_modules);
     kept.apply(&mut s.downstream_session);
     // `handle_new_request`: the head is already buffered, so no shutdown wait is needed.
@@ -217,7 +230,7 @@ pub(crate) async fn process(
 }
 
 /// `HttpProxy::process_request` without a cache, subrequests or custom sessions.
-async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<ReusedHttpStream> {
+async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Next> {
     let gw = &d.gw;
     if let Err(e) = gw.early_request_filter(&mut s, ctx).await {
         return handle_error(d, s, ctx, e).await;
@@ -295,12 +308,7 @@ async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Re
 }
 
 /// `HttpProxy::handle_error`.
-async fn handle_error(
-    d: &Driver,
-    mut s: Session,
-    ctx: &mut Ctx,
-    e: Box<Error>,
-) -> Option<ReusedHttpStream> {
+async fn handle_error(d: &Driver, mut s: Session, ctx: &mut Ctx, e: Box<Error>) -> Option<Next> {
     let gw = &d.gw;
     let res = gw.fail_to_proxy(&mut s, &e, ctx).await;
     if !gw.suppress_error_log(&s, ctx, &e) {
@@ -322,7 +330,7 @@ async fn finish(
     ctx: &mut Ctx,
     reuse_downstream: bool,
     error: Option<Box<Error>>,
-) -> Option<ReusedHttpStream> {
+) -> Option<Next> {
     d.gw.logging(&mut s, error.as_deref(), ctx).await;
     if let Some(e) = error {
         s.downstream_session.on_proxy_failure(e);
@@ -334,15 +342,26 @@ async fn finish(
     }
 }
 
-async fn reuse(s: Session) -> Option<ReusedHttpStream> {
-    let settings = HttpPersistentSettings::for_session(&s.downstream_session);
+/// pingora's `finish` of the downstream session and its `HttpPersistentSettings`, handed
+/// back as the connection and what the next request inherits (one fewer reuse left).
+async fn reuse(s: Session) -> Option<Next> {
+    let ds = &s.downstream_session;
+    let kept = Kept {
+        keepalive: ds.get_keepalive(),
+        reuses: ds
+            .get_keepalive_reuses_remaining()
+            .map(|r| r.saturating_sub(1)),
+        pipelining: ds.pipelining_enabled(),
+    };
+    // `finish` flushes the response, and shuts a connection that is not kept.
     let session: ServerSession = *s.downstream_session;
-    session
-        .finish()
-        .await
-        .ok()
-        .flatten()
-        .map(|r| ReusedHttpStream::from_reusable_stream(r, settings))
+    let (stream, prefix) = session.finish().await.ok().flatten()?.into_parts();
+    kept.keepalive?;
+    let mut d = stream.into_any().downcast::<Downstream>().ok()?;
+    if let Some(prefix) = prefix {
+        d.unread(&prefix);
+    }
+    Some((d, kept))
 }
 
 /// `HttpProxy::proxy_to_upstream` for an HTTP/1 upstream: (reuse the downstream, error).

@@ -1073,89 +1073,124 @@ async fn serve_h1(
     told: watch::Receiver<bool>,
     mut idle_close: watch::Receiver<bool>,
 ) {
+    use super::io::{Downstream, Head};
     use pingora_core::protocols::http::ServerSession;
+    /// The connection between two requests: as pingora left it (its session, and whether it
+    /// holds bytes of the next request), or as Portico's own loop left it.
+    enum Between {
+        Pingora(ServerSession, bool),
+        Ours(Box<Downstream>, super::h1::Kept),
+    }
     let mut session = ServerSession::new_http1(stream);
     // pingora's default keep-alive for a new connection; the request path sets its own.
     session.set_keepalive(Some(60));
-    let mut pipelined = false;
+    let mut conn = Between::Pingora(session, false);
     loop {
         let told_now = *told.borrow();
-        if told_now {
-            session.set_keepalive(None);
-        }
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
         // the start of (pipelined) stays with pingora, whose session holds those bytes.
-        let reused = if !pipelined && driver.routes_h1() {
-            match ours_with_settings(session) {
-                Ok((mut d, kept)) => {
-                    // As pingora's own read of a request head, cut short by the end of a drain.
-                    let head = tokio::select! {
-                        biased;
-                        h = d.read_head(super::h1::HEAD_LIMIT) => h,
-                        _ = closing(&mut idle_close) => return,
-                    };
-                    let plain = match head {
-                        super::io::Head::Closed => return,
-                        super::io::Head::Undecided => false,
-                        super::io::Head::Complete(end) => {
-                            super::h1::plain_request(&d.ahead()[..end])
+        let ours = match conn {
+            Between::Ours(d, kept) if driver.routes_h1() => Ok((d, kept)),
+            Between::Ours(d, kept) => {
+                let mut session = ServerSession::new_http1(d);
+                kept.apply(&mut session);
+                Err(session)
+            }
+            Between::Pingora(session, false) if driver.routes_h1() => ours_with_settings(session),
+            Between::Pingora(session, _) => Err(session),
+        };
+        let reused = match ours {
+            Ok((mut d, kept)) => {
+                // As pingora's own read of a request head, cut short by the end of a drain.
+                let head = tokio::select! {
+                    biased;
+                    h = d.read_head(super::h1::HEAD_LIMIT) => h,
+                    _ = closing(&mut idle_close) => return,
+                };
+                let plain = match head {
+                    Head::Closed => return,
+                    Head::Undecided => false,
+                    Head::Complete(end) => super::h1::plain_request(&d.ahead()[..end]),
+                };
+                if plain {
+                    // Boxed, as pingora's request future is: a connection's task is as
+                    // large as its largest await, and it mostly idles between requests.
+                    match Box::pin(super::h1::process(driver, d, kept, told_now)).await {
+                        Some((d, kept)) => {
+                            if !idle_wait(&d, kept.idle(), &mut idle_close).await {
+                                return;
+                            }
+                            conn = Between::Ours(d, kept);
+                            continue;
                         }
-                    };
-                    if plain {
-                        // Boxed, as pingora's request future is: a connection's task is as
-                        // large as its largest await, and it mostly idles between requests.
-                        Box::pin(super::h1::process(driver, d, kept, told_now)).await
-                    } else {
-                        let mut session = ServerSession::new_http1(d);
-                        kept.apply(&mut session);
-                        app.process_new_http(session, &told).await
+                        None => return,
                     }
                 }
-                Err(session) => app.process_new_http(session, &told).await,
+                let mut session = ServerSession::new_http1(d);
+                kept.apply(&mut session);
+                if told_now {
+                    session.set_keepalive(None);
+                }
+                app.process_new_http(session, &told).await
             }
-        } else {
-            app.process_new_http(session, &told).await
+            Err(mut session) => {
+                if told_now {
+                    session.set_keepalive(None);
+                }
+                app.process_new_http(session, &told).await
+            }
         };
         let Some(reused) = reused else {
             return;
         };
         let (stream, settings) = reused.consume();
         let mut next = ServerSession::new_http1(stream);
-        pipelined = false;
+        let mut pipelined = false;
         if let Some(s) = settings {
             pipelined = carries_pipelined_bytes(&s);
             s.apply_to_session(&mut next);
         }
-        let idle = match next.get_keepalive() {
-            None => return,
-            Some(0) => None,
-            Some(secs) => Some(std::time::Duration::from_secs(secs)),
+        let Some(idle) = next.get_keepalive().map(keepalive_idle) else {
+            return;
         };
         // Bytes of a next request already read go to pingora at once (it refuses them).
         let ours = next
             .stream()
             .filter(|_| !pipelined)
-            .and_then(|s| s.as_any().downcast_ref::<super::io::Downstream>());
+            .and_then(|s| s.as_any().downcast_ref::<Downstream>());
         if let Some(d) = ours {
-            let expired = async move {
-                match idle {
-                    Some(d) => tokio::time::sleep(d).await,
-                    None => std::future::pending().await,
-                }
-            };
-            // Readable first: a client that already sent its next request costs no timer.
-            tokio::select! {
-                biased;
-                r = d.readable() => {
-                    if r.is_err() {
-                        return;
-                    }
-                }
-                _ = expired => return,
-                _ = closing(&mut idle_close) => return,
+            if !idle_wait(d, idle, &mut idle_close).await {
+                return;
             }
         }
-        session = next;
+        conn = Between::Pingora(next, pipelined);
+    }
+}
+
+/// A session's keep-alive as a wait: `Some(0)` is pingora's "no limit".
+fn keepalive_idle(secs: u64) -> Option<std::time::Duration> {
+    (secs > 0).then(|| std::time::Duration::from_secs(secs))
+}
+
+/// Waits for a kept-alive connection's next request; false: it is to close (its keep-alive
+/// ran out, idle connections are closing, or the client went away).
+async fn idle_wait(
+    d: &super::io::Downstream,
+    idle: Option<std::time::Duration>,
+    idle_close: &mut watch::Receiver<bool>,
+) -> bool {
+    let expired = async move {
+        match idle {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    // Readable first: a client that already sent its next request costs no timer.
+    tokio::select! {
+        biased;
+        r = d.readable() => r.is_ok(),
+        _ = expired => false,
+        _ = closing(idle_close) => false,
     }
 }
 
