@@ -1076,7 +1076,9 @@ async fn serve_h1(
     use super::io::{Downstream, Head};
     use pingora_core::protocols::http::ServerSession;
     /// The connection between two requests: as pingora left it (its session, and whether it
-    /// holds bytes of the next request), or as Portico's own loop left it.
+    /// holds bytes of the next request), or as Portico's own loop left it. One per connection,
+    /// taken apart at once: boxing the session would cost an allocation per request.
+    #[allow(clippy::large_enum_variant)]
     enum Between {
         Pingora(ServerSession, bool),
         Ours(Box<Downstream>, super::h1::Kept),
