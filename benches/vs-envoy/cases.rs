@@ -7,7 +7,8 @@ use crate::common::{self, AdsServer, HttpClient};
 use crate::config;
 use crate::tools::{self, Env, Nginx, Opts, Proxy, Results, Running, BODY};
 
-const RATES: [u32; 2] = [2_000, 10_000];
+/// The fixed request rates of the latency case (and of its CPU per request).
+pub const RATES: [u32; 2] = [2_000, 10_000];
 
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, String> + Send + 'static,
@@ -86,7 +87,9 @@ fn last(results: &Results, case: &str, who: &str) -> Option<f64> {
     results.by_case.get(case)?.get(who)?.last().copied()
 }
 
-/// Cases 1-4 and idle memory: one listener, one route, one cluster.
+/// Cases 1-4 and memory idle and after load: one listener, one route, one cluster. nginx and
+/// HAProxy (their own configs, the same backends) run the HTTP/1.1 parts: saturation, CPU,
+/// the fixed-rate latency, memory; h2c is Portico's and Envoy's alone.
 pub async fn basic(
     env: &Arc<Env>,
     opts: &Arc<Opts>,
@@ -94,9 +97,14 @@ pub async fn basic(
     proxy: Proxy,
     results: &mut Results,
 ) -> Result<(), String> {
-    let (admin, port) = (common::free_port(), common::free_port());
-    let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
-    let p = Running::start(env, opts, proxy, &boot, admin).await?;
+    let port = common::free_port();
+    let p = if proxy.speaks_xds() {
+        let admin = common::free_port();
+        let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
+        Running::start(env, opts, proxy, &boot, admin).await?
+    } else {
+        Running::start_plain(env, opts, proxy, port, &backend.ports).await?
+    };
     let who = proxy.name();
     let url = format!("http://127.0.0.1:{port}/");
     check_serves(&url).await?;
@@ -110,8 +118,9 @@ pub async fn basic(
             "h1",
         );
         wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await?;
+        results.add("5 rss after h1 run", who, p.rss_mib()?);
     }
-    if opts.wants("h2c") {
+    if opts.wants("h2c") && proxy.speaks_xds() {
         let (e, o, u) = (env.clone(), opts.clone(), url.clone());
         let (rps, failed) = blocking(move || tools::h2load(&e, &o, &u, 50, 10, secs)).await?;
         results.add("2 h2c rps, 50 conns x 10 streams", who, rps);
@@ -120,7 +129,9 @@ pub async fn basic(
     if opts.wants("latency") {
         for rate in RATES {
             let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+            let cpu0 = p.cpu_secs()?;
             let l = blocking(move || tools::oha(&e, &o, &u, rate, secs)).await?;
+            let cpu1 = p.cpu_secs()?;
             for (pct, v) in [("p50", l.p50), ("p99", l.p99), ("p99.9", l.p999)] {
                 let case = format!("3 latency {pct} @{rate} rps");
                 results.add(&case, who, v);
@@ -131,6 +142,13 @@ pub async fn basic(
                         v - floor,
                     );
                 }
+            }
+            if l.requests > 0.0 {
+                results.add(
+                    &format!("4 cpu per 100k requests @{rate} rps"),
+                    who,
+                    (cpu1 - cpu0) / l.requests * 100_000.0,
+                );
             }
             results.error(format!("{who} latency @{rate}"), l.errors);
         }

@@ -371,3 +371,84 @@ pub fn jwt_filter_yaml(jwks: &str) -> String {
 "#
     )
 }
+
+/// nginx as the reverse proxy for the HTTP/1.1 keep-alive case: one listener on `port`,
+/// everything to `backends` round robin (the Envoy bootstrap's cluster), with kept-alive
+/// upstream connections. No access log, as the Envoy bootstrap has none.
+///
+/// `master_process off`: the one nginx process accepts and proxies, as `worker_processes 1`
+/// would have its single worker do; the master would only sit idle beside it. One process
+/// means its /proc/<pid>/stat is all of nginx's CPU, and its VmRSS all of its memory, read as
+/// Portico's and Envoy's are (a master and a worker would need summing, and summed RSS would
+/// count the pages they share twice).
+///
+/// No per-connection request limit on either side (nginx's default closes a connection after
+/// 1,000 requests), and idle timeouts longer than any run, as Envoy's defaults.
+pub fn nginx_proxy_conf(dir: &str, port: u16, backends: &[u16]) -> String {
+    let servers: String = backends
+        .iter()
+        .map(|p| format!("    server 127.0.0.1:{p};\n"))
+        .collect();
+    format!(
+        r#"worker_processes 1;
+master_process off;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  keepalive_requests 100000000;
+  keepalive_timeout 300s;
+  client_body_temp_path {dir}; proxy_temp_path {dir}; fastcgi_temp_path {dir};
+  uwsgi_temp_path {dir}; scgi_temp_path {dir};
+  upstream backend {{
+{servers}    keepalive 64;
+    keepalive_requests 100000000;
+    keepalive_timeout 300s;
+  }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+"#
+    )
+}
+
+/// HAProxy for the HTTP/1.1 keep-alive case: one thread, HTTP mode, keep-alive on both sides
+/// with server connections shared between clients (`http-reuse always`), round robin over
+/// `backends`, no logging (no `log` line). Run in the foreground with `-db`, one process.
+pub fn haproxy_conf(port: u16, backends: &[u16]) -> String {
+    let servers: String = backends
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("  server s{i} 127.0.0.1:{p}\n"))
+        .collect();
+    format!(
+        r#"global
+  nbthread 1
+  maxconn 8192
+
+defaults
+  mode http
+  option http-keep-alive
+  http-reuse always
+  timeout connect 1s
+  timeout client 300s
+  timeout server 300s
+  timeout http-keep-alive 300s
+
+frontend bench
+  bind 127.0.0.1:{port}
+  default_backend backend
+
+backend backend
+  balance roundrobin
+{servers}"#
+    )
+}

