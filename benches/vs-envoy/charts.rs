@@ -228,8 +228,12 @@ pub fn render(c: &Chart) -> Option<String> {
         .iter()
         .map(|s| 28.0 + 7.5 * s.name.chars().count() as f64)
         .sum();
+    // Wide enough for the plot, the legend and the titles (about 0.55 em a character).
+    let text_w =
+        (c.title.chars().count() as f64 * 9.5).max(c.subtitle.chars().count() as f64 * 6.0) + 40.0;
     let width = (LEFT + plot_w + RIGHT)
         .max(LEFT + legend_w + RIGHT)
+        .max(text_w)
         .max(560.0)
         .ceil();
     let plot_w = width - LEFT - RIGHT;
