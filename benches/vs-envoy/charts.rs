@@ -221,7 +221,13 @@ pub fn render(c: &Chart) -> Option<String> {
     }
     let axis = Axis::new(c.scale, &values);
     let n = c.series.len() as f64;
-    let group_w = n * BAR_W + GROUP_GAP;
+    // Each group as wide as its bars, or as its label (12 px text, about 7 px a character).
+    let label_w = c
+        .groups
+        .iter()
+        .map(|g| g.label.chars().count() as f64 * 7.0 + 16.0)
+        .fold(0.0, f64::max);
+    let group_w = (n * BAR_W + GROUP_GAP).max(label_w);
     let plot_w = group_w * c.groups.len() as f64;
     let legend_w: f64 = c
         .series
@@ -488,10 +494,12 @@ pub fn rss_chart(r: &Results, proxies: &[Proxy]) -> Option<Chart> {
         .keys()
         .find(|k| k.starts_with("5 rss with "))?
         .clone();
-    let scale_label = scale_case
-        .strip_prefix("5 rss ")
-        .unwrap_or(&scale_case)
-        .to_string();
+    // "5 rss with 10000 clusters x10 eps + 10000 routes" -> "10000 clusters x10 eps, 10000 routes".
+    let words: Vec<&str> = scale_case.split_whitespace().collect();
+    let scale_label = match (words.get(3), words.get(8)) {
+        (Some(clusters), Some(routes)) => format!("{clusters} clusters x10 eps, {routes} routes"),
+        _ => scale_case.trim_start_matches("5 rss ").to_string(),
+    };
     let cases = vec![
         ("idle, 1 route".to_string(), "5 rss idle".to_string()),
         (
@@ -849,7 +857,11 @@ pub fn self_test() -> Vec<(&'static str, Result<(), String>)> {
                 let c = rss_chart(&r, &Proxy::ALL).ok_or("no rss chart with scale")?;
                 ensure(c.groups.len() == 2 && c.series.len() == 2, || {
                     format!("{} groups, {} series", c.groups.len(), c.series.len())
-                })
+                })?;
+                ensure(
+                    c.groups[1].label == "10 clusters x10 eps, 10 routes",
+                    || format!("scale label {:?}", c.groups[1].label),
+                )
             })
             .and_then(|_| {
                 let svg = render(&latency_chart(&r, &Proxy::ALL));
