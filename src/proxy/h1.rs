@@ -42,7 +42,10 @@ const BATCH: usize = 5;
 pub(crate) struct Driver {
     pub gw: Gateway,
     pub app: Arc<HttpProxy<Gateway>>,
+    /// New connections, and pooling for a peer that is not plain HTTP/1 (ALPN other than h1).
     connector: Connector,
+    /// Idle HTTP/1 upstream connections of this loop.
+    pool: Arc<super::pool::Pool>,
     max_retries: usize,
     /// Whether the chain's routes reach only HTTP/1 clusters, for the snapshot version held.
     plan_version: AtomicU64,
@@ -62,6 +65,7 @@ impl Driver {
             connector: Connector::new(Some(
                 pingora_core::connectors::ConnectorOptions::from_server_conf(conf),
             )),
+            pool: super::pool::Pool::new(conf.upstream_keepalive_pool_size),
             max_retries: conf.max_retries,
             plan_version: AtomicU64::new(u64::MAX),
             plan_h1: AtomicBool::new(false),
@@ -375,11 +379,30 @@ async fn proxy_to_upstream(
         Ok(p) => p,
         Err(e) => return (false, Some(e)),
     };
-    match d.connector.get_http_session(&*peer).await {
+    // A plain HTTP/1 peer's idle connections are this loop's own (see `pool`).
+    let own = peer
+        .get_peer_options()
+        .is_none_or(|o| matches!(o.alpn, pingora_core::protocols::ALPN::H1));
+    let key = peer.reuse_hash();
+    let pooled = if own { d.pool.take(key, &*peer) } else { None };
+    let got = match pooled {
+        Some(stream) => Ok((
+            ClientSession::H1(ClientV1::new_with_options(stream, &*peer)),
+            true,
+        )),
+        None => d.connector.get_http_session(&*peer).await,
+    };
+    match got {
         Ok((ClientSession::H1(mut h1), client_reused)) => {
             let (server_reused, client_reuse, error) =
                 proxy_to_h1_upstream(d, s, &mut h1, client_reused, &peer, ctx).await;
-            if client_reuse {
+            if client_reuse && own {
+                // pingora's `release_http_session`, into the own pool.
+                h1.respect_keepalive();
+                if let Some(stream) = h1.reuse().await {
+                    d.pool.put(stream, key, &*peer, peer.idle_timeout());
+                }
+            } else if client_reuse {
                 d.connector
                     .release_http_session(ClientSession::H1(h1), &*peer, peer.idle_timeout())
                     .await;
@@ -571,22 +594,34 @@ async fn response_task(
     })
 }
 
-/// The hop-by-hop fields pingora's default upstream request policy removes.
+/// The hop-by-hop fields pingora's default upstream request policy removes. Most requests have
+/// none: one pass over the names finds those present, and only they are removed (a removal
+/// hashes the name in both of pingora's maps, present or not).
 fn strip_hop_by_hop(req: &mut RequestHeader) {
-    use http::header;
-    for name in [
+    const HOP: [&str; 10] = [
         "keep-alive",
         "proxy-connection",
-        header::PROXY_AUTHENTICATE.as_str(),
-        header::PROXY_AUTHORIZATION.as_str(),
-        header::TE.as_str(),
-        header::TRAILER.as_str(),
-        header::TRANSFER_ENCODING.as_str(),
-        header::CONNECTION.as_str(),
-        header::UPGRADE.as_str(),
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "connection",
+        "upgrade",
         "http2-settings",
-    ] {
-        req.remove_header(name);
+    ];
+    let mut present = [false; HOP.len()];
+    let mut any = false;
+    for name in req.headers.keys() {
+        if let Some(i) = HOP.iter().position(|h| *h == name.as_str()) {
+            present[i] = true;
+            any = true;
+        }
+    }
+    if any {
+        for (name, _) in HOP.iter().zip(present).filter(|(_, p)| *p) {
+            req.remove_header(*name);
+        }
     }
 }
 
@@ -711,6 +746,70 @@ mod tests {
         }
         h.push_str("\r\n");
         assert!(!plain_request(h.as_bytes()));
+    }
+
+    #[test]
+    fn hop_by_hop_fields_go_as_removing_every_name_removes_them() {
+        // The reference: pingora's policy, every name removed whether present or not (a
+        // removal reorders what is left, so the order is compared too).
+        let reference = |req: &mut RequestHeader| {
+            for n in [
+                "keep-alive",
+                "proxy-connection",
+                "proxy-authenticate",
+                "proxy-authorization",
+                "te",
+                "trailer",
+                "transfer-encoding",
+                "connection",
+                "upgrade",
+                "http2-settings",
+            ] {
+                req.remove_header(n);
+            }
+        };
+        let heads: [&[(&str, &str)]; 4] = [
+            &[("Host", "a"), ("X-A", "1")],
+            &[
+                ("Host", "a"),
+                ("Connection", "keep-alive"),
+                ("X-A", "1"),
+                ("Keep-Alive", "timeout=5"),
+                ("TE", "trailers"),
+                ("Proxy-Connection", "x"),
+                ("X-B", "2"),
+            ],
+            &[
+                ("Upgrade", "h2c"),
+                ("Host", "a"),
+                ("HTTP2-Settings", "x"),
+                ("X-C", "3"),
+            ],
+            &[
+                ("Trailer", "x"),
+                ("trailer", "y"),
+                ("Proxy-Authorization", "p"),
+            ],
+        ];
+        for head in heads {
+            let build = || {
+                let mut req = RequestHeader::build("GET", b"/p", None).expect("req");
+                for (n, v) in head {
+                    req.append_header(n.to_string(), *v).expect("header");
+                }
+                req
+            };
+            let (mut ours, mut theirs) = (build(), build());
+            strip_hop_by_hop(&mut ours);
+            reference(&mut theirs);
+            let wire = |r: &RequestHeader| {
+                let mut w = Vec::new();
+                r.header_to_h1_wire(&mut w);
+                String::from_utf8(w).expect("utf8")
+            };
+            assert_eq!(wire(&ours), wire(&theirs), "{head:?}");
+            assert!(!wire(&ours).to_ascii_lowercase().contains("connection"));
+        }
     }
 
     #[test]

@@ -47,6 +47,7 @@ pub mod log_limit;
 mod mirror;
 mod normalize;
 mod observe;
+mod pool;
 pub mod proxy_protocol;
 mod retries;
 mod routing;
