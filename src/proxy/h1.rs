@@ -518,14 +518,15 @@ async fn proxy_to_h1_upstream(
             }
         }
         let end = batch.last().is_some_and(HttpTask::is_end);
-        let mut filtered = Vec::with_capacity(batch.len());
-        for task in batch {
+        // Filtered in place: each task is taken out, filtered and put back.
+        for slot in batch.iter_mut() {
+            let task = std::mem::replace(slot, HttpTask::Done);
             match response_task(s, task, ctx, gw).await {
-                Ok(t) => filtered.push(t),
+                Ok(t) => *slot = t,
                 Err(e) => return (false, false, Some(e)),
             }
         }
-        match s.write_response_tasks(filtered).await {
+        match s.write_response_tasks(batch).await {
             Ok(done) if done || end => break,
             Ok(_) => {}
             Err(e) => return (false, false, Some(e)),

@@ -490,6 +490,11 @@ impl ProxyHttp for Gateway {
         Ctx::default()
     }
 
+    /// No pingora modules: its default is a response compression module at level 0, which
+    /// does nothing (compression is the `compressor` filter's) but costs a module context and
+    /// two calls per request.
+    fn init_downstream_modules(&self, _modules: &mut pingora_core::modules::http::HttpModules) {}
+
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let listener = self.begin(session, ctx);
         // Only a connection with timers needs to know whether a body follows.
