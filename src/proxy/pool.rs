@@ -252,6 +252,16 @@ mod tests {
         (Box::new(c), s.expect("accept").0)
     }
 
+    /// Waits (at most `within`) for the server side to see the pool close its connection.
+    async fn closed(s: &mut TcpStream, within: Duration, why: &str) {
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(within, s.read(&mut buf))
+            .await
+            .expect(why)
+            .expect("read");
+        assert_eq!(n, 0, "{why}");
+    }
+
     fn peer(l: &TcpListener) -> HttpPeer {
         HttpPeer::new(l.local_addr().expect("addr"), false, String::new())
     }
@@ -312,12 +322,7 @@ mod tests {
         let (c, mut s) = pair(&l).await;
         pool.put(c, p.reuse_hash(), &p, Some(Duration::from_millis(50)));
         // The server sees the close: the sweep closed it at the deadline.
-        let mut buf = [0u8; 1];
-        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
-            .await
-            .expect("closed within the timeout")
-            .expect("read");
-        assert_eq!(n, 0);
+        closed(&mut s, Duration::from_secs(10), "closed within the timeout").await;
         assert_eq!(pool.len(), 0);
         let deadline = Instant::now() + Duration::from_secs(10);
         while pool.inner.lock().expect("lock").sweeping && Instant::now() < deadline {
@@ -342,12 +347,12 @@ mod tests {
         let mut p2 = peer(&l);
         p2.group_key = 7;
         pool.put(c2, p2.reuse_hash(), &p2, Some(Duration::from_millis(20)));
-        let mut buf = [0u8; 1];
-        let n = tokio::time::timeout(Duration::from_millis(900), s2.read(&mut buf))
-            .await
-            .expect("closed before the 1 s sweep")
-            .expect("read");
-        assert_eq!(n, 0);
+        closed(
+            &mut s2,
+            Duration::from_millis(900),
+            "closed before the 1 s sweep",
+        )
+        .await;
         assert_eq!(pool.len(), 1);
     }
 
@@ -365,12 +370,7 @@ mod tests {
         pool.put(c2, other.reuse_hash(), &other, None);
         pool.put(c3, p.reuse_hash(), &p, None);
         assert_eq!(pool.len(), 2);
-        let mut buf = [0u8; 1];
-        let n = tokio::time::timeout(Duration::from_secs(10), s1.read(&mut buf))
-            .await
-            .expect("the first was closed")
-            .expect("read");
-        assert_eq!(n, 0);
+        closed(&mut s1, Duration::from_secs(10), "the first was closed").await;
         assert!(pool.take(other.reuse_hash(), &other).is_some());
         assert!(pool.take(p.reuse_hash(), &p).is_some());
         assert!(pool.take(p.reuse_hash(), &p).is_none());
@@ -384,11 +384,6 @@ mod tests {
         let (c, mut s) = pair(&l).await;
         pool.put(c, p.reuse_hash(), &p, None);
         drop(pool);
-        let mut buf = [0u8; 1];
-        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
-            .await
-            .expect("closed")
-            .expect("read");
-        assert_eq!(n, 0);
+        closed(&mut s, Duration::from_secs(10), "closed").await;
     }
 }
