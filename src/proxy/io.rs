@@ -18,12 +18,13 @@ use std::task::{ready, Context, Poll};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
+use bytes::BufMut;
 use pingora_core::protocols::raw_connect::ProxyDigest;
 use pingora_core::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
     TimingDigest, UniqueID, UniqueIDType,
 };
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 /// A segment's worth, as pingora's listeners use: a response that fits goes out in one send.
@@ -144,22 +145,18 @@ impl Downstream {
                 return Head::Undecided;
             }
             let want = (limit - self.ahead.len()).min(4096);
-            let had = self.ahead.len();
-            // Read straight into the buffer (no array in this future: a connection's task is
-            // as large as its largest await).
-            self.ahead.resize(had + want, 0);
-            let read = std::future::poll_fn(|cx| {
-                let this = &mut *self;
-                let mut buf = ReadBuf::new(&mut this.ahead[had..]);
-                let r = match &mut this.timer {
-                    Some(t) => t.poll_read(&mut this.tcp, cx, &mut buf),
-                    None => Pin::new(&mut this.tcp).poll_read(cx, &mut buf),
-                };
-                r.map_ok(|()| buf.filled().len())
-            })
-            .await;
-            let n = read.unwrap_or(0);
-            self.ahead.truncate(had + n);
+            // Read straight into the buffer's spare room (no array in this future: a
+            // connection's task is as large as its largest await), which is not zeroed first:
+            // `read_buf` hands the reader uninitialised memory and keeps only what it filled.
+            self.ahead.reserve(want);
+            let mut reader = HeadReader {
+                tcp: &mut self.tcp,
+                timer: &mut self.timer,
+            };
+            let n = reader
+                .read_buf(&mut (&mut self.ahead).limit(want))
+                .await
+                .unwrap_or(0);
             if n == 0 {
                 return if self.ahead.is_empty() {
                     self.ahead = bytes::BytesMut::new();
@@ -328,6 +325,26 @@ impl AsyncRead for Downstream {
         match &mut this.timer {
             Some(t) => t.poll_read(&mut this.tcp, cx, buf),
             None => Pin::new(&mut this.tcp).poll_read(cx, buf),
+        }
+    }
+}
+
+/// The connection's reads under its timers, for `read_head`'s `read_buf`.
+struct HeadReader<'a> {
+    tcp: &'a mut Inner,
+    timer: &'a mut Option<super::conn::ReadTimer>,
+}
+
+impl AsyncRead for HeadReader<'_> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match this.timer {
+            Some(t) => t.poll_read(this.tcp, cx, buf),
+            None => Pin::new(&mut *this.tcp).poll_read(cx, buf),
         }
     }
 }
