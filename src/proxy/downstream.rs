@@ -122,7 +122,7 @@ impl Gateway {
             } else {
                 "http"
             };
-            req.insert_header(X_FORWARDED_PROTO.clone(), proto)?;
+            req.insert_header(X_FORWARDED_PROTO.as_str(), proto)?;
         }
         // x-request-id too, before any local reply: Envoy's access logs and traces name every
         // request by it, those the gateway answers itself included.
@@ -244,7 +244,7 @@ pub(super) async fn request_headers(
     // internal address ranges unless internal_address_config names some.
     let internal = is_internal_request(&req.headers, client_ip, hcm);
     if internal {
-        req.insert_header(X_ENVOY_INTERNAL.clone(), "true")?;
+        req.insert_header(X_ENVOY_INTERNAL.as_str(), "true")?;
     } else if req
         .headers
         .keys()
@@ -272,7 +272,7 @@ pub(super) async fn request_headers(
                 Some(prev) => format!("{prev},{ip}"),
                 None => ip.to_string(),
             };
-            req.insert_header(X_FORWARDED_FOR.clone(), value)?;
+            req.insert_header(X_FORWARDED_FOR.as_str(), value)?;
         }
         // With trusted hops, the client is that many entries back from the peer in XFF.
         let mut client = ip.to_string();
@@ -289,7 +289,7 @@ pub(super) async fn request_headers(
         }
         // Only edge requests: an internal client is not entering the trusted network.
         if edge {
-            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.clone(), client)?;
+            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.as_str(), client)?;
         }
     }
     Ok(())
@@ -310,7 +310,7 @@ fn request_id(
     if regenerate || !req.headers.contains_key(&X_REQUEST_ID) {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
-        req.insert_header(X_REQUEST_ID.clone(), id)?;
+        req.insert_header(X_REQUEST_ID.as_str(), id)?;
     }
     Ok(())
 }

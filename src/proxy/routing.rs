@@ -194,7 +194,7 @@ pub(super) fn request_headers(
         ops.apply(req, None, fmt);
     }
     if let Some(p) = original_path {
-        req.insert_header(X_ORIGINAL_PATH.clone(), p)?;
+        req.insert_header(X_ORIGINAL_PATH.as_str(), p)?;
     }
     Ok(())
 }
@@ -245,7 +245,7 @@ pub(super) fn apply_rewrites(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<
             } else {
                 format!("{prev},{original}")
             };
-            upstream.insert_header(X_FORWARDED_HOST.clone(), value)?;
+            upstream.insert_header(X_FORWARDED_HOST.as_str(), value)?;
         }
     }
     Ok(())

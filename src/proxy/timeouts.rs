@@ -66,6 +66,11 @@ fn grpc_timeout_value(d: std::time::Duration) -> String {
     format!("{}H", t.min(MAX))
 }
 
+/// Whole milliseconds as a header value (the integer formatted without `fmt`'s machinery).
+pub(super) fn millis_value(d: std::time::Duration) -> http::HeaderValue {
+    http::HeaderValue::from(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// A non-negative integer header (Envoy's `SimpleAtoi`), in milliseconds.
 fn header_ms(req: &RequestHeader, name: &HeaderName) -> Option<Option<std::time::Duration>> {
     let v = req.headers.get(name)?;
@@ -133,9 +138,9 @@ fn set_timeouts(
     ctx.per_try = per_try;
     match per_try.or(global) {
         Some(expected) => {
-            req.insert_header(X_EXPECTED_TIMEOUT.clone(), expected.as_millis().to_string())?;
+            req.insert_header(X_EXPECTED_TIMEOUT.as_str(), millis_value(expected))?;
             if legacy_grpc {
-                req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(expected))?;
+                req.insert_header(GRPC_TIMEOUT.as_str(), grpc_timeout_value(expected))?;
             }
         }
         None => {
@@ -161,7 +166,7 @@ fn set_timeouts(
         },
     };
     if let (Some(d), true) = (stream, t.max_stream.is_some() && ctx.grpc_request) {
-        req.insert_header(GRPC_TIMEOUT.clone(), grpc_timeout_value(d))?;
+        req.insert_header(GRPC_TIMEOUT.as_str(), grpc_timeout_value(d))?;
     }
     ctx.stream_deadline = stream.map(|d| now + d);
     ctx.idle = match t.idle {

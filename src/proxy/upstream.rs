@@ -368,7 +368,10 @@ pub(super) fn attempt_headers(upstream: &mut RequestHeader, ctx: &Ctx) -> Result
         upstream.remove_header(&http::header::ACCEPT_ENCODING);
     }
     if ctx.attempt_count_to_upstream {
-        upstream.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
+        upstream.insert_header(
+            X_ATTEMPT_COUNT.as_str(),
+            http::HeaderValue::from(ctx.attempts),
+        )?;
     }
     for (k, v, append) in ctx.filters.upstream_request_headers() {
         if *append {
@@ -409,8 +412,8 @@ pub(super) fn response_headers(
     // Envoy measures from the end of the request, which an upgrade has not reached.
     if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
         resp.insert_header(
-            X_UPSTREAM_TIME.clone(),
-            start.elapsed().as_millis().to_string(),
+            X_UPSTREAM_TIME.as_str(),
+            super::timeouts::millis_value(start.elapsed()),
         )?;
     }
     // After x-envoy-upstream-service-time, before the connection manager's `server`.
@@ -418,10 +421,16 @@ pub(super) fn response_headers(
         rh.apply(resp, session.req_header());
     }
     if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
-        resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
+        match &h.server_header {
+            Some(v) => resp.insert_header(http::header::SERVER, v.clone())?,
+            None => resp.insert_header(http::header::SERVER, h.server_name.as_str())?,
+        }
     }
     if ctx.attempt_count_to_client && ctx.attempts > 0 {
-        resp.insert_header(X_ATTEMPT_COUNT.clone(), ctx.attempts.to_string())?;
+        resp.insert_header(
+            X_ATTEMPT_COUNT.as_str(),
+            http::HeaderValue::from(ctx.attempts),
+        )?;
     }
     filter_response_headers(resp, ctx)?;
     for c in ctx.set_cookies.drain(..) {

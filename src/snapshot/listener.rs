@@ -442,6 +442,9 @@ pub struct Hcm {
     pub strip_any_host_port: bool,
     pub strip_matching_host_port: bool,
     pub server_name: String,
+    /// `server_name` as the `server` header's value, made once rather than per response
+    /// (None: not a valid header value, which each response then refuses as before).
+    pub server_header: Option<http::HeaderValue>,
     /// The `http_filters` that act per request, in chain order (the router, terminal, is
     /// not among them; filters accepted without effect neither).
     pub filters: Vec<HttpFilter>,
@@ -1303,6 +1306,12 @@ impl Hcm {
                 Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(true))
             ),
             strip_matching_host_port: h.strip_matching_host_port,
+            server_header: http::HeaderValue::from_str(if h.server_name.is_empty() {
+                "envoy"
+            } else {
+                &h.server_name
+            })
+            .ok(),
             server_name: if h.server_name.is_empty() {
                 "envoy".to_string()
             } else {
