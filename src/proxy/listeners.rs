@@ -1087,6 +1087,7 @@ async fn serve_h1(
     // pingora's default keep-alive for a new connection; the request path sets its own.
     session.set_keepalive(Some(60));
     let mut conn = Between::Pingora(session, false);
+    let mut idle_timer = IdleTimer::default();
     loop {
         let told_now = *told.borrow();
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
@@ -1119,7 +1120,7 @@ async fn serve_h1(
                     // large as its largest await, and it mostly idles between requests.
                     match Box::pin(super::h1::process(driver, d, kept, told_now)).await {
                         Some((d, kept)) => {
-                            if !idle_wait(&d, kept.idle(), &mut idle_close).await {
+                            if !idle_wait(&d, kept.idle(), &mut idle_close, &mut idle_timer).await {
                                 return;
                             }
                             conn = Between::Ours(d, kept);
@@ -1161,7 +1162,7 @@ async fn serve_h1(
             .filter(|_| !pipelined)
             .and_then(|s| s.as_any().downcast_ref::<Downstream>());
         if let Some(d) = ours {
-            if !idle_wait(d, idle, &mut idle_close).await {
+            if !idle_wait(d, idle, &mut idle_close, &mut idle_timer).await {
                 return;
             }
         }
@@ -1180,19 +1181,51 @@ async fn idle_wait(
     d: &super::io::Downstream,
     idle: Option<std::time::Duration>,
     idle_close: &mut watch::Receiver<bool>,
+    timer: &mut IdleTimer,
 ) -> bool {
-    let expired = async move {
-        match idle {
-            Some(d) => tokio::time::sleep(d).await,
-            None => std::future::pending().await,
+    let deadline = idle.map(|i| tokio::time::Instant::now() + i);
+    loop {
+        let expired = async {
+            match deadline {
+                Some(at) => timer.until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        // Readable first: a client that already sent its next request costs no timer.
+        tokio::select! {
+            biased;
+            r = d.readable() => return r.is_ok(),
+            reached = expired => if reached {
+                return false;
+            },
+            _ = closing(idle_close) => return false,
         }
-    };
-    // Readable first: a client that already sent its next request costs no timer.
-    tokio::select! {
-        biased;
-        r = d.readable() => r.is_ok(),
-        _ = expired => false,
-        _ = closing(idle_close) => false,
+    }
+}
+
+/// A connection's keep-alive timer, kept from one request to the next. Arming a fresh tokio
+/// timer per request costs an insertion into the timer wheel and a removal after it; this
+/// one is moved only when it would fire late (a shorter keep-alive) or has fired. One armed
+/// for an earlier request's deadline fires early and is then moved to the current one, as
+/// nginx's lazy timers do: once per keep-alive period rather than once per request.
+#[derive(Default)]
+struct IdleTimer(Option<std::pin::Pin<Box<tokio::time::Sleep>>>);
+
+impl IdleTimer {
+    /// Resolves when the timer fires: true when `at` has been reached, false when it fired
+    /// for an earlier deadline (call again to wait for `at`).
+    async fn until(&mut self, at: tokio::time::Instant) -> bool {
+        let sleep = match &mut self.0 {
+            Some(s) => {
+                if s.deadline() > at || s.is_elapsed() {
+                    s.as_mut().reset(at);
+                }
+                s
+            }
+            None => self.0.insert(Box::pin(tokio::time::sleep_until(at))),
+        };
+        sleep.as_mut().await;
+        tokio::time::Instant::now() >= at
     }
 }
 
