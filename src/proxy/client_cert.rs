@@ -110,6 +110,8 @@ pub fn sni_of(digest: Option<&pingora_core::protocols::Digest>) -> Option<Arc<st
 }
 
 const XFCC: &str = "x-forwarded-client-cert";
+/// The same name parsed once: a removal by `&str` parses it on every request.
+static XFCC_NAME: http::HeaderName = http::HeaderName::from_static(XFCC);
 
 /// Envoy's connection manager on `x-forwarded-client-cert`, before routing.
 pub fn mutate(
@@ -121,7 +123,7 @@ pub fn mutate(
         (ForwardClientCert::AlwaysForwardOnly, _) => return Ok(()),
         // Without a client certificate every other mode drops what the client sent.
         (ForwardClientCert::Sanitize, _) | (_, None) => {
-            req.remove_header(XFCC);
+            req.remove_header(&XFCC_NAME);
             return Ok(());
         }
         (ForwardClientCert::ForwardOnly, Some(_)) => return Ok(()),

@@ -520,6 +520,16 @@ pub(super) fn hcm_strips_port(raw: &str, listener: &ActiveChain, local_port: Opt
 /// Hop-by-hop headers (RFC 9110 §7.6.1) to remove, including those named in `Connection`.
 /// Returns the names to drop and whether `te: trailers` must be set in place of `te`.
 pub(super) fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
+    let hop = [
+        &http::header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &http::header::UPGRADE,
+        &http::header::TE,
+    ];
+    if !any_named(headers, &hop) {
+        return (Vec::new(), false);
+    }
     let mut names: Vec<HeaderName> = headers
         .get_all(http::header::CONNECTION)
         .iter()
@@ -562,14 +572,29 @@ pub(super) fn strip_request(req: &mut RequestHeader) -> Result<()> {
 /// Envoy removes only the connection-level headers from responses; headers a `Connection`
 /// header names, and `te`, pass.
 pub(super) fn strip_response(resp: &mut ResponseHeader) {
-    for h in [
+    let hop = [
         &http::header::CONNECTION,
         &KEEP_ALIVE,
         &PROXY_CONNECTION,
         &http::header::UPGRADE,
-    ] {
-        resp.remove_header(h);
+    ];
+    // One pass finds those present; only they are removed, in the same order (a removal of
+    // an absent name changes nothing, so the headers left keep the order they had).
+    let mut present = [false; 4];
+    for k in resp.headers.keys() {
+        if let Some(i) = hop.iter().position(|h| *h == k) {
+            present[i] = true;
+        }
     }
+    for (h, _) in hop.iter().zip(present).filter(|(_, p)| *p) {
+        resp.remove_header(*h);
+    }
+}
+
+/// Whether any of `names` is among the headers: one pass over the (few) names present, which
+/// costs less than a hashed lookup per name when, as usual, none is there.
+pub(super) fn any_named<T>(headers: &http::HeaderMap<T>, names: &[&HeaderName]) -> bool {
+    headers.keys().any(|k| names.contains(&k))
 }
 
 /// Whether the raw HTTP/1 request head has a header line starting with `name` (lowercase,

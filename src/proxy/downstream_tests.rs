@@ -105,3 +105,49 @@ fn hop_by_hop_headers_are_removed() {
     );
     assert!(h.headers.get("x-keep").is_some());
 }
+
+#[test]
+fn response_hop_by_hop_goes_as_removing_every_name_removes_it() {
+    // The reference: every connection-level name removed whether present or not (a removal
+    // reorders what is left, so the order is compared too).
+    let reference = |resp: &mut ResponseHeader| {
+        for n in ["connection", "keep-alive", "proxy-connection", "upgrade"] {
+            resp.remove_header(n);
+        }
+    };
+    let heads: [&[(&str, &str)]; 4] = [
+        &[("Server", "nginx"), ("Content-Length", "3")],
+        &[
+            ("Server", "nginx"),
+            ("Connection", "keep-alive"),
+            ("X-A", "1"),
+            ("Keep-Alive", "timeout=5"),
+            ("Content-Length", "3"),
+        ],
+        &[
+            ("Upgrade", "h2c"),
+            ("Proxy-Connection", "x"),
+            ("X-B", "2"),
+            ("Connection", "upgrade"),
+        ],
+        &[("X-C", "3"), ("TE", "trailers"), ("Trailer", "x")],
+    ];
+    for head in heads {
+        let build = || {
+            let mut r = ResponseHeader::build(200, None).expect("resp");
+            for (n, v) in head {
+                r.append_header(n.to_string(), *v).expect("header");
+            }
+            r
+        };
+        let (mut ours, mut theirs) = (build(), build());
+        strip_response(&mut ours);
+        reference(&mut theirs);
+        let wire = |r: &ResponseHeader| {
+            let mut w = Vec::new();
+            r.header_to_h1_wire(&mut w);
+            String::from_utf8(w).expect("utf8")
+        };
+        assert_eq!(wire(&ours), wire(&theirs), "{head:?}");
+    }
+}

@@ -84,6 +84,8 @@ pub(super) fn begin(session: &Session, info: &mut StreamInfo) {
 
 /// At the request's end (pingora's `logging`): the rest of the record, from the session and
 /// what the phases kept.
+static GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+
 pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
     let written = session.response_written();
     let code = written.map_or(0, |r| r.status.as_u16());
@@ -107,7 +109,7 @@ pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
     if info.grpc_status.is_none() {
         // A trailers-only gRPC response (or a local reply) carries it in its headers.
         info.grpc_status = written
-            .and_then(|r| r.headers.get("grpc-status"))
+            .and_then(|r| r.headers.get(&GRPC_STATUS))
             .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok());
     }
     grpc_status(ctx);

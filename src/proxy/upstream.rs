@@ -345,7 +345,7 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
         http::header::PROXY_AUTHORIZATION,
     ];
     // Most requests carry none of these: skip the Connection parsing for them.
-    if restorable.iter().any(|h| down.contains_key(h)) {
+    if super::downstream::any_named(down, &[&restorable[0], &restorable[1], &restorable[2]]) {
         let (nominated, te_trailers) = super::downstream::hop_by_hop(down);
         if te_trailers {
             upstream.insert_header(http::header::TE, "trailers")?;
