@@ -207,34 +207,42 @@ pub(crate) async fn process(
     kept: Kept,
     told: bool,
 ) -> Option<Next> {
-    let stream: Stream = stream;
-    let mut s = Session::new_h1_with_modules(stream, &d.app.downstream_modules);
-    kept.apply(&mut s.downstream_session);
-    // `handle_new_request`: the head is already buffered, so no shutdown wait is needed.
-    match s.downstream_session.read_request().await {
-        Ok(true) => {}
-        Ok(false) => return None,
-        Err(mut e) => {
-            e.as_down();
-            if matches!(e.etype, ErrorType::InvalidHTTPHeader) {
-                if let Err(e) = s.downstream_session.respond_error(400).await {
-                    tracing::debug!("failed to send error response to downstream: {e}");
+    // The session is handed back here rather than in each way out of `process_request`,
+    // and the request's state lives in this block only: a future is as large as its largest
+    // await, and pingora's `finish` (which `reuse` awaits) nested under the proxying steps,
+    // next to the context, made this one, boxed per request, 12.6 KB.
+    let s = {
+        let stream: Stream = stream;
+        let mut s = Session::new_h1_with_modules(stream, &d.app.downstream_modules);
+        kept.apply(&mut s.downstream_session);
+        // `handle_new_request`: the head is already buffered, so no shutdown wait is needed.
+        match s.downstream_session.read_request().await {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(mut e) => {
+                e.as_down();
+                if matches!(e.etype, ErrorType::InvalidHTTPHeader) {
+                    if let Err(e) = s.downstream_session.respond_error(400).await {
+                        tracing::debug!("failed to send error response to downstream: {e}");
+                    }
                 }
+                s.downstream_session.shutdown().await;
+                return None;
             }
-            s.downstream_session.shutdown().await;
-            return None;
         }
-    }
-    if told {
-        s.set_keepalive(None);
-    }
-    d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
-    let mut ctx = d.gw.new_ctx();
-    process_request(d, s, &mut ctx).await
+        if told {
+            s.set_keepalive(None);
+        }
+        d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
+        let mut ctx = d.gw.new_ctx();
+        process_request(d, s, &mut ctx).await?
+    };
+    reuse(s).await
 }
 
-/// `HttpProxy::process_request` without a cache, subrequests or custom sessions.
-async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Next> {
+/// `HttpProxy::process_request` without a cache, subrequests or custom sessions: the session
+/// when the connection is to be kept.
+async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Session> {
     let gw = &d.gw;
     if let Err(e) = gw.early_request_filter(&mut s, ctx).await {
         return handle_error(d, s, ctx, e).await;
@@ -246,7 +254,7 @@ async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Ne
     match gw.request_filter(&mut s, ctx).await {
         Ok(true) => {
             gw.logging(&mut s, None, ctx).await;
-            return reuse(s).await;
+            return Some(s);
         }
         Ok(false) => {}
         Err(e) => return handle_error(d, s, ctx, e).await,
@@ -311,8 +319,8 @@ async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Ne
     finish(d, s, ctx, server_reuse, proxy_error).await
 }
 
-/// `HttpProxy::handle_error`.
-async fn handle_error(d: &Driver, mut s: Session, ctx: &mut Ctx, e: Box<Error>) -> Option<Next> {
+/// `HttpProxy::handle_error`: the session when the connection is to be kept.
+async fn handle_error(d: &Driver, mut s: Session, ctx: &mut Ctx, e: Box<Error>) -> Option<Session> {
     let gw = &d.gw;
     let res = gw.fail_to_proxy(&mut s, &e, ctx).await;
     if !gw.suppress_error_log(&s, ctx, &e) {
@@ -320,30 +328,22 @@ async fn handle_error(d: &Driver, mut s: Session, ctx: &mut Ctx, e: Box<Error>) 
     }
     gw.logging(&mut s, Some(&e), ctx).await;
     s.downstream_session.on_proxy_failure(e);
-    if res.can_reuse_downstream {
-        reuse(s).await
-    } else {
-        None
-    }
+    res.can_reuse_downstream.then_some(s)
 }
 
-/// `HttpProxy::finish`.
+/// `HttpProxy::finish`: the session when the connection is to be kept.
 async fn finish(
     d: &Driver,
     mut s: Session,
     ctx: &mut Ctx,
     reuse_downstream: bool,
     error: Option<Box<Error>>,
-) -> Option<Next> {
+) -> Option<Session> {
     d.gw.logging(&mut s, error.as_deref(), ctx).await;
     if let Some(e) = error {
         s.downstream_session.on_proxy_failure(e);
     }
-    if reuse_downstream {
-        reuse(s).await
-    } else {
-        None
-    }
+    reuse_downstream.then_some(s)
 }
 
 /// pingora's `finish` of the downstream session and its `HttpPersistentSettings`, handed
@@ -390,7 +390,9 @@ async fn proxy_to_upstream(
             ClientSession::H1(ClientV1::new_with_options(stream, &*peer)),
             true,
         )),
-        None => d.connector.get_http_session(&*peer).await,
+        // Boxed: the connector's future (a connect, maybe a TLS handshake) is 8.8 KB, and a
+        // pooled connection, the usual case, should not carry that room in every request.
+        None => Box::pin(d.connector.get_http_session(&*peer)).await,
     };
     match got {
         Ok((ClientSession::H1(mut h1), client_reused)) => {
@@ -403,9 +405,13 @@ async fn proxy_to_upstream(
                     d.pool.put(stream, key, &*peer, peer.idle_timeout());
                 }
             } else if client_reuse {
-                d.connector
-                    .release_http_session(ClientSession::H1(h1), &*peer, peer.idle_timeout())
-                    .await;
+                // Boxed as the connector's `get_http_session` is: the rare case's room.
+                Box::pin(d.connector.release_http_session(
+                    ClientSession::H1(h1),
+                    &*peer,
+                    peer.idle_timeout(),
+                ))
+                .await;
             }
             let error = error.map(|e| gw.error_while_proxy(&peer, s, e, ctx, client_reused));
             (server_reused, error)
