@@ -5,6 +5,7 @@
 //! it once per request and routes with [`router`] and [`lb`].
 
 pub mod admin;
+pub mod alloc;
 pub mod bootstrap;
 pub mod demo;
 pub mod filters;

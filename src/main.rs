@@ -9,9 +9,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 // glibc malloc was an eighth of the CPU of a proxied request (its free-list upkeep and
 // consolidation); mimalloc's thread-local free lists make the request path's short-lived
-// header maps and buffers cheap. Measured in benches/vs-envoy (case 4).
+// header maps and buffers cheap. Measured in benches/vs-envoy (case 4). See `alloc` for
+// why not the `mimalloc` crate's own allocator.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: portico::alloc::MiAlloc = portico::alloc::MiAlloc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
