@@ -496,6 +496,12 @@ async fn proxy_to_h1_upstream(
         return (false, false, Some(e.into_up()));
     }
 
+    // The request body's reader is set up before the client is watched, as pingora's loop
+    // does by reading the (empty) body first: the watch below may read the first byte of a
+    // next request and keeps it for that request in the reader's overread, which setting up
+    // the reader later would overwrite (the byte was lost and the next request forwarded as
+    // `ET /...`).
+    s.downstream_session.is_body_done();
     // The response, while watching the client: one that hangs up ends the request. What the
     // upstream already sent goes out in one write, as pingora batches what its pipe holds.
     loop {
