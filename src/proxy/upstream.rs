@@ -340,12 +340,12 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
     // `trailer` and `proxy-authorization` (unless `Connection` names them).
     let down = &session.req_header().headers;
     let restorable = [
-        http::header::TE,
-        http::header::TRAILER,
-        http::header::PROXY_AUTHORIZATION,
+        &http::header::TE,
+        &http::header::TRAILER,
+        &http::header::PROXY_AUTHORIZATION,
     ];
     // Most requests carry none of these: skip the Connection parsing for them.
-    if super::downstream::any_named(down, &[&restorable[0], &restorable[1], &restorable[2]]) {
+    if super::downstream::any_named(down, &restorable) {
         let (nominated, te_trailers) = super::downstream::hop_by_hop(down);
         if te_trailers {
             upstream.insert_header(http::header::TE, "trailers")?;
@@ -354,8 +354,8 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
             if nominated.contains(name) {
                 continue;
             }
-            for v in down.get_all(name) {
-                upstream.append_header(name.clone(), v.clone())?;
+            for v in down.get_all(*name) {
+                upstream.append_header((*name).clone(), v.clone())?;
             }
         }
     }
