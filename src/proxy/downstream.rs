@@ -527,7 +527,7 @@ pub(super) fn hop_by_hop(headers: &http::HeaderMap) -> (Vec<HeaderName>, bool) {
         &http::header::UPGRADE,
         &http::header::TE,
     ];
-    if !any_named(headers, &hop) {
+    if !present(headers, &hop).contains(&true) {
         return (Vec::new(), false);
     }
     let mut names: Vec<HeaderName> = headers
@@ -578,23 +578,31 @@ pub(super) fn strip_response(resp: &mut ResponseHeader) {
         &PROXY_CONNECTION,
         &http::header::UPGRADE,
     ];
-    // One pass finds those present; only they are removed, in the same order (a removal of
-    // an absent name changes nothing, so the headers left keep the order they had).
-    let mut present = [false; 4];
-    for k in resp.headers.keys() {
-        if let Some(i) = hop.iter().position(|h| *h == k) {
-            present[i] = true;
-        }
-    }
-    for (h, _) in hop.iter().zip(present).filter(|(_, p)| *p) {
+    for (h, _) in hop
+        .iter()
+        .zip(present(&resp.headers, &hop))
+        .filter(|(_, p)| *p)
+    {
         resp.remove_header(*h);
     }
 }
 
-/// Whether any of `names` is among the headers: one pass over the (few) names present, which
-/// costs less than a hashed lookup per name when, as usual, none is there.
-pub(super) fn any_named<T>(headers: &http::HeaderMap<T>, names: &[&HeaderName]) -> bool {
-    headers.keys().any(|k| names.contains(&k))
+/// Which of `names` are among the headers, in one pass over the (few) names present: most
+/// messages carry none of the names a strip looks for, and a removal hashes its name in both
+/// of pingora's maps whether present or not. Removing only those present, in the order of
+/// `names`, leaves the same headers in the same order as removing every name (a removal of
+/// an absent name changes nothing).
+pub(super) fn present<T, const N: usize>(
+    headers: &http::HeaderMap<T>,
+    names: &[&HeaderName; N],
+) -> [bool; N] {
+    let mut found = [false; N];
+    for k in headers.keys() {
+        if let Some(i) = names.iter().position(|h| *h == k) {
+            found[i] = true;
+        }
+    }
+    found
 }
 
 /// Whether the raw HTTP/1 request head has a header line starting with `name` (lowercase,

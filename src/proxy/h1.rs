@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 
+use http::HeaderName;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession as ClientSession;
 use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
@@ -607,34 +608,27 @@ async fn response_task(
     })
 }
 
-/// The hop-by-hop fields pingora's default upstream request policy removes. Most requests have
-/// none: one pass over the names finds those present, and only they are removed (a removal
-/// hashes the name in both of pingora's maps, present or not).
+/// The hop-by-hop fields pingora's default upstream request policy removes, only those present
+/// (`downstream::present`).
 fn strip_hop_by_hop(req: &mut RequestHeader) {
-    const HOP: [&str; 10] = [
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "connection",
-        "upgrade",
-        "http2-settings",
+    static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+    static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+    static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
+    let hop = [
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &http::header::PROXY_AUTHENTICATE,
+        &http::header::PROXY_AUTHORIZATION,
+        &http::header::TE,
+        &http::header::TRAILER,
+        &http::header::TRANSFER_ENCODING,
+        &http::header::CONNECTION,
+        &http::header::UPGRADE,
+        &HTTP2_SETTINGS,
     ];
-    let mut present = [false; HOP.len()];
-    let mut any = false;
-    for name in req.headers.keys() {
-        if let Some(i) = HOP.iter().position(|h| *h == name.as_str()) {
-            present[i] = true;
-            any = true;
-        }
-    }
-    if any {
-        for (name, _) in HOP.iter().zip(present).filter(|(_, p)| *p) {
-            req.remove_header(*name);
-        }
+    let found = super::downstream::present(&req.headers, &hop);
+    for (name, _) in hop.iter().zip(found).filter(|(_, p)| *p) {
+        req.remove_header(*name);
     }
 }
 

@@ -82,7 +82,7 @@ impl Gateway {
             resp.insert_header(http::header::CONTENT_LENGTH, "0")?;
         }
         if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
-            resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
+            super::upstream::server(&mut resp, h)?;
         }
         // Trailers-only means END_STREAM on the HEADERS frame, as Envoy sends it; pingora's
         // session wrapper would drop the flag and end the stream with an empty DATA frame.
@@ -142,7 +142,7 @@ impl Gateway {
             rh.apply(&mut resp, session.req_header());
         }
         if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
-            resp.insert_header(http::header::SERVER, h.server_name.as_str())?;
+            super::upstream::server(&mut resp, h)?;
         }
         filter_response_headers(&mut resp, ctx)?;
         session

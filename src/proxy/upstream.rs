@@ -345,7 +345,7 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
         &http::header::PROXY_AUTHORIZATION,
     ];
     // Most requests carry none of these: skip the Connection parsing for them.
-    if super::downstream::any_named(down, &restorable) {
+    if super::downstream::present(down, &restorable).contains(&true) {
         let (nominated, te_trailers) = super::downstream::hop_by_hop(down);
         if te_trailers {
             upstream.insert_header(http::header::TE, "trailers")?;
@@ -360,6 +360,18 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
         }
     }
     Ok(())
+}
+
+/// The connection manager's `server` header, its value made once per listener (a name that
+/// is not a valid header value is refused here, per response, as before).
+pub(super) fn server(
+    resp: &mut ResponseHeader,
+    hcm: &crate::snapshot::listener::Hcm,
+) -> Result<()> {
+    match &hcm.server_header {
+        Some(v) => resp.insert_header(http::header::SERVER, v.clone()),
+        None => resp.insert_header(http::header::SERVER, hcm.server_name.as_str()),
+    }
 }
 
 /// The router's last request headers: the attempt count and the HTTP filters' own.
@@ -421,10 +433,7 @@ pub(super) fn response_headers(
         rh.apply(resp, session.req_header());
     }
     if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
-        match &h.server_header {
-            Some(v) => resp.insert_header(http::header::SERVER, v.clone())?,
-            None => resp.insert_header(http::header::SERVER, h.server_name.as_str())?,
-        }
+        server(resp, h)?;
     }
     if ctx.attempt_count_to_client && ctx.attempts > 0 {
         resp.insert_header(
