@@ -19,14 +19,14 @@ use futures::FutureExt;
 use http::HeaderName;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession as ClientSession;
-use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
 use pingora_core::protocols::http::{HttpTask, ServerSession};
-use pingora_core::protocols::{Stream, UniqueID};
+use pingora_core::protocols::Stream;
 use pingora_core::upstreams::peer::{HttpPeer, Peer};
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::RequestHeader;
 use pingora_proxy::{HttpProxy, ProxyHttp, Session};
 
+use super::h1_upstream::Upstream;
 use super::io::Downstream;
 use super::{Ctx, Gateway};
 use crate::snapshot::route::{Action, RouteTable, Target};
@@ -387,28 +387,40 @@ async fn proxy_to_upstream(
     let key = peer.reuse_hash();
     let pooled = if own { d.pool.take(key, &*peer) } else { None };
     let got = match pooled {
-        Some(stream) => Ok((
-            ClientSession::H1(ClientV1::new_with_options(stream, &*peer)),
-            true,
-        )),
+        Some(stream) => Ok((Upstream::new(stream, &*peer), true)),
         // Boxed: the connector's future (a connect, maybe a TLS handshake) is 8.8 KB, and a
         // pooled connection, the usual case, should not carry that room in every request.
-        None => Box::pin(d.connector.get_http_session(&*peer)).await,
+        None => match Box::pin(d.connector.get_http_session(&*peer)).await {
+            // A connection for the own pool: the exchange reads the common response itself.
+            Ok((ClientSession::H1(h1), reused)) if own => {
+                Ok((Upstream::new(h1.into_inner(), &*peer), reused))
+            }
+            Ok((ClientSession::H1(h1), reused)) => Ok((Upstream::Pingora(Box::new(h1)), reused)),
+            Ok((other, _)) => {
+                // `routes_h1` keeps HTTP/2 clusters on pingora's loop; a peer that still asks
+                // for HTTP/2 is refused rather than spoken to half-way.
+                drop(other);
+                let e = Error::explain(
+                    ErrorType::InternalError,
+                    "an HTTP/2 upstream reached the HTTP/1 loop",
+                );
+                return (false, Some(e));
+            }
+            Err(e) => Err(e),
+        },
     };
     match got {
-        Ok((ClientSession::H1(mut h1), client_reused)) => {
+        Ok((mut up, client_reused)) => {
             let (server_reused, client_reuse, error) =
-                proxy_to_h1_upstream(d, s, &mut h1, client_reused, &peer, ctx).await;
+                proxy_to_h1_upstream(d, s, &mut up, client_reused, &peer, ctx).await;
             if client_reuse && own {
-                // pingora's `release_http_session`, into the own pool.
-                h1.respect_keepalive();
-                if let Some(stream) = h1.reuse().await {
+                if let Some(stream) = up.reuse().await {
                     d.pool.put(stream, key, &*peer, peer.idle_timeout());
                 }
-            } else if client_reuse {
+            } else if let (true, Upstream::Pingora(h1)) = (client_reuse, up) {
                 // Boxed as the connector's `get_http_session` is: the rare case's room.
                 Box::pin(d.connector.release_http_session(
-                    ClientSession::H1(h1),
+                    ClientSession::H1(*h1),
                     &*peer,
                     peer.idle_timeout(),
                 ))
@@ -416,16 +428,6 @@ async fn proxy_to_upstream(
             }
             let error = error.map(|e| gw.error_while_proxy(&peer, s, e, ctx, client_reused));
             (server_reused, error)
-        }
-        Ok((other, _)) => {
-            // `routes_h1` keeps HTTP/2 clusters on pingora's loop; a peer that still asks
-            // for HTTP/2 is refused rather than spoken to half-way.
-            drop(other);
-            let e = Error::explain(
-                ErrorType::InternalError,
-                "an HTTP/2 upstream reached the HTTP/1 loop",
-            );
-            (false, Some(e))
         }
         Err(mut e) => {
             e.as_up();
@@ -440,21 +442,22 @@ async fn proxy_to_upstream(
 async fn proxy_to_h1_upstream(
     d: &Driver,
     s: &mut Session,
-    client: &mut ClientV1,
+    client: &mut Upstream,
     reused: bool,
     peer: &HttpPeer,
     ctx: &mut Ctx,
 ) -> (bool, bool, Option<Box<Error>>) {
     let gw = &d.gw;
     let id = client.id();
+    let digest = client.digest();
     if let Err(e) = gw
-        .connected_to_upstream(s, reused, peer, id, Some(client.digest()), ctx)
+        .connected_to_upstream(s, reused, peer, id, digest.as_deref(), ctx)
         .await
     {
         return (false, false, Some(e));
     }
-    client.read_timeout = peer.options.read_timeout;
-    client.write_timeout = peer.options.write_timeout;
+    drop(digest);
+    client.set_timeouts(peer.options.read_timeout, peer.options.write_timeout);
 
     let mut req = s.req_header().clone();
     req.set_version(http::Version::HTTP_11);

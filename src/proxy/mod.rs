@@ -38,6 +38,7 @@ pub mod client_cert;
 pub mod conn;
 mod downstream;
 mod h1;
+mod h1_upstream;
 mod hbone;
 pub mod io;
 mod istio;

@@ -1,0 +1,713 @@
+//! The upstream half of the own HTTP/1.1 loop (`h1`): the request head written and a response
+//! with a `Content-Length` read without pingora's client session.
+//!
+//! pingora's `HttpSession` (client) reads a response head into one buffer, parses it, builds
+//! the header, then clones it for the task it hands over, and reads each part of the body under
+//! a timer of its own; for the common answer (HTTP/1.1, a length, a status that has a body) that
+//! was a fifth of the instructions a proxied request costs. Here the head is parsed once, the
+//! header built as pingora builds it (same names with their case, same value normalization,
+//! same reason phrase) and handed over without a copy, and the body sliced out of the bytes
+//! already read.
+//!
+//! Everything else goes to pingora's session, exactly: a request it must frame (HEAD, a body,
+//! a `Connection` header other than `close`), a stream that cannot take bytes back (not plain
+//! TCP), and any response head this reader does not take whole (partial after the first read,
+//! HTTP/1.0, 1xx, 101, 204, 304, chunked, no length or one pingora would reconcile or refuse, a
+//! `Connection` header other than a lone `close` or `keep-alive`, anything httparse refuses).
+//! The bytes read so far are put back in front of the stream and pingora's session reads them
+//! as it would have, errors and all.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession as ClientV1};
+use pingora_core::protocols::http::HttpTask;
+use pingora_core::protocols::l4::stream::Stream as Tcp;
+use pingora_core::protocols::{Digest, Stream, UniqueID};
+use pingora_error::{Error, ErrorType, OrErr, Result, RetryType};
+use pingora_http::{RequestHeader, ResponseHeader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::timeout;
+
+/// pingora's first read of a response head (`INIT_HEADER_BUF_SIZE`).
+const HEAD_BUF: usize = 4096;
+/// pingora's body reads (`BODY_BUF_LIMIT`): an upstream read takes up to this much.
+const BODY_BUF: usize = 64 * 1024;
+/// Headers one parse takes (pingora's `MAX_HEADERS`); more goes to pingora's session.
+const MAX_HEADERS: usize = 256;
+
+/// One upstream exchange on an HTTP/1 connection.
+pub(super) enum Upstream {
+    Own(Exchange),
+    /// Boxed: the rare case's room (472 bytes) is not carried by the common one.
+    Pingora(Box<ClientV1>),
+    /// Only while the exchange moves to pingora's session.
+    Moving,
+}
+
+pub(super) struct Exchange {
+    stream: Stream,
+    /// The response head read so far.
+    buf: BytesMut,
+    /// Body bytes read with the head, not yet handed over.
+    pre: Bytes,
+    state: State,
+    read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
+    /// The peer's tolerance of an invalid `Content-Length`, for pingora's session should the
+    /// response go to it.
+    allow_invalid_length: bool,
+    /// The connection is closed after this exchange (the request or the response said so).
+    close: bool,
+}
+
+enum State {
+    /// Before the request is written.
+    Request,
+    /// Reading the response head: `buf` holds what was read of it.
+    Head,
+    /// The body's bytes still to hand over (`pre` holds those already read).
+    Body { left: usize },
+    /// The whole response read; whether the connection may carry another request.
+    Done { reusable: bool },
+}
+
+impl Upstream {
+    /// An exchange on a connection (pooled or new) to `peer`.
+    pub fn new<P: pingora_core::upstreams::peer::Peer>(stream: Stream, peer: &P) -> Upstream {
+        // Only a plain TCP stream can take read bytes back for pingora's session.
+        if !stream.as_any().is::<Tcp>() {
+            return Upstream::Pingora(Box::new(ClientV1::new_with_options(stream, peer)));
+        }
+        let options = peer.get_peer_options();
+        Upstream::Own(Exchange {
+            stream,
+            buf: BytesMut::new(),
+            pre: Bytes::new(),
+            state: State::Request,
+            read_timeout: None,
+            write_timeout: None,
+            allow_invalid_length: options
+                .is_some_and(|o| o.allow_h1_response_invalid_content_length),
+            close: false,
+        })
+    }
+
+    pub fn set_timeouts(&mut self, read: Option<Duration>, write: Option<Duration>) {
+        match self {
+            Upstream::Own(x) => {
+                x.read_timeout = read;
+                x.write_timeout = write;
+            }
+            Upstream::Pingora(c) => {
+                c.read_timeout = read;
+                c.write_timeout = write;
+            }
+            Upstream::Moving => {}
+        }
+    }
+
+    pub fn id(&self) -> i32 {
+        match self {
+            Upstream::Own(x) => x.stream.id(),
+            Upstream::Pingora(c) => c.id(),
+            Upstream::Moving => -1,
+        }
+    }
+
+    /// The connection's digest, as pingora's session records it when made.
+    pub fn digest(&self) -> Option<std::borrow::Cow<'_, Digest>> {
+        use std::borrow::Cow;
+        match self {
+            Upstream::Own(x) => Some(Cow::Owned(Digest {
+                ssl_digest: x.stream.get_ssl_digest(),
+                timing_digest: x.stream.get_timing_digest(),
+                proxy_digest: x.stream.get_proxy_digest(),
+                socket_digest: x.stream.get_socket_digest(),
+            })),
+            Upstream::Pingora(c) => Some(Cow::Borrowed(c.digest())),
+            Upstream::Moving => None,
+        }
+    }
+
+    /// pingora's `write_request_header`: a request this exchange does not frame itself goes to
+    /// pingora's session from here on.
+    pub async fn write_request_header(&mut self, req: Box<RequestHeader>) -> Result<usize> {
+        if let Upstream::Own(x) = self {
+            match own_request(&req) {
+                Some(close) => {
+                    x.close = close;
+                    return x.write_head(&req).await;
+                }
+                None => self.hand_to_pingora(),
+            }
+        }
+        match self {
+            Upstream::Pingora(c) => c.write_request_header(req).await,
+            _ => Err(moving()),
+        }
+    }
+
+    /// pingora's `write_body` for what a body filter made of an empty body: the request said
+    /// no length, which pingora's writer frames as zero bytes, so nothing is written.
+    pub async fn write_body(&mut self, data: &[u8]) -> Result<Option<usize>> {
+        match self {
+            Upstream::Own(_) => Ok(None),
+            Upstream::Pingora(c) => c.write_body(data).await,
+            Upstream::Moving => Err(moving()),
+        }
+    }
+
+    pub async fn finish_body(&mut self) -> Result<Option<usize>> {
+        match self {
+            Upstream::Own(x) => {
+                x.stream
+                    .flush()
+                    .await
+                    .or_err(ErrorType::WriteError, "flushing body")?;
+                Ok(Some(0))
+            }
+            Upstream::Pingora(c) => c.finish_body().await,
+            Upstream::Moving => Err(moving()),
+        }
+    }
+
+    /// pingora's `read_response_task`. Cancel safe: what a dropped read took stays buffered.
+    pub async fn read_response_task(&mut self) -> Result<HttpTask> {
+        if let Upstream::Own(x) = self {
+            match x.task().await? {
+                Some(task) => return Ok(task),
+                None => self.hand_to_pingora(),
+            }
+        }
+        match self {
+            Upstream::Pingora(c) => c.read_response_task().await,
+            _ => Err(moving()),
+        }
+    }
+
+    /// pingora's `respect_keepalive` then `reuse`: the connection when it may carry another
+    /// request, else it is shut.
+    pub async fn reuse(self) -> Option<Stream> {
+        match self {
+            Upstream::Own(mut x) => {
+                if matches!(x.state, State::Done { reusable: true }) {
+                    Some(x.stream)
+                } else {
+                    let _ = x.stream.shutdown().await;
+                    None
+                }
+            }
+            Upstream::Pingora(mut c) => {
+                c.respect_keepalive();
+                c.reuse().await
+            }
+            Upstream::Moving => None,
+        }
+    }
+
+    /// Hands the exchange to pingora's session, the bytes read so far put back on the stream.
+    fn hand_to_pingora(&mut self) {
+        let Upstream::Own(x) = std::mem::replace(self, Upstream::Moving) else {
+            return;
+        };
+        // `new` takes only plain TCP streams, so the downcast holds.
+        let Ok(mut tcp) = x.stream.into_any().downcast::<Tcp>() else {
+            return;
+        };
+        tcp.rewind(&x.buf);
+        let mut c = ClientV1::new(tcp);
+        c.set_allow_h1_response_invalid_content_length(x.allow_invalid_length);
+        c.read_timeout = x.read_timeout;
+        c.write_timeout = x.write_timeout;
+        *self = Upstream::Pingora(Box::new(c));
+    }
+}
+
+/// An exchange that could not move to pingora's session (it never fails to: see `hand_to_pingora`).
+fn moving() -> Box<Error> {
+    Error::explain(
+        ErrorType::InternalError,
+        "the upstream exchange was lost moving to pingora's session",
+    )
+}
+
+/// Whether this exchange writes `req` itself: no body to frame and not HEAD (whose response
+/// pingora's session must know to read without a body). `Some(close)`: whether the request
+/// asks to close the connection after it.
+fn own_request(req: &RequestHeader) -> Option<bool> {
+    if req.method == http::Method::HEAD || req.version != http::Version::HTTP_11 {
+        return None;
+    }
+    let h = &req.headers;
+    if h.contains_key(http::header::TRANSFER_ENCODING) {
+        return None;
+    }
+    if h.get_all(http::header::CONTENT_LENGTH)
+        .iter()
+        .any(|v| v != "0")
+    {
+        return None;
+    }
+    match h.get(http::header::CONNECTION) {
+        None => Some(false),
+        Some(v) if v.as_bytes().eq_ignore_ascii_case(b"close") => Some(true),
+        Some(_) => None,
+    }
+}
+
+impl Exchange {
+    async fn write_head(&mut self, req: &RequestHeader) -> Result<usize> {
+        let wire = http_req_header_to_wire(req).ok_or_else(|| {
+            Error::explain(
+                ErrorType::InvalidHTTPHeader,
+                "request-line contains forbidden delimiter bytes or unsupported HTTP version",
+            )
+        })?;
+        let write = self.stream.write_all(&wire);
+        match self.write_timeout {
+            Some(t) => match timeout(t, write).await {
+                Ok(r) => r,
+                Err(_) => Err(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+            },
+            None => write.await,
+        }
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::TimedOut => Error::because(
+                ErrorType::WriteTimedout,
+                "while writing request headers (timeout)",
+                e,
+            ),
+            _ => Error::because(ErrorType::WriteError, "while writing request headers", e),
+        })?;
+        self.stream
+            .flush()
+            .await
+            .or_err(ErrorType::WriteError, "flushing request header")?;
+        self.state = State::Head;
+        Ok(wire.len())
+    }
+
+    /// The next task; None: the response goes to pingora's session.
+    async fn task(&mut self) -> Result<Option<HttpTask>> {
+        match self.state {
+            State::Request | State::Head => self.head().await,
+            State::Body { left } => self.body(left).await.map(Some),
+            State::Done { .. } => Ok(Some(HttpTask::Done)),
+        }
+    }
+
+    async fn head(&mut self) -> Result<Option<HttpTask>> {
+        self.state = State::Head;
+        // One read: a head that needs more goes to pingora's session with what came.
+        if self.buf.capacity() - self.buf.len() < HEAD_BUF {
+            self.buf.reserve(HEAD_BUF);
+        }
+        let already = self.buf.len();
+        let read = self.stream.read_buf(&mut self.buf);
+        let read = match self.read_timeout {
+            Some(t) => match timeout(t, read).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.buf.clear();
+                    return Error::e_explain(
+                        ErrorType::ReadTimedout,
+                        "while reading response headers",
+                    );
+                }
+            },
+            None => read.await,
+        };
+        match read {
+            Ok(0) => {
+                self.buf.clear();
+                let mut e = Error::explain(
+                    ErrorType::ConnectionClosed,
+                    format!("while reading response headers, bytes already read: {already}"),
+                );
+                e.retry = RetryType::ReusedOnly;
+                return Err(e);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.buf.clear();
+                let os = e.raw_os_error().is_some();
+                let mut e = Error::because(
+                    ErrorType::ReadError,
+                    format!("while reading response headers, bytes already read: {already}"),
+                    e,
+                );
+                if os {
+                    e.retry = RetryType::ReusedOnly;
+                }
+                return Err(e);
+            }
+        }
+        let buf = std::mem::take(&mut self.buf).freeze();
+        let Some(head) = parse_head(&buf) else {
+            // Put back for pingora's session (`hand_to_pingora`).
+            self.buf = BytesMut::from(buf);
+            return Ok(None);
+        };
+        self.after_head(buf.slice(head.body_at..), head.length, head.close);
+        let end = head.length == 0;
+        Ok(Some(HttpTask::Header(Box::new(head.header), end)))
+    }
+
+    /// Where the body stands once the head is parsed: `body` holds what came after it.
+    fn after_head(&mut self, body: Bytes, length: usize, close: bool) {
+        self.close |= close;
+        if length == 0 {
+            // Bytes past an empty body: more is coming that no request asked for.
+            self.state = State::Done {
+                reusable: !self.close && body.is_empty(),
+            };
+            return;
+        }
+        self.pre = body;
+        self.state = State::Body { left: length };
+    }
+
+    async fn body(&mut self, left: usize) -> Result<HttpTask> {
+        let mut data = std::mem::take(&mut self.pre);
+        if data.is_empty() {
+            let mut buf = BytesMut::with_capacity(BODY_BUF);
+            let mut limited = (&mut self.stream).take(BODY_BUF as u64);
+            let read = limited.read_buf(&mut buf);
+            let n = match self.read_timeout {
+                Some(t) => match timeout(t, read).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        return Error::e_explain(
+                            ErrorType::ReadTimedout,
+                            format!("reading body, timeout: {t:?}"),
+                        )
+                    }
+                },
+                None => read.await,
+            }
+            .or_err(ErrorType::ReadError, "when reading body")?;
+            if n == 0 {
+                self.state = State::Done { reusable: false };
+                return Error::e_explain(
+                    ErrorType::ConnectionClosed,
+                    format!(
+                        "Peer prematurely closed connection with {left} bytes of body remaining to read"
+                    ),
+                );
+            }
+            data = buf.freeze();
+        }
+        let n = data.len();
+        if n >= left {
+            if n > left {
+                tracing::warn!(
+                    "Peer sent more data than expected: extra {} bytes",
+                    n - left
+                );
+                data.truncate(left);
+            }
+            self.state = State::Done {
+                reusable: n == left && !self.close,
+            };
+            Ok(HttpTask::Body(Some(data), true))
+        } else {
+            self.state = State::Body { left: left - n };
+            Ok(HttpTask::Body(Some(data), false))
+        }
+    }
+}
+
+/// A response head this exchange takes whole.
+struct Head {
+    header: ResponseHeader,
+    /// Where the body starts in the bytes read.
+    body_at: usize,
+    length: usize,
+    /// The server closes the connection after this response.
+    close: bool,
+}
+
+/// The response head at the start of `buf`, when this exchange takes it (None: pingora's
+/// session reads it).
+fn parse_head(buf: &Bytes) -> Option<Head> {
+    let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let mut config = httparse::ParserConfig::default();
+    // As pingora's session parses responses.
+    config.allow_spaces_after_header_name_in_responses(true);
+    config.allow_obsolete_multiline_headers_in_responses(true);
+    let body_at = match config.parse_response_with_uninit_headers(&mut resp, buf, &mut fields) {
+        Ok(httparse::Status::Complete(n)) => n,
+        _ => return None,
+    };
+    if resp.version != Some(1) {
+        return None;
+    }
+    let code = resp.code?;
+    if !(200..=599).contains(&code) || code == 204 || code == 304 {
+        return None;
+    }
+    let mut header = ResponseHeader::build(code, Some(resp.headers.len())).ok()?;
+    header.set_version(http::Version::HTTP_11);
+    header.set_reason_phrase(resp.reason).ok()?;
+    let (mut length, mut close, mut connection) = (None, false, false);
+    for h in resp.headers.iter() {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            if length.is_some() {
+                return None;
+            }
+            length = Some(digits(h.value)?);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            return None;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            if connection {
+                return None;
+            }
+            connection = true;
+            if h.value.eq_ignore_ascii_case(b"close") {
+                close = true;
+            } else if !h.value.eq_ignore_ascii_case(b"keep-alive") {
+                return None;
+            }
+        }
+        // The name with its case and the value as pingora's session takes them: slices of
+        // the bytes read.
+        let value = pingora_http::header_value_from_raw(buf.slice_ref(h.value));
+        header.append_header(buf.slice_ref(name), value).ok()?;
+    }
+    Some(Head {
+        header,
+        body_at,
+        length: length?,
+        close,
+    })
+}
+
+/// A `Content-Length` of plain digits (what pingora reads as is); anything else (signs,
+/// spaces, lists) is pingora's to reconcile or refuse.
+fn digits(v: &[u8]) -> Option<usize> {
+    if v.is_empty() || v.len() > 15 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    v.iter().try_fold(0usize, |n, d| {
+        n.checked_mul(10)?.checked_add(usize::from(d - b'0'))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pingora_core::upstreams::peer::HttpPeer;
+    use tokio::io::AsyncWriteExt;
+
+    /// What a client of the exchange sees: each task (a header as its wire form), the error
+    /// that ended it if any, and whether the connection went back for reuse; and whether the
+    /// own reader kept the response.
+    async fn exchange(
+        parts: &[&[u8]],
+        close: bool,
+        own: bool,
+        read_timeout: Duration,
+    ) -> (Vec<String>, bool, bool) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let parts: Vec<Vec<u8>> = parts.iter().map(|p| p.to_vec()).collect();
+        let server = tokio::spawn(async move {
+            let (mut c, _) = l.accept().await.expect("accept");
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut b = [0u8; 1];
+                if c.read(&mut b).await.expect("read") == 0 {
+                    return;
+                }
+                head.push(b[0]);
+            }
+            for p in parts {
+                c.write_all(&p).await.expect("write");
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            if !close {
+                // Held open until the client is done.
+                let _ = c.read(&mut [0u8; 1]).await;
+            }
+        });
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let stream: Stream = Box::new(Tcp::from(tcp));
+        let peer = HttpPeer::new(addr, false, String::new());
+        let mut up = if own {
+            Upstream::new(stream, &peer)
+        } else {
+            Upstream::Pingora(Box::new(ClientV1::new(stream)))
+        };
+        up.set_timeouts(Some(read_timeout), None);
+        let mut req = RequestHeader::build("GET", b"/x", None).expect("request");
+        req.insert_header("Host", "h").expect("host");
+        up.write_request_header(Box::new(req)).await.expect("write");
+        up.finish_body().await.expect("finish");
+        let mut seen = Vec::new();
+        for _ in 0..20 {
+            match up.read_response_task().await {
+                Ok(HttpTask::Header(h, end)) => {
+                    let mut wire = Vec::new();
+                    h.header_to_h1_wire(&mut wire);
+                    seen.push(format!(
+                        "header {} {:?} {:?} end={end} {}",
+                        h.status,
+                        h.version,
+                        h.get_reason_phrase(),
+                        String::from_utf8_lossy(&wire)
+                    ));
+                    if end {
+                        break;
+                    }
+                }
+                Ok(HttpTask::Body(b, end)) => {
+                    // One entry for the body however the reads split it (timing, not the
+                    // reader, decides that).
+                    let mut body = b.unwrap_or_default().to_vec();
+                    if let Some(last) = seen.last_mut().filter(|l| l.starts_with("body ")) {
+                        let prior = std::mem::take(last);
+                        let prior = prior.trim_start_matches("body ");
+                        let prior = &prior[..prior.rfind(" end=").unwrap_or(prior.len())];
+                        body = [prior.as_bytes(), &body].concat();
+                        seen.pop();
+                    }
+                    seen.push(format!("body {} end={end}", String::from_utf8_lossy(&body)));
+                    if end {
+                        break;
+                    }
+                }
+                Ok(HttpTask::Done) => {
+                    seen.push("done".into());
+                    break;
+                }
+                Ok(other) => seen.push(format!("other {other:?}")),
+                Err(e) => {
+                    seen.push(format!("error {:?} {:?}", e.etype(), e.retry));
+                    break;
+                }
+            }
+        }
+        let kept_own = matches!(up, Upstream::Own(_));
+        let reused = up.reuse().await.is_some();
+        server.abort();
+        (seen, reused, kept_own)
+    }
+
+    #[tokio::test]
+    async fn every_response_reads_as_pingoras_session_reads_it() {
+        // (parts as written, server closes after, the own reader keeps it: None, when that
+        // depends on how the reads split what was written)
+        type Case<'a> = (Vec<&'a [u8]>, bool, Option<bool>);
+        let cases: Vec<Case> = vec![
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nX-Up: 1\r\n\r\nhello"], false, Some(true)),
+            (vec![b"HTTP/1.1 201 Fine Reason\r\nContent-Length: 0\r\n\r\n"], false, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\nextra"], false, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokextra"], false, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive\r\ncontent-length: 2\r\n\r\nok"], false, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"], true, Some(true)),
+            (vec![b"HTTP/1.1 500 Oops\r\ncontent-length: 3\r\n\r\n", b"a", b"bc"], false, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nshort"], true, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\nx-f: a\r\n b\r\ncontent-length: 1\r\n\r\n!"], false, Some(true)),
+            (vec![b"HTTP/1.1 200 OK\r\nx-e:\r\ncontent-length: 1\r\n\r\n!"], false, Some(true)),
+            // Left to pingora's session, the bytes read put back.
+            (vec![b"HTTP/1.1 200 OK\r\ncont", b"ent-length: 2\r\n\r\nok"], false, None),
+            (vec![b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"], false, Some(false)),
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\nok"], false, Some(false)),
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: +2\r\n\r\nok"], false, Some(false)),
+            (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\nok"], false, Some(false)),
+            (vec![b"HTTP/1.1 200 OK\r\n\r\nuntil close"], true, Some(false)),
+            (vec![b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok"], true, Some(false)),
+            (vec![b"HTTP/1.1 204 No Content\r\n\r\n"], false, Some(false)),
+            (vec![b"HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\n\r\n"], false, Some(false)),
+            (vec![b"HTTP/1.1 103 Early\r\nlink: a\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n!"], false, Some(false)),
+            (vec![b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n"], true, Some(false)),
+            (vec![b"HTTP/1.1 200 OK\r\nconnection: keep-alive, foo\r\ncontent-length: 1\r\n\r\n!"], false, Some(false)),
+            (vec![b"HTTP/1.1 200 OK\r\nbad header: x\r\ncontent-length: 1\r\n\r\n!"], false, Some(false)),
+            (vec![b"HTTP/1.1 999 Odd\r\ncontent-length: 1\r\n\r\n!"], false, Some(false)),
+            (vec![b"NOT HTTP\r\n\r\n"], true, Some(false)),
+            // A connection closed before any answer: the own reader's error, as pingora's.
+            (vec![], true, Some(true)),
+        ];
+        for (i, (parts, close, kept)) in cases.iter().enumerate() {
+            let theirs = exchange(parts, *close, false, Duration::from_secs(5)).await;
+            let ours = exchange(parts, *close, true, Duration::from_secs(5)).await;
+            assert_eq!(
+                (&ours.0, ours.1),
+                (&theirs.0, theirs.1),
+                "case {i}: {:?}",
+                String::from_utf8_lossy(&parts.concat())
+            );
+            if let Some(kept) = kept {
+                assert_eq!(ours.2, *kept, "case {i}: kept by the own reader");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_silent_upstream_times_out_as_in_pingoras_session() {
+        // Whatever arrived before the timer ran out, the read ends in the same error.
+        let t = Duration::from_millis(300);
+        let head: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhe";
+        for parts in [vec![], vec![head]] {
+            for own in [false, true] {
+                let (seen, reused, _) = exchange(&parts, false, own, t).await;
+                let last = seen.last().map(String::as_str).unwrap_or_default();
+                assert!(last.starts_with("error ReadTimedout"), "{seen:?}");
+                assert!(!reused);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_with_a_connection_close_is_not_reused() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut c, _) = l.accept().await.expect("accept");
+            let mut b = [0u8; 1024];
+            let _ = c.read(&mut b).await;
+            c.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .expect("write");
+            let _ = c.read(&mut b).await;
+        });
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let peer = HttpPeer::new(addr, false, String::new());
+        let mut up = Upstream::new(Box::new(Tcp::from(tcp)), &peer);
+        let mut req = RequestHeader::build("GET", b"/", None).expect("request");
+        req.insert_header("host", "h").expect("host");
+        req.insert_header("connection", "close")
+            .expect("connection");
+        up.write_request_header(Box::new(req)).await.expect("write");
+        let task = up.read_response_task().await.expect("read");
+        assert!(matches!(task, HttpTask::Header(_, true)));
+        assert!(matches!(up, Upstream::Own(_)));
+        assert!(up.reuse().await.is_none());
+        server.abort();
+    }
+
+    #[test]
+    fn lengths_of_plain_digits_only() {
+        assert_eq!(digits(b"0"), Some(0));
+        assert_eq!(digits(b"0012"), Some(12));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1 ",
+            b"1,1",
+            b"0x1",
+            b"1234567890123456",
+        ] {
+            assert_eq!(digits(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+}
