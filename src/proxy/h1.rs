@@ -448,16 +448,14 @@ async fn proxy_to_h1_upstream(
     ctx: &mut Ctx,
 ) -> (bool, bool, Option<Box<Error>>) {
     let gw = &d.gw;
+    client.set_timeouts(peer.options.read_timeout, peer.options.write_timeout);
     let id = client.id();
-    let digest = client.digest();
     if let Err(e) = gw
-        .connected_to_upstream(s, reused, peer, id, digest.as_deref(), ctx)
+        .connected_to_upstream(s, reused, peer, id, client.digest().as_deref(), ctx)
         .await
     {
         return (false, false, Some(e));
     }
-    drop(digest);
-    client.set_timeouts(peer.options.read_timeout, peer.options.write_timeout);
 
     let mut req = s.req_header().clone();
     req.set_version(http::Version::HTTP_11);

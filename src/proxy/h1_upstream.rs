@@ -47,8 +47,9 @@ pub(super) enum Upstream {
 
 pub(super) struct Exchange {
     stream: Stream,
-    /// The response head read so far.
-    buf: BytesMut,
+    /// What was read of a response head this exchange leaves to pingora's session, which
+    /// reads it again.
+    unread: Bytes,
     /// Body bytes read with the head, not yet handed over.
     pre: Bytes,
     state: State,
@@ -64,7 +65,7 @@ pub(super) struct Exchange {
 enum State {
     /// Before the request is written.
     Request,
-    /// Reading the response head: `buf` holds what was read of it.
+    /// Reading the response head.
     Head,
     /// The body's bytes still to hand over (`pre` holds those already read).
     Body { left: usize },
@@ -82,7 +83,7 @@ impl Upstream {
         let options = peer.get_peer_options();
         Upstream::Own(Exchange {
             stream,
-            buf: BytesMut::new(),
+            unread: Bytes::new(),
             pre: Bytes::new(),
             state: State::Request,
             read_timeout: None,
@@ -172,7 +173,7 @@ impl Upstream {
         }
     }
 
-    /// pingora's `read_response_task`. Cancel safe: what a dropped read took stays buffered.
+    /// pingora's `read_response_task`. Cancel safe: a read that has not completed took nothing.
     pub async fn read_response_task(&mut self) -> Result<HttpTask> {
         if let Upstream::Own(x) = self {
             match x.task().await? {
@@ -215,7 +216,7 @@ impl Upstream {
         let Ok(mut tcp) = x.stream.into_any().downcast::<Tcp>() else {
             return;
         };
-        tcp.rewind(&x.buf);
+        tcp.rewind(&x.unread);
         let mut c = ClientV1::new(tcp);
         c.set_allow_h1_response_invalid_content_length(x.allow_invalid_length);
         c.read_timeout = x.read_timeout;
@@ -299,17 +300,15 @@ impl Exchange {
 
     async fn head(&mut self) -> Result<Option<HttpTask>> {
         self.state = State::Head;
-        // One read: a head that needs more goes to pingora's session with what came.
-        if self.buf.capacity() - self.buf.len() < HEAD_BUF {
-            self.buf.reserve(HEAD_BUF);
-        }
-        let already = self.buf.len();
-        let read = self.stream.read_buf(&mut self.buf);
+        // One read into a buffer of its own (a read that does not complete takes nothing, so
+        // a dropped one loses nothing): a head that needs more goes to pingora's session with
+        // what came.
+        let mut buf = BytesMut::with_capacity(HEAD_BUF);
+        let read = self.stream.read_buf(&mut buf);
         let read = match self.read_timeout {
             Some(t) => match timeout(t, read).await {
                 Ok(r) => r,
                 Err(_) => {
-                    self.buf.clear();
                     return Error::e_explain(
                         ErrorType::ReadTimedout,
                         "while reading response headers",
@@ -318,23 +317,22 @@ impl Exchange {
             },
             None => read.await,
         };
+        // pingora's messages; nothing was read before this read.
         match read {
             Ok(0) => {
-                self.buf.clear();
                 let mut e = Error::explain(
                     ErrorType::ConnectionClosed,
-                    format!("while reading response headers, bytes already read: {already}"),
+                    "while reading response headers, bytes already read: 0",
                 );
                 e.retry = RetryType::ReusedOnly;
                 return Err(e);
             }
             Ok(_) => {}
             Err(e) => {
-                self.buf.clear();
                 let os = e.raw_os_error().is_some();
                 let mut e = Error::because(
                     ErrorType::ReadError,
-                    format!("while reading response headers, bytes already read: {already}"),
+                    "while reading response headers, bytes already read: 0",
                     e,
                 );
                 if os {
@@ -343,10 +341,9 @@ impl Exchange {
                 return Err(e);
             }
         }
-        let buf = std::mem::take(&mut self.buf).freeze();
+        let buf = buf.freeze();
         let Some(head) = parse_head(&buf) else {
-            // Put back for pingora's session (`hand_to_pingora`).
-            self.buf = BytesMut::from(buf);
+            self.unread = buf;
             return Ok(None);
         };
         self.after_head(buf.slice(head.body_at..), head.length, head.close);
@@ -510,6 +507,7 @@ mod tests {
         close: bool,
         own: bool,
         read_timeout: Duration,
+        request_close: bool,
     ) -> (Vec<String>, bool, bool) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -546,6 +544,10 @@ mod tests {
         up.set_timeouts(Some(read_timeout), None);
         let mut req = RequestHeader::build("GET", b"/x", None).expect("request");
         req.insert_header("Host", "h").expect("host");
+        if request_close {
+            req.insert_header("Connection", "close")
+                .expect("connection");
+        }
         up.write_request_header(Box::new(req)).await.expect("write");
         up.finish_body().await.expect("finish");
         let mut seen = Vec::new();
@@ -634,8 +636,8 @@ mod tests {
             (vec![], true, Some(true)),
         ];
         for (i, (parts, close, kept)) in cases.iter().enumerate() {
-            let theirs = exchange(parts, *close, false, Duration::from_secs(5)).await;
-            let ours = exchange(parts, *close, true, Duration::from_secs(5)).await;
+            let theirs = exchange(parts, *close, false, Duration::from_secs(5), false).await;
+            let ours = exchange(parts, *close, true, Duration::from_secs(5), false).await;
             assert_eq!(
                 (&ours.0, ours.1),
                 (&theirs.0, theirs.1),
@@ -655,7 +657,7 @@ mod tests {
         let head: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhe";
         for parts in [vec![], vec![head]] {
             for own in [false, true] {
-                let (seen, reused, _) = exchange(&parts, false, own, t).await;
+                let (seen, reused, _) = exchange(&parts, false, own, t, false).await;
                 let last = seen.last().map(String::as_str).unwrap_or_default();
                 assert!(last.starts_with("error ReadTimedout"), "{seen:?}");
                 assert!(!reused);
@@ -665,32 +667,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_with_a_connection_close_is_not_reused() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = l.local_addr().expect("addr");
-        let server = tokio::spawn(async move {
-            let (mut c, _) = l.accept().await.expect("accept");
-            let mut b = [0u8; 1024];
-            let _ = c.read(&mut b).await;
-            c.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                .await
-                .expect("write");
-            let _ = c.read(&mut b).await;
-        });
-        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let peer = HttpPeer::new(addr, false, String::new());
-        let mut up = Upstream::new(Box::new(Tcp::from(tcp)), &peer);
-        let mut req = RequestHeader::build("GET", b"/", None).expect("request");
-        req.insert_header("host", "h").expect("host");
-        req.insert_header("connection", "close")
-            .expect("connection");
-        up.write_request_header(Box::new(req)).await.expect("write");
-        let task = up.read_response_task().await.expect("read");
-        assert!(matches!(task, HttpTask::Header(_, true)));
-        assert!(matches!(up, Upstream::Own(_)));
-        assert!(up.reuse().await.is_none());
-        server.abort();
+        let answer: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        let t = Duration::from_secs(5);
+        let theirs = exchange(&[answer], false, false, t, true).await;
+        let ours = exchange(&[answer], false, true, t, true).await;
+        assert_eq!((&ours.0, ours.1), (&theirs.0, theirs.1));
+        assert!(ours.2, "kept by the own reader");
+        assert!(!ours.1, "reused after a request that said close");
     }
 
     #[test]
