@@ -387,12 +387,27 @@ fn reject(
     if has_fragment(session) {
         return Some((400, "", true));
     }
-    let size: usize = req.raw_path().len()
-        + req
-            .headers
-            .iter()
-            .map(|(k, v)| k.as_str().len() + v.len())
-            .sum::<usize>();
+    // One pass over the headers for every check below that reads them (each lookup by name
+    // hashes it).
+    let mut size = req.raw_path().len();
+    let (mut host, mut lengths, mut length_digits) = (None, 0usize, true);
+    let (mut codings, mut chunked) = (0usize, false);
+    for (k, v) in req.headers.iter() {
+        size += k.as_str().len() + v.len();
+        if *k == http::header::HOST {
+            host = host.or(Some(v));
+        } else if *k == http::header::CONTENT_LENGTH {
+            if lengths == 0 {
+                length_digits = !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit);
+            }
+            lengths += 1;
+        } else if *k == http::header::TRANSFER_ENCODING {
+            if codings == 0 {
+                chunked = v.as_bytes().eq_ignore_ascii_case(b"chunked");
+            }
+            codings += 1;
+        }
+    }
     let (max_bytes, max_count) = hcm
         .map_or((MAX_REQUEST_HEADERS_BYTES, MAX_REQUEST_HEADERS), |h| {
             (h.max_request_headers_bytes, h.max_headers_count)
@@ -403,10 +418,16 @@ fn reject(
     if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
         return Some((400, "Bad Request", true));
     }
-    if h1 && !req.headers.contains_key(http::header::HOST) && req.uri.authority().is_none() {
+    if h1 && host.is_none() && req.uri.authority().is_none() {
         return Some((400, "", true));
     }
-    let authority = raw_authority(req);
+    // `raw_authority`, from the Host found above.
+    let authority = req
+        .uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| host.and_then(|h| h.to_str().ok()))
+        .unwrap_or("");
     if authority.bytes().any(|b| b <= b' ' || b == 0x7f) {
         return Some((400, "Bad Request", true));
     }
@@ -424,34 +445,17 @@ fn reject(
     }
     // Content-Length must be digits only: a list (`5, 5`) or a sign is refused as Envoy's
     // codec refuses it, so no upstream parser reads it differently.
-    if h1 {
-        let mut cls = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
-        if let Some(cl) = cls.next() {
-            let digits = |v: &http::HeaderValue| {
-                !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit)
-            };
-            if !digits(cl) || cls.next().is_some() {
-                return Some((400, "Bad Request", true));
-            }
-        }
+    if h1 && lengths > 0 && (!length_digits || lengths > 1) {
+        return Some((400, "Bad Request", true));
     }
-    if let Some(te) = req.headers.get(http::header::TRANSFER_ENCODING) {
+    if codings > 0 {
         // One coding, chunked, once: anything else (`chunked, chunked` in two headers
         // included) is Envoy's 501.
-        if !te.as_bytes().eq_ignore_ascii_case(b"chunked")
-            || req
-                .headers
-                .get_all(http::header::TRANSFER_ENCODING)
-                .iter()
-                .count()
-                > 1
-        {
+        if !chunked || codings > 1 {
             return Some((501, "Not Implemented", true));
         }
         // The parser drops Content-Length next to chunked; the raw head still shows both.
-        if req.headers.contains_key(http::header::CONTENT_LENGTH)
-            || raw_head_has(session, b"content-length:")
-        {
+        if lengths > 0 || raw_head_has(session, b"content-length:") {
             return Some((400, "Bad Request", true));
         }
     }
@@ -507,6 +511,10 @@ pub(super) fn hcm_strips_port(raw: &str, listener: &ActiveChain, local_port: Opt
     let Some(hcm) = listener.def.hcm() else {
         return false;
     };
+    // Most connection managers strip no port: no need to find one.
+    if !hcm.strip_any_host_port && !hcm.strip_matching_host_port {
+        return false;
+    }
     match split_port(raw).1 {
         Some(_) if hcm.strip_any_host_port => true,
         Some(port) => {
