@@ -10,7 +10,6 @@
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::hash::Hasher as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -36,6 +35,8 @@ const SHARDS: usize = 16;
 /// One series: its labels and its value.
 #[derive(Debug)]
 pub struct Series {
+    /// The labels as `Labels::key` encodes them: what a lookup compares.
+    key: Box<[u8]>,
     names: Box<[Box<str>]>,
     values: Box<[Box<str>]>,
     /// `a="b",c="d"`, for Prometheus.
@@ -75,7 +76,35 @@ impl Histogram {
     }
 }
 
-type Map = imbl::HashMap<u64, Vec<Arc<Series>>>;
+/// Keyed by the labels' xxh64, used as the map's hash as it is (hashing it again with the
+/// default SipHash cost more than the lookup).
+type Map = imbl::GenericHashMap<
+    u64,
+    Vec<Arc<Series>>,
+    std::hash::BuildHasherDefault<Prehashed>,
+    imbl::shared_ptr::DefaultSharedPtr,
+>;
+
+/// A `Hasher` for keys that are already hashes.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is expected (the key is a u64); any other input still hashes.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
 
 struct Shard {
     map: ArcSwap<Map>,
@@ -94,26 +123,25 @@ impl Family {
             metric,
             shards: (0..SHARDS)
                 .map(|_| Shard {
-                    map: ArcSwap::from_pointee(Map::new()),
+                    map: ArcSwap::from_pointee(Map::default()),
                     write: Mutex::new(()),
                 })
                 .collect(),
         }
     }
 
-    /// The series for these labels, made on first use.
-    fn series(&self, labels: &Labels<'_>) -> Arc<Series> {
-        let h = labels.hash();
+    /// The series for these labels (`key`: `Labels::key`, `h` its hash), made on first use.
+    fn series(&self, labels: &Labels<'_>, key: &[u8], h: u64) -> Arc<Series> {
         let shard = &self.shards[(h as usize) % SHARDS];
-        if let Some(s) = find(&shard.map.load(), h, labels) {
+        if let Some(s) = find(&shard.map.load(), h, key) {
             return s;
         }
         let _w = shard.write.lock().unwrap_or_else(|p| p.into_inner());
         let cur = shard.map.load_full();
-        if let Some(s) = find(&cur, h, labels) {
+        if let Some(s) = find(&cur, h, key) {
             return s;
         }
-        let s = Arc::new(labels.to_series(self.metric.is_histogram()));
+        let s = Arc::new(labels.to_series(key, self.metric.is_histogram()));
         let mut next = (*cur).clone();
         next.entry(h).or_default().push(s.clone());
         shard.map.store(Arc::new(next));
@@ -137,8 +165,8 @@ impl Family {
     }
 }
 
-fn find(map: &Map, h: u64, labels: &Labels<'_>) -> Option<Arc<Series>> {
-    map.get(&h)?.iter().find(|s| labels.matches(s)).cloned()
+fn find(map: &Map, h: u64, key: &[u8]) -> Option<Arc<Series>> {
+    map.get(&h)?.iter().find(|s| *s.key == *key).cloned()
 }
 
 /// A series' labels as computed for one request: borrowed wherever they can be.
@@ -170,26 +198,23 @@ impl<'a> Labels<'a> {
         (0..self.len).map(|i| (self.names[i], &*self.values[i]))
     }
 
-    fn hash(&self) -> u64 {
-        let mut h = xxhash_rust::xxh64::Xxh64::new(0);
+    /// The labels as one buffer: each name and value followed by a byte UTF-8 never holds
+    /// (0xff, 0xfe), so equal buffers are equal labels. Hashed once per request and compared
+    /// in one go: a request's labels are some 25 pairs of short strings, and xxh64's
+    /// streaming update per piece and a comparison per string each cost more than the bytes.
+    fn key(&self) -> Vec<u8> {
+        let len = self.pairs().map(|(n, v)| n.len() + v.len() + 2).sum();
+        let mut buf = Vec::with_capacity(len);
         for (n, v) in self.pairs() {
-            h.write(n.as_bytes());
-            h.write_u8(0xff);
-            h.write(v.as_bytes());
-            h.write_u8(0xfe);
+            buf.extend_from_slice(n.as_bytes());
+            buf.push(0xff);
+            buf.extend_from_slice(v.as_bytes());
+            buf.push(0xfe);
         }
-        h.finish()
+        buf
     }
 
-    fn matches(&self, s: &Series) -> bool {
-        s.names.len() == self.len
-            && self
-                .pairs()
-                .zip(s.names.iter().zip(s.values.iter()))
-                .all(|((n, v), (sn, sv))| n == &**sn && v == &**sv)
-    }
-
-    fn to_series(&self, histogram: bool) -> Series {
+    fn to_series(&self, key: &[u8], histogram: bool) -> Series {
         let mut prom = String::new();
         for (i, (n, v)) in self.pairs().enumerate() {
             if i > 0 {
@@ -198,6 +223,7 @@ impl<'a> Labels<'a> {
             let _ = write!(prom, "{n}=\"{}\"", escape(v));
         }
         Series {
+            key: Box::from(key),
             names: self.pairs().map(|(n, _)| Box::from(n)).collect(),
             values: self.pairs().map(|(_, v)| Box::from(v)).collect(),
             prom,
@@ -537,19 +563,22 @@ impl Store {
     /// Adds `v` to each metric of `ms` (all with the same tag list). Metrics whose plans are
     /// the same (the usual case: no overrides) share one computation of the labels.
     fn add(&self, view: &View<'_>, ms: &[(Metric, u64)], tags: &[Tag]) {
-        let mut last: Option<(&MetricPlan, Labels<'_>)> = None;
+        let mut last: Option<(&MetricPlan, Labels<'_>, Vec<u8>, u64)> = None;
         for &(m, v) in ms {
             let plan = view.cfg.plan(m);
             if plan.drop {
                 continue;
             }
-            if last.as_ref().is_none_or(|(p, _)| *p != plan) {
-                last = Some((plan, view.labels(plan, tags)));
+            if last.as_ref().is_none_or(|(p, ..)| *p != plan) {
+                let labels = view.labels(plan, tags);
+                let key = labels.key();
+                let h = xxhash_rust::xxh64::xxh64(&key, 0);
+                last = Some((plan, labels, key, h));
             }
-            let Some((_, labels)) = &last else {
+            let Some((_, labels, key, h)) = &last else {
                 continue;
             };
-            let s = self.family(m).series(labels);
+            let s = self.family(m).series(labels, key, *h);
             match &s.value {
                 Value::Counter(c) => {
                     c.fetch_add(v, Relaxed);
