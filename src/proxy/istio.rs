@@ -9,7 +9,9 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
 use super::Ctx;
-use crate::telemetry::istio_stats::peer::{PEER_HEADER, PEER_ID_HEADER};
+use crate::telemetry::istio_stats::peer::{
+    PEER_HEADER, PEER_HEADER_NAME, PEER_ID_HEADER, PEER_ID_HEADER_NAME,
+};
 use crate::telemetry::istio_stats::{store, Discovery, IstioFilters, PeerInfo};
 use crate::State;
 
@@ -29,11 +31,11 @@ fn discover(
 ) -> Option<Arc<PeerInfo>> {
     methods.iter().find_map(|m| match m {
         Discovery::IstioHeaders => {
-            let v = headers.get(PEER_HEADER)?;
+            let v = headers.get(&PEER_HEADER_NAME)?;
             PeerInfo::from_header(v.as_bytes(), additional).map(Arc::new)
         }
         Discovery::Baggage => {
-            let v = headers.get("baggage")?.to_str().ok()?;
+            let v = headers.get(header_name!("baggage"))?.to_str().ok()?;
             Some(Arc::new(PeerInfo::from_baggage(v)))
         }
         Discovery::WorkloadDiscovery => None,
@@ -49,12 +51,21 @@ pub(super) fn request(session: &mut Session, ctx: &mut Ctx) {
     };
     if let Some(pm) = &ist.peer_metadata {
         let h = &session.req_header().headers;
-        ctx.mx_request = (h.contains_key(PEER_ID_HEADER), h.contains_key(PEER_HEADER));
+        let (id, md) = (
+            h.contains_key(&PEER_ID_HEADER_NAME),
+            h.contains_key(&PEER_HEADER_NAME),
+        );
+        ctx.mx_request = (id, md);
         ctx.info.peers.downstream = discover(&pm.downstream_discovery, h, &pm.additional_labels);
         if pm.downstream_discovery.contains(&Discovery::IstioHeaders) {
+            // Only those present: a removal hashes the name in both of pingora's maps.
             let req = session.req_header_mut();
-            req.remove_header(PEER_ID_HEADER);
-            req.remove_header(PEER_HEADER);
+            if id {
+                req.remove_header(&PEER_ID_HEADER_NAME);
+            }
+            if md {
+                req.remove_header(&PEER_HEADER_NAME);
+            }
         }
     }
     if let Some(stats) = &ist.stats {
@@ -105,6 +116,11 @@ pub(super) fn upstream_request(
         }
     }
     let node = &state.istio.node;
+    if let Some((id, md)) = &node.values {
+        upstream.insert_header(PEER_ID_HEADER, id.clone())?;
+        upstream.insert_header(PEER_HEADER, md.clone())?;
+        return Ok(());
+    }
     upstream.insert_header(PEER_ID_HEADER, node.id.as_str())?;
     upstream.insert_header(PEER_HEADER, node.header_value.as_str())?;
     Ok(())
@@ -120,8 +136,12 @@ pub(super) fn upstream_response(resp: &mut ResponseHeader, ctx: &mut Ctx) {
         ctx.info.peers.upstream = Some(p);
     }
     if pm.upstream_discovery.contains(&Discovery::IstioHeaders) {
-        resp.remove_header(PEER_ID_HEADER);
-        resp.remove_header(PEER_HEADER);
+        // Only those present: a removal hashes the name in both of pingora's maps.
+        for name in [&PEER_ID_HEADER_NAME, &PEER_HEADER_NAME] {
+            if resp.headers.contains_key(name) {
+                resp.remove_header(name);
+            }
+        }
     }
 }
 

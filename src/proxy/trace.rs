@@ -37,7 +37,7 @@ pub(super) struct ActiveTrace {
 
 const DECORATOR_OPERATION: &str = "x-envoy-decorator-operation";
 
-fn header<'a>(req: &'a RequestHeader, name: &str) -> Option<&'a str> {
+fn header<'a>(req: &'a RequestHeader, name: &http::HeaderName) -> Option<&'a str> {
     req.headers.get(name).and_then(|v| v.to_str().ok())
 }
 
@@ -66,18 +66,26 @@ pub(super) fn begin(
             req.insert_header(DECORATOR_OPERATION, &**op)?;
         }
     } else {
-        if let Some(o) = header(req, DECORATOR_OPERATION).filter(|o| !o.is_empty()) {
+        let decorator_operation = header_name!("x-envoy-decorator-operation");
+        let override_op = header(req, decorator_operation);
+        let present = override_op.is_some();
+        if let Some(o) = override_op.filter(|o| !o.is_empty()) {
             operation = Some(Arc::from(o));
         } else if propagate {
             *response_operation = operation.clone();
         }
-        req.remove_header(DECORATOR_OPERATION);
+        // A removal hashes the name in both of pingora's maps even when it is absent.
+        if present || req.headers.contains_key(decorator_operation) {
+            req.remove_header(decorator_operation);
+        }
     }
-    let reason = match req.headers.get("x-request-id") {
+    let reason = match req.headers.get(header_name!("x-request-id")) {
         Some(v) => {
             let mut rid = v.as_bytes().to_vec();
-            let client = req.headers.contains_key("x-client-trace-id");
-            let force = req.headers.contains_key("x-envoy-force-trace");
+            let client = req.headers.contains_key(header_name!("x-client-trace-id"));
+            let force = req
+                .headers
+                .contains_key(header_name!("x-envoy-force-trace"));
             let reason = context::sample(&mut rid, client, force, cfg, fastrand::u64(..));
             if rid != v.as_bytes() {
                 let v = http::HeaderValue::from_bytes(&rid)
@@ -118,32 +126,34 @@ pub(super) fn begin(
         (None, None, _) => "ingress".to_string(),
     };
     let mut tags: Vec<(Cow<'static, str>, String)> = Vec::with_capacity(24);
-    if let Some(id) = header(req, "x-request-id") {
+    if let Some(id) = header(req, header_name!("x-request-id")) {
         tags.push(("guid:x-request-id".into(), id.to_string()));
     }
     let raw_path = String::from_utf8_lossy(req.raw_path()).into_owned();
-    let path = header(req, "x-envoy-original-path").unwrap_or(&raw_path);
+    let path = header(req, header_name!("x-envoy-original-path")).unwrap_or(&raw_path);
     let path = path
         .get(..cfg.max_path_tag_length.min(path.len()))
         .unwrap_or(path);
-    let proto = header(req, "x-forwarded-proto").unwrap_or("");
+    let proto = header(req, header_name!("x-forwarded-proto")).unwrap_or("");
     tags.push(("http.url".into(), format!("{proto}://{host}{path}")));
     tags.push(("http.method".into(), req.method.as_str().to_string()));
     tags.push((
         "downstream_cluster".into(),
-        header(req, "x-envoy-downstream-service-cluster")
+        header(req, header_name!("x-envoy-downstream-service-cluster"))
             .unwrap_or("-")
             .to_string(),
     ));
     tags.push((
         "user_agent".into(),
-        header(req, "user-agent").unwrap_or("-").to_string(),
+        header(req, header_name!("user-agent"))
+            .unwrap_or("-")
+            .to_string(),
     ));
     tags.push(("http.protocol".into(), info.protocol.as_str().to_string()));
     if let Some(peer) = info.downstream_direct_remote {
         tags.push(("peer.address".into(), peer.ip().to_string()));
     }
-    if let Some(c) = header(req, "x-client-trace-id") {
+    if let Some(c) = header(req, header_name!("x-client-trace-id")) {
         tags.push(("guid:x-client-trace-id".into(), c.to_string()));
     }
     for t in &cfg.custom_tags {
@@ -185,11 +195,14 @@ pub(super) fn late(
         return Ok(None);
     }
     let internal = super::downstream::is_internal_request(&req.headers, client_ip, hcm);
-    if !internal {
-        req.remove_header("x-envoy-force-trace");
+    let force_trace = header_name!("x-envoy-force-trace");
+    if !internal && req.headers.contains_key(force_trace) {
+        req.remove_header(force_trace);
     }
     let regenerate = hcm.use_remote_address && !internal && !hcm.preserve_external_request_id;
-    if hcm.generate_request_id && (regenerate || !req.headers.contains_key("x-request-id")) {
+    if hcm.generate_request_id
+        && (regenerate || !req.headers.contains_key(header_name!("x-request-id")))
+    {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
         req.insert_header("x-request-id", id)?;

@@ -13,6 +13,9 @@ use prost::Message;
 pub const PEER_ID_HEADER: &str = "x-envoy-peer-metadata-id";
 /// `x-envoy-peer-metadata`: base64 of a serialized `google.protobuf.Struct`.
 pub const PEER_HEADER: &str = "x-envoy-peer-metadata";
+/// The two names parsed once, for lookups on the request path.
+pub static PEER_ID_HEADER_NAME: http::HeaderName = http::HeaderName::from_static(PEER_ID_HEADER);
+pub static PEER_HEADER_NAME: http::HeaderName = http::HeaderName::from_static(PEER_HEADER);
 
 const CANONICAL_NAME: &str = "service.istio.io/canonical-name";
 const CANONICAL_REVISION: &str = "service.istio.io/canonical-revision";
@@ -366,6 +369,10 @@ pub struct LocalNode {
     pub metadata: Vec<(String, String)>,
     /// `x-envoy-peer-metadata` as this gateway sends it (without additional labels).
     pub header_value: String,
+    /// The id and `header_value` as header values, made once (None: not valid in a header,
+    /// and each request's insert refuses it as before). The metadata is some hundreds of
+    /// bytes of base64, checked and copied on every request otherwise.
+    pub values: Option<(http::HeaderValue, http::HeaderValue)>,
 }
 
 impl LocalNode {
@@ -382,10 +389,15 @@ impl LocalNode {
             })
             .collect();
         strings.sort();
+        let header_value = peer.header_value();
+        let values = http::HeaderValue::from_str(id)
+            .ok()
+            .zip(http::HeaderValue::from_str(&header_value).ok());
         LocalNode {
             id: id.to_string(),
             cluster: cluster.to_string(),
-            header_value: peer.header_value(),
+            header_value,
+            values,
             istio_version: md
                 .fields
                 .get("ISTIO_VERSION")

@@ -298,3 +298,20 @@ fn unimplemented_drivers_make_no_spans() {
     )
     .is_none());
 }
+
+#[test]
+fn ids_are_sixteen_lowercase_hex_digits_as_fmt_writes_them() {
+    for v in [
+        0u64,
+        1,
+        0xf,
+        0x10,
+        0xdead_beef,
+        0x0123_4567_89ab_cdef,
+        u64::MAX,
+    ] {
+        let mut s = String::new();
+        push_hex16(&mut s, v);
+        assert_eq!(s, format!("{v:016x}"));
+    }
+}
