@@ -36,6 +36,8 @@ pub(super) struct ActiveTrace {
 }
 
 const DECORATOR_OPERATION: &str = "x-envoy-decorator-operation";
+static DECORATOR_OPERATION_NAME: http::HeaderName =
+    http::HeaderName::from_static(DECORATOR_OPERATION);
 
 fn header<'a>(req: &'a RequestHeader, name: &http::HeaderName) -> Option<&'a str> {
     req.headers.get(name).and_then(|v| v.to_str().ok())
@@ -66,17 +68,14 @@ pub(super) fn begin(
             req.insert_header(DECORATOR_OPERATION, &**op)?;
         }
     } else {
-        let decorator_operation = header_name!("x-envoy-decorator-operation");
-        let override_op = header(req, decorator_operation);
-        let present = override_op.is_some();
-        if let Some(o) = override_op.filter(|o| !o.is_empty()) {
+        if let Some(o) = header(req, &DECORATOR_OPERATION_NAME).filter(|o| !o.is_empty()) {
             operation = Some(Arc::from(o));
         } else if propagate {
             *response_operation = operation.clone();
         }
         // A removal hashes the name in both of pingora's maps even when it is absent.
-        if present || req.headers.contains_key(decorator_operation) {
-            req.remove_header(decorator_operation);
+        if req.headers.contains_key(&DECORATOR_OPERATION_NAME) {
+            req.remove_header(&DECORATOR_OPERATION_NAME);
         }
     }
     let reason = match req.headers.get(header_name!("x-request-id")) {

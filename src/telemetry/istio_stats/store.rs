@@ -35,10 +35,9 @@ const SHARDS: usize = 16;
 /// One series: its labels and its value.
 #[derive(Debug)]
 pub struct Series {
-    /// The labels as `Labels::key` encodes them: what a lookup compares.
+    /// The labels as `Labels::key` encodes them: what a lookup compares, and where the
+    /// names and values are read back from (`pairs`).
     key: Box<[u8]>,
-    names: Box<[Box<str>]>,
-    values: Box<[Box<str>]>,
     /// `a="b",c="d"`, for Prometheus.
     prom: String,
     value: Value,
@@ -165,6 +164,23 @@ impl Family {
     }
 }
 
+impl Series {
+    /// (name, value) pairs, in order, decoded from the key.
+    fn pairs(&self) -> impl Iterator<Item = (&str, &str)> {
+        // The key was written from `&str`s, so every piece is UTF-8.
+        fn text(b: &[u8]) -> &str {
+            std::str::from_utf8(b).unwrap_or_default()
+        }
+        self.key
+            .split(|b| *b == 0xfe)
+            .filter(|pair| !pair.is_empty())
+            .map(move |pair| match pair.iter().position(|b| *b == 0xff) {
+                Some(at) => (text(&pair[..at]), text(&pair[at + 1..])),
+                None => (text(pair), ""),
+            })
+    }
+}
+
 fn find(map: &Map, h: u64, key: &[u8]) -> Option<Arc<Series>> {
     map.get(&h)?.iter().find(|s| *s.key == *key).cloned()
 }
@@ -224,8 +240,6 @@ impl<'a> Labels<'a> {
         }
         Series {
             key: Box::from(key),
-            names: self.pairs().map(|(n, _)| Box::from(n)).collect(),
-            values: self.pairs().map(|(_, v)| Box::from(v)).collect(),
             prom,
             value: if histogram {
                 Value::Histogram(Histogram::new())
@@ -717,9 +731,7 @@ impl Store {
             .iter()
             .map(|s| {
                 let labels = s
-                    .names
-                    .iter()
-                    .zip(s.values.iter())
+                    .pairs()
                     .map(|(n, v)| (n.to_string(), v.to_string()))
                     .collect();
                 let v = match &s.value {
@@ -736,7 +748,7 @@ impl Store {
 /// name and value.
 fn dotted(metric: &str, s: &Series) -> String {
     let mut d = format!("istiocustom.{metric}");
-    for (n, v) in s.names.iter().zip(s.values.iter()) {
+    for (n, v) in s.pairs() {
         d.push('.');
         d.push_str(n);
         d.push('.');
