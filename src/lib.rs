@@ -24,6 +24,7 @@ pub mod istio;
 pub mod lb;
 pub mod live;
 pub mod matcher;
+pub mod prehashed;
 pub mod protojson;
 pub mod proxy;
 pub mod router;

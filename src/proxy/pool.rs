@@ -17,7 +17,6 @@
 //! cluster's idle timeout counted from release (None: no limit).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -41,7 +40,7 @@ pub(crate) struct Pool {
 struct Inner {
     /// Per key, oldest release first: reuse takes the newest (warmest, furthest from any
     /// timeout the server has).
-    idle: HashMap<u64, Vec<Idle>, BuildHasherDefault<KeyHasher>>,
+    idle: HashMap<u64, Vec<Idle>, crate::prehashed::BuildPrehashed>,
     count: usize,
     /// Release order, for the cap.
     seq: u64,
@@ -207,24 +206,6 @@ async fn sweep(pool: Weak<Pool>, wake: Arc<tokio::sync::Notify>) {
             _ = tokio::time::sleep_until(at.into()) => {}
             _ = wake.notified() => {}
         }
-    }
-}
-
-/// The keys are pingora's reuse hashes already: hashing them again buys nothing.
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
     }
 }
 

@@ -75,35 +75,13 @@ impl Histogram {
     }
 }
 
-/// Keyed by the labels' xxh64, used as the map's hash as it is (hashing it again with the
-/// default SipHash cost more than the lookup).
+/// Keyed by the labels' xxh64, used as the map's hash as it is.
 type Map = imbl::GenericHashMap<
     u64,
     Vec<Arc<Series>>,
-    std::hash::BuildHasherDefault<Prehashed>,
+    crate::prehashed::BuildPrehashed,
     imbl::shared_ptr::DefaultSharedPtr,
 >;
-
-/// A `Hasher` for keys that are already hashes.
-#[derive(Default)]
-struct Prehashed(u64);
-
-impl std::hash::Hasher for Prehashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is expected (the key is a u64); any other input still hashes.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
 
 struct Shard {
     map: ArcSwap<Map>,
