@@ -18,7 +18,7 @@ use crate::snapshot::listener::Hcm;
 use crate::snapshot::route::Route;
 use crate::snapshot::ActiveChain;
 
-static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(super) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub(super) static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_ENVOY_INTERNAL: HeaderName = HeaderName::from_static("x-envoy-internal");
@@ -421,13 +421,7 @@ fn reject(
     if h1 && host.is_none() && req.uri.authority().is_none() {
         return Some((400, "", true));
     }
-    // `raw_authority`, from the Host found above.
-    let authority = req
-        .uri
-        .authority()
-        .map(|a| a.as_str())
-        .or_else(|| host.and_then(|h| h.to_str().ok()))
-        .unwrap_or("");
+    let authority = authority_or_host(req, host);
     if authority.bytes().any(|b| b <= b' ' || b == 0x7f) {
         return Some((400, "Bad Request", true));
     }
@@ -642,14 +636,15 @@ fn has_fragment(session: &Session) -> bool {
 
 /// The authority as the client sent it (`:authority` or `Host`).
 pub(super) fn raw_authority(req: &RequestHeader) -> &str {
+    authority_or_host(req, req.headers.get(http::header::HOST))
+}
+
+/// `raw_authority` with the request's first Host already looked up.
+fn authority_or_host<'a>(req: &'a RequestHeader, host: Option<&'a http::HeaderValue>) -> &'a str {
     req.uri
         .authority()
         .map(|a| a.as_str())
-        .or_else(|| {
-            req.headers
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-        })
+        .or_else(|| host.and_then(|h| h.to_str().ok()))
         .unwrap_or("")
 }
 

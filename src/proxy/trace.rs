@@ -16,6 +16,7 @@ use std::sync::Arc;
 use pingora_error::{ErrorType, OrErr, Result};
 use pingora_http::RequestHeader;
 
+use super::downstream::{X_FORWARDED_PROTO, X_REQUEST_ID};
 use crate::snapshot::listener::Hcm;
 use crate::snapshot::route::Decorator;
 use crate::telemetry::trace::config::TagValue;
@@ -78,7 +79,7 @@ pub(super) fn begin(
             req.remove_header(&DECORATOR_OPERATION_NAME);
         }
     }
-    let reason = match req.headers.get(header_name!("x-request-id")) {
+    let reason = match req.headers.get(&X_REQUEST_ID) {
         Some(v) => {
             let mut rid = v.as_bytes().to_vec();
             let client = req.headers.contains_key(header_name!("x-client-trace-id"));
@@ -125,7 +126,7 @@ pub(super) fn begin(
         (None, None, _) => "ingress".to_string(),
     };
     let mut tags: Vec<(Cow<'static, str>, String)> = Vec::with_capacity(24);
-    if let Some(id) = header(req, header_name!("x-request-id")) {
+    if let Some(id) = header(req, &X_REQUEST_ID) {
         tags.push(("guid:x-request-id".into(), id.to_string()));
     }
     let raw_path = String::from_utf8_lossy(req.raw_path()).into_owned();
@@ -133,7 +134,7 @@ pub(super) fn begin(
     let path = path
         .get(..cfg.max_path_tag_length.min(path.len()))
         .unwrap_or(path);
-    let proto = header(req, header_name!("x-forwarded-proto")).unwrap_or("");
+    let proto = header(req, &X_FORWARDED_PROTO).unwrap_or("");
     tags.push(("http.url".into(), format!("{proto}://{host}{path}")));
     tags.push(("http.method".into(), req.method.as_str().to_string()));
     tags.push((
@@ -199,9 +200,7 @@ pub(super) fn late(
         req.remove_header(force_trace);
     }
     let regenerate = hcm.use_remote_address && !internal && !hcm.preserve_external_request_id;
-    if hcm.generate_request_id
-        && (regenerate || !req.headers.contains_key(header_name!("x-request-id")))
-    {
+    if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
         req.insert_header("x-request-id", id)?;
