@@ -435,7 +435,7 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
     ),
     (
         "hop-req: header names lowercased",
-        "pingora keeps the client's header case",
+        "pingora's loop (this request nominates fields in Connection) keeps the client's header case; Portico's own loop writes them lower case",
     ),
     (
         "hop-req: repeated headers kept apart",

@@ -170,18 +170,24 @@ impl RawBackend {
     }
 }
 
-/// Values that differ between any two runs.
+/// Values that differ between any two runs, and the case of header names: the own loop sends
+/// a request's names upstream lower case, as Envoy does, where pingora's keeps the client's
+/// (`proxy::head`).
 fn normalize(text: &str) -> String {
     text.split("\r\n")
         .filter(|l| !l.to_ascii_lowercase().starts_with("date:"))
-        .map(|l| {
+        .enumerate()
+        .map(|(i, l)| {
             let lower = l.to_ascii_lowercase();
             for name in ["x-request-id:", "x-envoy-upstream-service-time:"] {
                 if lower.starts_with(name) {
                     return format!("{name} *");
                 }
             }
-            l.to_string()
+            match l.split_once(':') {
+                Some((name, value)) if i > 0 => format!("{}:{value}", name.to_ascii_lowercase()),
+                _ => l.to_string(),
+            }
         })
         .collect::<Vec<_>>()
         .join("\r\n")
@@ -201,7 +207,23 @@ impl Drop for Gw {
     }
 }
 
-fn bootstrap(admin: u16, port: u16, backend: SocketAddr) -> String {
+/// With `keep_case`, the connection manager and the cluster keep header names' case (istiod's
+/// preserve-case option sets both).
+fn bootstrap(admin: u16, port: u16, backend: SocketAddr, keep_case: bool) -> String {
+    let (hcm_case, cluster_case) = if keep_case {
+        (
+            r#"
+          http_protocol_options: { header_key_format: { stateful_formatter: { name: preserve_case, typed_config: { "@type": type.googleapis.com/envoy.extensions.http.header_formatters.preserve_case.v3.PreserveCaseFormatterConfig } } } }"#,
+            r#"
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http_protocol_options: { header_key_format: { stateful_formatter: { name: preserve_case, typed_config: { "@type": type.googleapis.com/envoy.extensions.http.header_formatters.preserve_case.v3.PreserveCaseFormatterConfig } } } }"#,
+        )
+    } else {
+        ("", "")
+    };
     format!(
         r#"node: {{ id: h1-loop, cluster: h1-loop }}
 admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
@@ -215,7 +237,7 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: loop
-          use_remote_address: true
+          use_remote_address: true{hcm_case}
           http_filters:
           - name: envoy.filters.http.router
             typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}
@@ -230,7 +252,7 @@ static_resources:
               - match: {{ prefix: /rewrite/ }}
                 route: {{ cluster: backend, prefix_rewrite: /cl, host_rewrite_literal: rewritten.example }}
                 request_headers_to_add: [{{ header: {{ key: x-added, value: "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%" }} }}]
-                response_headers_to_add: [{{ header: {{ key: x-resp, value: yes }} }}]
+                response_headers_to_add: [{{ header: {{ key: x-resp, value: "yes" }} }}]
               - match: {{ prefix: /retry }}
                 route:
                   cluster: backend
@@ -240,7 +262,7 @@ static_resources:
   clusters:
   - name: backend
     type: STATIC
-    connect_timeout: 1s
+    connect_timeout: 1s{cluster_case}
     load_assignment:
       cluster_name: backend
       endpoints:
@@ -252,10 +274,14 @@ static_resources:
 }
 
 async fn start(backend: SocketAddr, pingora: bool) -> Gw {
+    start_with(backend, pingora, false).await
+}
+
+async fn start_with(backend: SocketAddr, pingora: bool, keep_case: bool) -> Gw {
     let dir = TempDir::new("h1-loop");
     let (admin, port) = (free_port(), free_port());
     let path = dir.path.join("bootstrap.yaml");
-    std::fs::write(&path, bootstrap(admin, port, backend)).expect("write bootstrap");
+    std::fs::write(&path, bootstrap(admin, port, backend, keep_case)).expect("write bootstrap");
     let mut cmd = Command::new(gateway_bin());
     cmd.arg("-c")
         .arg(&path)
@@ -263,6 +289,10 @@ async fn start(backend: SocketAddr, pingora: bool) -> Gw {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
+    if is_envoy(&gateway_bin()) {
+        // No shared memory: parallel Envoys need no distinct --base-id.
+        cmd.arg("--disable-hot-restart");
+    }
     if pingora {
         cmd.env("PORTICO_H1_LOOP", "pingora");
     } else {
@@ -581,5 +611,41 @@ async fn a_request_sent_while_the_upstream_answers_keeps_its_first_byte() {
             ["GET /slow HTTP/1.1", "GET /cl HTTP/1.1"],
             "what the backend got (pingora's loop: {pingora})"
         );
+    }
+}
+
+/// Header names go upstream as Envoy sends them: lower case (the own loop writes them so),
+/// and as the client wrote them when the connection manager's `header_key_format` asks for
+/// it (istiod's preserve-case option). Runs against Envoy too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_header_names_go_upstream_lower_case_unless_the_manager_keeps_case() {
+    let envoy = is_envoy(&gateway_bin());
+    let request: &[u8] = b"GET /cl HTTP/1.1\r\nHost: a\r\nX-Mixed-Case: 1\r\nUser-Agent: t\r\n\r\n";
+    for keep in [false, true] {
+        let backend = RawBackend::start().await;
+        let gw = start_with(backend.addr, false, keep).await;
+        let got = exchange(gw.port, &[request], &["GET"]).await;
+        assert!(got.starts_with("HTTP/1.1 200"), "keep {keep}: {got}");
+        let seen = backend.seen.lock().expect("lock").clone();
+        assert_eq!(seen.len(), 1, "keep {keep}");
+        let text = String::from_utf8_lossy(&seen[0]).to_string();
+        let names: Vec<&str> = text
+            .split("\r\n")
+            .skip(1)
+            .filter_map(|l| l.split_once(':').map(|(n, _)| n))
+            .collect();
+        for (sent, lower) in [
+            ("Host", "host"),
+            ("X-Mixed-Case", "x-mixed-case"),
+            ("User-Agent", "user-agent"),
+        ] {
+            let want = if keep { sent } else { lower };
+            assert!(names.contains(&want), "keep {keep}: {want} in {names:?}");
+        }
+        // What the gateway adds is lower case either way.
+        assert!(names.contains(&"x-request-id"), "keep {keep}: {names:?}");
+        if !envoy {
+            assert_eq!(own_loop_requests(gw.admin).await, Some(1), "keep {keep}");
+        }
     }
 }

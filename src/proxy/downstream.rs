@@ -13,6 +13,7 @@ use pingora_error::{ErrorType, OrErr, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
+use super::head::SetHeader;
 use super::{client_cert, normalize, upgrade, Ctx, Gateway};
 use crate::snapshot::listener::Hcm;
 use crate::snapshot::route::Route;
@@ -122,7 +123,7 @@ impl Gateway {
             } else {
                 "http"
             };
-            req.insert_header(X_FORWARDED_PROTO.as_str(), proto)?;
+            req.set(&X_FORWARDED_PROTO, proto)?;
         }
         // x-request-id too, before any local reply: Envoy's access logs and traces name every
         // request by it, those the gateway answers itself included.
@@ -244,7 +245,7 @@ pub(super) async fn request_headers(
     // internal address ranges unless internal_address_config names some.
     let internal = is_internal_request(&req.headers, client_ip, hcm);
     if internal {
-        req.insert_header(X_ENVOY_INTERNAL.as_str(), "true")?;
+        req.set(&X_ENVOY_INTERNAL, "true")?;
     } else if req
         .headers
         .keys()
@@ -272,7 +273,7 @@ pub(super) async fn request_headers(
                 Some(prev) => format!("{prev},{ip}"),
                 None => ip.to_string(),
             };
-            req.insert_header(X_FORWARDED_FOR.as_str(), value)?;
+            req.set(&X_FORWARDED_FOR, value)?;
         }
         // With trusted hops, the client is that many entries back from the peer in XFF.
         let mut client = ip.to_string();
@@ -289,7 +290,7 @@ pub(super) async fn request_headers(
         }
         // Only edge requests: an internal client is not entering the trusted network.
         if edge {
-            req.insert_header(X_ENVOY_EXTERNAL_ADDRESS.as_str(), client)?;
+            req.set(&X_ENVOY_EXTERNAL_ADDRESS, client)?;
         }
     }
     Ok(())
@@ -310,7 +311,7 @@ fn request_id(
     if regenerate || !req.headers.contains_key(&X_REQUEST_ID) {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
-        req.insert_header(X_REQUEST_ID.as_str(), id)?;
+        req.set(&X_REQUEST_ID, id)?;
     }
     Ok(())
 }

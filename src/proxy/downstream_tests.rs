@@ -35,6 +35,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         max_headers_count: 100,
         access_log: Default::default(),
         tracing: None,
+        keep_header_case: false,
     };
     let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
     let mut h = http::HeaderMap::new();

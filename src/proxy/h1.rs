@@ -243,6 +243,7 @@ pub(crate) async fn process(
         }
         d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
         let mut ctx = d.gw.new_ctx();
+        ctx.own_loop = true;
         process_request(d, s, &mut ctx).await?
     };
     reuse(s).await
@@ -456,6 +457,7 @@ async fn proxy_to_h1_upstream(
 ) -> (bool, bool, Option<Box<Error>>) {
     let gw = &d.gw;
     client.set_timeouts(peer.options.read_timeout, peer.options.write_timeout);
+    client.set_keep_case(ctx.cluster.as_ref().is_some_and(|c| c.def.keep_header_case));
     let id = client.id();
     if let Err(e) = gw
         .connected_to_upstream(s, reused, peer, id, client.digest().as_deref(), ctx)

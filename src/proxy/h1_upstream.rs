@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession as ClientV1};
+use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
 use pingora_core::protocols::http::HttpTask;
 use pingora_core::protocols::l4::stream::Stream as Tcp;
 use pingora_core::protocols::{Digest, Stream, UniqueID};
@@ -60,6 +60,8 @@ pub(super) struct Exchange {
     allow_invalid_length: bool,
     /// The connection is closed after this exchange (the request or the response said so).
     close: bool,
+    /// The cluster takes header names in the case the request kept (`head::request_wire`).
+    keep_case: bool,
 }
 
 enum State {
@@ -91,6 +93,7 @@ impl Upstream {
             allow_invalid_length: options
                 .is_some_and(|o| o.allow_h1_response_invalid_content_length),
             close: false,
+            keep_case: false,
         })
     }
 
@@ -105,6 +108,14 @@ impl Upstream {
                 c.write_timeout = write;
             }
             Upstream::Moving => {}
+        }
+    }
+
+    /// Whether the cluster takes header names in their case (its `header_key_format`); pingora's
+    /// session, for what goes to it, writes them as the request keeps them.
+    pub fn set_keep_case(&mut self, keep: bool) {
+        if let Upstream::Own(x) = self {
+            x.keep_case = keep;
         }
     }
 
@@ -259,7 +270,7 @@ fn own_request(req: &RequestHeader) -> Option<bool> {
 
 impl Exchange {
     async fn write_head(&mut self, req: &RequestHeader) -> Result<usize> {
-        let wire = http_req_header_to_wire(req).ok_or_else(|| {
+        let wire = super::head::request_wire(req, self.keep_case).ok_or_else(|| {
             Error::explain(
                 ErrorType::InvalidHTTPHeader,
                 "request-line contains forbidden delimiter bytes or unsupported HTTP version",
@@ -445,7 +456,11 @@ fn parse_head(buf: &Bytes) -> Option<Head> {
     if !(200..=599).contains(&code) || code == 204 || code == 304 {
         return None;
     }
-    let mut header = ResponseHeader::build(code, Some(resp.headers.len())).ok()?;
+    // The names keep their case: Envoy writes them lower case, as sidecars and most servers
+    // in a mesh send them, where pingora would capitalise those it knows (`head`). Room for
+    // what the gateway adds (`server`, x-envoy-upstream-service-time, date, connection).
+    let size = resp.headers.len() + super::head::ADDED_HEADERS;
+    let mut header = ResponseHeader::build(code, Some(size)).ok()?;
     header.set_version(http::Version::HTTP_11);
     header.set_reason_phrase(resp.reason).ok()?;
     let (mut length, mut close, mut connection) = (None, false, false);

@@ -8,10 +8,9 @@ use std::sync::Arc;
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
+use super::head::SetHeader;
 use super::Ctx;
-use crate::telemetry::istio_stats::peer::{
-    PEER_HEADER, PEER_HEADER_NAME, PEER_ID_HEADER, PEER_ID_HEADER_NAME,
-};
+use crate::telemetry::istio_stats::peer::{PEER_HEADER_NAME, PEER_ID_HEADER_NAME};
 use crate::telemetry::istio_stats::{store, Discovery, IstioFilters, PeerInfo};
 use crate::State;
 
@@ -117,12 +116,12 @@ pub(super) fn upstream_request(
     }
     let node = &state.istio.node;
     if let Some((id, md)) = &node.values {
-        upstream.insert_header(PEER_ID_HEADER, id.clone())?;
-        upstream.insert_header(PEER_HEADER, md.clone())?;
+        upstream.set(&PEER_ID_HEADER_NAME, id.clone())?;
+        upstream.set(&PEER_HEADER_NAME, md.clone())?;
         return Ok(());
     }
-    upstream.insert_header(PEER_ID_HEADER, node.id.as_str())?;
-    upstream.insert_header(PEER_HEADER, node.header_value.as_str())?;
+    upstream.set(&PEER_ID_HEADER_NAME, node.id.as_str())?;
+    upstream.set(&PEER_HEADER_NAME, node.header_value.as_str())?;
     Ok(())
 }
 
@@ -160,10 +159,10 @@ pub(super) fn response(
     };
     let node = &state.istio.node;
     if ctx.mx_request.0 {
-        resp.insert_header(PEER_ID_HEADER, node.id.as_str())?;
+        resp.set(&PEER_ID_HEADER_NAME, node.id.as_str())?;
     }
     if ctx.mx_request.1 {
-        resp.insert_header(PEER_HEADER, node.header_value.as_str())?;
+        resp.set(&PEER_HEADER_NAME, node.header_value.as_str())?;
     }
     Ok(())
 }

@@ -40,6 +40,7 @@ mod downstream;
 mod h1;
 mod h1_upstream;
 mod hbone;
+mod head;
 pub mod io;
 mod istio;
 pub mod listeners;
@@ -156,6 +157,8 @@ impl PinnedChain {
 /// Per-request state: the snapshot loaded once, and what routing decided.
 #[derive(Default)]
 pub struct Ctx {
+    /// Served by Portico's own HTTP/1 loop (`h1`), whose upstream writer lowercases names.
+    own_loop: bool,
     listener: Option<Arc<ActiveChain>>,
     cluster: Option<Arc<Cluster>>,
     /// The request's one snapshot, loaded when it starts: routing, upstream selection,
@@ -411,6 +414,11 @@ impl Gateway {
         let listener = self.chain.in_snapshot(&snap);
         ctx.snapshot = Some(snap);
         observe::begin(session, &mut ctx.info);
+        // Envoy sends HTTP/1 names upstream lower case unless the connection manager asks
+        // otherwise; without the case, every header write is one map insert (`head`).
+        if ctx.own_loop && listener.def.hcm().is_some_and(|h| !h.keep_header_case) {
+            head::drop_case(session.req_header_mut());
+        }
         ctx.listener = Some(listener.clone());
         listener
     }

@@ -16,6 +16,7 @@ use super::downstream::{
     authority, downstream_remote, hcm_strips_port, is_internal_request, local_port, raw_authority,
     split_port, X_FORWARDED_PROTO,
 };
+use super::head::SetHeader;
 use super::{Ctx, Gateway};
 use crate::router::RequestView;
 use crate::snapshot::headers::{FormatCtx, HeaderOps, HeaderPlan};
@@ -194,7 +195,7 @@ pub(super) fn request_headers(
         ops.apply(req, None, fmt);
     }
     if let Some(p) = original_path {
-        req.insert_header(X_ORIGINAL_PATH.as_str(), p)?;
+        req.set(&X_ORIGINAL_PATH, p)?;
     }
     Ok(())
 }
@@ -227,10 +228,10 @@ pub(super) fn apply_rewrites(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<
         .and_then(|c| c.endpoints.hosts.get(ctx.host_index)?.hostname.clone());
     let mut host_rewritten = ctx.route_host;
     if let Some(h) = &auto {
-        upstream.insert_header(http::header::HOST, &**h)?;
+        upstream.set(&http::header::HOST, &**h)?;
         host_rewritten = true;
     } else if let Some(h) = &ctx.host_rewrite {
-        upstream.insert_header(http::header::HOST, h.as_str())?;
+        upstream.set(&http::header::HOST, h.as_str())?;
     }
     if let (true, Some(original)) = (host_rewritten, &ctx.forwarded_host) {
         // Envoy appends unless the header already ends with the original host.
@@ -245,7 +246,7 @@ pub(super) fn apply_rewrites(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<
             } else {
                 format!("{prev},{original}")
             };
-            upstream.insert_header(X_FORWARDED_HOST.as_str(), value)?;
+            upstream.set(&X_FORWARDED_HOST, value)?;
         }
     }
     Ok(())

@@ -11,6 +11,7 @@ use pingora_error::Result;
 use pingora_http::RequestHeader;
 use pingora_proxy::Session;
 
+use super::head::SetHeader;
 use super::Ctx;
 use crate::snapshot::route::Forward;
 
@@ -138,9 +139,9 @@ fn set_timeouts(
     ctx.per_try = per_try;
     match per_try.or(global) {
         Some(expected) => {
-            req.insert_header(X_EXPECTED_TIMEOUT.as_str(), millis_value(expected))?;
+            req.set(&X_EXPECTED_TIMEOUT, millis_value(expected))?;
             if legacy_grpc {
-                req.insert_header(GRPC_TIMEOUT.as_str(), grpc_timeout_value(expected))?;
+                req.set(&GRPC_TIMEOUT, grpc_timeout_value(expected))?;
             }
         }
         None => {
@@ -166,7 +167,7 @@ fn set_timeouts(
         },
     };
     if let (Some(d), true) = (stream, t.max_stream.is_some() && ctx.grpc_request) {
-        req.insert_header(GRPC_TIMEOUT.as_str(), grpc_timeout_value(d))?;
+        req.set(&GRPC_TIMEOUT, grpc_timeout_value(d))?;
     }
     ctx.stream_deadline = stream.map(|d| now + d);
     ctx.idle = match t.idle {

@@ -17,6 +17,7 @@ use pingora_error::{ErrorType, OrErr, Result};
 use pingora_http::RequestHeader;
 
 use super::downstream::{X_FORWARDED_PROTO, X_REQUEST_ID};
+use super::head::SetHeader;
 use crate::snapshot::listener::Hcm;
 use crate::snapshot::route::Decorator;
 use crate::telemetry::trace::config::TagValue;
@@ -66,7 +67,7 @@ pub(super) fn begin(
     let propagate = decorator.is_some_and(|d| d.propagate);
     if cfg.egress {
         if let (Some(op), true) = (&operation, propagate) {
-            req.insert_header(DECORATOR_OPERATION, &**op)?;
+            req.set(&DECORATOR_OPERATION_NAME, &**op)?;
         }
     } else {
         if let Some(o) = header(req, &DECORATOR_OPERATION_NAME).filter(|o| !o.is_empty()) {
@@ -90,7 +91,7 @@ pub(super) fn begin(
             if rid != v.as_bytes() {
                 let v = http::HeaderValue::from_bytes(&rid)
                     .or_err(ErrorType::InternalError, "x-request-id")?;
-                req.insert_header("x-request-id", v)?;
+                req.set(&X_REQUEST_ID, v)?;
             }
             reason
         }
@@ -111,7 +112,7 @@ pub(super) fn begin(
         return Ok(None);
     };
     for (name, value) in span.headers() {
-        req.insert_header(name, value)?;
+        req.set(name, value)?;
     }
     if !span.sampled {
         return Ok(None);
@@ -203,7 +204,7 @@ pub(super) fn late(
     if hcm.generate_request_id && (regenerate || !req.headers.contains_key(&X_REQUEST_ID)) {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
-        req.insert_header("x-request-id", id)?;
+        req.set(&X_REQUEST_ID, id)?;
     }
     begin(req, hcm, info, tracer, decorator, &mut None)
 }
@@ -215,7 +216,7 @@ pub(super) fn response_headers(
     operation: Option<&Arc<str>>,
 ) -> Result<()> {
     if let Some(op) = operation {
-        resp.insert_header(DECORATOR_OPERATION, &**op)?;
+        resp.set(&DECORATOR_OPERATION_NAME, &**op)?;
     }
     Ok(())
 }

@@ -15,6 +15,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
 use super::downstream::{strip_request, strip_response};
+use super::head::SetHeader;
 use super::timeouts::TimeoutKind;
 use super::{filter_response_headers, hbone, upgrade, upstream_tls, Ctx, Gateway};
 use crate::snapshot::route::Forward;
@@ -348,14 +349,14 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
     if super::downstream::present(down, &restorable).contains(&true) {
         let (nominated, te_trailers) = super::downstream::hop_by_hop(down);
         if te_trailers {
-            upstream.insert_header(http::header::TE, "trailers")?;
+            upstream.set(&http::header::TE, "trailers")?;
         }
         for name in &restorable[1..] {
             if nominated.contains(name) {
                 continue;
             }
             for v in down.get_all(*name) {
-                upstream.append_header((*name).clone(), v.clone())?;
+                upstream.add(name, v.clone())?;
             }
         }
     }
@@ -369,8 +370,8 @@ pub(super) fn server(
     hcm: &crate::snapshot::listener::Hcm,
 ) -> Result<()> {
     match &hcm.server_header {
-        Some(v) => resp.insert_header(http::header::SERVER, v.clone()),
-        None => resp.insert_header(http::header::SERVER, hcm.server_name.as_str()),
+        Some(v) => resp.set(&http::header::SERVER, v.clone()),
+        None => resp.set(&http::header::SERVER, hcm.server_name.as_str()),
     }
 }
 
@@ -380,16 +381,13 @@ pub(super) fn attempt_headers(upstream: &mut RequestHeader, ctx: &Ctx) -> Result
         upstream.remove_header(&http::header::ACCEPT_ENCODING);
     }
     if ctx.attempt_count_to_upstream {
-        upstream.insert_header(
-            X_ATTEMPT_COUNT.as_str(),
-            http::HeaderValue::from(ctx.attempts),
-        )?;
+        upstream.set(&X_ATTEMPT_COUNT, http::HeaderValue::from(ctx.attempts))?;
     }
     for (k, v, append) in ctx.filters.upstream_request_headers() {
         if *append {
-            upstream.append_header(k.clone(), v.clone())?;
+            upstream.add(k, v.clone())?;
         } else {
-            upstream.insert_header(k.clone(), v.clone())?;
+            upstream.set(k, v.clone())?;
         }
     }
     Ok(())
@@ -423,8 +421,8 @@ pub(super) fn response_headers(
     }
     // Envoy measures from the end of the request, which an upgrade has not reached.
     if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
-        resp.insert_header(
-            X_UPSTREAM_TIME.as_str(),
+        resp.set(
+            &X_UPSTREAM_TIME,
             super::timeouts::millis_value(start.elapsed()),
         )?;
     }
@@ -436,10 +434,7 @@ pub(super) fn response_headers(
         server(resp, h)?;
     }
     if ctx.attempt_count_to_client && ctx.attempts > 0 {
-        resp.insert_header(
-            X_ATTEMPT_COUNT.as_str(),
-            http::HeaderValue::from(ctx.attempts),
-        )?;
+        resp.set(&X_ATTEMPT_COUNT, http::HeaderValue::from(ctx.attempts))?;
     }
     filter_response_headers(resp, ctx)?;
     for c in ctx.set_cookies.drain(..) {

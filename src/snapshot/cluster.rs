@@ -125,6 +125,11 @@ pub struct ClusterDef {
     pub http2: bool,
     /// `http2_protocol_options.max_concurrent_streams`: streams one upstream connection carries.
     pub h2_max_streams: u32,
+    /// The HTTP/1 options' `header_key_format` is set: a request's header names go to this
+    /// cluster in the case they were read in, when the connection manager kept it (Envoy keeps
+    /// case end to end only with a formatter on both sides, as istiod's preserve-case option
+    /// sets them). Unset, names go lower case.
+    pub keep_header_case: bool,
     /// `dns_lookup_family`, for DNS clusters.
     pub dns_family: DnsFamily,
     /// Circuit breaker on concurrent retries (default priority `max_retries`, Envoy: 3).
@@ -850,6 +855,7 @@ impl ClusterDef {
                 _ => None,
             }
         });
+        let keep_header_case = keeps_header_case(c, options.as_ref());
         let downstream_protocol = downstream_protocol(options.as_ref()).map_err(err)?;
         let h2_options = h2_options.or(downstream_protocol);
         let downstream_protocol = downstream_protocol.is_some();
@@ -1012,6 +1018,7 @@ impl ClusterDef {
             inline,
             http2,
             h2_max_streams,
+            keep_header_case,
         })
     }
 }
@@ -1671,6 +1678,28 @@ pub fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
 const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
 /// The cluster's `HttpProtocolOptions` extension, if it has one.
+/// Whether the cluster's HTTP/1 options name a `header_key_format`: in the protocol options
+/// extension (explicit or downstream-protocol config) or the deprecated cluster field.
+fn keeps_header_case(
+    c: &cpb::Cluster,
+    options: Option<&envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
+) -> bool {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+        explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
+    };
+    let h1 = options.and_then(|o| match o.upstream_protocol_options.as_ref()? {
+        UpstreamProtocolOptions::ExplicitHttpConfig(e) => match &e.protocol_config {
+            Some(ProtocolConfig::HttpProtocolOptions(h1)) => Some(h1),
+            _ => None,
+        },
+        UpstreamProtocolOptions::UseDownstreamProtocolConfig(d) => d.http_protocol_options.as_ref(),
+        UpstreamProtocolOptions::AutoConfig(a) => a.http_protocol_options.as_ref(),
+    });
+    #[allow(deprecated)]
+    let h1 = h1.or(c.http_protocol_options.as_ref());
+    h1.is_some_and(|o| o.header_key_format.is_some())
+}
+
 fn protocol_options(
     c: &cpb::Cluster,
 ) -> Result<

@@ -141,6 +141,7 @@ fn defaults() {
             inline: Some(LoadAssignmentSpec::default()),
             http2: false,
             h2_max_streams: i32::MAX as u32,
+            keep_header_case: false,
             max_retries: 3,
             retry_budget: None,
             max_connections: 1024,
@@ -2391,5 +2392,56 @@ mod lb_options_tests {
                 .load(std::sync::atomic::Ordering::Relaxed),
             10
         );
+    }
+}
+
+#[test]
+fn header_key_format_keeps_header_case_wherever_the_http1_options_are() {
+    use envoy_types::pb::envoy::config::core::v3::{
+        http1_protocol_options::{header_key_format::HeaderFormat, HeaderKeyFormat},
+        Http1ProtocolOptions,
+    };
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+        explicit_http_config::ProtocolConfig, ExplicitHttpConfig, UseDownstreamHttpConfig,
+    };
+    let h1 = |keep: bool| Http1ProtocolOptions {
+        header_key_format: keep.then(|| HeaderKeyFormat {
+            header_format: Some(HeaderFormat::ProperCaseWords(Default::default())),
+        }),
+        ..Default::default()
+    };
+    assert!(!ok(&cluster("c")).keep_header_case);
+    for keep in [false, true] {
+        let explicit = HttpProtocolOptions {
+            upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+                ExplicitHttpConfig {
+                    protocol_config: Some(ProtocolConfig::HttpProtocolOptions(h1(keep))),
+                },
+            )),
+            ..Default::default()
+        };
+        assert_eq!(
+            ok(&with_options(cluster("c"), explicit)).keep_header_case,
+            keep
+        );
+        let downstream = HttpProtocolOptions {
+            upstream_protocol_options: Some(UpstreamProtocolOptions::UseDownstreamProtocolConfig(
+                UseDownstreamHttpConfig {
+                    http_protocol_options: Some(h1(keep)),
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        };
+        assert_eq!(
+            ok(&with_options(cluster("c"), downstream)).keep_header_case,
+            keep
+        );
+        let mut legacy = cluster("c");
+        #[allow(deprecated)]
+        {
+            legacy.http_protocol_options = Some(h1(keep));
+        }
+        assert_eq!(ok(&legacy).keep_header_case, keep);
     }
 }

@@ -488,6 +488,10 @@ pub struct Hcm {
     pub access_log: AccessLogs,
     /// `tracing`: Envoy's connection manager tracing (sampling, driver, tags); None: off.
     pub tracing: Option<Arc<crate::telemetry::trace::TracingConfig>>,
+    /// `http_protocol_options.header_key_format` is set (istiod's preserve-case option, or
+    /// proper case): HTTP/1 header names keep the case they came with. Unset, Envoy writes
+    /// them lower case and Portico keeps none (`proxy::head`).
+    pub keep_header_case: bool,
 }
 
 /// What the codec does with a request header whose name holds `_`.
@@ -1317,6 +1321,10 @@ impl Hcm {
             } else {
                 h.server_name.clone()
             },
+            keep_header_case: h
+                .http_protocol_options
+                .as_ref()
+                .is_some_and(|o| o.header_key_format.is_some()),
         })
     }
 }
@@ -1332,8 +1340,9 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
         if o.accept_http_10 {
             return Err("http_protocol_options.accept_http_10: HTTP/1.0 is not supported (Portico answers 426, Envoy's default)".into());
         }
-        // header_key_format (istiod's preserve-case), enable_trailers and the like change
-        // how HTTP/1 is written, not where a request goes.
+        // header_key_format (istiod's preserve-case) is read into `Hcm::keep_header_case`;
+        // enable_trailers and the like change how HTTP/1 is written, not where a request
+        // goes.
     }
     if h.http2_protocol_options
         .as_ref()

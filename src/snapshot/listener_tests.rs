@@ -183,6 +183,25 @@ fn minimal_listener_translates_with_defaults() {
     assert!(!h.strip_any_host_port);
     assert!(!h.strip_matching_host_port);
     assert_eq!(h.server_name, "envoy");
+    assert!(!h.keep_header_case, "Envoy writes HTTP/1 names lower case");
+}
+
+#[test]
+fn header_key_format_keeps_header_case() {
+    use envoy_types::pb::envoy::config::core::v3::http1_protocol_options::{
+        header_key_format::HeaderFormat, HeaderKeyFormat,
+    };
+    let mut h = base_hcm();
+    h.http_protocol_options = Some(Default::default());
+    let d = ok(&listener_with(&h));
+    assert!(!d.chains[0].hcm().expect("http chain").keep_header_case);
+    if let Some(o) = h.http_protocol_options.as_mut() {
+        o.header_key_format = Some(HeaderKeyFormat {
+            header_format: Some(HeaderFormat::ProperCaseWords(Default::default())),
+        });
+    }
+    let d = ok(&listener_with(&h));
+    assert!(d.chains[0].hcm().expect("http chain").keep_header_case);
 }
 
 #[test]

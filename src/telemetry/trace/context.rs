@@ -126,7 +126,7 @@ impl SpanContext {
     }
 
     /// The headers this span sends upstream, as the driver injects them.
-    pub fn headers(&self) -> Vec<(&'static str, String)> {
+    pub fn headers(&self) -> Vec<(&'static http::HeaderName, String)> {
         let mut span = String::with_capacity(16);
         push_hex16(&mut span, self.span_id);
         match self.format {
@@ -134,14 +134,14 @@ impl SpanContext {
                 // Envoy writes `tracestate` even when empty.
                 vec![
                     (
-                        "traceparent",
+                        header_name!("traceparent"),
                         format!(
                             "00-{}-{span}-{}",
                             self.trace_id_hex(),
                             if self.sampled { "01" } else { "00" }
                         ),
                     ),
-                    ("tracestate", self.tracestate.clone()),
+                    (header_name!("tracestate"), self.tracestate.clone()),
                 ]
             }
             Format::B3Single => {
@@ -153,15 +153,18 @@ impl SpanContext {
                 if let Some(p) = self.parent_id {
                     v.push_str(&format!("-{p:016x}"));
                 }
-                vec![("b3", v)]
+                vec![(header_name!("b3"), v)]
             }
             Format::B3Multi => {
-                let mut h = vec![("x-b3-traceid", self.trace_id_hex()), ("x-b3-spanid", span)];
+                let mut h = vec![
+                    (header_name!("x-b3-traceid"), self.trace_id_hex()),
+                    (header_name!("x-b3-spanid"), span),
+                ];
                 if let Some(p) = self.parent_id {
-                    h.push(("x-b3-parentspanid", format!("{p:016x}")));
+                    h.push((header_name!("x-b3-parentspanid"), format!("{p:016x}")));
                 }
                 h.push((
-                    "x-b3-sampled",
+                    header_name!("x-b3-sampled"),
                     if self.sampled { "1" } else { "0" }.to_string(),
                 ));
                 h

@@ -1,0 +1,350 @@
+//! Header case as Envoy sends it upstream, and header writes that cost what a map insert costs.
+//!
+//! Envoy's HTTP/1 codec keeps header names lower case and writes them so, unless the
+//! connection manager's `http_protocol_options.header_key_format` asks for something else.
+//! pingora keeps every HTTP/1 name as received, in a second map beside the values, and its
+//! `insert_header` / `append_header` pay for that on every call, case kept or not: the name is
+//! turned into a case-keeping copy, parsed back into a `HeaderName` (an allocation for a custom
+//! name) and inserted into both maps, 1-2k instructions where one map insert is a few hundred.
+//!
+//! So a request Portico's own HTTP/1 loop serves, when the connection manager asks for no
+//! `header_key_format`, drops the case pingora read ([`drop_case`]); [`SetHeader`] inserts a
+//! `HeaderName` the caller already has straight into the one map such a head holds, and
+//! [`request_wire`] writes the names lower case, as Envoy does, unless the request kept their
+//! case and the cluster has a `header_key_format` too (Envoy keeps case end to end only with a
+//! formatter on both sides; istiod's preserve-case option sets both). `proper_case_words` is
+//! taken as "keep the case": Envoy would capitalise each word. Where pingora's client session
+//! writes the request (a TLS upstream), it writes a head without case as it does an HTTP/2
+//! client's: the names it knows capitalised (`Host`), the rest lower case. Responses keep the
+//! case they came with: pingora's downstream writer cannot lower the names it knows, and in a
+//! mesh the upstream is a sidecar that sends them lower case already.
+
+use http::{HeaderName, HeaderValue};
+use pingora_error::{Error, ErrorType, OrErr, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+
+/// Inserts and appends by a `HeaderName` the caller has (a static, mostly).
+pub(crate) trait SetHeader {
+    /// `insert_header`: replaces every value under `name`.
+    fn set(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+    /// `append_header`: adds a value under `name`, keeping those there.
+    fn add(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+}
+
+fn value(v: impl TryInto<HeaderValue>) -> Result<HeaderValue> {
+    v.try_into()
+        .map_err(|_| Error::explain(ErrorType::InvalidHTTPHeader, "invalid header value"))
+}
+
+/// A head pingora's own conversions rebuild without loss: no case kept, and (requests) a
+/// target the URI reproduces and the default `send_end_stream`, (responses) the standard
+/// reason phrase. Converting such a head into its `http` parts and back is a move.
+fn plain_request(req: &RequestHeader) -> bool {
+    !req.has_case() && req.send_end_stream() != Some(false) && target_from_uri(req)
+}
+
+/// Whether `raw_path` is read from the URI (origin- and asterisk-form) rather than from a
+/// verbatim copy of the target (absolute-form, CONNECT, bytes that are not UTF-8), which a
+/// rebuild from the URI would lose.
+fn target_from_uri(req: &RequestHeader) -> bool {
+    req.uri
+        .path_and_query()
+        .is_some_and(|pq| std::ptr::eq(pq.as_str().as_ptr(), req.raw_path().as_ptr()))
+}
+
+fn plain_response(resp: &ResponseHeader) -> bool {
+    !resp.has_case() && resp.get_reason_phrase() == resp.status.canonical_reason()
+}
+
+fn with_request_map(
+    req: &mut RequestHeader,
+    f: impl FnOnce(&mut http::HeaderMap) -> Result<()>,
+) -> Result<()> {
+    let placeholder = RequestHeader::from(http::Request::new(()).into_parts().0);
+    let mut parts = http::request::Parts::from(std::mem::replace(req, placeholder));
+    let out = f(&mut parts.headers);
+    *req = RequestHeader::from(parts);
+    out
+}
+
+fn with_response_map(
+    resp: &mut ResponseHeader,
+    f: impl FnOnce(&mut http::HeaderMap) -> Result<()>,
+) -> Result<()> {
+    let placeholder = ResponseHeader::from(http::Response::new(()).into_parts().0);
+    let mut parts = http::response::Parts::from(std::mem::replace(resp, placeholder));
+    let out = f(&mut parts.headers);
+    *resp = ResponseHeader::from(parts);
+    out
+}
+
+fn insert(map: &mut http::HeaderMap, name: &HeaderName, v: HeaderValue) -> Result<()> {
+    map.try_insert(name.clone(), v)
+        .map(|_| ())
+        .or_err(ErrorType::InvalidHTTPHeader, "too many headers")
+}
+
+fn append(map: &mut http::HeaderMap, name: &HeaderName, v: HeaderValue) -> Result<()> {
+    map.try_append(name.clone(), v)
+        .map(|_| ())
+        .or_err(ErrorType::InvalidHTTPHeader, "too many headers")
+}
+
+impl SetHeader for RequestHeader {
+    fn set(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        let v = value(v)?;
+        if plain_request(self) {
+            with_request_map(self, |m| insert(m, name, v))
+        } else {
+            self.insert_header(name.clone(), v)
+        }
+    }
+
+    fn add(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        let v = value(v)?;
+        if plain_request(self) {
+            with_request_map(self, |m| append(m, name, v))
+        } else {
+            self.append_header(name.clone(), v).map(|_| ())
+        }
+    }
+}
+
+impl SetHeader for ResponseHeader {
+    fn set(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        let v = value(v)?;
+        if plain_response(self) {
+            with_response_map(self, |m| insert(m, name, v))
+        } else {
+            self.insert_header(name.clone(), v)
+        }
+    }
+
+    fn add(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        let v = value(v)?;
+        if plain_response(self) {
+            with_response_map(self, |m| append(m, name, v))
+        } else {
+            self.append_header(name.clone(), v).map(|_| ())
+        }
+    }
+}
+
+/// Drops the case pingora kept for an HTTP/1 request's header names (module comment): the
+/// connection manager asked for no `header_key_format`. A target the URI does not reproduce
+/// keeps its head as it is (case included): a rebuild would lose it.
+pub(crate) fn drop_case(req: &mut RequestHeader) {
+    if !req.has_case() || !target_from_uri(req) || req.send_end_stream() == Some(false) {
+        return;
+    }
+    let placeholder = RequestHeader::from(http::Request::new(()).into_parts().0);
+    let mut parts = http::request::Parts::from(std::mem::replace(req, placeholder));
+    // Room for what the connection manager adds (x-forwarded-proto, x-request-id,
+    // x-envoy-expected-rq-timeout-ms and the like): the map grows once, here, not on
+    // several of those inserts. Without it, it is only a later insert's growth.
+    let _ = parts.headers.try_reserve(ADDED_HEADERS);
+    *req = RequestHeader::from(parts);
+}
+
+/// About how many headers the gateway adds to a request or a response: room made for them at
+/// once.
+pub(crate) const ADDED_HEADERS: usize = 4;
+
+/// The request line and headers for an HTTP/1 upstream, in one buffer of the exact size: names
+/// lower case (Envoy's), unless the head kept their case and the cluster takes it (`keep_case`,
+/// its `header_key_format`), which pingora's writer writes. None: a target or version HTTP/1
+/// cannot carry (pingora's refusals).
+pub(crate) fn request_wire(req: &RequestHeader, keep_case: bool) -> Option<bytes::BytesMut> {
+    use bytes::BufMut;
+    if keep_case && req.has_case() {
+        return pingora_core::protocols::http::v1::client::http_req_header_to_wire(req);
+    }
+    let path = req.raw_path();
+    if path
+        .iter()
+        .any(|&b| matches!(b, 0x00 | b'\n' | b'\r' | b' '))
+    {
+        return None;
+    }
+    let version: &[u8] = match req.version {
+        http::Version::HTTP_09 => b"HTTP/0.9",
+        http::Version::HTTP_10 => b"HTTP/1.0",
+        http::Version::HTTP_11 => b"HTTP/1.1",
+        http::Version::HTTP_2 => b"HTTP/2",
+        _ => return None,
+    };
+    let method = req.method.as_str().as_bytes();
+    let fields: usize = req
+        .headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len() + 4)
+        .sum();
+    let mut buf =
+        bytes::BytesMut::with_capacity(method.len() + path.len() + version.len() + 6 + fields);
+    buf.put_slice(method);
+    buf.put_u8(b' ');
+    buf.put_slice(path);
+    buf.put_u8(b' ');
+    buf.put_slice(version);
+    buf.put_slice(b"\r\n");
+    for (name, value) in &req.headers {
+        buf.put_slice(name.as_str().as_bytes());
+        buf.put_slice(b": ");
+        buf.put_slice(value.as_bytes());
+        buf.put_slice(b"\r\n");
+    }
+    buf.put_slice(b"\r\n");
+    Some(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(req: &RequestHeader) -> Vec<u8> {
+        let mut buf = bytes::BytesMut::new();
+        req.header_to_h1_wire(&mut buf);
+        buf.to_vec()
+    }
+
+    fn read(target: &[u8], headers: &[(&str, &str)]) -> RequestHeader {
+        let mut req = RequestHeader::build("GET", target, None).expect("request");
+        for (n, v) in headers {
+            req.append_header(n.to_string(), *v).expect("header");
+        }
+        req
+    }
+
+    #[test]
+    fn drop_case_keeps_headers_order_and_target() {
+        let mut req = read(
+            b"/a/b?c=d",
+            &[("Host", "h"), ("X-Mixed-Case", "1"), ("x-mixed-case", "2")],
+        );
+        assert!(req.has_case());
+        drop_case(&mut req);
+        assert!(!req.has_case());
+        assert_eq!(req.raw_path(), b"/a/b?c=d");
+        assert_eq!(req.method, http::Method::GET);
+        let all: Vec<_> = req.headers.get_all("x-mixed-case").iter().collect();
+        assert_eq!(all, ["1", "2"]);
+        assert_eq!(
+            wire(&req),
+            b"Host: h\r\nx-mixed-case: 1\r\nx-mixed-case: 2\r\n"
+        );
+    }
+
+    #[test]
+    fn drop_case_leaves_targets_the_uri_does_not_keep() {
+        for target in [&b"http://example.com/p?q"[..], b"/caf\xc3"] {
+            let mut req = read(target, &[("Host", "h")]);
+            let before = req.raw_path().to_vec();
+            drop_case(&mut req);
+            assert!(req.has_case(), "{:?}", String::from_utf8_lossy(target));
+            assert_eq!(req.raw_path(), &before[..]);
+        }
+    }
+
+    #[test]
+    fn set_and_add_match_pingora_on_either_head() {
+        let name = HeaderName::from_static("x-envoy-thing");
+        for keep_case in [true, false] {
+            let mut ours = read(b"/", &[("Host", "h"), ("X-Envoy-Thing", "old")]);
+            let mut theirs = ours.clone();
+            if !keep_case {
+                drop_case(&mut ours);
+                drop_case(&mut theirs);
+            }
+            ours.set(&name, "a").expect("set");
+            ours.add(&name, "b").expect("add");
+            ours.set(&http::header::HOST, "other").expect("set");
+            theirs.insert_header(name.clone(), "a").expect("insert");
+            theirs.append_header(name.clone(), "b").expect("append");
+            theirs
+                .insert_header(http::header::HOST, "other")
+                .expect("insert");
+            assert_eq!(ours.has_case(), keep_case);
+            assert_eq!(wire(&ours), wire(&theirs), "keep_case {keep_case}");
+            assert_eq!(ours.raw_path(), b"/");
+        }
+    }
+
+    #[test]
+    fn set_on_a_verbatim_target_keeps_it() {
+        let mut req =
+            RequestHeader::build_no_case("GET", b"http://example.com/p", None).expect("request");
+        req.set(&http::header::HOST, "example.com").expect("set");
+        assert_eq!(req.raw_path(), b"http://example.com/p");
+        assert_eq!(req.headers["host"], "example.com");
+    }
+
+    #[test]
+    fn invalid_values_are_errors() {
+        let mut req = read(b"/", &[]);
+        drop_case(&mut req);
+        assert!(req.set(&http::header::HOST, "a\nb").is_err());
+        let mut resp = ResponseHeader::from(http::Response::new(()).into_parts().0);
+        assert!(resp.set(&http::header::SERVER, "a\rb").is_err());
+    }
+
+    #[test]
+    fn request_wire_writes_names_lower_case_without_case_and_as_pingora_with_it() {
+        let mut req = read(
+            b"/p?q=1",
+            &[
+                ("Host", "h"),
+                ("X-Mixed", "1"),
+                ("User-Agent", "t"),
+                ("x-mixed", "2"),
+            ],
+        );
+        let cased = request_wire(&req, true).expect("wire");
+        assert_eq!(
+            &cased[..],
+            &pingora_core::protocols::http::v1::client::http_req_header_to_wire(&req)
+                .expect("wire")[..]
+        );
+        assert_eq!(
+            &cased[..],
+            b"GET /p?q=1 HTTP/1.1\r\nHost: h\r\nX-Mixed: 1\r\nx-mixed: 2\r\nUser-Agent: t\r\n\r\n"
+        );
+        // A cluster without `header_key_format`: lower case, case kept or not.
+        let lower = request_wire(&req, false).expect("wire");
+        assert_eq!(
+            &lower[..],
+            b"GET /p?q=1 HTTP/1.1\r\nhost: h\r\nx-mixed: 1\r\nx-mixed: 2\r\nuser-agent: t\r\n\r\n"
+        );
+        drop_case(&mut req);
+        req.set(&http::header::HOST, "other").expect("set");
+        let wire = request_wire(&req, true).expect("wire");
+        assert_eq!(
+            &wire[..],
+            b"GET /p?q=1 HTTP/1.1\r\nhost: other\r\nx-mixed: 1\r\nx-mixed: 2\r\nuser-agent: t\r\n\r\n"
+        );
+        assert_eq!(wire.len(), wire.capacity());
+        let mut req = RequestHeader::build_no_case("POST", b"/", None).expect("request");
+        req.set_version(http::Version::HTTP_10);
+        assert_eq!(
+            &request_wire(&req, false).expect("wire")[..],
+            b"POST / HTTP/1.0\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn request_wire_refuses_a_version_http1_cannot_carry() {
+        let mut req = RequestHeader::build_no_case("GET", b"/", None).expect("request");
+        req.set_version(http::Version::HTTP_3);
+        assert!(request_wire(&req, false).is_none());
+    }
+
+    #[test]
+    fn response_keeps_a_reason_phrase_other_than_the_standard_one() {
+        let mut resp = ResponseHeader::from(http::Response::new(()).into_parts().0);
+        resp.set(&http::header::SERVER, "portico").expect("set");
+        assert_eq!(resp.get_reason_phrase(), Some("OK"));
+        resp.set_reason_phrase(Some("Fine")).expect("reason");
+        resp.set(&http::header::SERVER, "envoy").expect("set");
+        assert_eq!(resp.get_reason_phrase(), Some("Fine"));
+        assert_eq!(resp.headers["server"], "envoy");
+    }
+}
