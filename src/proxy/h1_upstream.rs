@@ -456,9 +456,10 @@ fn parse_head(buf: &Bytes) -> Option<Head> {
     if !(200..=599).contains(&code) || code == 204 || code == 304 {
         return None;
     }
-    // The names keep their case: Envoy writes them lower case, as sidecars and most servers
-    // in a mesh send them, where pingora would capitalise those it knows (`head`). Room for
-    // what the gateway adds (`server`, x-envoy-upstream-service-time, date, connection).
+    // The names keep the case they came in (`head`: without it pingora's writer would
+    // capitalise the standard ones, where Envoy writes every name lower case and a mesh's
+    // sidecars send them so). Room for what the gateway adds (`server`,
+    // x-envoy-upstream-service-time, date, connection).
     let size = resp.headers.len() + super::head::ADDED_HEADERS;
     let mut header = ResponseHeader::build(code, Some(size)).ok()?;
     header.set_version(http::Version::HTTP_11);

@@ -56,77 +56,83 @@ fn plain_response(resp: &ResponseHeader) -> bool {
     !resp.has_case() && resp.get_reason_phrase() == resp.status.canonical_reason()
 }
 
-fn with_request_map(
-    req: &mut RequestHeader,
-    f: impl FnOnce(&mut http::HeaderMap) -> Result<()>,
-) -> Result<()> {
-    let placeholder = RequestHeader::from(http::Request::new(()).into_parts().0);
-    let mut parts = http::request::Parts::from(std::mem::replace(req, placeholder));
-    let out = f(&mut parts.headers);
-    *req = RequestHeader::from(parts);
-    out
+/// A request or response head, taken apart into its `http` parts (a move, for a head
+/// `plain` says pingora rebuilds without loss) to reach its one map, or written through
+/// pingora's own methods.
+trait OneMap {
+    fn plain(&self) -> bool;
+    fn with_map(&mut self, f: impl FnOnce(&mut http::HeaderMap) -> Result<()>) -> Result<()>;
+    fn pingora_put(&mut self, name: &HeaderName, v: HeaderValue, append: bool) -> Result<()>;
 }
 
-fn with_response_map(
-    resp: &mut ResponseHeader,
-    f: impl FnOnce(&mut http::HeaderMap) -> Result<()>,
-) -> Result<()> {
-    let placeholder = ResponseHeader::from(http::Response::new(()).into_parts().0);
-    let mut parts = http::response::Parts::from(std::mem::replace(resp, placeholder));
-    let out = f(&mut parts.headers);
-    *resp = ResponseHeader::from(parts);
-    out
-}
+macro_rules! one_map {
+    ($head:ty, $parts:ty, $empty:expr, $plain:ident) => {
+        impl OneMap for $head {
+            fn plain(&self) -> bool {
+                $plain(self)
+            }
 
-fn insert(map: &mut http::HeaderMap, name: &HeaderName, v: HeaderValue) -> Result<()> {
-    map.try_insert(name.clone(), v)
-        .map(|_| ())
-        .or_err(ErrorType::InvalidHTTPHeader, "too many headers")
-}
+            fn with_map(
+                &mut self,
+                f: impl FnOnce(&mut http::HeaderMap) -> Result<()>,
+            ) -> Result<()> {
+                let placeholder = <$head>::from($empty.into_parts().0);
+                let mut parts = <$parts>::from(std::mem::replace(self, placeholder));
+                let out = f(&mut parts.headers);
+                *self = <$head>::from(parts);
+                out
+            }
 
-fn append(map: &mut http::HeaderMap, name: &HeaderName, v: HeaderValue) -> Result<()> {
-    map.try_append(name.clone(), v)
-        .map(|_| ())
-        .or_err(ErrorType::InvalidHTTPHeader, "too many headers")
-}
-
-impl SetHeader for RequestHeader {
-    fn set(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        let v = value(v)?;
-        if plain_request(self) {
-            with_request_map(self, |m| insert(m, name, v))
-        } else {
-            self.insert_header(name.clone(), v)
+            fn pingora_put(
+                &mut self,
+                name: &HeaderName,
+                v: HeaderValue,
+                append: bool,
+            ) -> Result<()> {
+                if append {
+                    self.append_header(name.clone(), v).map(|_| ())
+                } else {
+                    self.insert_header(name.clone(), v)
+                }
+            }
         }
+    };
+}
+
+one_map!(
+    RequestHeader,
+    http::request::Parts,
+    http::Request::new(()),
+    plain_request
+);
+one_map!(
+    ResponseHeader,
+    http::response::Parts,
+    http::Response::new(()),
+    plain_response
+);
+
+fn put<H: OneMap>(head: &mut H, name: &HeaderName, v: HeaderValue, append: bool) -> Result<()> {
+    if !head.plain() {
+        return head.pingora_put(name, v, append);
+    }
+    head.with_map(|map| {
+        let added = if append {
+            map.try_append(name.clone(), v).map(|_| ())
+        } else {
+            map.try_insert(name.clone(), v).map(|_| ())
+        };
+        added.or_err(ErrorType::InvalidHTTPHeader, "too many headers")
+    })
+}
+
+impl<H: OneMap> SetHeader for H {
+    fn set(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        put(self, name, value(v)?, false)
     }
 
     fn add(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        let v = value(v)?;
-        if plain_request(self) {
-            with_request_map(self, |m| append(m, name, v))
-        } else {
-            self.append_header(name.clone(), v).map(|_| ())
-        }
-    }
-}
-
-impl SetHeader for ResponseHeader {
-    fn set(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        let v = value(v)?;
-        if plain_response(self) {
-            with_response_map(self, |m| insert(m, name, v))
-        } else {
-            self.insert_header(name.clone(), v)
-        }
-    }
-
-    fn add(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        let v = value(v)?;
-        if plain_response(self) {
-            with_response_map(self, |m| append(m, name, v))
-        } else {
-            self.append_header(name.clone(), v).map(|_| ())
-        }
+        put(self, name, value(v)?, true)
     }
 }
 
