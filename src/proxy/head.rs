@@ -40,7 +40,13 @@ fn value(v: impl TryInto<HeaderValue>) -> Result<HeaderValue> {
 /// target the URI reproduces and the default `send_end_stream`, (responses) the standard
 /// reason phrase. Converting such a head into its `http` parts and back is a move.
 fn plain_request(req: &RequestHeader) -> bool {
-    !req.has_case() && req.send_end_stream() != Some(false) && target_from_uri(req)
+    !req.has_case() && rebuildable(req)
+}
+
+/// A request head whose parts are all its `http` parts, case aside: a target the URI
+/// reproduces and the default `send_end_stream`.
+fn rebuildable(req: &RequestHeader) -> bool {
+    req.send_end_stream() != Some(false) && target_from_uri(req)
 }
 
 /// Whether `raw_path` is read from the URI (origin- and asterisk-form) rather than from a
@@ -140,16 +146,17 @@ impl<H: OneMap> SetHeader for H {
 /// connection manager asked for no `header_key_format`. A target the URI does not reproduce
 /// keeps its head as it is (case included): a rebuild would lose it.
 pub(crate) fn drop_case(req: &mut RequestHeader) {
-    if !req.has_case() || !target_from_uri(req) || req.send_end_stream() == Some(false) {
+    if !req.has_case() || !rebuildable(req) {
         return;
     }
-    let placeholder = RequestHeader::from(http::Request::new(()).into_parts().0);
-    let mut parts = http::request::Parts::from(std::mem::replace(req, placeholder));
-    // Room for what the connection manager adds (x-forwarded-proto, x-request-id,
-    // x-envoy-expected-rq-timeout-ms and the like): the map grows once, here, not on
-    // several of those inserts. Without it, it is only a later insert's growth.
-    let _ = parts.headers.try_reserve(ADDED_HEADERS);
-    *req = RequestHeader::from(parts);
+    // Through its parts, which keep no case. Room for what the connection manager adds
+    // (x-forwarded-proto, x-request-id, x-envoy-expected-rq-timeout-ms and the like): the map
+    // grows once, here, not on several of those inserts; without it, only a later insert's
+    // growth is lost.
+    let _ = req.with_map(|map| {
+        let _ = map.try_reserve(ADDED_HEADERS);
+        Ok(())
+    });
 }
 
 /// About how many headers the gateway adds to a request or a response: room made for them at

@@ -37,9 +37,8 @@ pub(super) struct ActiveTrace {
     tags: Vec<(Cow<'static, str>, String)>,
 }
 
-const DECORATOR_OPERATION: &str = "x-envoy-decorator-operation";
 static DECORATOR_OPERATION_NAME: http::HeaderName =
-    http::HeaderName::from_static(DECORATOR_OPERATION);
+    http::HeaderName::from_static("x-envoy-decorator-operation");
 
 fn header<'a>(req: &'a RequestHeader, name: &http::HeaderName) -> Option<&'a str> {
     req.headers.get(name).and_then(|v| v.to_str().ok())

@@ -9,13 +9,12 @@ use std::sync::Arc;
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use prost::Message;
 
-/// `x-envoy-peer-metadata-id`: the peer's node id.
-pub const PEER_ID_HEADER: &str = "x-envoy-peer-metadata-id";
+/// `x-envoy-peer-metadata-id`: the peer's node id (names parsed once, for the request path).
+pub static PEER_ID_HEADER_NAME: http::HeaderName =
+    http::HeaderName::from_static("x-envoy-peer-metadata-id");
 /// `x-envoy-peer-metadata`: base64 of a serialized `google.protobuf.Struct`.
-pub const PEER_HEADER: &str = "x-envoy-peer-metadata";
-/// The two names parsed once, for lookups on the request path.
-pub static PEER_ID_HEADER_NAME: http::HeaderName = http::HeaderName::from_static(PEER_ID_HEADER);
-pub static PEER_HEADER_NAME: http::HeaderName = http::HeaderName::from_static(PEER_HEADER);
+pub static PEER_HEADER_NAME: http::HeaderName =
+    http::HeaderName::from_static("x-envoy-peer-metadata");
 
 const CANONICAL_NAME: &str = "service.istio.io/canonical-name";
 const CANONICAL_REVISION: &str = "service.istio.io/canonical-revision";
