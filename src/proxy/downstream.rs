@@ -599,8 +599,15 @@ pub(super) fn present<T, const N: usize>(
     headers: &http::HeaderMap<T>,
     names: &[&HeaderName; N],
 ) -> [bool; N] {
+    // The lengths of `names` as a bit set: most names present have a length none of `names`
+    // has, and skip the comparisons with each of them.
+    let bit = |n: &HeaderName| 1u64 << n.as_str().len().min(63);
+    let lengths = names.iter().fold(0u64, |set, h| set | bit(h));
     let mut found = [false; N];
     for k in headers.keys() {
+        if lengths & bit(k) == 0 {
+            continue;
+        }
         if let Some(i) = names.iter().position(|h| *h == k) {
             found[i] = true;
         }

@@ -17,18 +17,25 @@
 //! writes the request (a TLS upstream), it writes a head without case as it does an HTTP/2
 //! client's: the names it knows capitalised (`Host`), the rest lower case. Responses keep the
 //! case they came with: pingora's downstream writer cannot lower the names it knows, and in a
-//! mesh the upstream is a sidecar that sends them lower case already.
+//! mesh the upstream is a sidecar that sends them lower case already. The names the gateway
+//! itself adds (`server`, `x-envoy-upstream-service-time`) go lower case, as Envoy writes them,
+//! into a head that keeps case too.
 
 use http::{HeaderName, HeaderValue};
 use pingora_error::{Error, ErrorType, OrErr, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 
-/// Inserts and appends by a `HeaderName` the caller has (a static, mostly).
+/// Inserts and appends by a `HeaderName` the caller has: a static (the gateway's own headers)
+/// or one from config (`set_name` / `add_name`).
 pub(crate) trait SetHeader {
     /// `insert_header`: replaces every value under `name`.
-    fn set(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+    fn set(&mut self, name: &'static HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
     /// `append_header`: adds a value under `name`, keeping those there.
-    fn add(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+    fn add(&mut self, name: &'static HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+    /// `set` by a name that is not static.
+    fn set_name(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+    /// `add` by a name that is not static.
+    fn add_name(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
 }
 
 fn value(v: impl TryInto<HeaderValue>) -> Result<HeaderValue> {
@@ -68,11 +75,11 @@ fn plain_response(resp: &ResponseHeader) -> bool {
 trait OneMap {
     fn plain(&self) -> bool;
     fn with_map(&mut self, f: impl FnOnce(&mut http::HeaderMap) -> Result<()>) -> Result<()>;
-    fn pingora_put(&mut self, name: &HeaderName, v: HeaderValue, append: bool) -> Result<()>;
+    fn pingora_put(&mut self, name: Name, v: HeaderValue, append: bool) -> Result<()>;
 }
 
 macro_rules! one_map {
-    ($head:ty, $parts:ty, $empty:expr, $plain:ident) => {
+    ($head:ty, $parts:ty, $plain:ident) => {
         impl OneMap for $head {
             fn plain(&self) -> bool {
                 $plain(self)
@@ -82,46 +89,55 @@ macro_rules! one_map {
                 &mut self,
                 f: impl FnOnce(&mut http::HeaderMap) -> Result<()>,
             ) -> Result<()> {
-                let placeholder = <$head>::from($empty.into_parts().0);
-                let mut parts = <$parts>::from(std::mem::replace(self, placeholder));
-                let out = f(&mut parts.headers);
-                *self = <$head>::from(parts);
-                out
+                // Moved out and back in place: a placeholder to swap in cost more than the
+                // insert (built, then dropped, ~500 instructions a write). A panic between
+                // the two moves aborts (the head would be gone); `f` is one map insert.
+                replace_with::replace_with_or_abort_and_return(self, |head| {
+                    let mut parts = <$parts>::from(head);
+                    let out = f(&mut parts.headers);
+                    (out, <$head>::from(parts))
+                })
             }
 
-            fn pingora_put(
-                &mut self,
-                name: &HeaderName,
-                v: HeaderValue,
-                append: bool,
-            ) -> Result<()> {
-                if append {
-                    self.append_header(name.clone(), v).map(|_| ())
-                } else {
-                    self.insert_header(name.clone(), v)
+            fn pingora_put(&mut self, name: Name, v: HeaderValue, append: bool) -> Result<()> {
+                // By a static name's text: pingora keeps a `HeaderName`'s case as a titled
+                // copy (`Server`, and an allocation for a name it does not know), and a
+                // `&'static str` as it is, lower case, as Envoy writes the headers it adds.
+                match (name, append) {
+                    (Name::Static(n), true) => self.append_header(n.as_str(), v).map(|_| ()),
+                    (Name::Static(n), false) => self.insert_header(n.as_str(), v),
+                    (Name::Other(n), true) => self.append_header(n.clone(), v).map(|_| ()),
+                    (Name::Other(n), false) => self.insert_header(n.clone(), v),
                 }
             }
         }
     };
 }
 
-one_map!(
-    RequestHeader,
-    http::request::Parts,
-    http::Request::new(()),
-    plain_request
-);
-one_map!(
-    ResponseHeader,
-    http::response::Parts,
-    http::Response::new(()),
-    plain_response
-);
+one_map!(RequestHeader, http::request::Parts, plain_request);
+one_map!(ResponseHeader, http::response::Parts, plain_response);
 
-fn put<H: OneMap>(head: &mut H, name: &HeaderName, v: HeaderValue, append: bool) -> Result<()> {
+/// A header name to write: a static one's text lives as long as pingora's case map.
+#[derive(Clone, Copy)]
+enum Name<'a> {
+    Static(&'static HeaderName),
+    Other(&'a HeaderName),
+}
+
+impl Name<'_> {
+    fn header(&self) -> &HeaderName {
+        match self {
+            Name::Static(n) => n,
+            Name::Other(n) => n,
+        }
+    }
+}
+
+fn put<H: OneMap>(head: &mut H, name: Name, v: HeaderValue, append: bool) -> Result<()> {
     if !head.plain() {
         return head.pingora_put(name, v, append);
     }
+    let name = name.header();
     head.with_map(|map| {
         let added = if append {
             map.try_append(name.clone(), v).map(|_| ())
@@ -133,12 +149,20 @@ fn put<H: OneMap>(head: &mut H, name: &HeaderName, v: HeaderValue, append: bool)
 }
 
 impl<H: OneMap> SetHeader for H {
-    fn set(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        put(self, name, value(v)?, false)
+    fn set(&mut self, name: &'static HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        put(self, Name::Static(name), value(v)?, false)
     }
 
-    fn add(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        put(self, name, value(v)?, true)
+    fn add(&mut self, name: &'static HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        put(self, Name::Static(name), value(v)?, true)
+    }
+
+    fn set_name(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        put(self, Name::Other(name), value(v)?, false)
+    }
+
+    fn add_name(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        put(self, Name::Other(name), value(v)?, true)
     }
 }
 
@@ -260,6 +284,29 @@ mod tests {
 
     #[test]
     fn set_and_add_match_pingora_on_either_head() {
+        static NAME: HeaderName = HeaderName::from_static("x-envoy-thing");
+        for keep_case in [true, false] {
+            let mut ours = read(b"/", &[("Host", "h"), ("X-Envoy-Thing", "old")]);
+            let mut theirs = ours.clone();
+            if !keep_case {
+                drop_case(&mut ours);
+                drop_case(&mut theirs);
+            }
+            ours.set(&NAME, "a").expect("set");
+            ours.add(&NAME, "b").expect("add");
+            ours.set(&http::header::HOST, "other").expect("set");
+            // A static name is written as its text, lower case, where the head keeps case.
+            theirs.insert_header("x-envoy-thing", "a").expect("insert");
+            theirs.append_header("x-envoy-thing", "b").expect("append");
+            theirs.insert_header("host", "other").expect("insert");
+            assert_eq!(ours.has_case(), keep_case);
+            assert_eq!(wire(&ours), wire(&theirs), "keep_case {keep_case}");
+            assert_eq!(ours.raw_path(), b"/");
+        }
+    }
+
+    #[test]
+    fn names_not_static_match_pingora_on_either_head() {
         let name = HeaderName::from_static("x-envoy-thing");
         for keep_case in [true, false] {
             let mut ours = read(b"/", &[("Host", "h"), ("X-Envoy-Thing", "old")]);
@@ -268,18 +315,28 @@ mod tests {
                 drop_case(&mut ours);
                 drop_case(&mut theirs);
             }
-            ours.set(&name, "a").expect("set");
-            ours.add(&name, "b").expect("add");
-            ours.set(&http::header::HOST, "other").expect("set");
+            ours.set_name(&name, "a").expect("set");
+            ours.add_name(&name, "b").expect("add");
+            ours.set_name(&http::header::HOST, "other").expect("set");
             theirs.insert_header(name.clone(), "a").expect("insert");
             theirs.append_header(name.clone(), "b").expect("append");
             theirs
                 .insert_header(http::header::HOST, "other")
                 .expect("insert");
-            assert_eq!(ours.has_case(), keep_case);
             assert_eq!(wire(&ours), wire(&theirs), "keep_case {keep_case}");
-            assert_eq!(ours.raw_path(), b"/");
         }
+    }
+
+    #[test]
+    fn added_names_go_lower_case_on_a_head_that_keeps_case() {
+        let mut resp = ResponseHeader::build(200, None).expect("response");
+        resp.append_header("Content-Type", "text/plain")
+            .expect("header");
+        assert!(resp.has_case());
+        resp.set(&http::header::SERVER, "envoy").expect("set");
+        let mut buf = bytes::BytesMut::new();
+        resp.header_to_h1_wire(&mut buf);
+        assert_eq!(&buf[..], b"Content-Type: text/plain\r\nserver: envoy\r\n");
     }
 
     #[test]

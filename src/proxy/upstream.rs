@@ -385,9 +385,9 @@ pub(super) fn attempt_headers(upstream: &mut RequestHeader, ctx: &Ctx) -> Result
     }
     for (k, v, append) in ctx.filters.upstream_request_headers() {
         if *append {
-            upstream.add(k, v.clone())?;
+            upstream.add_name(k, v.clone())?;
         } else {
-            upstream.set(k, v.clone())?;
+            upstream.set_name(k, v.clone())?;
         }
     }
     Ok(())
