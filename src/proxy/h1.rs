@@ -221,7 +221,12 @@ pub(crate) async fn process(
     // next to the context, made this one, boxed per request, 12.6 KB.
     let s = {
         let stream: Stream = stream;
-        let mut s = Session::new_h1_with_modules(stream, &d.app.downstream_modules);
+        // Boxed: the session (several hundred bytes) moves through the steps below and back
+        // out, a copy at each move; a box moves as a pointer.
+        let mut s = Box::new(Session::new_h1_with_modules(
+            stream,
+            &d.app.downstream_modules,
+        ));
         kept.apply(&mut s.downstream_session);
         // `handle_new_request`: the head is already buffered, so no shutdown wait is needed.
         match s.downstream_session.read_request().await {
@@ -251,7 +256,7 @@ pub(crate) async fn process(
 
 /// `HttpProxy::process_request` without a cache, subrequests or custom sessions: the session
 /// when the connection is to be kept.
-async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Session> {
+async fn process_request(d: &Driver, mut s: Box<Session>, ctx: &mut Ctx) -> Option<Box<Session>> {
     let gw = &d.gw;
     if let Err(e) = gw.early_request_filter(&mut s, ctx).await {
         return handle_error(d, s, ctx, e).await;
@@ -329,7 +334,12 @@ async fn process_request(d: &Driver, mut s: Session, ctx: &mut Ctx) -> Option<Se
 }
 
 /// `HttpProxy::handle_error`: the session when the connection is to be kept.
-async fn handle_error(d: &Driver, mut s: Session, ctx: &mut Ctx, e: Box<Error>) -> Option<Session> {
+async fn handle_error(
+    d: &Driver,
+    mut s: Box<Session>,
+    ctx: &mut Ctx,
+    e: Box<Error>,
+) -> Option<Box<Session>> {
     let gw = &d.gw;
     let res = gw.fail_to_proxy(&mut s, &e, ctx).await;
     if !gw.suppress_error_log(&s, ctx, &e) {
@@ -343,11 +353,11 @@ async fn handle_error(d: &Driver, mut s: Session, ctx: &mut Ctx, e: Box<Error>) 
 /// `HttpProxy::finish`: the session when the connection is to be kept.
 async fn finish(
     d: &Driver,
-    mut s: Session,
+    mut s: Box<Session>,
     ctx: &mut Ctx,
     reuse_downstream: bool,
     error: Option<Box<Error>>,
-) -> Option<Session> {
+) -> Option<Box<Session>> {
     d.gw.logging(&mut s, error.as_deref(), ctx).await;
     if let Some(e) = error {
         s.downstream_session.on_proxy_failure(e);
@@ -357,7 +367,7 @@ async fn finish(
 
 /// pingora's `finish` of the downstream session and its `HttpPersistentSettings`, handed
 /// back as the connection and what the next request inherits (one fewer reuse left).
-async fn reuse(s: Session) -> Option<Next> {
+async fn reuse(s: Box<Session>) -> Option<Next> {
     let ds = &s.downstream_session;
     let kept = Kept {
         keepalive: ds.get_keepalive(),

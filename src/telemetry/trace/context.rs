@@ -312,15 +312,26 @@ fn start_zipkin(
     traced: bool,
     random: &mut dyn FnMut() -> u64,
 ) -> Option<SpanContext> {
-    let sampled = b3_sampled(headers).unwrap_or(traced);
-    // A malformed context: Envoy's null span.
-    let prev = b3_context(headers).ok()?;
-    // Zipkin injects in the format it read; a request without B3 context gets the multi
-    // headers (a lone `b3: 0` flag is rewritten as a whole single header).
-    let format = match (&prev, headers.contains_key(header_name!("b3"))) {
-        (Some(p), _) => p.4,
-        (None, true) => Format::B3Single,
-        (None, false) => Format::B3Multi,
+    // Every B3 name is `b3` or starts with `x-b3-`: one pass over the names present finds
+    // none on most requests, where the lookups below hash up to six names.
+    let any_b3 = headers.keys().any(|k| {
+        let n = k.as_str();
+        n == "b3" || n.starts_with("x-b3-")
+    });
+    let (sampled, prev, format) = if any_b3 {
+        let sampled = b3_sampled(headers).unwrap_or(traced);
+        // A malformed context: Envoy's null span.
+        let prev = b3_context(headers).ok()?;
+        // Zipkin injects in the format it read; a request without B3 context gets the multi
+        // headers (a lone `b3: 0` flag is rewritten as a whole single header).
+        let format = match (&prev, headers.contains_key(header_name!("b3"))) {
+            (Some(p), _) => p.4,
+            (None, true) => Format::B3Single,
+            (None, false) => Format::B3Multi,
+        };
+        (sampled, prev, format)
+    } else {
+        (traced, None, Format::B3Multi)
     };
     let ctx = match prev {
         None => {
