@@ -36,6 +36,11 @@ pub(crate) trait SetHeader {
     fn set_name(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
     /// `add` by a name that is not static.
     fn add_name(&mut self, name: &HeaderName, value: impl TryInto<HeaderValue>) -> Result<()>;
+    /// `set` of several headers in order, the head taken apart once for all of them.
+    fn set_all<V: TryInto<HeaderValue>>(
+        &mut self,
+        headers: impl IntoIterator<Item = (&'static HeaderName, V)>,
+    ) -> Result<()>;
 }
 
 fn value(v: impl TryInto<HeaderValue>) -> Result<HeaderValue> {
@@ -163,6 +168,25 @@ impl<H: OneMap> SetHeader for H {
 
     fn add_name(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
         put(self, Name::Other(name), value(v)?, true)
+    }
+
+    fn set_all<V: TryInto<HeaderValue>>(
+        &mut self,
+        headers: impl IntoIterator<Item = (&'static HeaderName, V)>,
+    ) -> Result<()> {
+        if !self.plain() {
+            for (name, v) in headers {
+                self.pingora_put(Name::Static(name), value(v)?, false)?;
+            }
+            return Ok(());
+        }
+        self.with_map(|map| {
+            for (name, v) in headers {
+                map.try_insert(name.clone(), value(v)?)
+                    .or_err(ErrorType::InvalidHTTPHeader, "too many headers")?;
+            }
+            Ok(())
+        })
     }
 }
 
@@ -302,6 +326,30 @@ mod tests {
             assert_eq!(ours.has_case(), keep_case);
             assert_eq!(wire(&ours), wire(&theirs), "keep_case {keep_case}");
             assert_eq!(ours.raw_path(), b"/");
+        }
+    }
+
+    #[test]
+    fn set_all_is_set_after_set() {
+        static A: HeaderName = HeaderName::from_static("x-a");
+        static B: HeaderName = HeaderName::from_static("x-b");
+        for keep_case in [true, false] {
+            let mut ours = read(b"/", &[("Host", "h"), ("X-A", "old")]);
+            let mut theirs = ours.clone();
+            if !keep_case {
+                drop_case(&mut ours);
+                drop_case(&mut theirs);
+            }
+            ours.set_all([(&A, "1"), (&B, "2"), (&A, "3")])
+                .expect("set_all");
+            for (n, v) in [(&A, "1"), (&B, "2"), (&A, "3")] {
+                theirs.set(n, v).expect("set");
+            }
+            assert_eq!(wire(&ours), wire(&theirs), "keep_case {keep_case}");
+            // A bad value is an error, and the head is still whole.
+            assert!(ours.set_all([(&B, "a\nb")]).is_err());
+            assert_eq!(ours.raw_path(), b"/");
+            assert_eq!(ours.headers["x-b"], "2");
         }
     }
 

@@ -116,13 +116,15 @@ pub(super) fn upstream_request(
     }
     let node = &state.istio.node;
     if let Some((id, md)) = &node.values {
-        upstream.set(&PEER_ID_HEADER_NAME, id.clone())?;
-        upstream.set(&PEER_HEADER_NAME, md.clone())?;
-        return Ok(());
+        return upstream.set_all([
+            (&PEER_ID_HEADER_NAME, id.clone()),
+            (&PEER_HEADER_NAME, md.clone()),
+        ]);
     }
-    upstream.set(&PEER_ID_HEADER_NAME, node.id.as_str())?;
-    upstream.set(&PEER_HEADER_NAME, node.header_value.as_str())?;
-    Ok(())
+    upstream.set_all([
+        (&PEER_ID_HEADER_NAME, node.id.as_str()),
+        (&PEER_HEADER_NAME, node.header_value.as_str()),
+    ])
 }
 
 /// The upstream's response headers: the upstream peer's metadata is read, and its headers

@@ -110,9 +110,7 @@ pub(super) fn begin(
     let Some(provider) = provider.cloned() else {
         return Ok(None);
     };
-    for (name, value) in span.headers() {
-        req.set(name, value)?;
-    }
+    req.set_all(span.headers())?;
     if !span.sampled {
         return Ok(None);
     }
