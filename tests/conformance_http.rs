@@ -427,7 +427,7 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
     ),
     (
         "plain: response header names not lowercase",
-        "pingora writes Server/Date/Connection capitalised",
+        "pingora writes Date/Connection capitalised (and keeps the upstream's case)",
     ),
     (
         "GET /clte",
