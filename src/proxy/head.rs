@@ -276,6 +276,18 @@ mod tests {
         req
     }
 
+    /// The same request twice (one for the gateway's writes, one for pingora's), with its case
+    /// kept and with it dropped.
+    fn twins(headers: &[(&str, &str)]) -> [(bool, RequestHeader, RequestHeader); 2] {
+        [true, false].map(|keep_case| {
+            let mut req = read(b"/", headers);
+            if !keep_case {
+                drop_case(&mut req);
+            }
+            (keep_case, req.clone(), req)
+        })
+    }
+
     #[test]
     fn drop_case_keeps_headers_order_and_target() {
         let mut req = read(
@@ -309,13 +321,7 @@ mod tests {
     #[test]
     fn set_and_add_match_pingora_on_either_head() {
         static NAME: HeaderName = HeaderName::from_static("x-envoy-thing");
-        for keep_case in [true, false] {
-            let mut ours = read(b"/", &[("Host", "h"), ("X-Envoy-Thing", "old")]);
-            let mut theirs = ours.clone();
-            if !keep_case {
-                drop_case(&mut ours);
-                drop_case(&mut theirs);
-            }
+        for (keep_case, mut ours, mut theirs) in twins(&[("Host", "h"), ("X-Envoy-Thing", "old")]) {
             ours.set(&NAME, "a").expect("set");
             ours.add(&NAME, "b").expect("add");
             ours.set(&http::header::HOST, "other").expect("set");
@@ -333,13 +339,7 @@ mod tests {
     fn set_all_is_set_after_set() {
         static A: HeaderName = HeaderName::from_static("x-a");
         static B: HeaderName = HeaderName::from_static("x-b");
-        for keep_case in [true, false] {
-            let mut ours = read(b"/", &[("Host", "h"), ("X-A", "old")]);
-            let mut theirs = ours.clone();
-            if !keep_case {
-                drop_case(&mut ours);
-                drop_case(&mut theirs);
-            }
+        for (keep_case, mut ours, mut theirs) in twins(&[("Host", "h"), ("X-A", "old")]) {
             ours.set_all([(&A, "1"), (&B, "2"), (&A, "3")])
                 .expect("set_all");
             for (n, v) in [(&A, "1"), (&B, "2"), (&A, "3")] {
@@ -356,13 +356,7 @@ mod tests {
     #[test]
     fn names_not_static_match_pingora_on_either_head() {
         let name = HeaderName::from_static("x-envoy-thing");
-        for keep_case in [true, false] {
-            let mut ours = read(b"/", &[("Host", "h"), ("X-Envoy-Thing", "old")]);
-            let mut theirs = ours.clone();
-            if !keep_case {
-                drop_case(&mut ours);
-                drop_case(&mut theirs);
-            }
+        for (keep_case, mut ours, mut theirs) in twins(&[("Host", "h"), ("X-Envoy-Thing", "old")]) {
             ours.set_name(&name, "a").expect("set");
             ours.add_name(&name, "b").expect("add");
             ours.set_name(&http::header::HOST, "other").expect("set");

@@ -119,30 +119,26 @@ fn set_timeouts(
         _ => fwd.timeout,
     }
     .filter(|d| !d.is_zero());
+    let mut per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
     // Both control headers share a prefix: one pass over the (few) names present finds
     // neither on most requests, where a lookup hashes its name (~250 instructions each).
-    let controls = req
+    if req
         .headers
         .keys()
-        .any(|k| k.as_str().starts_with("x-envoy-upstream-rq-"));
-    if let Some(v) = controls
-        .then(|| header_ms(req, &X_UPSTREAM_RQ_TIMEOUT))
-        .flatten()
+        .any(|k| k.as_str().starts_with("x-envoy-upstream-rq-"))
     {
-        if let Some(ms) = v {
-            global = (!ms.is_zero()).then_some(ms);
+        if let Some(v) = header_ms(req, &X_UPSTREAM_RQ_TIMEOUT) {
+            if let Some(ms) = v {
+                global = (!ms.is_zero()).then_some(ms);
+            }
+            req.remove_header(&X_UPSTREAM_RQ_TIMEOUT);
         }
-        req.remove_header(&X_UPSTREAM_RQ_TIMEOUT);
-    }
-    let mut per_try = ctx.retry.as_ref().and_then(|p| p.per_try_timeout);
-    if let Some(v) = controls
-        .then(|| header_ms(req, &X_UPSTREAM_PER_TRY_TIMEOUT))
-        .flatten()
-    {
-        if let Some(ms) = v {
-            per_try = Some(ms);
+        if let Some(v) = header_ms(req, &X_UPSTREAM_PER_TRY_TIMEOUT) {
+            if let Some(ms) = v {
+                per_try = Some(ms);
+            }
+            req.remove_header(&X_UPSTREAM_PER_TRY_TIMEOUT);
         }
-        req.remove_header(&X_UPSTREAM_PER_TRY_TIMEOUT);
     }
     // A per-try timeout as long as the whole one means nothing.
     per_try = per_try.filter(|p| !p.is_zero() && global.is_none_or(|g| *p < g));
