@@ -138,55 +138,61 @@ impl Name<'_> {
     }
 }
 
-fn put<H: OneMap>(head: &mut H, name: Name, v: HeaderValue, append: bool) -> Result<()> {
+/// Writes `headers` in order: through pingora's methods into a head that keeps case, else into
+/// its one map with the head taken apart once for all of them. A value that is not a valid
+/// header value stops the writes there, those before it made.
+fn put<'a, H: OneMap>(
+    head: &mut H,
+    headers: impl IntoIterator<Item = Result<(Name<'a>, HeaderValue)>>,
+    append: bool,
+) -> Result<()> {
     if !head.plain() {
-        return head.pingora_put(name, v, append);
+        for h in headers {
+            let (name, v) = h?;
+            head.pingora_put(name, v, append)?;
+        }
+        return Ok(());
     }
-    let name = name.header();
     head.with_map(|map| {
-        let added = if append {
-            map.try_append(name.clone(), v).map(|_| ())
-        } else {
-            map.try_insert(name.clone(), v).map(|_| ())
-        };
-        added.or_err(ErrorType::InvalidHTTPHeader, "too many headers")
+        for h in headers {
+            let (name, v) = h?;
+            let name = name.header().clone();
+            let added = if append {
+                map.try_append(name, v).map(|_| ())
+            } else {
+                map.try_insert(name, v).map(|_| ())
+            };
+            added.or_err(ErrorType::InvalidHTTPHeader, "too many headers")?;
+        }
+        Ok(())
     })
 }
 
 impl<H: OneMap> SetHeader for H {
     fn set(&mut self, name: &'static HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        put(self, Name::Static(name), value(v)?, false)
+        put(self, [value(v).map(|v| (Name::Static(name), v))], false)
     }
 
     fn add(&mut self, name: &'static HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        put(self, Name::Static(name), value(v)?, true)
+        put(self, [value(v).map(|v| (Name::Static(name), v))], true)
     }
 
     fn set_name(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        put(self, Name::Other(name), value(v)?, false)
+        put(self, [value(v).map(|v| (Name::Other(name), v))], false)
     }
 
     fn add_name(&mut self, name: &HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
-        put(self, Name::Other(name), value(v)?, true)
+        put(self, [value(v).map(|v| (Name::Other(name), v))], true)
     }
 
     fn set_all<V: TryInto<HeaderValue>>(
         &mut self,
         headers: impl IntoIterator<Item = (&'static HeaderName, V)>,
     ) -> Result<()> {
-        if !self.plain() {
-            for (name, v) in headers {
-                self.pingora_put(Name::Static(name), value(v)?, false)?;
-            }
-            return Ok(());
-        }
-        self.with_map(|map| {
-            for (name, v) in headers {
-                map.try_insert(name.clone(), value(v)?)
-                    .or_err(ErrorType::InvalidHTTPHeader, "too many headers")?;
-            }
-            Ok(())
-        })
+        let headers = headers
+            .into_iter()
+            .map(|(name, v)| value(v).map(|v| (Name::Static(name), v)));
+        put(self, headers, false)
     }
 }
 

@@ -1677,7 +1677,6 @@ pub fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
 
 const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
-/// The cluster's `HttpProtocolOptions` extension, if it has one.
 /// Whether the cluster's HTTP/1 options name a `header_key_format`: in the protocol options
 /// extension (explicit or downstream-protocol config) or the deprecated cluster field.
 fn keeps_header_case(
@@ -1700,6 +1699,7 @@ fn keeps_header_case(
     h1.is_some_and(|o| o.header_key_format.is_some())
 }
 
+/// The cluster's `HttpProtocolOptions` extension, if it has one.
 fn protocol_options(
     c: &cpb::Cluster,
 ) -> Result<

@@ -156,10 +156,10 @@ impl SpanContext {
                 vec![(header_name!("b3"), v)]
             }
             Format::B3Multi => {
-                let mut h = vec![
-                    (header_name!("x-b3-traceid"), self.trace_id_hex()),
-                    (header_name!("x-b3-spanid"), span),
-                ];
+                // Room for all four: a `vec!` of two grew on the third, every request.
+                let mut h = Vec::with_capacity(4);
+                h.push((header_name!("x-b3-traceid"), self.trace_id_hex()));
+                h.push((header_name!("x-b3-spanid"), span));
                 if let Some(p) = self.parent_id {
                     h.push((header_name!("x-b3-parentspanid"), format!("{p:016x}")));
                 }
