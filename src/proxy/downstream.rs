@@ -115,23 +115,34 @@ impl Gateway {
         }
         // x-forwarded-proto is settled before routing: `require_tls` and header matchers
         // read it.
-        let req = session.req_header_mut();
-        if hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO) {
-            // The chain terminating TLS is what makes the connection https, as in Envoy.
-            let proto = if listener.def.tls.is_some() {
-                "https"
-            } else {
-                "http"
-            };
-            req.set(&X_FORWARDED_PROTO, proto)?;
-        }
-        // x-request-id too, before any local reply: Envoy's access logs and traces name every
-        // request by it, those the gateway answers itself included.
         let client_ip = session
             .client_addr()
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
-        request_id(session.req_header_mut(), client_ip, hcm)?;
+        let req = session.req_header_mut();
+        let proto =
+            (hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO)).then(|| {
+                // The chain terminating TLS is what makes the connection https, as in Envoy.
+                // Static values: a `&str` would be checked and copied into a new value each
+                // time.
+                if listener.def.tls.is_some() {
+                    http::HeaderValue::from_static("https")
+                } else {
+                    http::HeaderValue::from_static("http")
+                }
+            });
+        // x-request-id too, before any local reply: Envoy's access logs and traces name every
+        // request by it, those the gateway answers itself included. Both written in one go
+        // (the head taken apart once).
+        let id = request_id(req, client_ip, hcm)?;
+        req.set_all(
+            [
+                proto.map(|v| (&X_FORWARDED_PROTO, v)),
+                id.map(|v| (&X_REQUEST_ID, v)),
+            ]
+            .into_iter()
+            .flatten(),
+        )?;
         if listener.routes.any_require_tls && self.needs_tls(session, listener, hcm) {
             let req = session.req_header();
             let location = format!(
@@ -298,22 +309,23 @@ pub(super) async fn request_headers(
 
 /// Envoy's `x-request-id`: generated when missing, and for an edge request (from outside,
 /// with `use_remote_address`) unless `preserve_external_request_id`.
+/// The value to set, if any.
 fn request_id(
-    req: &mut RequestHeader,
+    req: &RequestHeader,
     client_ip: Option<std::net::IpAddr>,
     hcm: &Hcm,
-) -> Result<()> {
+) -> Result<Option<http::HeaderValue>> {
     if !hcm.generate_request_id {
-        return Ok(());
+        return Ok(None);
     }
     let edge = hcm.use_remote_address && !is_internal_request(&req.headers, client_ip, hcm);
     let regenerate = edge && !hcm.preserve_external_request_id;
     if regenerate || !req.headers.contains_key(&X_REQUEST_ID) {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
-        req.set(&X_REQUEST_ID, id)?;
+        return Ok(Some(id));
     }
-    Ok(())
+    Ok(None)
 }
 
 /// An HTTP/1 request target in absolute form (`GET http://host/path`, RFC 9112 3.2.2), as

@@ -189,9 +189,14 @@ impl<H: OneMap> SetHeader for H {
         &mut self,
         headers: impl IntoIterator<Item = (&'static HeaderName, V)>,
     ) -> Result<()> {
-        let headers = headers
+        let mut headers = headers
             .into_iter()
-            .map(|(name, v)| value(v).map(|v| (Name::Static(name), v)));
+            .map(|(name, v)| value(v).map(|v| (Name::Static(name), v)))
+            .peekable();
+        // Nothing to write: no need to take the head apart.
+        if headers.peek().is_none() {
+            return Ok(());
+        }
         put(self, headers, false)
     }
 }
@@ -356,6 +361,11 @@ mod tests {
             assert!(ours.set_all([(&B, "a\nb")]).is_err());
             assert_eq!(ours.raw_path(), b"/");
             assert_eq!(ours.headers["x-b"], "2");
+            // Nothing to set leaves the head as it was.
+            let before = wire(&ours);
+            ours.set_all(std::iter::empty::<(&'static HeaderName, &str)>())
+                .expect("empty set_all");
+            assert_eq!(wire(&ours), before);
         }
     }
 
