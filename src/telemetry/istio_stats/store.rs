@@ -17,7 +17,7 @@ use arc_swap::ArcSwap;
 
 use super::peer::{LocalNode, PeerInfo};
 use super::{Attr, Capture, Metric, MetricPlan, Reporter, StatsConfig, Tag};
-use crate::telemetry::stream_info::{Protocol, StreamInfo};
+use crate::telemetry::stream_info::{Protocol, ResponseFlags, StreamInfo, UpstreamInfo};
 
 /// Envoy's default histogram buckets, which are Istio's documented buckets for
 /// `istio_request_duration_milliseconds` and the byte histograms.
@@ -143,6 +143,15 @@ impl Family {
 }
 
 impl Series {
+    fn add(&self, v: u64) {
+        match &self.value {
+            Value::Counter(c) => {
+                c.fetch_add(v, Relaxed);
+            }
+            Value::Histogram(h) => h.record(v),
+        }
+    }
+
     /// (name, value) pairs, in order, decoded from the key.
     fn pairs(&self) -> impl Iterator<Item = (&str, &str)> {
         // The key was written from `&str`s, so every piece is UTF-8.
@@ -514,9 +523,112 @@ fn namespace_of(principal: &str) -> Option<&str> {
     Some(rest.split('/').next().unwrap_or(rest))
 }
 
+thread_local! {
+    static MEMO: std::cell::RefCell<Option<Memo>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The series the last HTTP request on this thread was counted in, with what their labels
+/// were made of. A gateway's requests mostly repeat one label set (same route, cluster,
+/// upstream peer, code, flags), and making it (some 25 labels, their key, its hash) and
+/// finding the four metrics' series in it cost about 7k instructions a request. Kept only
+/// for plans without overrides or added dimensions: their labels (`View::standard`) read
+/// nothing but what is held here. Shared values are held (not only their addresses), so
+/// an address is never taken for a value that replaced a freed one; the node, which lives
+/// beside the store, by address.
+struct Memo {
+    store: u64,
+    cfg: Arc<StatsConfig>,
+    node: usize,
+    upstream_peer: Option<Arc<PeerInfo>>,
+    downstream_peer: Option<Arc<PeerInfo>>,
+    upstream_workload: Option<Arc<PeerInfo>>,
+    upstream: Option<Arc<UpstreamInfo>>,
+    route_name: Option<Arc<str>>,
+    host: Option<String>,
+    peer_san: Option<Arc<str>>,
+    protocol: Protocol,
+    grpc_request: bool,
+    response_code: u16,
+    grpc_status: Option<u32>,
+    flags: ResponseFlags,
+    series: [Option<Arc<Series>>; 4],
+}
+
+fn same<T: ?Sized>(a: &Option<Arc<T>>, b: &Option<Arc<T>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
+/// The Host the request path kept for `destination_service`, when the config reads it.
+fn captured_host<'a>(cfg: &StatsConfig, info: &'a StreamInfo) -> Option<&'a str> {
+    cfg.host_capture
+        .and_then(|i| info.istio_attributes.get(i))
+        .and_then(|h| h.as_deref())
+}
+
+impl Memo {
+    fn of(
+        store: u64,
+        cfg: &Arc<StatsConfig>,
+        node: &LocalNode,
+        info: &StreamInfo,
+        series: [Option<Arc<Series>>; 4],
+    ) -> Memo {
+        Memo {
+            store,
+            cfg: cfg.clone(),
+            node: node as *const LocalNode as usize,
+            upstream_peer: info.peers.upstream.clone(),
+            downstream_peer: info.peers.downstream.clone(),
+            upstream_workload: info.upstream_workload.clone(),
+            upstream: info.upstream.clone(),
+            route_name: info.route_name.clone(),
+            host: captured_host(cfg, info).map(str::to_string),
+            peer_san: info.downstream_peer_uri_san.clone(),
+            protocol: info.protocol,
+            grpc_request: info.grpc_request,
+            response_code: info.response_code,
+            grpc_status: info.grpc_status,
+            flags: info.flags,
+            series,
+        }
+    }
+
+    /// Whether this request's labels are the memo's: every input of `View::standard` equal.
+    fn serves(
+        &self,
+        store: u64,
+        cfg: &Arc<StatsConfig>,
+        node: &LocalNode,
+        info: &StreamInfo,
+    ) -> bool {
+        self.store == store
+            && Arc::ptr_eq(&self.cfg, cfg)
+            && self.node == node as *const LocalNode as usize
+            && self.response_code == info.response_code
+            && self.flags == info.flags
+            && self.protocol == info.protocol
+            && self.grpc_request == info.grpc_request
+            && self.grpc_status == info.grpc_status
+            && same(&self.upstream_peer, &info.peers.upstream)
+            && same(&self.downstream_peer, &info.peers.downstream)
+            && same(&self.upstream_workload, &info.upstream_workload)
+            && same(&self.upstream, &info.upstream)
+            && self.route_name == info.route_name
+            && self.peer_san == info.downstream_peer_uri_san
+            && self.host.as_deref() == captured_host(cfg, info)
+    }
+}
+
 /// Every Istio metric of the process, whichever listener reported it (Envoy keeps them in one
 /// stats store too: two listeners reporting the same labels add to the same series).
 pub struct Store {
+    /// Unique in the process: what a thread's `Memo` was made for (an address could be
+    /// reused by the next store).
+    id: u64,
     families: Vec<Family>,
     /// `istio_build{component="proxy",tag=<ISTIO_VERSION>}`: set once an `istio.stats` filter
     /// is configured, as istio-proxy's filter factory sets it.
@@ -537,7 +649,9 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     pub fn new() -> Store {
+        static IDS: AtomicU64 = AtomicU64::new(0);
         Store {
+            id: IDS.fetch_add(1, Relaxed),
             families: Metric::ALL.iter().map(|m| Family::new(*m)).collect(),
             build: AtomicU64::new(0),
         }
@@ -552,11 +666,18 @@ impl Store {
         self.build.store(1, Relaxed);
     }
 
-    /// Adds `v` to each metric of `ms` (all with the same tag list). Metrics whose plans are
-    /// the same (the usual case: no overrides) share one computation of the labels.
-    fn add(&self, view: &View<'_>, ms: &[(Metric, u64)], tags: &[Tag]) {
+    /// Adds `v` to each metric of `ms` (all with the same tag list), and hands back the series
+    /// added to (None: the metric is dropped). Metrics whose plans are the same (the usual
+    /// case: no overrides) share one computation of the labels.
+    fn add<const N: usize>(
+        &self,
+        view: &View<'_>,
+        ms: &[(Metric, u64); N],
+        tags: &[Tag],
+    ) -> [Option<Arc<Series>>; N] {
+        let mut found = [const { None }; N];
         let mut last: Option<(&MetricPlan, Labels<'_>, Vec<u8>, u64)> = None;
-        for &(m, v) in ms {
+        for (slot, &(m, v)) in found.iter_mut().zip(ms) {
             let plan = view.cfg.plan(m);
             if plan.drop {
                 continue;
@@ -571,18 +692,30 @@ impl Store {
                 continue;
             };
             let s = self.family(m).series(labels, key, *h);
-            match &s.value {
-                Value::Counter(c) => {
-                    c.fetch_add(v, Relaxed);
-                }
-                Value::Histogram(h) => h.record(v),
-            }
+            s.add(v);
+            *slot = Some(s);
         }
+        found
     }
 
     /// One HTTP request is over: `istio_requests_total` and the three histograms.
-    pub fn record_http(&self, cfg: &StatsConfig, node: &LocalNode, info: &StreamInfo) {
-        let view = View { cfg, node, info };
+    pub fn record_http(&self, cfg: &Arc<StatsConfig>, node: &LocalNode, info: &StreamInfo) {
+        self.record_http_with(cfg, node, info, true);
+    }
+
+    /// `record_http`, with the thread's `Memo` (`memo`) or without (the tests' reference).
+    pub(super) fn record_http_with(
+        &self,
+        cfg: &Arc<StatsConfig>,
+        node: &LocalNode,
+        info: &StreamInfo,
+        memo: bool,
+    ) {
+        let view = View {
+            cfg: &**cfg,
+            node,
+            info,
+        };
         // istio-proxy counts a gRPC call's messages (the grpc_stats filter state) first, with
         // the peer tags only.
         if let (true, Some((req, resp))) = (info.grpc_request, info.grpc_messages) {
@@ -599,16 +732,32 @@ impl Store {
         // Envoy's wire byte meters: heads and bodies.
         let rx = info.request_head_bytes + info.bytes_received;
         let tx = info.response_head_bytes + info.bytes_sent;
-        self.add(
-            &view,
-            &[
-                (Metric::RequestsTotal, 1),
-                (Metric::RequestDuration, ms),
-                (Metric::RequestBytes, rx),
-                (Metric::ResponseBytes, tx),
-            ],
-            &Tag::HTTP,
-        );
+        let values = [
+            (Metric::RequestsTotal, 1),
+            (Metric::RequestDuration, ms),
+            (Metric::RequestBytes, rx),
+            (Metric::ResponseBytes, tx),
+        ];
+        let standard = values.iter().all(|(m, _)| {
+            let p = cfg.plan(*m);
+            p.overrides.is_empty() && p.additions.is_empty()
+        });
+        if !(memo && standard) {
+            self.add(&view, &values, &Tag::HTTP);
+            return;
+        }
+        MEMO.with_borrow_mut(|last| {
+            if let Some(m) = last.as_ref().filter(|m| m.serves(self.id, cfg, node, info)) {
+                for (s, (_, v)) in m.series.iter().zip(values) {
+                    if let Some(s) = s {
+                        s.add(v);
+                    }
+                }
+                return;
+            }
+            let series = self.add(&view, &values, &Tag::HTTP);
+            *last = Some(Memo::of(self.id, cfg, node, info, series));
+        });
     }
 
     /// A TCP connection is over. istio-proxy reports a connection's open counter and bytes

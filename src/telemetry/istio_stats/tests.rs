@@ -521,7 +521,8 @@ fn label<'a>(l: &'a [(String, String)], k: &str) -> &'a str {
 fn source_reporter_labels_as_istio_proxy() {
     let node = gateway_node();
     let store = Store::new();
-    let cfg = StatsConfig::from_json(&json!({"disable_host_header_fallback": true})).unwrap();
+    let cfg =
+        Arc::new(StatsConfig::from_json(&json!({"disable_host_header_fallback": true})).unwrap());
     // A request to a cluster with `istio` metadata and an endpoint with `istio.workload`.
     let mut info = StreamInfo::new(Protocol::Http11);
     info.response_code = 200;
@@ -647,16 +648,18 @@ fn source_reporter_labels_as_istio_proxy() {
 fn host_header_fallback_and_overrides() {
     let node = gateway_node();
     let store = Store::new();
-    let cfg = StatsConfig::from_json(&json!({
-        "metrics": [
-            {"name": "requests_total",
-             "dimensions": {"request_host": "request.host", "source_cluster": "'edge'",
-                            "mesh": "node.metadata['MESH_ID']", "bad": "a + b"},
-             "tags_to_remove": ["source_principal", "nonsense"]},
-            {"name": "request_duration_milliseconds", "drop": true}
-        ]
-    }))
-    .unwrap();
+    let cfg = Arc::new(
+        StatsConfig::from_json(&json!({
+            "metrics": [
+                {"name": "requests_total",
+                 "dimensions": {"request_host": "request.host", "source_cluster": "'edge'",
+                                "mesh": "node.metadata['MESH_ID']", "bad": "a + b"},
+                 "tags_to_remove": ["source_principal", "nonsense"]},
+                {"name": "request_duration_milliseconds", "drop": true}
+            ]
+        }))
+        .unwrap(),
+    );
     assert_eq!(cfg.captures, [Capture::Host]);
     let mut info = StreamInfo::new(Protocol::Http11);
     info.response_code = 503;
@@ -736,7 +739,7 @@ fn tcp_connection_metrics() {
 fn waypoint_reporter_labels_the_downstream_as_source() {
     let node = gateway_node();
     let store = Store::new();
-    let cfg = StatsConfig::from_json(&json!({"reporter": "SERVER_GATEWAY"})).unwrap();
+    let cfg = Arc::new(StatsConfig::from_json(&json!({"reporter": "SERVER_GATEWAY"})).unwrap());
     let mut info = StreamInfo::new(Protocol::Http2);
     info.response_code = 200;
     info.downstream_peer_uri_san = Some(Arc::from("spiffe://cluster.local/ns/frontend/sa/web"));
@@ -775,4 +778,168 @@ fn waypoint_reporter_labels_the_downstream_as_source() {
     ] {
         assert_eq!(label(l, k), v, "{k}");
     }
+}
+
+/// The thread's memo of the last label set counts every request where making the labels
+/// afresh would: requests that change one input of the labels at a time (and change it back),
+/// two configs and two stores on one thread.
+#[test]
+fn the_memo_of_the_last_labels_counts_as_making_them_each_time() {
+    let node = gateway_node();
+    let fallback = Arc::new(StatsConfig::from_json(&json!({})).unwrap());
+    let no_fallback =
+        Arc::new(StatsConfig::from_json(&json!({"disable_host_header_fallback": true})).unwrap());
+    let waypoint =
+        Arc::new(StatsConfig::from_json(&json!({"reporter": "SERVER_GATEWAY"})).unwrap());
+    let reviews = upstream(
+        "outbound|9080||reviews.default.svc.cluster.local",
+        Some(("reviews.default.svc.cluster.local", "reviews", "default")),
+    );
+    let ratings = upstream(
+        "outbound|9080||ratings.default.svc.cluster.local",
+        Some(("ratings.default.svc.cluster.local", "ratings", "default")),
+    );
+    let v1 = PeerInfo::from_endpoint("reviews-v1;default;reviews;v1;Kubernetes").map(Arc::new);
+    let v2 = PeerInfo::from_endpoint("reviews-v2;default;reviews;v2;Kubernetes").map(Arc::new);
+    let base = |cfg: &StatsConfig| {
+        let mut info = StreamInfo::new(Protocol::Http11);
+        info.response_code = 200;
+        info.upstream = Some(reviews.clone());
+        info.upstream_workload = v1.clone();
+        info.bytes_sent = 120;
+        info.istio_attributes = vec![None; cfg.captures.len()];
+        info
+    };
+    let changes: Vec<(&str, Box<dyn Fn(&mut StreamInfo, &StatsConfig)>)> = vec![
+        ("none", Box::new(|_: &mut StreamInfo, _: &StatsConfig| {})),
+        (
+            "code",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| i.response_code = 503),
+        ),
+        (
+            "flags",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| {
+                i.flags.set(ResponseFlag::NoHealthyUpstream)
+            }),
+        ),
+        (
+            "protocol",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| i.protocol = Protocol::Http2),
+        ),
+        (
+            "grpc",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| {
+                i.grpc_request = true;
+                i.grpc_status = Some(14);
+            }),
+        ),
+        ("cluster", {
+            let r = ratings.clone();
+            Box::new(move |i: &mut StreamInfo, _: &StatsConfig| i.upstream = Some(r.clone()))
+        }),
+        (
+            "no cluster",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| i.upstream = None),
+        ),
+        ("workload", {
+            let w = v2.clone();
+            Box::new(move |i: &mut StreamInfo, _: &StatsConfig| i.upstream_workload = w.clone())
+        }),
+        ("upstream peer", {
+            let w = v2.clone();
+            Box::new(move |i: &mut StreamInfo, _: &StatsConfig| i.peers.upstream = w.clone())
+        }),
+        ("downstream peer", {
+            let w = v2.clone();
+            Box::new(move |i: &mut StreamInfo, _: &StatsConfig| i.peers.downstream = w.clone())
+        }),
+        (
+            "route",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| {
+                i.route_name = Some(Arc::from("block_all"))
+            }),
+        ),
+        (
+            "san",
+            Box::new(|i: &mut StreamInfo, _: &StatsConfig| {
+                i.downstream_peer_uri_san = Some(Arc::from("spiffe://cluster.local/ns/a/sa/b"))
+            }),
+        ),
+        (
+            "host",
+            Box::new(|i: &mut StreamInfo, c: &StatsConfig| {
+                if let Some(h) = c.host_capture {
+                    i.istio_attributes[h] = Some("other.example.com".to_string());
+                }
+            }),
+        ),
+        (
+            "no cluster, host",
+            Box::new(|i: &mut StreamInfo, c: &StatsConfig| {
+                i.upstream = None;
+                if let Some(h) = c.host_capture {
+                    i.istio_attributes[h] = Some("bookinfo.example.com".to_string());
+                }
+            }),
+        ),
+    ];
+    let render = |store: &Store| {
+        let mut counters = Vec::new();
+        store.collect(&node, &mut |_, name, metric, labels, v| {
+            counters.push((name, metric, labels, v))
+        });
+        let mut histograms = String::new();
+        store.prometheus_histograms(&mut histograms);
+        (counters, histograms)
+    };
+    let run = |ours: &Store, reference: &Store| {
+        for cfg in [&fallback, &no_fallback, &waypoint, &fallback] {
+            for (what, change) in &changes {
+                // The changed request between two plain ones, twice: each input changes and
+                // changes back. The reference makes the labels each time (and leaves the
+                // thread's memo alone).
+                for _ in 0..2 {
+                    for changed in [false, true, false] {
+                        let mut info = base(cfg);
+                        if changed {
+                            change(&mut info, cfg);
+                        }
+                        ours.record_http_with(cfg, &node, &info, true);
+                        reference.record_http_with(cfg, &node, &info, false);
+                    }
+                }
+                assert_eq!(render(ours), render(reference), "after {what}");
+            }
+        }
+    };
+    run(&Store::new(), &Store::new());
+    // Without the cluster's `istio` metadata the service is the Host: requests that differ
+    // only in it, one after the other.
+    let (ours, reference) = (Store::new(), Store::new());
+    for host in [
+        "a.example.com",
+        "b.example.com",
+        "b.example.com",
+        "a.example.com",
+    ] {
+        let mut info = base(&fallback);
+        info.upstream = None;
+        if let Some(h) = fallback.host_capture {
+            info.istio_attributes[h] = Some(host.to_string());
+        }
+        ours.record_http_with(&fallback, &node, &info, true);
+        reference.record_http_with(&fallback, &node, &info, false);
+    }
+    assert_eq!(render(&ours), render(&reference), "hosts");
+    // A store made after another on the same thread does not count into the first's series.
+    let (first, second) = (Store::new(), Store::new());
+    let info = base(&fallback);
+    first.record_http_with(&fallback, &node, &info, true);
+    second.record_http_with(&fallback, &node, &info, true);
+    first.record_http_with(&fallback, &node, &info, true);
+    let reference = Store::new();
+    reference.record_http_with(&fallback, &node, &info, false);
+    assert_eq!(render(&second), render(&reference));
+    reference.record_http_with(&fallback, &node, &info, false);
+    assert_eq!(render(&first), render(&reference));
 }
