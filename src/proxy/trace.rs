@@ -64,53 +64,68 @@ pub(super) fn begin(
     // route's operation on the response.
     let mut operation = decorator.map(|d| d.operation.clone());
     let propagate = decorator.is_some_and(|d| d.propagate);
+    // Which of the names read below the request has, in one pass over its (few) names: each
+    // is rarely there, and a lookup by name hashes it.
+    let [has_operation, client, force] = super::downstream::present(
+        &req.headers,
+        &[
+            &DECORATOR_OPERATION_NAME,
+            header_name!("x-client-trace-id"),
+            header_name!("x-envoy-force-trace"),
+        ],
+    );
     if cfg.egress {
         if let (Some(op), true) = (&operation, propagate) {
             req.set(&DECORATOR_OPERATION_NAME, &**op)?;
         }
     } else {
-        if let Some(o) = header(req, &DECORATOR_OPERATION_NAME).filter(|o| !o.is_empty()) {
+        let requested = has_operation
+            .then(|| header(req, &DECORATOR_OPERATION_NAME))
+            .flatten()
+            .filter(|o| !o.is_empty());
+        if let Some(o) = requested {
             operation = Some(Arc::from(o));
         } else if propagate {
             *response_operation = operation.clone();
         }
         // A removal hashes the name in both of pingora's maps even when it is absent.
-        if req.headers.contains_key(&DECORATOR_OPERATION_NAME) {
+        if has_operation {
             req.remove_header(&DECORATOR_OPERATION_NAME);
         }
     }
-    let reason = match req.headers.get(&X_REQUEST_ID) {
+    // The sampling decision packed into `x-request-id` (a new value, when it changed), written
+    // with the span's headers below: one write for all.
+    let (reason, rid) = match req.headers.get(&X_REQUEST_ID) {
         Some(v) => {
             let mut rid = v.as_bytes().to_vec();
-            let client = req.headers.contains_key(header_name!("x-client-trace-id"));
-            let force = req
-                .headers
-                .contains_key(header_name!("x-envoy-force-trace"));
             let reason = context::sample(&mut rid, client, force, cfg, fastrand::u64(..));
-            if rid != v.as_bytes() {
-                let v = http::HeaderValue::from_bytes(&rid)
-                    .or_err(ErrorType::InternalError, "x-request-id")?;
-                req.set(&X_REQUEST_ID, v)?;
-            }
-            reason
+            let changed = (rid != v.as_bytes())
+                .then(|| String::from_utf8(rid).or_err(ErrorType::InternalError, "x-request-id"));
+            (reason, changed.transpose()?)
         }
-        None => context::Reason::NotTraceable,
+        None => (context::Reason::NotTraceable, None),
     };
     // The connection manager's driver, else the bootstrap's (Envoy's fallback).
     let provider = cfg.provider.as_ref().or(tracer.default_provider());
-    let Some(span) = context::start_span(
+    let span = context::start_span(
         cfg,
         provider.map(|p| &**p),
         &req.headers,
         reason,
         &mut || fastrand::u64(..),
-    ) else {
+    );
+    let (Some(span), Some(provider)) = (span, provider.cloned()) else {
+        if let Some(rid) = rid {
+            req.set(&X_REQUEST_ID, rid)?;
+        }
         return Ok(None);
     };
-    let Some(provider) = provider.cloned() else {
-        return Ok(None);
-    };
-    req.set_all(span.headers())?;
+    let mut headers = span.headers();
+    // Last: it is already there, and an insert keeps its place.
+    if let Some(rid) = rid {
+        headers.push((&X_REQUEST_ID, rid));
+    }
+    req.set_all(headers)?;
     if !span.sampled {
         return Ok(None);
     }

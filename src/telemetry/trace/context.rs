@@ -156,8 +156,10 @@ impl SpanContext {
                 vec![(header_name!("b3"), v)]
             }
             Format::B3Multi => {
-                // Room for all four: a `vec!` of two grew on the third, every request.
-                let mut h = Vec::with_capacity(4);
+                // Room for all four and the `x-request-id` the connection manager adds to
+                // them (`proxy::trace::begin`): a `vec!` of two grew on the third, every
+                // request.
+                let mut h = Vec::with_capacity(5);
                 h.push((header_name!("x-b3-traceid"), self.trace_id_hex()));
                 h.push((header_name!("x-b3-spanid"), span));
                 if let Some(p) = self.parent_id {
