@@ -874,7 +874,21 @@ impl JsonNode {
 /// fraction of the second to that many digits, `%f` 9; `%s`: seconds since the epoch),
 /// always in UTC as Envoy writes it.
 #[derive(Debug, Clone)]
-pub struct TimeFormat(Vec<TimePiece>);
+pub struct TimeFormat {
+    pieces: Vec<TimePiece>,
+    /// Where the pieces that read a fraction of the second start: those before it change
+    /// once a second, and are written once a second (`write`).
+    split: usize,
+    /// Unique to the parse (a clone has the same pieces): what a thread's cached text of
+    /// the whole seconds was written for.
+    id: u64,
+}
+
+thread_local! {
+    /// The last (format id, second) written and its text up to `split`.
+    static SECONDS: std::cell::RefCell<(u64, i64, String)> =
+        const { std::cell::RefCell::new((u64::MAX, 0, String::new())) };
+}
 
 #[derive(Debug, Clone)]
 enum TimePiece {
@@ -943,7 +957,15 @@ impl TimeFormat {
         if !text.is_empty() {
             out.push(TimePiece::Text(text));
         }
-        TimeFormat(out)
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        TimeFormat {
+            split: out
+                .iter()
+                .position(|p| matches!(p, TimePiece::Frac(_) | TimePiece::SecFrac(_)))
+                .unwrap_or(out.len()),
+            pieces: out,
+            id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
     }
 
     /// Envoy's default: `2026-12-02T15:14:45.829Z`.
@@ -952,114 +974,133 @@ impl TimeFormat {
         F.get_or_init(|| TimeFormat::parse("%Y-%m-%dT%H:%M:%E3SZ"))
     }
 
+    /// `t` in this format. What the whole seconds make (the date and time of Istio's default
+    /// format, up to the milliseconds) is written once a second per thread and copied from
+    /// then on: five numbers and the calendar arithmetic cost about 1k instructions a line.
     pub fn write(&self, out: &mut String, t: std::time::SystemTime) {
         let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
         let secs = d.as_secs() as i64;
         let nanos = d.subsec_nanos();
-        let days = secs.div_euclid(86_400);
-        let sod = secs.rem_euclid(86_400);
-        let (y, mo, da) = civil_from_days(days);
-        let (h, mi, s) = (sod / 3600, sod / 60 % 60, sod % 60);
-        let wday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
-        const WD: [&str; 7] = [
-            "Sunday",
-            "Monday",
-            "Tuesday",
-            "Wednesday",
-            "Thursday",
-            "Friday",
-            "Saturday",
-        ];
-        const MO: [&str; 12] = [
-            "January",
-            "February",
-            "March",
-            "April",
-            "May",
-            "June",
-            "July",
-            "August",
-            "September",
-            "October",
-            "November",
-            "December",
-        ];
-        let month = MO[(mo as usize).saturating_sub(1).min(11)];
-        let yday = days - days_from_civil(y, 1, 1) + 1;
-        for p in &self.0 {
-            let _ = match p {
-                TimePiece::Text(t) => {
-                    out.push_str(t);
-                    Ok(())
+        let (whole, fraction) = self.pieces.split_at(self.split);
+        if !whole.is_empty() {
+            SECONDS.with_borrow_mut(|(id, at, text)| {
+                if (*id, *at) != (self.id, secs) {
+                    text.clear();
+                    write_pieces(whole, text, secs, nanos);
+                    (*id, *at) = (self.id, secs);
                 }
-                // The default format's pieces as digits pushed directly: `write!` with padding
-                // cost more than the date arithmetic.
-                TimePiece::Frac(n) => {
-                    let v = nanos / 10u32.pow(9 - u32::from(*n));
-                    push_padded(out, u64::from(v), usize::from(*n));
-                    Ok(())
-                }
-                TimePiece::SecFrac(n) => {
-                    push_padded(out, s as u64, 2);
-                    if *n > 0 {
-                        let v = nanos / 10u32.pow(9 - u32::from(*n));
-                        out.push('.');
-                        push_padded(out, u64::from(v), usize::from(*n));
-                    }
-                    Ok(())
-                }
-                TimePiece::Conv(c) => match c {
-                    'Y' if y >= 0 => {
-                        push_u64(out, y as u64);
-                        Ok(())
-                    }
-                    'Y' => write!(out, "{y}"),
-                    'C' => write!(out, "{:02}", y / 100),
-                    'y' => write!(out, "{:02}", y % 100),
-                    'm' => {
-                        push_padded(out, u64::from(mo), 2);
-                        Ok(())
-                    }
-                    'd' => {
-                        push_padded(out, u64::from(da), 2);
-                        Ok(())
-                    }
-                    'e' => write!(out, "{da:2}"),
-                    'j' => write!(out, "{yday:03}"),
-                    'H' => {
-                        push_padded(out, h as u64, 2);
-                        Ok(())
-                    }
-                    'I' => write!(out, "{:02}", if h % 12 == 0 { 12 } else { h % 12 }),
-                    'M' => {
-                        push_padded(out, mi as u64, 2);
-                        Ok(())
-                    }
-                    'S' => {
-                        push_padded(out, s as u64, 2);
-                        Ok(())
-                    }
-                    'p' => write!(out, "{}", if h < 12 { "AM" } else { "PM" }),
-                    's' => write!(out, "{secs}"),
-                    'a' => write!(out, "{}", &WD[wday][..3]),
-                    'A' => write!(out, "{}", WD[wday]),
-                    'u' => write!(out, "{}", if wday == 0 { 7 } else { wday }),
-                    'w' => write!(out, "{wday}"),
-                    'b' | 'h' => write!(out, "{}", &month[..3]),
-                    'B' => write!(out, "{month}"),
-                    'F' => write!(out, "{y}-{mo:02}-{da:02}"),
-                    'D' => write!(out, "{mo:02}/{da:02}/{:02}", y % 100),
-                    'T' => write!(out, "{h:02}:{mi:02}:{s:02}"),
-                    'R' => write!(out, "{h:02}:{mi:02}"),
-                    'z' => write!(out, "+0000"),
-                    'Z' => write!(out, "UTC"),
-                    'n' => writeln!(out),
-                    't' => write!(out, "\t"),
-                    '%' => write!(out, "%"),
-                    other => write!(out, "%{other}"),
-                },
-            };
+                out.push_str(text);
+            });
         }
+        write_pieces(fraction, out, secs, nanos);
+    }
+}
+
+/// `pieces` of a time format for the time `secs` and `nanos` after the epoch.
+fn write_pieces(pieces: &[TimePiece], out: &mut String, secs: i64, nanos: u32) {
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400);
+    let (y, mo, da) = civil_from_days(days);
+    let (h, mi, s) = (sod / 3600, sod / 60 % 60, sod % 60);
+    let wday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+    const WD: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    const MO: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let month = MO[(mo as usize).saturating_sub(1).min(11)];
+    let yday = days - days_from_civil(y, 1, 1) + 1;
+    for p in pieces {
+        let _ = match p {
+            TimePiece::Text(t) => {
+                out.push_str(t);
+                Ok(())
+            }
+            // The default format's pieces as digits pushed directly: `write!` with padding
+            // cost more than the date arithmetic.
+            TimePiece::Frac(n) => {
+                let v = nanos / 10u32.pow(9 - u32::from(*n));
+                push_padded(out, u64::from(v), usize::from(*n));
+                Ok(())
+            }
+            TimePiece::SecFrac(n) => {
+                push_padded(out, s as u64, 2);
+                if *n > 0 {
+                    let v = nanos / 10u32.pow(9 - u32::from(*n));
+                    out.push('.');
+                    push_padded(out, u64::from(v), usize::from(*n));
+                }
+                Ok(())
+            }
+            TimePiece::Conv(c) => match c {
+                'Y' if y >= 0 => {
+                    push_u64(out, y as u64);
+                    Ok(())
+                }
+                'Y' => write!(out, "{y}"),
+                'C' => write!(out, "{:02}", y / 100),
+                'y' => write!(out, "{:02}", y % 100),
+                'm' => {
+                    push_padded(out, u64::from(mo), 2);
+                    Ok(())
+                }
+                'd' => {
+                    push_padded(out, u64::from(da), 2);
+                    Ok(())
+                }
+                'e' => write!(out, "{da:2}"),
+                'j' => write!(out, "{yday:03}"),
+                'H' => {
+                    push_padded(out, h as u64, 2);
+                    Ok(())
+                }
+                'I' => write!(out, "{:02}", if h % 12 == 0 { 12 } else { h % 12 }),
+                'M' => {
+                    push_padded(out, mi as u64, 2);
+                    Ok(())
+                }
+                'S' => {
+                    push_padded(out, s as u64, 2);
+                    Ok(())
+                }
+                'p' => write!(out, "{}", if h < 12 { "AM" } else { "PM" }),
+                's' => write!(out, "{secs}"),
+                'a' => write!(out, "{}", &WD[wday][..3]),
+                'A' => write!(out, "{}", WD[wday]),
+                'u' => write!(out, "{}", if wday == 0 { 7 } else { wday }),
+                'w' => write!(out, "{wday}"),
+                'b' | 'h' => write!(out, "{}", &month[..3]),
+                'B' => write!(out, "{month}"),
+                'F' => write!(out, "{y}-{mo:02}-{da:02}"),
+                'D' => write!(out, "{mo:02}/{da:02}/{:02}", y % 100),
+                'T' => write!(out, "{h:02}:{mi:02}:{s:02}"),
+                'R' => write!(out, "{h:02}:{mi:02}"),
+                'z' => write!(out, "+0000"),
+                'Z' => write!(out, "UTC"),
+                'n' => writeln!(out),
+                't' => write!(out, "\t"),
+                '%' => write!(out, "%"),
+                other => write!(out, "%{other}"),
+            },
+        };
     }
 }
 
@@ -1181,6 +1222,37 @@ mod tests {
                     Value::Int(n) => n.to_string(),
                 };
                 assert_eq!(direct, evaluated, "{op:?} {a:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_whole_seconds_written_once_read_as_writing_them_each_time() {
+        let formats = [
+            TimeFormat::parse("%Y-%m-%dT%H:%M:%E3SZ"),
+            TimeFormat::parse("%s.%3f %a %b %e %j"),
+            TimeFormat::parse("%H:%M:%S"),
+            TimeFormat::parse("%9f at %T"),
+            TimeFormat::parse("literal"),
+        ];
+        let base = UNIX_EPOCH + Duration::new(1_796_397_286, 0);
+        let times = [
+            Duration::new(0, 829_123_456),
+            Duration::new(0, 999_999_999),
+            Duration::new(1, 0),
+            Duration::new(1, 5_000_000),
+            Duration::new(0, 1),
+            Duration::new(86_400, 42),
+        ];
+        // Formats taking turns, times going back and forth within and across seconds.
+        for t in times {
+            for f in formats.iter().chain(formats.iter().rev()) {
+                let mut cached = String::from("before ");
+                f.write(&mut cached, base + t);
+                let mut fresh = String::from("before ");
+                let d = (base + t).duration_since(UNIX_EPOCH).expect("after");
+                write_pieces(&f.pieces, &mut fresh, d.as_secs() as i64, d.subsec_nanos());
+                assert_eq!(cached, fresh, "{f:?} {t:?}");
             }
         }
     }
