@@ -711,11 +711,7 @@ impl Store {
         info: &StreamInfo,
         memo: bool,
     ) {
-        let view = View {
-            cfg: &**cfg,
-            node,
-            info,
-        };
+        let view = View { cfg, node, info };
         // istio-proxy counts a gRPC call's messages (the grpc_stats filter state) first, with
         // the peer tags only.
         if let (true, Some((req, resp))) = (info.grpc_request, info.grpc_messages) {

@@ -810,7 +810,8 @@ fn the_memo_of_the_last_labels_counts_as_making_them_each_time() {
         info.istio_attributes = vec![None; cfg.captures.len()];
         info
     };
-    let changes: Vec<(&str, Box<dyn Fn(&mut StreamInfo, &StatsConfig)>)> = vec![
+    type Change = Box<dyn Fn(&mut StreamInfo, &StatsConfig)>;
+    let changes: Vec<(&str, Change)> = vec![
         ("none", Box::new(|_: &mut StreamInfo, _: &StatsConfig| {})),
         (
             "code",
