@@ -307,9 +307,8 @@ pub(super) async fn request_headers(
     Ok(())
 }
 
-/// Envoy's `x-request-id`: generated when missing, and for an edge request (from outside,
-/// with `use_remote_address`) unless `preserve_external_request_id`.
-/// The value to set, if any.
+/// Envoy's `x-request-id`, the value to set if any: generated when missing, and for an edge
+/// request (from outside, with `use_remote_address`) unless `preserve_external_request_id`.
 fn request_id(
     req: &RequestHeader,
     client_ip: Option<std::net::IpAddr>,
