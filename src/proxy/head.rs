@@ -201,6 +201,49 @@ impl<H: OneMap> SetHeader for H {
     }
 }
 
+/// `n` as a header value, as `HeaderValue::from(n)` makes it. That formats into a buffer of
+/// its own, an allocation and about 190 instructions a header, for values that repeat: a
+/// route's expected timeout on every request, upstream service times of a few milliseconds.
+/// So the values below 1,024 are made once, as static text (a clone is a copy), and each
+/// thread keeps the last larger one it made (a clone is a reference count).
+pub(crate) fn int_value(n: u64) -> HeaderValue {
+    const SMALL: usize = 1024;
+    static TABLE: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(u64, HeaderValue)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    if let Some(i) = usize::try_from(n).ok().filter(|i| *i < SMALL) {
+        let table = TABLE.get_or_init(|| {
+            // One text for all of them, kept for the process's life: the values borrow it.
+            let mut text = String::with_capacity(4 * SMALL);
+            let mut ends = Vec::with_capacity(SMALL);
+            for i in 0..SMALL {
+                text.push_str(&i.to_string());
+                ends.push(text.len());
+            }
+            let text: &'static str = Box::leak(text.into_boxed_str());
+            let mut start = 0;
+            ends.into_iter()
+                .map(|end| {
+                    let v = HeaderValue::from_static(&text[start..end]);
+                    start = end;
+                    v
+                })
+                .collect()
+        });
+        return table[i].clone();
+    }
+    LAST.with_borrow_mut(|last| match last {
+        Some((m, v)) if *m == n => v.clone(),
+        _ => {
+            let v = HeaderValue::from(n);
+            *last = Some((n, v.clone()));
+            v
+        }
+    })
+}
+
 /// Drops the case pingora kept for an HTTP/1 request's header names (module comment): the
 /// connection manager asked for no `header_key_format`. A target the URI does not reproduce
 /// keeps its head as it is (case included): a rebuild would lose it.
@@ -276,6 +319,30 @@ pub(crate) fn request_wire(req: &RequestHeader, keep_case: bool) -> Option<bytes
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_integer_value_is_what_http_makes_of_it_from_the_table_the_memo_or_afresh() {
+        // Below, at and above the table's end; a larger value twice (the memo), then another
+        // (the memo replaced), then the first again.
+        let ns = (0..1100u64)
+            .chain([
+                1023,
+                1024,
+                15000,
+                15000,
+                15001,
+                15000,
+                u64::from(u32::MAX),
+                u64::MAX,
+            ])
+            .chain([7, 15000, 15000]);
+        for n in ns {
+            let v = int_value(n);
+            assert_eq!(v, HeaderValue::from(n), "{n}");
+            assert_eq!(v.to_str().ok(), Some(n.to_string().as_str()), "{n}");
+            assert!(!v.is_sensitive());
+        }
+    }
 
     fn wire(req: &RequestHeader) -> Vec<u8> {
         let mut buf = bytes::BytesMut::new();

@@ -67,9 +67,9 @@ fn grpc_timeout_value(d: std::time::Duration) -> String {
     format!("{}H", t.min(MAX))
 }
 
-/// Whole milliseconds as a header value (the integer formatted without `fmt`'s machinery).
+/// Whole milliseconds as a header value.
 pub(super) fn millis_value(d: std::time::Duration) -> http::HeaderValue {
-    http::HeaderValue::from(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    super::head::int_value(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A non-negative integer header (Envoy's `SimpleAtoi`), in milliseconds.

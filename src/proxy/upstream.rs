@@ -381,7 +381,10 @@ pub(super) fn attempt_headers(upstream: &mut RequestHeader, ctx: &Ctx) -> Result
         upstream.remove_header(&http::header::ACCEPT_ENCODING);
     }
     if ctx.attempt_count_to_upstream {
-        upstream.set(&X_ATTEMPT_COUNT, http::HeaderValue::from(ctx.attempts))?;
+        upstream.set(
+            &X_ATTEMPT_COUNT,
+            super::head::int_value(u64::from(ctx.attempts)),
+        )?;
     }
     for (k, v, append) in ctx.filters.upstream_request_headers() {
         if *append {
@@ -434,7 +437,10 @@ pub(super) fn response_headers(
         server(resp, h)?;
     }
     if ctx.attempt_count_to_client && ctx.attempts > 0 {
-        resp.set(&X_ATTEMPT_COUNT, http::HeaderValue::from(ctx.attempts))?;
+        resp.set(
+            &X_ATTEMPT_COUNT,
+            super::head::int_value(u64::from(ctx.attempts)),
+        )?;
     }
     filter_response_headers(resp, ctx)?;
     for c in ctx.set_cookies.drain(..) {
