@@ -603,3 +603,89 @@ async fn istio_formats_status_filter_stdout_and_tcp() {
     let old = std::fs::read_to_string(&rotated).unwrap();
     assert!(old.contains("\"rid-uf\""), "{old}");
 }
+
+/// With `use_remote_address` and a trusted hop, the downstream remote address is XFF's last
+/// entry as the client sent it (port 0), or the peer when XFF has none or no address there;
+/// the log sees that one, not the peer the connection manager appends to XFF. Also for a
+/// request answered locally (no route), which ends before the append.
+#[tokio::test]
+async fn downstream_remote_is_the_trusted_hop_before_the_append() {
+    let dir = TempDir::new("portico-alog-xff");
+    let path = dir.path.join("xff.log");
+    let web = Backend::start("web").await;
+    let log_path = path.to_str().expect("utf-8 temp path").to_string();
+    let mesh = Mesh::start_args(ads_api_type(), &["--file-flush-interval-msec", "100"], |port| {
+        let mut h = hcm(port);
+        h.use_remote_address = Some(envoy_types::pb::google::protobuf::BoolValue { value: true });
+        h.xff_num_trusted_hops = 1;
+        h.access_log = vec![file_log(
+            &log_path,
+            text_source(
+                "rid=%REQ(X-CASE)% remote=%DOWNSTREAM_REMOTE_ADDRESS% ip=%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT% code=%RESPONSE_CODE%\n",
+            ),
+        )];
+        Snapshot {
+            listeners: vec![listener_with(port, h)],
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost("alog", &[HOST], vec![rt(prefix("/ok"), to_cluster("web"))])],
+            )],
+            ..Default::default()
+        }
+        .with_backends(&[("web", &web)])
+    })
+    .await;
+    mesh.wait_backend("/ok", HOST, &[], "web").await;
+
+    let cases = [
+        ("rid-none", "/ok", None, None, 200),
+        ("rid-one", "/ok", Some("1.2.3.4"), Some("1.2.3.4"), 200),
+        (
+            "rid-two",
+            "/ok",
+            Some("5.6.7.8, 1.2.3.4"),
+            Some("1.2.3.4"),
+            200,
+        ),
+        ("rid-bad", "/ok", Some("not-an-address"), None, 200),
+        (
+            "rid-local",
+            "/nowhere",
+            Some("9.9.9.9"),
+            Some("9.9.9.9"),
+            404,
+        ),
+    ];
+    for (rid, path_, xff, _, code) in cases {
+        // Not x-request-id: an edge request gets a new one.
+        let mut headers = vec![("x-case", rid)];
+        if let Some(x) = xff {
+            headers.push(("x-forwarded-for", x));
+        }
+        let r = mesh.get(path_, HOST, &headers).await;
+        assert_eq!(r.status, code, "{rid}: {r:?}");
+    }
+    for (rid, _, _, hop, code) in cases {
+        let line = line_with(&path, &format!("rid={rid} ")).await;
+        let field = |name: &str| {
+            line.split(' ')
+                .find_map(|f| f.strip_prefix(name))
+                .unwrap_or_default()
+                .to_string()
+        };
+        assert_eq!(field("code="), code.to_string(), "{line}");
+        match hop {
+            Some(ip) => {
+                assert_eq!(field("remote="), format!("{ip}:0"), "{line}");
+                assert_eq!(field("ip="), ip, "{line}");
+            }
+            None => {
+                // The peer, with its port.
+                let remote: std::net::SocketAddr = field("remote=").parse().expect(&line);
+                assert_eq!(remote.ip().to_string(), "127.0.0.1", "{line}");
+                assert_ne!(remote.port(), 0, "{line}");
+                assert_eq!(field("ip="), "127.0.0.1", "{line}");
+            }
+        }
+    }
+}

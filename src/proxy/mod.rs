@@ -241,6 +241,9 @@ pub struct Ctx {
     /// whether `trace::begin` already ran for it.
     traceable: bool,
     trace_begun: bool,
+    /// `info.downstream_remote` was settled as the connection manager reached the request,
+    /// before it appended to `x-forwarded-for` (`observe::finish` works it out otherwise).
+    remote_settled: bool,
     /// The matched route's decorator (for a span begun late), and the operation an ingress
     /// response carries in `x-envoy-decorator-operation`.
     decorator: Option<Arc<crate::snapshot::route::Decorator>>,
@@ -692,6 +695,15 @@ impl ProxyHttp for Gateway {
         }
         routing::forward(session, ctx, &listener, route, fwd);
         mirror::choose_targets(session, ctx, fwd);
+        // Envoy settles the downstream remote address (XFF's trusted hop, else the peer) before
+        // it appends the peer to XFF: what the access log and istio.stats' source address read
+        // is that one, not the hop the append moved in.
+        ctx.info.downstream_remote = downstream::downstream_remote(
+            &session.req_header().headers,
+            ctx.info.downstream_direct_remote,
+            hcm,
+        );
+        ctx.remote_settled = true;
         downstream::request_headers(session, hcm, expect_continue).await?;
         ctx.trace_begun = true;
         ctx.trace = trace::begin(

@@ -99,7 +99,12 @@ pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
         info.upstream = Some(c.def.telemetry.clone());
     }
     info.upstream_host = ctx.peer;
-    if let Some(hcm) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+    // A request that ended before the connection manager's headers (a local reply) has its
+    // XFF as the client sent it.
+    if let (false, Some(hcm)) = (
+        ctx.remote_settled,
+        ctx.listener.as_ref().and_then(|l| l.def.hcm()),
+    ) {
         info.downstream_remote = super::downstream::downstream_remote(
             &session.req_header().headers,
             info.downstream_direct_remote,
