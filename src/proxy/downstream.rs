@@ -73,13 +73,13 @@ impl Gateway {
             h1.set_ignore_info_resp(true);
         }
         if let Err(()) = absolute_form(session) {
-            session.set_keepalive(None);
+            super::keepalive(session, ctx, None);
             let body = Some(Bytes::from_static(b"Bad Request"));
             return self.local_reply(session, ctx, 400, body, &[]).await;
         }
         if let Some((status, body, close)) = reject(session, listener.def.hcm()) {
             if close {
-                session.set_keepalive(None);
+                super::keepalive(session, ctx, None);
             }
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             return self.local_reply(session, ctx, status, body, &[]).await;
@@ -89,7 +89,7 @@ impl Gateway {
         };
         if underscores_refused(session, hcm) {
             // Envoy's codec refuses the request and closes the connection.
-            session.set_keepalive(None);
+            super::keepalive(session, ctx, None);
             return self.local_reply(session, ctx, 400, None, &[]).await;
         }
         // Envoy normalizes :path before any filter or route sees it.
@@ -332,10 +332,7 @@ fn request_id(
 /// (`/` when it has none) becomes the target. Only http and https, with an authority: anything
 /// else is refused (`Err`).
 fn absolute_form(session: &mut Session) -> std::result::Result<(), ()> {
-    if !matches!(
-        session.as_downstream(),
-        pingora_core::protocols::http::ServerSession::H1(_)
-    ) {
+    if !super::downstream_h1(session) {
         return Ok(());
     }
     let req = session.req_header();
@@ -389,10 +386,7 @@ fn reject(
     hcm: Option<&crate::snapshot::listener::Hcm>,
 ) -> Option<(u16, &'static str, bool)> {
     let req = session.req_header();
-    let h1 = matches!(
-        session.as_downstream(),
-        pingora_core::protocols::http::ServerSession::H1(_)
-    );
+    let h1 = super::downstream_h1(session);
     if h1 && req.version == http::Version::HTTP_10 {
         return Some((426, "Upgrade Required", true));
     }
@@ -629,28 +623,20 @@ pub(super) fn present<T, const N: usize>(
 /// Whether the raw HTTP/1 request head has a header line starting with `name` (lowercase,
 /// with its colon), whatever the parser kept of it.
 fn raw_head_has(session: &Session, name: &[u8]) -> bool {
-    match session.as_downstream() {
-        pingora_core::protocols::http::ServerSession::H1(h1) => {
-            let raw = h1.get_headers_raw_bytes();
-            raw.split(|b| *b == b'\n').skip(1).any(|line| {
-                line.len() >= name.len() && line[..name.len()].eq_ignore_ascii_case(name)
-            })
-        }
-        _ => false,
-    }
+    super::raw_h1_head(session).is_some_and(|raw| {
+        raw.split(|b| *b == b'\n')
+            .skip(1)
+            .any(|line| line.len() >= name.len() && line[..name.len()].eq_ignore_ascii_case(name))
+    })
 }
 
 /// Whether the HTTP/1 request line carries a `#fragment`, which the URI parser drops silently
 /// but Envoy answers with 400.
 fn has_fragment(session: &Session) -> bool {
-    match session.as_downstream() {
-        pingora_core::protocols::http::ServerSession::H1(h1) => {
-            let raw = h1.get_headers_raw_bytes();
-            let line_end = raw.iter().position(|b| *b == b'\n').unwrap_or(raw.len());
-            raw[..line_end].contains(&b'#')
-        }
-        _ => false,
-    }
+    super::raw_h1_head(session).is_some_and(|raw| {
+        let line_end = raw.iter().position(|b| *b == b'\n').unwrap_or(raw.len());
+        raw[..line_end].contains(&b'#')
+    })
 }
 
 /// The authority as the client sent it (`:authority` or `Host`).

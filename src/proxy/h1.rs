@@ -8,7 +8,7 @@
 //! and with the same errors as `HttpProxy` (its `process_request`, `proxy_to_upstream` and
 //! `proxy_to_h1_upstream`), one step after the other. Everything else (a request body, an
 //! upgrade, `Expect`, HTTP/1.0, absolute-form targets, a route that can reach an HTTP/2
-//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`: `plain_request`
+//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`: `h1_session::plain`
 //! decides on the head read ahead of the session, so either path reads the request itself.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -26,6 +26,7 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::RequestHeader;
 use pingora_proxy::{HttpProxy, ProxyHttp, Session};
 
+use super::h1_session::{Conn, OwnSession, Plain, Vacant};
 use super::h1_upstream::Upstream;
 use super::io::Downstream;
 use super::{Ctx, Gateway};
@@ -51,6 +52,9 @@ pub(crate) struct Driver {
     /// Whether the chain's routes reach only HTTP/1 clusters, for the snapshot version held.
     plan_version: AtomicU64,
     plan_h1: AtomicBool,
+    /// Whether the chain's connection manager keeps header case (the request head must keep
+    /// it: pingora's session reads it so).
+    plan_case: AtomicBool,
 }
 
 impl Driver {
@@ -70,6 +74,7 @@ impl Driver {
             max_retries: conf.max_retries,
             plan_version: AtomicU64::new(u64::MAX),
             plan_h1: AtomicBool::new(false),
+            plan_case: AtomicBool::new(false),
         }
     }
 
@@ -88,9 +93,22 @@ impl Driver {
         let h1 = upstreams_h1(&chain.routes, |name| {
             snap.clusters.get(name).is_none_or(|c| !c.def.http2)
         });
+        let case = chain.def.hcm().is_some_and(|h| h.keep_header_case);
         self.plan_h1.store(h1, Relaxed);
+        self.plan_case.store(case, Relaxed);
         self.plan_version.store(snap.version, Relaxed);
         h1
+    }
+
+    /// Whether a request's head goes to Portico's own HTTP/1 session (`h1_session`) rather
+    /// than pingora's: unless the connection manager keeps header case (a head without case
+    /// is what the own session reads), or `PORTICO_H1_SESSION=pingora` says not to. Read
+    /// after `routes_h1` for the same snapshot.
+    fn own_session(&self) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON
+            .get_or_init(|| std::env::var("PORTICO_H1_SESSION").map_or(true, |v| v != "pingora"));
+        on && !self.plan_case.load(Relaxed)
     }
 }
 
@@ -117,58 +135,10 @@ fn upstreams_h1(routes: &RouteTable, h1: impl Fn(&str) -> bool) -> bool {
 }
 
 /// Whether a request head (complete, as `io::Downstream::read_head` found it) is one this loop
-/// serves: HTTP/1.1, origin-form, one Host, no body (no `transfer-encoding`, no
-/// `content-length` but 0), no upgrade or `Expect`, and a `Connection` header (if any) that
-/// only says `close` or `keep-alive`, so pingora's upstream request policy has nothing to
-/// strip that it names. Anything else, or anything httparse refuses, goes to pingora's loop.
+/// serves (`h1_session::plain`).
+#[cfg(test)]
 pub(crate) fn plain_request(head: &[u8]) -> bool {
-    // Uninitialised: the parse writes only the fields it finds (an initialised array of 100
-    // is 3.2 KB written per request).
-    let mut headers = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; 100];
-    let mut req = httparse::Request::new(&mut []);
-    let parsed = httparse::ParserConfig::default().parse_request_with_uninit_headers(
-        &mut req,
-        head,
-        &mut headers,
-    );
-    if !matches!(parsed, Ok(httparse::Status::Complete(_))) {
-        return false;
-    }
-    if req.version != Some(1) {
-        return false;
-    }
-    let (Some(method), Some(path)) = (req.method, req.path) else {
-        return false;
-    };
-    if method == "CONNECT" || !path.starts_with('/') {
-        return false;
-    }
-    let (mut hosts, mut lengths) = (0, 0);
-    for h in req.headers.iter() {
-        let name = h.name;
-        let is = |n: &str| name.eq_ignore_ascii_case(n);
-        if is("host") {
-            hosts += 1;
-        } else if is("content-length") {
-            lengths += 1;
-            if h.value != b"0" {
-                return false;
-            }
-        } else if is("connection") {
-            let v = h.value;
-            if !(v.eq_ignore_ascii_case(b"close") || v.eq_ignore_ascii_case(b"keep-alive")) {
-                return false;
-            }
-        } else if is("transfer-encoding")
-            || is("upgrade")
-            || is("expect")
-            || is("http2-settings")
-            || is("close")
-        {
-            return false;
-        }
-    }
-    hosts == 1 && lengths <= 1
+    super::h1_session::plain(head).is_some()
 }
 
 /// What a connection's last request left on its session for the next one (pingora's
@@ -209,49 +179,84 @@ impl Kept {
 pub(crate) type Next = (Box<Downstream>, Kept);
 
 /// One request, as `HttpProxy::process_new_http` serves it. `None`: the connection is done.
+/// `plain`: the request's head, which `read_head` buffered on the connection.
 pub(crate) async fn process(
     d: &Driver,
-    stream: Box<Downstream>,
+    mut stream: Box<Downstream>,
     kept: Kept,
     told: bool,
+    plain: &Plain,
 ) -> Option<Next> {
+    // The head goes into Portico's own session when it can (see `h1_session`), else pingora's
+    // session reads it from the connection.
+    let own = if d.own_session() {
+        plain.take(&mut stream)
+    } else {
+        None
+    };
+    // What the request's hooks and its own session share, kept here to take the connection
+    // back from it.
+    let mut conn = None;
     // The session is handed back here rather than in each way out of `process_request`,
     // and the request's state lives in this block only: a future is as large as its largest
     // await, and pingora's `finish` (which `reuse` awaits) nested under the proxying steps,
     // next to the context, made this one, boxed per request, 12.6 KB.
     let s = {
-        let stream: Stream = stream;
-        // Boxed: the session (several hundred bytes) moves through the steps below and back
-        // out, a copy at each move; a box moves as a pointer.
-        let mut s = Box::new(Session::new_h1_with_modules(
-            stream,
-            &d.app.downstream_modules,
-        ));
-        kept.apply(&mut s.downstream_session);
-        // `handle_new_request`: the head is already buffered, so no shutdown wait is needed.
-        match s.downstream_session.read_request().await {
-            Ok(true) => {}
-            Ok(false) => return None,
-            Err(mut e) => {
-                e.as_down();
-                if matches!(e.etype, ErrorType::InvalidHTTPHeader) {
-                    if let Err(e) = s.downstream_session.respond_error(400).await {
-                        tracing::debug!("failed to send error response to downstream: {e}");
-                    }
-                }
-                s.downstream_session.shutdown().await;
-                return None;
-            }
-        }
-        if told {
-            s.set_keepalive(None);
-        }
-        d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
         let mut ctx = d.gw.new_ctx();
         ctx.own_loop = true;
+        let s = match own {
+            Some((req, raw)) => {
+                let c = Arc::new(Conn::new(if told { None } else { plain.keepalive() }));
+                let session = OwnSession::new(stream, req, raw, c.clone(), kept.reuses);
+                // pingora's proxy session is made only around an HTTP/1 session of its own;
+                // the own one takes its place at once.
+                let mut s = Box::new(Session::new_h1_with_modules(
+                    Box::new(Vacant),
+                    &d.app.downstream_modules,
+                ));
+                *s.downstream_session = ServerSession::new_custom(Box::new(session));
+                ctx.own = Some(c.clone());
+                conn = Some(c);
+                s
+            }
+            None => {
+                let stream: Stream = stream;
+                // Boxed: the session (several hundred bytes) moves through the steps below and
+                // back out, a copy at each move; a box moves as a pointer.
+                let mut s = Box::new(Session::new_h1_with_modules(
+                    stream,
+                    &d.app.downstream_modules,
+                ));
+                kept.apply(&mut s.downstream_session);
+                // `handle_new_request`: the head is already buffered, so no shutdown wait is
+                // needed.
+                match s.downstream_session.read_request().await {
+                    Ok(true) => {}
+                    Ok(false) => return None,
+                    Err(mut e) => {
+                        e.as_down();
+                        if matches!(e.etype, ErrorType::InvalidHTTPHeader) {
+                            if let Err(e) = s.downstream_session.respond_error(400).await {
+                                tracing::debug!("failed to send error response to downstream: {e}");
+                            }
+                        }
+                        s.downstream_session.shutdown().await;
+                        return None;
+                    }
+                }
+                if told {
+                    s.set_keepalive(None);
+                }
+                s
+            }
+        };
+        d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
         process_request(d, s, &mut ctx).await?
     };
-    reuse(s).await
+    match conn {
+        Some(c) => reuse_own(s, &c, kept).await,
+        None => reuse(s).await,
+    }
 }
 
 /// `HttpProxy::process_request` without a cache, subrequests or custom sessions: the session
@@ -387,6 +392,24 @@ async fn reuse(s: Box<Session>) -> Option<Next> {
     Some((d, kept))
 }
 
+/// `reuse` for Portico's own session: as pingora's `finish` of its own, the response's end
+/// flushed, the connection shut unless it is kept, and then handed back by the session.
+async fn reuse_own(mut s: Box<Session>, conn: &Conn, kept: Kept) -> Option<Next> {
+    s.downstream_session.finish_body().await.ok()?;
+    if !super::h1_session::will_keepalive(conn, kept.reuses) {
+        s.downstream_session.shutdown().await;
+        return None;
+    }
+    drop(s);
+    let d = conn.take()?;
+    let kept = Kept {
+        keepalive: conn.keepalive(),
+        reuses: kept.reuses.map(|r| r.saturating_sub(1)),
+        pipelining: true,
+    };
+    Some((d, kept))
+}
+
 /// `HttpProxy::proxy_to_upstream` for an HTTP/1 upstream: (reuse the downstream, error).
 async fn proxy_to_upstream(
     d: &Driver,
@@ -478,7 +501,7 @@ async fn proxy_to_h1_upstream(
 
     let mut req = s.req_header().clone();
     req.set_version(http::Version::HTTP_11);
-    // pingora's default upstream request policy: hop-by-hop fields go (`plain_request` left
+    // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::plain` left
     // nothing for a `Connection` header to name).
     strip_hop_by_hop(&mut req);
     if let Err(e) = gw.upstream_request_filter(s, &mut req, ctx).await {

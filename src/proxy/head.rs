@@ -57,7 +57,7 @@ fn plain_request(req: &RequestHeader) -> bool {
 
 /// A request head whose parts are all its `http` parts, case aside: a target the URI
 /// reproduces and the default `send_end_stream`.
-fn rebuildable(req: &RequestHeader) -> bool {
+pub(crate) fn rebuildable(req: &RequestHeader) -> bool {
     req.send_end_stream() != Some(false) && target_from_uri(req)
 }
 
@@ -264,7 +264,7 @@ pub(crate) fn drop_case(req: &mut RequestHeader) {
 /// How many headers the gateway may add to a request, the Istio chain's included (four of
 /// its own, four of the B3 context, two of peer metadata, the forwarded-for pair): growing
 /// the map once more on the way cost ~700 instructions a request.
-const REQUEST_ADDED_HEADERS: usize = 12;
+pub(crate) const REQUEST_ADDED_HEADERS: usize = 12;
 
 /// About how many headers the gateway adds to a response: room made for them at once.
 pub(crate) const ADDED_HEADERS: usize = 4;

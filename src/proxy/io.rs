@@ -173,6 +173,26 @@ impl Downstream {
         &self.ahead
     }
 
+    /// The first `n` bytes `read_head` buffered (a request head), taken off the connection.
+    pub fn take_ahead(&mut self, n: usize) -> bytes::Bytes {
+        let n = n.min(self.ahead.len());
+        if n == self.ahead.len() {
+            // The whole buffer: an idle connection then holds no read buffer.
+            std::mem::take(&mut self.ahead).freeze()
+        } else {
+            self.ahead.split_to(n).freeze()
+        }
+    }
+
+    /// Writes into what the next flush sends (a response head serialised in place). Safe at
+    /// any time: a flush in progress sends the buffer in order, these bytes after the rest.
+    pub fn stage(&mut self, f: impl FnOnce(&mut Vec<u8>)) {
+        if self.buf.capacity() == 0 {
+            self.buf.reserve_exact(CAPACITY);
+        }
+        f(&mut self.buf);
+    }
+
     /// Puts bytes read past a request back in front of the connection (a pipelined request
     /// an HTTP/1 session read ahead of its time).
     pub fn unread(&mut self, bytes: &[u8]) {

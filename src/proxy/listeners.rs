@@ -1112,13 +1112,13 @@ async fn serve_h1(
                 };
                 let plain = match head {
                     Head::Closed => return,
-                    Head::Undecided => false,
-                    Head::Complete(end) => super::h1::plain_request(&d.ahead()[..end]),
+                    Head::Undecided => None,
+                    Head::Complete(end) => super::h1_session::plain(&d.ahead()[..end]),
                 };
-                if plain {
+                if let Some(plain) = plain {
                     // Boxed, as pingora's request future is: a connection's task is as
                     // large as its largest await, and it mostly idles between requests.
-                    match Box::pin(super::h1::process(driver, d, kept, told_now)).await {
+                    match Box::pin(super::h1::process(driver, d, kept, told_now, &plain)).await {
                         Some((d, kept)) => {
                             if !idle_wait(&d, kept.idle(), &mut idle_close, &mut idle_timer).await {
                                 return;

@@ -74,11 +74,7 @@ impl Gateway {
         if let Some(rh) = &ctx.resp_headers {
             rh.apply(&mut resp, session.req_header());
         }
-        let h1 = matches!(
-            session.as_downstream(),
-            pingora_core::protocols::http::ServerSession::H1(_)
-        );
-        if h1 {
+        if super::downstream_h1(session) {
             resp.insert_header(http::header::CONTENT_LENGTH, "0")?;
         }
         if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
@@ -105,7 +101,7 @@ impl Gateway {
         grpc_status: Option<u32>,
     ) -> Result<bool> {
         if self.chain.drain_close() {
-            session.set_keepalive(None);
+            super::keepalive(session, ctx, None);
         }
         if ctx.grpc_request {
             let grpc_status =
@@ -121,10 +117,7 @@ impl Gateway {
         let body = if no_body_status { None } else { body };
         let head_only = session.req_header().method == http::Method::HEAD;
         // Envoy answers HEAD for an empty local reply without a length (chunked framing).
-        let h2 = !matches!(
-            session.as_downstream(),
-            pingora_core::protocols::http::ServerSession::H1(_)
-        );
+        let h2 = !super::downstream_h1(session);
         // Envoy sends an empty local reply without a length over HTTP/2, and to HEAD.
         let omit_length = no_body_status || (len == 0 && (head_only || h2));
         if !omit_length {
@@ -205,7 +198,7 @@ impl Gateway {
         if code > 0 {
             // pingora closes the downstream connection after a failed proxy attempt; saying so
             // keeps clients from reusing it (Envoy keeps it open).
-            session.set_keepalive(None);
+            super::keepalive(session, ctx, None);
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             let overloaded = [(X_OVERLOADED.clone(), "true".to_string())];
             let extra: &[(HeaderName, String)] = if *e.etype() == OVERFLOW {

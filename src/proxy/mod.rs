@@ -38,6 +38,7 @@ pub mod client_cert;
 pub mod conn;
 mod downstream;
 mod h1;
+mod h1_session;
 mod h1_upstream;
 mod hbone;
 mod head;
@@ -159,6 +160,9 @@ impl PinnedChain {
 pub struct Ctx {
     /// Served by Portico's own HTTP/1 loop (`h1`), whose upstream writer lowercases names.
     own_loop: bool,
+    /// What the request shares with Portico's own HTTP/1 session (`h1_session`), when it has
+    /// one: the keep-alive its hooks decide.
+    own: Option<Arc<h1_session::Conn>>,
     listener: Option<Arc<ActiveChain>>,
     cluster: Option<Arc<Cluster>>,
     /// The request's one snapshot, loaded when it starts: routing, upstream selection,
@@ -276,9 +280,44 @@ fn filter_response_headers(resp: &mut ResponseHeader, ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
+/// pingora's `set_keepalive` on the request's downstream session, Portico's own HTTP/1
+/// session included (pingora ignores it for a custom session).
+fn keepalive(session: &mut Session, ctx: &Ctx, secs: Option<u64>) {
+    match &ctx.own {
+        Some(c) => c.set_keepalive(secs),
+        None => session.set_keepalive(secs),
+    }
+}
+
+/// Whether the request came over HTTP/1: pingora's session, or Portico's own (the only
+/// custom session there is).
+pub(super) fn downstream_h1(session: &Session) -> bool {
+    matches!(
+        session.as_downstream(),
+        pingora_core::protocols::http::ServerSession::H1(_)
+            | pingora_core::protocols::http::ServerSession::Custom(_)
+    )
+}
+
+/// The HTTP/1 request head as it was read (request line and fields).
+pub(super) fn raw_h1_head(session: &Session) -> Option<Bytes> {
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => Some(h1.get_headers_raw_bytes()),
+        pingora_core::protocols::http::ServerSession::Custom(c) => {
+            Some(c.pseudo_raw_h1_request_header())
+        }
+        _ => None,
+    }
+}
+
 /// How long an HTTP/1 connection waits for its next request after this response: the
 /// connection manager's `idle_timeout` (None: forever), capped or ended by its limits.
-fn set_keepalive(session: &mut Session, idle: Option<std::time::Duration>, admit: conn::Admit) {
+fn set_keepalive(
+    session: &mut Session,
+    ctx: &Ctx,
+    idle: Option<std::time::Duration>,
+    admit: conn::Admit,
+) {
     let idle = match admit {
         conn::Admit::Close => None,
         conn::Admit::Keep => Some(idle),
@@ -286,13 +325,16 @@ fn set_keepalive(session: &mut Session, idle: Option<std::time::Duration>, admit
     };
     // pingora counts whole seconds, and zero means forever.
     let secs = idle.map(|i| i.map_or(0, |d| d.as_secs_f64().ceil().max(1.0) as u64));
-    session.set_keepalive(secs);
+    keepalive(session, ctx, secs);
 }
 
 /// The connection manager's state of the request's connection, when its chain limits
 /// connections (HTTP/1 only).
 /// Whether pingora means to keep this HTTP/1 connection alive after the request.
-fn h1_kept_alive(session: &Session) -> bool {
+fn h1_kept_alive(session: &Session, ctx: &Ctx) -> bool {
+    if let Some(c) = &ctx.own {
+        return c.keepalive().is_some();
+    }
     matches!(
         session.as_downstream(),
         pingora_core::protocols::http::ServerSession::H1(s1)
@@ -398,11 +440,7 @@ impl Gateway {
             || empty
             || ctx.discard_body;
         filters::compressor::response_headers(&hcm.filters, cs, resp, headers_only);
-        let h1 = matches!(
-            session.as_downstream(),
-            pingora_core::protocols::http::ServerSession::H1(_)
-        );
-        if cs.encoder.is_some() && h1 {
+        if cs.encoder.is_some() && downstream_h1(session) {
             resp.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
         }
         Ok(())
@@ -525,10 +563,10 @@ impl ProxyHttp for Gateway {
         // keep-alive pingora decided for it stays as it is otherwise), no longer than its
         // maximum duration allows; its maximum number of requests may close it.
         if let Some(h) = listener.def.hcm() {
-            let kept = h1_kept_alive(session);
+            let kept = h1_kept_alive(session, ctx);
             let admit = conn_state(session).map_or(conn::Admit::Keep, |c| c.admit());
             if kept {
-                set_keepalive(session, h.idle_timeout, admit);
+                set_keepalive(session, ctx, h.idle_timeout, admit);
             }
         }
         // Set after the codec-level checks above, whose replies stay plain.
@@ -575,7 +613,7 @@ impl ProxyHttp for Gateway {
             return self.local_reply(session, ctx, 404, None, &[]).await;
         };
         if !self.admit_upgrade(session, ctx, hcm, matched) {
-            session.set_keepalive(None);
+            keepalive(session, ctx, None);
             return self.local_reply(session, ctx, 403, None, &[]).await;
         }
         let mut picked = routing::pick_cluster(matched);
@@ -842,9 +880,9 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         trace::response_headers(resp, ctx.decorator_response.as_ref())?;
         if self.chain.drain_close() {
-            session.set_keepalive(None);
+            keepalive(session, ctx, None);
         } else if let Some(c) = conn_state(session) {
-            let kept = h1_kept_alive(session);
+            let kept = h1_kept_alive(session, ctx);
             let admit = c.at_response();
             if kept && admit != conn::Admit::Keep {
                 let idle = ctx
@@ -852,7 +890,7 @@ impl ProxyHttp for Gateway {
                     .as_ref()
                     .and_then(|l| l.def.hcm())
                     .and_then(|h| h.idle_timeout);
-                set_keepalive(session, idle, admit);
+                set_keepalive(session, ctx, idle, admit);
             }
         }
         upstream::response_headers(session, resp, ctx)?;

@@ -14,10 +14,7 @@ use crate::snapshot::upgrade::{allowed, Upgrades};
 /// that names it. `Upgrade: h2c` is not one: Envoy's codec drops that offer. Returns the
 /// requested protocol.
 pub(super) fn requested(session: &Session) -> Option<&HeaderValue> {
-    if !matches!(
-        session.as_downstream(),
-        pingora_core::protocols::http::ServerSession::H1(_)
-    ) {
+    if !super::downstream_h1(session) {
         return None;
     }
     let req = session.req_header();

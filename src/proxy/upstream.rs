@@ -414,7 +414,7 @@ pub(super) fn response_headers(
         // Envoy 1.40 relays a refused upgrade's head with an empty body and closes the
         // connection, whose remaining bytes were meant for the other protocol.
         upgrade::refused_head(resp)?;
-        session.set_keepalive(None);
+        super::keepalive(session, ctx, None);
         ctx.discard_body = true;
     }
     if let Some(c) = &ctx.cluster {

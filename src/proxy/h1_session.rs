@@ -1,0 +1,1062 @@
+//! Portico's own HTTP/1.1 downstream session, for the requests its own loop (`h1`) serves:
+//! pingora's proxy `Session` carries it as a custom session (`ServerSession::Custom`).
+//!
+//! pingora's HTTP/1 session reads a request into a head that keeps its names' case in a
+//! second map (which the gateway drops again: Envoy keeps none), validates it a second time,
+//! and is made and taken apart around every request. This session takes a head that `plain`
+//! has already parsed and checked, straight into a head without case, and answers as
+//! pingora's session does, byte for byte (`tests/h1_loop.rs` holds it to that): `Date` and
+//! `Connection` set on the response head, the same body framing (a length, chunked, until
+//! close; none for HEAD, 204 and 304), the same flushes and the same errors.
+//!
+//! What pingora's session learns through `set_keepalive` (which pingora ignores for a custom
+//! session) this one learns from the [`Conn`] it shares with the request's context, and it
+//! hands the connection back through that `Conn` when it is dropped with the connection kept
+//! (pingora's `finish` gives a custom session's connection back to no one).
+
+use std::future::pending;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
+use pingora_core::protocols::http::custom::server::Session as CustomSession;
+use pingora_core::protocols::http::custom::CustomMessageWrite;
+use pingora_core::protocols::http::HttpTask;
+use pingora_core::protocols::l4::socket::SocketAddr;
+use pingora_core::protocols::{
+    Digest, GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, UniqueID,
+    UniqueIDType,
+};
+use pingora_error::{Error, ErrorType, OrErr, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::io::Downstream;
+
+/// The most header fields a plain request may have (more go to pingora's session).
+const MAX_FIELDS: usize = 100;
+
+/// pingora's error for a body shorter than its `Content-Length` (its body writer's).
+const PREMATURE_BODY_END: ErrorType = ErrorType::new("PrematureBodyEnd");
+
+/// A header field of a plain request head: where its name and value are in the head's bytes.
+#[derive(Clone, Copy, Default)]
+struct Field {
+    name: (u16, u16),
+    value: (u16, u16),
+}
+
+/// A request head `plain` accepted, as offsets into the connection's buffered bytes: the
+/// head is built from them once those bytes are taken off the connection, without copies.
+pub(crate) struct Plain {
+    end: usize,
+    method: (u16, u16),
+    path: (u16, u16),
+    fields: [Field; MAX_FIELDS],
+    n: usize,
+    /// What the first `Connection` field says: keep-alive (true) or close (false).
+    connection: Option<bool>,
+}
+
+/// Whether a request head (complete, through its blank line: `head`) is one the own loop
+/// serves: HTTP/1.1, origin-form, one Host, no body (no `transfer-encoding`, no
+/// `content-length` but 0), no upgrade or `Expect`, and a `Connection` header (if any) that
+/// only says `close` or `keep-alive`, so pingora's upstream request policy has nothing to
+/// strip that it names. Anything else, or anything httparse refuses, goes to pingora's loop.
+pub(crate) fn plain(head: &[u8]) -> Option<Plain> {
+    let at = |s: &[u8]| -> Option<(u16, u16)> {
+        let start = (s.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
+        Some((u16::try_from(start).ok()?, u16::try_from(s.len()).ok()?))
+    };
+    if head.len() > usize::from(u16::MAX) {
+        return None;
+    }
+    // Uninitialised: the parse writes only the fields it finds (an initialised array of 100
+    // is 3.2 KB written per request).
+    let mut headers = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_FIELDS];
+    let mut req = httparse::Request::new(&mut []);
+    let parsed = httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req,
+        head,
+        &mut headers,
+    );
+    let end = match parsed {
+        Ok(httparse::Status::Complete(end)) => end,
+        _ => return None,
+    };
+    if req.version != Some(1) {
+        return None;
+    }
+    let (Some(method), Some(path)) = (req.method, req.path) else {
+        return None;
+    };
+    if method == "CONNECT" || !path.starts_with('/') {
+        return None;
+    }
+    let mut plain = Plain {
+        end,
+        method: at(method.as_bytes())?,
+        path: at(path.as_bytes())?,
+        fields: [Field::default(); MAX_FIELDS],
+        n: 0,
+        connection: None,
+    };
+    let (mut hosts, mut lengths) = (0, 0);
+    for h in req.headers.iter() {
+        let name = h.name;
+        let is = |n: &str| name.eq_ignore_ascii_case(n);
+        if is("host") {
+            hosts += 1;
+        } else if is("content-length") {
+            lengths += 1;
+            if h.value != b"0" {
+                return None;
+            }
+        } else if is("connection") {
+            let v = h.value;
+            let keep = v.eq_ignore_ascii_case(b"keep-alive");
+            if !(keep || v.eq_ignore_ascii_case(b"close")) {
+                return None;
+            }
+            plain.connection = plain.connection.or(Some(keep));
+        } else if is("transfer-encoding")
+            || is("upgrade")
+            || is("expect")
+            || is("http2-settings")
+            || is("close")
+        {
+            return None;
+        }
+        if !name.is_empty() {
+            plain.fields[plain.n] = Field {
+                name: at(name.as_bytes())?,
+                value: at(h.value)?,
+            };
+            plain.n += 1;
+        }
+    }
+    (hosts == 1 && lengths <= 1).then_some(plain)
+}
+
+impl Plain {
+    /// The request head, as pingora's session would read it less its names' case, and its
+    /// bytes, taken off the connection. None: they stay on it, for pingora's session to read
+    /// (and answer as it does: an authority it refuses, a target it keeps verbatim).
+    pub fn take(&self, d: &mut Downstream) -> Option<(RequestHeader, Bytes)> {
+        let raw = d.take_ahead(self.end);
+        match self.head(&raw) {
+            Some(req) => Some((req, raw)),
+            None => {
+                d.unread(&raw);
+                None
+            }
+        }
+    }
+
+    fn head(&self, raw: &Bytes) -> Option<RequestHeader> {
+        let range = |(at, len): (u16, u16)| usize::from(at)..usize::from(at) + usize::from(len);
+        let method = Method::from_bytes(raw.get(range(self.method))?).ok()?;
+        let size = self.n + super::head::REQUEST_ADDED_HEADERS;
+        let mut req =
+            RequestHeader::build_no_case(method, raw.get(range(self.path))?, Some(size)).ok()?;
+        req.set_version(Version::HTTP_11);
+        // A target the URI does not reproduce (bytes that are not UTF-8) would be lost in
+        // the head's parts below.
+        if !super::head::rebuildable(&req) {
+            return None;
+        }
+        // The map reached through the head's parts, once for all fields (pingora's own
+        // appends take a name's case along, and parse the name again).
+        let mut parts = http::request::Parts::from(req);
+        for f in &self.fields[..self.n] {
+            let name = HeaderName::from_bytes(raw.get(range(f.name))?).ok()?;
+            let value = HeaderValue::from_maybe_shared(raw.slice(range(f.value))).ok()?;
+            parts.headers.try_append(name, value).ok()?;
+        }
+        let req = RequestHeader::from(parts);
+        pingora_core::protocols::http::authority::validate_request_authority(&req).ok()?;
+        Some(req)
+    }
+
+    /// pingora's `respect_keepalive` for HTTP/1.1: kept (no limit) unless it says close.
+    pub fn keepalive(&self) -> Option<u64> {
+        match self.connection {
+            Some(false) => None,
+            _ => Some(0),
+        }
+    }
+}
+
+/// What the request's hooks and its session share about the connection.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    /// pingora's keep-alive: `OFF`, else the seconds the connection may idle (0: no limit).
+    keep: AtomicU64,
+    /// The connection, handed back by a session dropped with the connection kept.
+    parked: Mutex<Option<Box<Downstream>>>,
+}
+
+const OFF: u64 = u64::MAX;
+
+impl Conn {
+    pub fn new(keepalive: Option<u64>) -> Conn {
+        Conn {
+            keep: AtomicU64::new(keepalive.unwrap_or(OFF)),
+            parked: Mutex::new(None),
+        }
+    }
+
+    /// pingora's `set_keepalive`: None closes the connection after this request.
+    pub fn set_keepalive(&self, secs: Option<u64>) {
+        self.keep.store(secs.unwrap_or(OFF), Relaxed);
+    }
+
+    pub fn keepalive(&self) -> Option<u64> {
+        Some(self.keep.load(Relaxed)).filter(|k| *k != OFF)
+    }
+
+    /// The connection its session handed back, if it was kept.
+    pub fn take(&self) -> Option<Box<Downstream>> {
+        self.parked.lock().ok()?.take()
+    }
+}
+
+/// pingora's `will_keepalive`.
+pub(crate) fn will_keepalive(conn: &Conn, reuses: Option<u32>) -> bool {
+    conn.keepalive().is_some() && reuses != Some(0)
+}
+
+/// How the response body is framed (pingora's body writer's modes).
+#[derive(Debug, Clone, Copy)]
+enum Body {
+    /// No final response head yet.
+    Select,
+    Length {
+        total: usize,
+        written: usize,
+    },
+    Chunked(usize),
+    UntilClose(usize),
+    Complete,
+}
+
+/// The session of one request on a connection.
+pub(crate) struct OwnSession {
+    /// Always there until the session is dropped (then handed back through `conn`).
+    stream: Option<Box<Downstream>>,
+    req: RequestHeader,
+    raw: Bytes,
+    conn: Arc<Conn>,
+    reuses: Option<u32>,
+    digest: Digest,
+    response_written: Option<Box<ResponseHeader>>,
+    body: Body,
+    /// Body bytes of several tasks, written at once (`response_duplex_vec`).
+    body_buf: Vec<u8>,
+    body_bytes_sent: usize,
+    read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
+    drain_timeout: Option<Duration>,
+    /// The client closed its side while the response was pending.
+    half_closed: bool,
+    /// Bytes of the next request arrived while this one was answered (kept on the connection).
+    stashed: bool,
+}
+
+impl OwnSession {
+    pub fn new(
+        stream: Box<Downstream>,
+        req: RequestHeader,
+        raw: Bytes,
+        conn: Arc<Conn>,
+        reuses: Option<u32>,
+    ) -> OwnSession {
+        // As pingora's session takes it from the connection when made.
+        let digest = Digest {
+            ssl_digest: stream.get_ssl_digest(),
+            timing_digest: stream.get_timing_digest(),
+            proxy_digest: stream.get_proxy_digest(),
+            socket_digest: stream.get_socket_digest(),
+        };
+        OwnSession {
+            stream: Some(stream),
+            req,
+            raw,
+            conn,
+            reuses,
+            digest,
+            response_written: None,
+            body: Body::Select,
+            body_buf: Vec::new(),
+            body_bytes_sent: 0,
+            // pingora's session's default.
+            read_timeout: Some(Duration::from_secs(60)),
+            write_timeout: None,
+            drain_timeout: None,
+            half_closed: false,
+            stashed: false,
+        }
+    }
+
+    fn io(&mut self) -> Result<&mut Downstream> {
+        self.stream
+            .as_deref_mut()
+            .ok_or_else(|| Error::explain(ErrorType::InternalError, "the connection is gone"))
+    }
+
+    fn will_keepalive(&self) -> bool {
+        will_keepalive(&self.conn, self.reuses)
+    }
+
+    fn body_finished(&self) -> bool {
+        match self.body {
+            Body::Complete => true,
+            Body::Length { total, written } => written >= total,
+            _ => false,
+        }
+    }
+
+    /// pingora's `write_response_header` (with its `prepare_response_header`). Informational
+    /// heads other than 101 are not relayed: Portico sets `ignore_info_resp` on every HTTP/1
+    /// session (Envoy answers `Expect` itself, which this loop never sees).
+    async fn write_head(&mut self, mut header: Box<ResponseHeader>) -> Result<()> {
+        let informational = header.status.is_informational();
+        if informational && header.status != StatusCode::SWITCHING_PROTOCOLS {
+            tracing::debug!("ignoring informational headers");
+            return Ok(());
+        }
+        if let Some(resp) = &self.response_written {
+            if !resp.status.is_informational() {
+                tracing::warn!("Respond header is already sent, cannot send again");
+                return Ok(());
+            }
+        }
+        if !informational {
+            header.insert_header(
+                header::DATE,
+                pingora_core::protocols::http::date::get_cached_date(),
+            )?;
+            let connection = if self.will_keepalive() {
+                "keep-alive"
+            } else {
+                "close"
+            };
+            header.insert_header(header::CONNECTION, connection)?;
+        }
+        if header.status == StatusCode::SWITCHING_PROTOCOLS {
+            self.conn.set_keepalive(None);
+        }
+        self.init_body_writer(&header);
+        if matches!(self.body, Body::UntilClose(_)) {
+            self.conn.set_keepalive(None);
+        }
+        let version = match header.version {
+            Version::HTTP_09 => "HTTP/0.9 ",
+            Version::HTTP_10 => "HTTP/1.0 ",
+            Version::HTTP_11 => "HTTP/1.1 ",
+            _ => return Error::e_explain(ErrorType::WriteError, "serializing response header"),
+        };
+        let flush = informational || !header.headers.contains_key(header::CONTENT_LENGTH);
+        let finished = self.body_finished();
+        let io = self.io()?;
+        // Into the connection's write buffer, which the flush below (or the body's) sends.
+        io.stage(|buf| {
+            buf.extend_from_slice(version.as_bytes());
+            buf.extend_from_slice(header.status.as_str().as_bytes());
+            buf.push(b' ');
+            if let Some(reason) = header.get_reason_phrase() {
+                buf.extend_from_slice(reason.as_bytes());
+            }
+            buf.extend_from_slice(b"\r\n");
+            header.header_to_h1_wire(buf);
+            buf.extend_from_slice(b"\r\n");
+        });
+        if flush || finished {
+            io.flush()
+                .await
+                .or_err(ErrorType::WriteError, "flushing response header")?;
+        }
+        self.response_written = Some(header);
+        Ok(())
+    }
+
+    /// pingora's `init_body_writer` for a request that asked for no upgrade.
+    fn init_body_writer(&mut self, header: &ResponseHeader) {
+        if matches!(
+            header.status,
+            StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+        ) || self.req.method == Method::HEAD
+        {
+            self.body = Body::Length {
+                total: 0,
+                written: 0,
+            };
+            return;
+        }
+        if header.status.is_informational() && header.status != StatusCode::SWITCHING_PROTOCOLS {
+            return;
+        }
+        self.body = if chunked_last(&header.headers) {
+            Body::Chunked(0)
+        } else {
+            match content_length(&header.headers) {
+                Some(total) => Body::Length { total, written: 0 },
+                // No length, or one that cannot frame the body: until the connection closes.
+                None => Body::UntilClose(0),
+            }
+        };
+    }
+
+    /// pingora's `write_body`: through the body's framing, within the write timeout.
+    async fn write_body_timed(&mut self, buf: &[u8]) -> Result<Option<usize>> {
+        let written = match self.write_timeout {
+            Some(t) => match tokio::time::timeout(t, self.write_framed(buf)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Error::e_explain(
+                        ErrorType::WriteTimedout,
+                        format!("writing body, timeout: {t:?}"),
+                    )
+                }
+            },
+            None => self.write_framed(buf).await,
+        }?;
+        if let Some(n) = written {
+            self.body_bytes_sent += n;
+        }
+        Ok(written)
+    }
+
+    /// pingora's body writer's `write_body`.
+    async fn write_framed(&mut self, buf: &[u8]) -> Result<Option<usize>> {
+        let body = self.body;
+        let io = self.io()?;
+        match body {
+            Body::Select | Body::Complete => Ok(None),
+            Body::Length { total, written } => {
+                if written >= total {
+                    return Ok(None);
+                }
+                let mut n = total - written;
+                if n < buf.len() {
+                    tracing::warn!("Trying to write data over content-length: {total}");
+                } else {
+                    n = buf.len();
+                }
+                io.write_all(&buf[..n])
+                    .await
+                    .or_err(ErrorType::WriteError, "while writing body")?;
+                let flushed = if written + n >= total {
+                    io.flush().await
+                } else {
+                    Ok(())
+                };
+                self.body = Body::Length {
+                    total,
+                    written: written + n,
+                };
+                flushed.or_err(ErrorType::WriteError, "flushing body")?;
+                Ok(Some(n))
+            }
+            Body::Chunked(written) => {
+                let mut size = [0u8; 18];
+                let size = chunk_size(buf.len(), &mut size);
+                let mut wrote = io.write_all(size).await;
+                if wrote.is_ok() {
+                    wrote = io.write_all(buf).await;
+                }
+                if wrote.is_ok() {
+                    wrote = io.write_all(b"\r\n").await;
+                }
+                wrote.or_err(ErrorType::WriteError, "while writing body")?;
+                io.flush()
+                    .await
+                    .or_err(ErrorType::WriteError, "flushing body")?;
+                self.body = Body::Chunked(written + buf.len());
+                Ok(Some(buf.len()))
+            }
+            Body::UntilClose(written) => {
+                io.write_all(buf)
+                    .await
+                    .or_err(ErrorType::WriteError, "while writing body")?;
+                let flushed = io.flush().await;
+                self.body = Body::UntilClose(written + buf.len());
+                flushed.or_err(ErrorType::WriteError, "flushing body")?;
+                Ok(Some(buf.len()))
+            }
+        }
+    }
+
+    /// pingora's `finish_body`: the body's end (a last chunk), then a flush.
+    async fn finish_body(&mut self) -> Result<Option<usize>> {
+        let body = self.body;
+        let io = self.io()?;
+        let done = match body {
+            Body::Select | Body::Complete => None,
+            Body::Length { total, written } => {
+                self.body = Body::Complete;
+                if written < total {
+                    return Error::e_explain(
+                        PREMATURE_BODY_END,
+                        format!("Content-length: {total} bytes written: {written}"),
+                    );
+                }
+                Some(written)
+            }
+            Body::Chunked(written) => {
+                let wrote = io.write_all(b"0\r\n\r\n").await;
+                self.body = Body::Complete;
+                wrote.or_err(ErrorType::WriteError, "while writing body")?;
+                Some(written)
+            }
+            Body::UntilClose(written) => {
+                self.body = Body::Complete;
+                Some(written)
+            }
+        };
+        self.io()?
+            .flush()
+            .await
+            .or_err(ErrorType::WriteError, "flushing body")?;
+        Ok(done)
+    }
+
+    /// pingora's `response_duplex`, one task.
+    async fn duplex(&mut self, task: HttpTask) -> Result<bool> {
+        let end = match task {
+            HttpTask::Header(header, end) => {
+                self.write_head(header).await.map_err(|e| e.into_down())?;
+                end
+            }
+            HttpTask::Body(data, end) => {
+                if let Some(d) = data.filter(|d| !d.is_empty()) {
+                    self.write_body_timed(&d).await.map_err(|e| e.into_down())?;
+                }
+                end
+            }
+            HttpTask::UpgradedBody(..) => return Err(not_upgraded()),
+            HttpTask::Trailer(_) | HttpTask::Done => true,
+            HttpTask::Failed(e) => return Err(e),
+        };
+        if end {
+            self.finish_body().await.map_err(|e| e.into_down())?;
+        }
+        Ok(end || self.body_finished())
+    }
+
+    /// pingora's `write_body_buf`: the batched body bytes, as one write of the body.
+    async fn write_body_buf(&mut self) -> Result<Option<usize>> {
+        if self.body_buf.is_empty() {
+            return Ok(None);
+        }
+        let buf = std::mem::take(&mut self.body_buf);
+        let written = self.write_body_timed(&buf).await;
+        self.body_buf = buf;
+        self.body_buf.clear();
+        written
+    }
+
+    fn premature(&self) -> &'static str {
+        if self.response_written.is_none() {
+            "Prematurely before response header is sent"
+        } else {
+            "Prematurely before response body is complete"
+        }
+    }
+}
+
+fn not_upgraded() -> Box<Error> {
+    Error::explain(
+        ErrorType::InternalError,
+        "an upgraded body for a session that was not upgraded",
+    )
+}
+
+/// A chunk's size line as pingora writes it (upper-case hex).
+fn chunk_size(n: usize, buf: &mut [u8; 18]) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut digits = [0u8; 16];
+    let mut i = digits.len();
+    let mut v = n;
+    loop {
+        i -= 1;
+        digits[i] = HEX[v & 0xf];
+        v >>= 4;
+        if v == 0 {
+            break;
+        }
+    }
+    let len = digits.len() - i;
+    buf[..len].copy_from_slice(&digits[i..]);
+    buf[len..len + 2].copy_from_slice(b"\r\n");
+    &buf[..len + 2]
+}
+
+/// Whether chunked is the final coding of the last `Transfer-Encoding` field (pingora's
+/// `is_chunked_encoding_from_headers`).
+fn chunked_last(headers: &HeaderMap) -> bool {
+    let Some(last) = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+    else {
+        return false;
+    };
+    let bytes = last.as_bytes();
+    let token = bytes
+        .iter()
+        .rposition(|b| *b == b',')
+        .map_or(bytes, |p| &bytes[p + 1..]);
+    token.trim_ascii().eq_ignore_ascii_case(b"chunked")
+}
+
+/// The one length every `Content-Length` value agrees on (pingora's
+/// `content_length_for_framing`); None: absent, unparseable or in conflict.
+fn content_length(headers: &HeaderMap) -> Option<usize> {
+    let mut length: Option<u64> = None;
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        let line = value.to_str().ok()?;
+        for v in line.split(',') {
+            let v = v.trim().as_bytes();
+            if v.is_empty() {
+                return None;
+            }
+            let n = v.iter().try_fold(0u64, |n, b| {
+                b.is_ascii_digit().then_some(())?;
+                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+            })?;
+            match length {
+                None => length = Some(n),
+                Some(prev) if prev != n => return None,
+                Some(_) => {}
+            }
+        }
+    }
+    usize::try_from(length?).ok()
+}
+
+impl Drop for OwnSession {
+    fn drop(&mut self) {
+        if self.will_keepalive() {
+            if let (Some(stream), Ok(mut parked)) = (self.stream.take(), self.conn.parked.lock()) {
+                *parked = Some(stream);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl CustomSession for OwnSession {
+    fn req_header(&self) -> &RequestHeader {
+        &self.req
+    }
+
+    fn req_header_mut(&mut self) -> &mut RequestHeader {
+        &mut self.req
+    }
+
+    async fn read_body_bytes(&mut self) -> Result<Option<Bytes>> {
+        Ok(None)
+    }
+
+    async fn drain_request_body(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    async fn write_response_header(&mut self, resp: Box<ResponseHeader>, _end: bool) -> Result<()> {
+        self.write_head(resp).await
+    }
+
+    async fn write_response_header_ref(&mut self, resp: &ResponseHeader, _end: bool) -> Result<()> {
+        self.write_head(Box::new(resp.clone())).await
+    }
+
+    /// As `ServerSession::write_response_body` writes to pingora's session.
+    async fn write_body(&mut self, data: Bytes, end: bool) -> Result<()> {
+        if !data.is_empty() {
+            self.write_body_timed(&data).await?;
+        }
+        if end {
+            self.finish_body().await?;
+        }
+        Ok(())
+    }
+
+    /// pingora's HTTP/1 session sends no trailers either.
+    async fn write_trailers(&mut self, _trailers: HeaderMap) -> Result<()> {
+        Ok(())
+    }
+
+    async fn response_duplex_vec(&mut self, mut tasks: Vec<HttpTask>) -> Result<bool> {
+        if tasks.len() == 1 {
+            if let Some(task) = tasks.pop() {
+                return self.duplex(task).await;
+            }
+        }
+        let mut end = false;
+        for task in tasks {
+            end = match task {
+                HttpTask::Header(header, end) => {
+                    self.write_head(header).await.map_err(|e| e.into_down())?;
+                    end
+                }
+                HttpTask::Body(data, end) => {
+                    if let Some(d) = data.filter(|d| !d.is_empty()) {
+                        if !self.body_finished() {
+                            self.body_buf.extend_from_slice(&d);
+                        }
+                    }
+                    end
+                }
+                HttpTask::UpgradedBody(..) => return Err(not_upgraded()),
+                HttpTask::Trailer(_) | HttpTask::Done => true,
+                HttpTask::Failed(e) => {
+                    self.write_body_buf().await.map_err(|e| e.into_down())?;
+                    self.io()?
+                        .flush()
+                        .await
+                        .or_err(ErrorType::WriteError, "flushing response")?;
+                    return Err(e);
+                }
+            };
+        }
+        self.write_body_buf().await.map_err(|e| e.into_down())?;
+        if end {
+            self.finish_body().await.map_err(|e| e.into_down())?;
+        }
+        Ok(end || self.body_finished())
+    }
+
+    fn set_read_timeout(&mut self, timeout: Option<Duration>) {
+        self.read_timeout = timeout;
+    }
+
+    fn get_read_timeout(&self) -> Option<Duration> {
+        self.read_timeout
+    }
+
+    fn set_write_timeout(&mut self, timeout: Option<Duration>) {
+        self.write_timeout = timeout;
+    }
+
+    fn get_write_timeout(&self) -> Option<Duration> {
+        self.write_timeout
+    }
+
+    fn set_total_drain_timeout(&mut self, timeout: Option<Duration>) {
+        self.drain_timeout = timeout;
+    }
+
+    fn get_total_drain_timeout(&self) -> Option<Duration> {
+        self.drain_timeout
+    }
+
+    fn request_summary(&self) -> String {
+        let host = self
+            .req
+            .headers
+            .get(header::HOST)
+            .map_or(&b""[..], |h| h.as_bytes());
+        format!(
+            "{} {}, Host: {}",
+            self.req.method.as_str(),
+            String::from_utf8_lossy(self.req.raw_path()),
+            String::from_utf8_lossy(host)
+        )
+    }
+
+    fn response_written(&self) -> Option<&ResponseHeader> {
+        self.response_written.as_deref()
+    }
+
+    async fn shutdown(&mut self, _code: u32, _ctx: &str) {
+        if let Ok(io) = self.io() {
+            Shutdown::shutdown(io).await;
+        }
+    }
+
+    fn is_body_done(&mut self) -> bool {
+        true
+    }
+
+    async fn finish(&mut self) -> Result<()> {
+        self.finish_body().await.map(|_| ())
+    }
+
+    fn is_body_empty(&mut self) -> bool {
+        true
+    }
+
+    /// pingora's, for a request without a body on a session with pipelining on (Portico
+    /// turns it on for every HTTP/1 session): the client closing fails the request; bytes of
+    /// a next request stay on the connection for it.
+    async fn read_body_or_idle(&mut self, _no_body_expected: bool) -> Result<Option<Bytes>> {
+        if self.half_closed {
+            return Error::e_explain(ErrorType::ConnectionClosed, self.premature());
+        }
+        if self.stashed {
+            return pending().await;
+        }
+        let io = self.io()?;
+        if !io.ahead().is_empty() {
+            self.stashed = true;
+            return pending().await;
+        }
+        let mut probe = [0u8; 1];
+        let read = io
+            .read(&mut probe)
+            .await
+            .or_err(ErrorType::ReadError, "during HTTP body-or-idle state")?;
+        if read == 0 {
+            self.half_closed = true;
+            self.conn.set_keepalive(None);
+            return Error::e_explain(ErrorType::ConnectionClosed, self.premature());
+        }
+        io.unread(&probe[..read]);
+        self.stashed = true;
+        pending().await
+    }
+
+    fn body_bytes_sent(&self) -> usize {
+        self.body_bytes_sent
+    }
+
+    fn body_bytes_read(&self) -> usize {
+        0
+    }
+
+    fn digest(&self) -> Option<&Digest> {
+        Some(&self.digest)
+    }
+
+    fn digest_mut(&mut self) -> Option<&mut Digest> {
+        Some(&mut self.digest)
+    }
+
+    fn client_addr(&self) -> Option<&SocketAddr> {
+        self.digest.socket_digest.as_ref()?.peer_addr()
+    }
+
+    fn server_addr(&self) -> Option<&SocketAddr> {
+        self.digest.socket_digest.as_ref()?.local_addr()
+    }
+
+    fn pseudo_raw_h1_request_header(&self) -> Bytes {
+        self.raw.clone()
+    }
+
+    /// A request without a body leaves nothing to buffer (pingora's buffer stays empty and
+    /// hands out nothing).
+    fn enable_retry_buffering(&mut self) {}
+
+    fn retry_buffer_truncated(&self) -> bool {
+        false
+    }
+
+    fn get_retry_buffer(&self) -> Option<Bytes> {
+        None
+    }
+
+    async fn finish_custom(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn take_custom_message_reader(
+        &mut self,
+    ) -> Option<Box<dyn futures::Stream<Item = Result<Bytes>> + Unpin + Send + Sync + 'static>>
+    {
+        None
+    }
+
+    fn restore_custom_message_reader(
+        &mut self,
+        _reader: Box<dyn futures::Stream<Item = Result<Bytes>> + Unpin + Send + Sync + 'static>,
+    ) -> Result<()> {
+        Error::e_explain(ErrorType::InternalError, "HTTP/1 has no custom messages")
+    }
+
+    fn take_custom_message_writer(&mut self) -> Option<Box<dyn CustomMessageWrite>> {
+        None
+    }
+
+    fn restore_custom_message_writer(
+        &mut self,
+        _writer: Box<dyn CustomMessageWrite>,
+    ) -> Result<()> {
+        Error::e_explain(ErrorType::InternalError, "HTTP/1 has no custom messages")
+    }
+}
+
+/// A connection that is none: pingora's proxy session is made only around an HTTP/1 session
+/// of its own, which this stands in for until the own session replaces it.
+#[derive(Debug)]
+pub(crate) struct Vacant;
+
+impl tokio::io::AsyncRead for Vacant {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        _buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+impl tokio::io::AsyncWrite for Vacant {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        _buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::Poll::Ready(Err(std::io::ErrorKind::NotConnected.into()))
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+#[async_trait]
+impl Shutdown for Vacant {
+    async fn shutdown(&mut self) {}
+}
+
+impl UniqueID for Vacant {
+    fn id(&self) -> UniqueIDType {
+        -1
+    }
+}
+
+impl Ssl for Vacant {}
+impl Peek for Vacant {}
+
+impl GetTimingDigest for Vacant {
+    fn get_timing_digest(&self) -> Vec<Option<pingora_core::protocols::TimingDigest>> {
+        Vec::new()
+    }
+}
+
+impl GetProxyDigest for Vacant {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora_core::protocols::raw_connect::ProxyDigest>> {
+        None
+    }
+}
+
+impl GetSocketDigest for Vacant {
+    fn get_socket_digest(&self) -> Option<Arc<pingora_core::protocols::SocketDigest>> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_sizes_are_upper_case_hex_as_pingora_writes_them() {
+        for n in [0usize, 1, 9, 10, 15, 16, 255, 4096, 0xABCDEF, usize::MAX] {
+            let mut buf = [0u8; 18];
+            assert_eq!(chunk_size(n, &mut buf), format!("{n:X}\r\n").as_bytes());
+        }
+    }
+
+    #[test]
+    fn framing_reads_lengths_and_codings_as_pingora_does() {
+        let map = |fields: &[(&str, &str)]| {
+            let mut m = HeaderMap::new();
+            for (k, v) in fields {
+                m.append(
+                    HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                );
+            }
+            m
+        };
+        let cl = |fields: &[(&str, &str)]| content_length(&map(fields));
+        assert_eq!(cl(&[("content-length", "5")]), Some(5));
+        assert_eq!(cl(&[("content-length", "5, 5")]), Some(5));
+        assert_eq!(
+            cl(&[("content-length", "5"), ("content-length", "5")]),
+            Some(5)
+        );
+        assert_eq!(
+            cl(&[("content-length", "5"), ("content-length", "6")]),
+            None
+        );
+        assert_eq!(cl(&[("content-length", "+5")]), None);
+        assert_eq!(cl(&[("content-length", "")]), None);
+        assert_eq!(cl(&[("content-length", "5,")]), None);
+        assert_eq!(cl(&[("content-length", "99999999999999999999999")]), None);
+        assert_eq!(cl(&[]), None);
+        let chunked = |fields: &[(&str, &str)]| chunked_last(&map(fields));
+        assert!(chunked(&[("transfer-encoding", "chunked")]));
+        assert!(chunked(&[("transfer-encoding", "gzip, Chunked ")]));
+        assert!(chunked(&[
+            ("transfer-encoding", "gzip"),
+            ("transfer-encoding", "chunked")
+        ]));
+        assert!(!chunked(&[
+            ("transfer-encoding", "chunked"),
+            ("transfer-encoding", "gzip")
+        ]));
+        assert!(!chunked(&[("transfer-encoding", "chunked, gzip")]));
+        assert!(!chunked(&[]));
+    }
+
+    #[test]
+    fn plain_heads_are_those_the_own_loop_serves() {
+        let ok = |h: &str| plain(h.as_bytes()).is_some();
+        assert!(ok("GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(ok(
+            "GET /x?y HTTP/1.1\r\nhost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        ));
+        assert!(!ok("GET / HTTP/1.0\r\nHost: a\r\n\r\n"));
+        assert!(!ok("GET / HTTP/1.1\r\n\r\n"));
+        assert!(!ok("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"));
+        assert!(!ok("GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(!ok(
+            "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\n"
+        ));
+        assert!(!ok(
+            "GET / HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: ws\r\n\r\n"
+        ));
+        assert!(!ok(
+            "GET / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n\r\n"
+        ));
+        assert!(!ok(
+            "GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ));
+        assert!(!ok("CONNECT a:443 HTTP/1.1\r\nHost: a\r\n\r\n"));
+        let p = plain(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").unwrap();
+        assert_eq!(p.keepalive(), None);
+        let p = plain(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: Keep-Alive\r\n\r\n").unwrap();
+        assert_eq!(p.keepalive(), Some(0));
+        let p = plain(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        assert_eq!(p.keepalive(), Some(0));
+    }
+
+    #[test]
+    fn conn_keeps_what_the_hooks_decide() {
+        let c = Conn::new(Some(0));
+        assert_eq!(c.keepalive(), Some(0));
+        assert!(will_keepalive(&c, None));
+        assert!(!will_keepalive(&c, Some(0)));
+        c.set_keepalive(Some(30));
+        assert_eq!(c.keepalive(), Some(30));
+        c.set_keepalive(None);
+        assert_eq!(c.keepalive(), None);
+        assert!(!will_keepalive(&c, Some(3)));
+        assert!(c.take().is_none());
+    }
+}
