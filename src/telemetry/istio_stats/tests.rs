@@ -807,6 +807,10 @@ fn the_memo_of_the_last_labels_counts_as_making_them_each_time() {
         info.upstream = Some(reviews.clone());
         info.upstream_workload = v1.clone();
         info.bytes_sent = 120;
+        // A fixed duration: the two stores record one request a moment apart, and a request
+        // still open is as long as the time since it started (a millisecond boundary between
+        // the two puts them in different buckets).
+        info.last_downstream_tx = Some(std::time::Duration::from_millis(3));
         info.istio_attributes = vec![None; cfg.captures.len()];
         info
     };
