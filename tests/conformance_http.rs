@@ -422,14 +422,6 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
         "pingora's header map groups repeated names",
     ),
     (
-        "dupresp: names lowercased",
-        "pingora keeps the upstream's header case",
-    ),
-    (
-        "plain: response header names not lowercase",
-        "pingora writes Date/Connection capitalised (and keeps the upstream's case)",
-    ),
-    (
         "GET /clte",
         "pingora accepts content-length plus chunked from upstreams",
     ),

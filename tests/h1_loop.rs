@@ -3,7 +3,9 @@
 //! backend. The same requests go to both (plain ones the own loop serves, and others it leaves
 //! to pingora, on the same connections); the client's bytes, the backend's bytes and the
 //! request counters must be the same, up to the values that differ by nature (`date`,
-//! generated request ids, upstream service time). Portico only: Envoy has no such switch.
+//! generated request ids, upstream service time) and the case of response header names (the
+//! own loop's session writes them lower case, as Envoy does; pingora's keeps the upstream's).
+//! Portico only: Envoy has no such switch.
 
 mod common;
 

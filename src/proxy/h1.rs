@@ -491,6 +491,8 @@ async fn proxy_to_h1_upstream(
     let gw = &d.gw;
     client.set_timeouts(peer.options.read_timeout, peer.options.write_timeout);
     client.set_keep_case(ctx.cluster.as_ref().is_some_and(|c| c.def.keep_header_case));
+    // Portico's own session writes names lower case: the response needs no case of its own.
+    client.set_response_case(ctx.own.is_none());
     let id = client.id();
     if let Err(e) = gw
         .connected_to_upstream(s, reused, peer, id, client.digest().as_deref(), ctx)

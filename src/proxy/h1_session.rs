@@ -3,11 +3,15 @@
 //!
 //! pingora's HTTP/1 session reads a request into a head that keeps its names' case in a
 //! second map (which the gateway drops again: Envoy keeps none), validates it a second time,
-//! and is made and taken apart around every request. This session takes a head that `plain`
-//! has already parsed and checked, straight into a head without case, and answers as
-//! pingora's session does, byte for byte (`tests/h1_loop.rs` holds it to that): `Date` and
-//! `Connection` set on the response head, the same body framing (a length, chunked, until
-//! close; none for HEAD, 204 and 304), the same flushes and the same errors.
+//! and is made and taken apart around every request; its writer needs a response head with a
+//! case map to write names lower case as Envoy does. This session takes a head that `plain`
+//! has already parsed and checked straight into a head without case, and writes response
+//! names lower case from the head's one map, so the upstream's response needs no case either
+//! (`h1_upstream`). Otherwise it answers as pingora's session does (`tests/h1_loop.rs` holds
+//! the two to the same bytes, names' case aside): `Date` and `Connection` set on the response
+//! head, the same body framing (a length, chunked, until close; none for HEAD, 204 and 304),
+//! the same flushes and the same errors. A connection manager that keeps header case
+//! (`header_key_format`) has pingora's session.
 //!
 //! What pingora's session learns through `set_keepalive` (which pingora ignores for a custom
 //! session) this one learns from the [`Conn`] it shares with the request's context, and it
@@ -34,6 +38,7 @@ use pingora_error::{Error, ErrorType, OrErr, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::head::SetHeader;
 use super::io::Downstream;
 
 /// The most header fields a plain request may have (more go to pingora's session).
@@ -158,27 +163,36 @@ impl Plain {
 
     fn head(&self, raw: &Bytes) -> Option<RequestHeader> {
         let range = |(at, len): (u16, u16)| usize::from(at)..usize::from(at) + usize::from(len);
-        let method = Method::from_bytes(raw.get(range(self.method))?).ok()?;
-        let size = self.n + super::head::REQUEST_ADDED_HEADERS;
-        let mut req =
-            RequestHeader::build_no_case(method, raw.get(range(self.path))?, Some(size)).ok()?;
-        req.set_version(Version::HTTP_11);
-        // A target the URI does not reproduce (bytes that are not UTF-8) would be lost in
-        // the head's parts below.
-        if !super::head::rebuildable(&req) {
+        let target = raw.slice(range(self.path));
+        // A fragment pingora's session cuts off the target (and the connection manager then
+        // refuses): pingora's to read.
+        if target.contains(&b'#') {
             return None;
         }
-        // The map reached through the head's parts, once for all fields (pingora's own
-        // appends take a name's case along, and parse the name again).
-        let mut parts = http::request::Parts::from(req);
+        // The head's parts as pingora's `build_no_case` makes them for an origin-form target
+        // (the URI's path and query from the target's bytes, which it reproduces), without
+        // its builder, a copy of the target or a case map; a target the URI refuses (bytes
+        // that are not ASCII, say) is pingora's to read.
+        let (mut parts, ()) = http::Request::new(()).into_parts();
+        parts.method = Method::from_bytes(raw.get(range(self.method))?).ok()?;
+        parts.uri = http::Uri::from(http::uri::PathAndQuery::from_maybe_shared(target).ok()?);
+        parts.version = Version::HTTP_11;
+        parts
+            .headers
+            .try_reserve(self.n + super::head::REQUEST_ADDED_HEADERS)
+            .ok()?;
         for f in &self.fields[..self.n] {
             let name = HeaderName::from_bytes(raw.get(range(f.name))?).ok()?;
             let value = HeaderValue::from_maybe_shared(raw.slice(range(f.value))).ok()?;
+            // pingora's `validate_request_authority`, for what `plain` lets through (one
+            // Host, an origin-form target, whose URI has no authority): no userinfo in the
+            // Host.
+            if name == header::HOST && value.as_bytes().contains(&b'@') {
+                return None;
+            }
             parts.headers.try_append(name, value).ok()?;
         }
-        let req = RequestHeader::from(parts);
-        pingora_core::protocols::http::authority::validate_request_authority(&req).ok()?;
-        Some(req)
+        Some(RequestHeader::from(parts))
     }
 
     /// pingora's `respect_keepalive` for HTTP/1.1: kept (no limit) unless it says close.
@@ -335,21 +349,21 @@ impl OwnSession {
             }
         }
         if !informational {
-            header.insert_header(
-                header::DATE,
-                pingora_core::protocols::http::date::get_cached_date(),
-            )?;
-            let connection = if self.will_keepalive() {
+            static DATE: HeaderName = header::DATE;
+            static CONNECTION: HeaderName = header::CONNECTION;
+            let connection = HeaderValue::from_static(if self.will_keepalive() {
                 "keep-alive"
             } else {
                 "close"
-            };
-            header.insert_header(header::CONNECTION, connection)?;
+            });
+            let date = pingora_core::protocols::http::date::get_cached_date();
+            // Both in one write (a head without case is taken apart once for them).
+            header.set_all([(&DATE, date), (&CONNECTION, connection)])?;
         }
         if header.status == StatusCode::SWITCHING_PROTOCOLS {
             self.conn.set_keepalive(None);
         }
-        self.init_body_writer(&header);
+        let has_length = self.init_body_writer(&header);
         if matches!(self.body, Body::UntilClose(_)) {
             self.conn.set_keepalive(None);
         }
@@ -359,7 +373,7 @@ impl OwnSession {
             Version::HTTP_11 => "HTTP/1.1 ",
             _ => return Error::e_explain(ErrorType::WriteError, "serializing response header"),
         };
-        let flush = informational || !header.headers.contains_key(header::CONTENT_LENGTH);
+        let flush = informational || !has_length;
         let finished = self.body_finished();
         let io = self.io()?;
         // Into the connection's write buffer, which the flush below (or the body's) sends.
@@ -371,7 +385,14 @@ impl OwnSession {
                 buf.extend_from_slice(reason.as_bytes());
             }
             buf.extend_from_slice(b"\r\n");
-            header.header_to_h1_wire(buf);
+            // Names lower case, as Envoy's codec writes them (a head's case, if it kept
+            // one, is not read: a connection manager that keeps case has pingora's session).
+            for (name, value) in header.headers.iter() {
+                buf.extend_from_slice(name.as_str().as_bytes());
+                buf.extend_from_slice(b": ");
+                buf.extend_from_slice(value.as_bytes());
+                buf.extend_from_slice(b"\r\n");
+            }
             buf.extend_from_slice(b"\r\n");
         });
         if flush || finished {
@@ -383,8 +404,10 @@ impl OwnSession {
         Ok(())
     }
 
-    /// pingora's `init_body_writer` for a request that asked for no upgrade.
-    fn init_body_writer(&mut self, header: &ResponseHeader) {
+    /// pingora's `init_body_writer` for a request that asked for no upgrade; whether the head
+    /// has a `Content-Length` field (pingora flushes a head without one at once).
+    fn init_body_writer(&mut self, header: &ResponseHeader) -> bool {
+        let headers = &header.headers;
         if matches!(
             header.status,
             StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
@@ -394,20 +417,22 @@ impl OwnSession {
                 total: 0,
                 written: 0,
             };
-            return;
+            return headers.contains_key(header::CONTENT_LENGTH);
         }
         if header.status.is_informational() && header.status != StatusCode::SWITCHING_PROTOCOLS {
-            return;
+            return headers.contains_key(header::CONTENT_LENGTH);
         }
-        self.body = if chunked_last(&header.headers) {
+        let (present, length) = content_length(headers);
+        self.body = if chunked_last(headers) {
             Body::Chunked(0)
         } else {
-            match content_length(&header.headers) {
+            match length {
                 Some(total) => Body::Length { total, written: 0 },
                 // No length, or one that cannot frame the body: until the connection closes.
                 None => Body::UntilClose(0),
             }
         };
+        present
     }
 
     /// pingora's `write_body`: through the body's framing, within the write timeout.
@@ -613,29 +638,34 @@ fn chunked_last(headers: &HeaderMap) -> bool {
     token.trim_ascii().eq_ignore_ascii_case(b"chunked")
 }
 
-/// The one length every `Content-Length` value agrees on (pingora's
-/// `content_length_for_framing`); None: absent, unparseable or in conflict.
-fn content_length(headers: &HeaderMap) -> Option<usize> {
-    let mut length: Option<u64> = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        let line = value.to_str().ok()?;
-        for v in line.split(',') {
-            let v = v.trim().as_bytes();
-            if v.is_empty() {
-                return None;
-            }
-            let n = v.iter().try_fold(0u64, |n, b| {
-                b.is_ascii_digit().then_some(())?;
-                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-            })?;
-            match length {
-                None => length = Some(n),
-                Some(prev) if prev != n => return None,
-                Some(_) => {}
+/// Whether there is a `Content-Length` field, and the one length all its values agree on
+/// (pingora's `content_length_for_framing`; None: unparseable or in conflict).
+fn content_length(headers: &HeaderMap) -> (bool, Option<usize>) {
+    let mut fields = headers.get_all(header::CONTENT_LENGTH).iter().peekable();
+    let present = fields.peek().is_some();
+    let agreed = || -> Option<usize> {
+        let mut length: Option<u64> = None;
+        for value in fields {
+            let line = value.to_str().ok()?;
+            for v in line.split(',') {
+                let v = v.trim().as_bytes();
+                if v.is_empty() {
+                    return None;
+                }
+                let n = v.iter().try_fold(0u64, |n, b| {
+                    b.is_ascii_digit().then_some(())?;
+                    n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+                })?;
+                match length {
+                    None => length = Some(n),
+                    Some(prev) if prev != n => return None,
+                    Some(_) => {}
+                }
             }
         }
-    }
-    usize::try_from(length?).ok()
+        usize::try_from(length?).ok()
+    };
+    (present, agreed())
 }
 
 impl Drop for OwnSession {
@@ -983,7 +1013,7 @@ mod tests {
             }
             m
         };
-        let cl = |fields: &[(&str, &str)]| content_length(&map(fields));
+        let cl = |fields: &[(&str, &str)]| content_length(&map(fields)).1;
         assert_eq!(cl(&[("content-length", "5")]), Some(5));
         assert_eq!(cl(&[("content-length", "5, 5")]), Some(5));
         assert_eq!(
@@ -999,6 +1029,8 @@ mod tests {
         assert_eq!(cl(&[("content-length", "5,")]), None);
         assert_eq!(cl(&[("content-length", "99999999999999999999999")]), None);
         assert_eq!(cl(&[]), None);
+        assert!(content_length(&map(&[("content-length", "x")])).0);
+        assert!(!content_length(&map(&[])).0);
         let chunked = |fields: &[(&str, &str)]| chunked_last(&map(fields));
         assert!(chunked(&[("transfer-encoding", "chunked")]));
         assert!(chunked(&[("transfer-encoding", "gzip, Chunked ")]));

@@ -62,6 +62,9 @@ pub(super) struct Exchange {
     close: bool,
     /// The cluster takes header names in the case the request kept (`head::request_wire`).
     keep_case: bool,
+    /// The response head keeps its names' case: pingora's downstream session writes them so.
+    /// Portico's own session writes them lower case, as Envoy does, and needs none.
+    response_case: bool,
 }
 
 enum State {
@@ -94,6 +97,7 @@ impl Upstream {
                 .is_some_and(|o| o.allow_h1_response_invalid_content_length),
             close: false,
             keep_case: false,
+            response_case: true,
         })
     }
 
@@ -116,6 +120,13 @@ impl Upstream {
     pub fn set_keep_case(&mut self, keep: bool) {
         if let Upstream::Own(x) = self {
             x.keep_case = keep;
+        }
+    }
+
+    /// Whether the response head keeps its names' case (see `Exchange::response_case`).
+    pub fn set_response_case(&mut self, keep: bool) {
+        if let Upstream::Own(x) = self {
+            x.response_case = keep;
         }
     }
 
@@ -353,7 +364,7 @@ impl Exchange {
             }
         }
         let buf = buf.freeze();
-        let Some(head) = parse_head(&buf) else {
+        let Some(head) = parse_head(&buf, self.response_case) else {
             self.unread = buf;
             return Ok(None);
         };
@@ -437,8 +448,8 @@ struct Head {
 }
 
 /// The response head at the start of `buf`, when this exchange takes it (None: pingora's
-/// session reads it).
-fn parse_head(buf: &Bytes) -> Option<Head> {
+/// session reads it); with its names' case when `case`.
+fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
     let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut []);
     let mut config = httparse::ParserConfig::default();
@@ -456,14 +467,9 @@ fn parse_head(buf: &Bytes) -> Option<Head> {
     if !(200..=599).contains(&code) || code == 204 || code == 304 {
         return None;
     }
-    // The names keep the case they came in (`head`: without it pingora's writer would
-    // capitalise the standard ones, where Envoy writes every name lower case and a mesh's
-    // sidecars send them so). Room for what the gateway adds (`server`,
-    // x-envoy-upstream-service-time, date, connection).
+    // Room for what the gateway adds (`server`, x-envoy-upstream-service-time, date,
+    // connection).
     let size = resp.headers.len() + super::head::ADDED_HEADERS;
-    let mut header = ResponseHeader::build(code, Some(size)).ok()?;
-    header.set_version(http::Version::HTTP_11);
-    header.set_reason_phrase(resp.reason).ok()?;
     let (mut length, mut close, mut connection) = (None, false, false);
     for h in resp.headers.iter() {
         let name = h.name.as_bytes();
@@ -485,11 +491,36 @@ fn parse_head(buf: &Bytes) -> Option<Head> {
                 return None;
             }
         }
-        // The name with its case and the value as pingora's session takes them: slices of
-        // the bytes read.
-        let value = pingora_http::header_value_from_raw(buf.slice_ref(h.value));
-        header.append_header(buf.slice_ref(name), value).ok()?;
     }
+    // The names and values as pingora's session takes them: slices of the bytes read.
+    let value = |h: &httparse::Header| pingora_http::header_value_from_raw(buf.slice_ref(h.value));
+    let header = if case {
+        // The names keep the case they came in: without it pingora's writer would
+        // capitalise the standard ones, where Envoy writes every name lower case and a mesh's
+        // sidecars send them so.
+        let mut header = ResponseHeader::build(code, Some(size)).ok()?;
+        header.set_version(http::Version::HTTP_11);
+        header.set_reason_phrase(resp.reason).ok()?;
+        for h in resp.headers.iter() {
+            header
+                .append_header(buf.slice_ref(h.name.as_bytes()), value(h))
+                .ok()?;
+        }
+        header
+    } else {
+        // Into the head's one map, reached through its parts once for all fields (pingora's
+        // appends take a name's case along and parse the name again).
+        let mut header = ResponseHeader::build_no_case(code, Some(size)).ok()?;
+        header.set_version(http::Version::HTTP_11);
+        let mut parts = http::response::Parts::from(header);
+        for h in resp.headers.iter() {
+            let name = http::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
+            parts.headers.try_append(name, value(h)).ok()?;
+        }
+        let mut header = ResponseHeader::from(parts);
+        header.set_reason_phrase(resp.reason).ok()?;
+        header
+    };
     Some(Head {
         header,
         body_at,

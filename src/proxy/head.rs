@@ -57,7 +57,7 @@ fn plain_request(req: &RequestHeader) -> bool {
 
 /// A request head whose parts are all its `http` parts, case aside: a target the URI
 /// reproduces and the default `send_end_stream`.
-pub(crate) fn rebuildable(req: &RequestHeader) -> bool {
+fn rebuildable(req: &RequestHeader) -> bool {
     req.send_end_stream() != Some(false) && target_from_uri(req)
 }
 
