@@ -7,10 +7,12 @@
 //! case map to write names lower case as Envoy does. This session takes a head that `plain`
 //! has already parsed and checked straight into a head without case, and writes response
 //! names lower case from the head's one map, so the upstream's response needs no case either
-//! (`h1_upstream`). Otherwise it answers as pingora's session does (`tests/h1_loop.rs` holds
-//! the two to the same bytes, names' case aside): `Date` and `Connection` set on the response
-//! head, the same body framing (a length, chunked, until close; none for HEAD, 204 and 304),
-//! the same flushes and the same errors. A connection manager that keeps header case
+//! (`h1_upstream`), and says `connection: close` on a response after which it closes the
+//! connection and nothing on one it keeps, as Envoy's codec (pingora's writes `keep-alive`).
+//! Otherwise it answers as pingora's session does (`tests/h1_loop.rs` holds the two to the
+//! same bytes, but for those two): `Date` set on the response head, the same body framing (a
+//! length, chunked, until close; none for HEAD, 204 and 304), the same flushes and the same
+//! errors. A connection manager that keeps header case
 //! (`header_key_format`) has pingora's session.
 //!
 //! What pingora's session learns through `set_keepalive` (which pingora ignores for a custom
@@ -351,14 +353,17 @@ impl OwnSession {
         if !informational {
             static DATE: HeaderName = header::DATE;
             static CONNECTION: HeaderName = header::CONNECTION;
-            let connection = HeaderValue::from_static(if self.will_keepalive() {
-                "keep-alive"
-            } else {
-                "close"
-            });
             let date = pingora_core::protocols::http::date::get_cached_date();
-            // Both in one write (a head without case is taken apart once for them).
-            header.set_all([(&DATE, date), (&CONNECTION, connection)])?;
+            if self.will_keepalive() {
+                // Envoy's codec says nothing of a connection it keeps (pingora's writes
+                // `connection: keep-alive`).
+                header.remove_header(&header::CONNECTION);
+                header.set(&DATE, date)?;
+            } else {
+                // Both in one write (a head without case is taken apart once for them).
+                let close = HeaderValue::from_static("close");
+                header.set_all([(&DATE, date), (&CONNECTION, close)])?;
+            }
         }
         if header.status == StatusCode::SWITCHING_PROTOCOLS {
             self.conn.set_keepalive(None);
@@ -726,9 +731,19 @@ impl CustomSession for OwnSession {
                 return self.duplex(task).await;
             }
         }
+        // One body in the batch (a head and its body, the usual case) is written as it is:
+        // the batch's copy is for several bodies, which pingora writes as one.
+        let bodies = tasks
+            .iter()
+            .filter(|t| matches!(t, HttpTask::Body(Some(d), _) if !d.is_empty()))
+            .count();
         let mut end = false;
         for task in tasks {
             end = match task {
+                HttpTask::Body(Some(d), end) if bodies == 1 && !d.is_empty() => {
+                    self.write_body_timed(&d).await.map_err(|e| e.into_down())?;
+                    end
+                }
                 HttpTask::Header(header, end) => {
                     self.write_head(header).await.map_err(|e| e.into_down())?;
                     end

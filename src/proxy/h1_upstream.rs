@@ -508,11 +508,13 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
         }
         header
     } else {
-        // Into the head's one map, reached through its parts once for all fields (pingora's
-        // appends take a name's case along and parse the name again).
-        let mut header = ResponseHeader::build_no_case(code, Some(size)).ok()?;
-        header.set_version(http::Version::HTTP_11);
-        let mut parts = http::response::Parts::from(header);
+        // The head's parts as pingora's `build_no_case` makes them, without its builder, and
+        // its one map filled directly (pingora's appends take a name's case along and parse
+        // the name again).
+        let (mut parts, ()) = http::Response::new(()).into_parts();
+        parts.status = http::StatusCode::from_u16(code).ok()?;
+        parts.version = http::Version::HTTP_11;
+        parts.headers.try_reserve(size).ok()?;
         for h in resp.headers.iter() {
             let name = http::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
             parts.headers.try_append(name, value(h)).ok()?;
