@@ -230,7 +230,9 @@ pub(crate) async fn process(
                 kept.apply(&mut s.downstream_session);
                 // `handle_new_request`: the head is already buffered, so no shutdown wait is
                 // needed.
-                match s.downstream_session.read_request().await {
+                // Boxed, as `reuse` below: pingora's session's futures are large, and this
+                // request's future is boxed (and moved) whole for each request.
+                match Box::pin(s.downstream_session.read_request()).await {
                     Ok(true) => {}
                     Ok(false) => return None,
                     Err(mut e) => {
@@ -255,7 +257,7 @@ pub(crate) async fn process(
     };
     match conn {
         Some(c) => reuse_own(s, &c, kept).await,
-        None => reuse(s).await,
+        None => Box::pin(reuse(s)).await,
     }
 }
 

@@ -1078,15 +1078,16 @@ async fn serve_h1(
     /// The connection between two requests: as pingora left it (its session, and whether it
     /// holds bytes of the next request), or as Portico's own loop left it. One per connection,
     /// taken apart at once: boxing the session would cost an allocation per request.
-    #[allow(clippy::large_enum_variant)]
+    /// pingora's session boxed: the connection's state moves at every request, and the own
+    /// loop's (the usual one) is two words.
     enum Between {
-        Pingora(ServerSession, bool),
+        Pingora(Box<ServerSession>, bool),
         Ours(Box<Downstream>, super::h1::Kept),
     }
     let mut session = ServerSession::new_http1(stream);
     // pingora's default keep-alive for a new connection; the request path sets its own.
     session.set_keepalive(Some(60));
-    let mut conn = Between::Pingora(session, false);
+    let mut conn = Between::Pingora(Box::new(session), false);
     let mut idle_timer = IdleTimer::default();
     loop {
         let told_now = *told.borrow();
@@ -1097,9 +1098,11 @@ async fn serve_h1(
             Between::Ours(d, kept) => {
                 let mut session = ServerSession::new_http1(d);
                 kept.apply(&mut session);
-                Err(session)
+                Err(Box::new(session))
             }
-            Between::Pingora(session, false) if driver.routes_h1() => ours_with_settings(session),
+            Between::Pingora(session, false) if driver.routes_h1() => {
+                ours_with_settings(*session).map_err(Box::new)
+            }
             Between::Pingora(session, _) => Err(session),
         };
         let reused = match ours {
@@ -1140,7 +1143,7 @@ async fn serve_h1(
                 if told_now {
                     session.set_keepalive(None);
                 }
-                app.process_new_http(session, &told).await
+                app.process_new_http(*session, &told).await
             }
         };
         let Some(reused) = reused else {
@@ -1166,7 +1169,7 @@ async fn serve_h1(
                 return;
             }
         }
-        conn = Between::Pingora(next, pipelined);
+        conn = Between::Pingora(Box::new(next), pipelined);
     }
 }
 
