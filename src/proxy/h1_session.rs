@@ -350,10 +350,19 @@ impl OwnSession {
                 return Ok(());
             }
         }
+        if header.status == StatusCode::SWITCHING_PROTOCOLS {
+            self.conn.set_keepalive(None);
+        }
+        let has_length = self.init_body_writer(&header);
+        if matches!(self.body, Body::UntilClose(_)) {
+            self.conn.set_keepalive(None);
+        }
         if !informational {
             static DATE: HeaderName = header::DATE;
             static CONNECTION: HeaderName = header::CONNECTION;
             let date = pingora_core::protocols::http::date::get_cached_date();
+            // Decided once the framing is (a body until close closes the connection; pingora
+            // decides before, and says `keep-alive` of a connection it then closes).
             if self.will_keepalive() {
                 // Envoy's codec says nothing of a connection it keeps (pingora's writes
                 // `connection: keep-alive`).
@@ -364,13 +373,6 @@ impl OwnSession {
                 let close = HeaderValue::from_static("close");
                 header.set_all([(&DATE, date), (&CONNECTION, close)])?;
             }
-        }
-        if header.status == StatusCode::SWITCHING_PROTOCOLS {
-            self.conn.set_keepalive(None);
-        }
-        let has_length = self.init_body_writer(&header);
-        if matches!(self.body, Body::UntilClose(_)) {
-            self.conn.set_keepalive(None);
         }
         let version = match header.version {
             Version::HTTP_09 => "HTTP/0.9 ",
@@ -1091,6 +1093,138 @@ mod tests {
         assert_eq!(p.keepalive(), Some(0));
         let p = plain(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
         assert_eq!(p.keepalive(), Some(0));
+    }
+
+    /// A session over a real connection, for a request head; and the client's end.
+    async fn session(
+        head: &[u8],
+        keep: Option<u64>,
+    ) -> (OwnSession, Arc<Conn>, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (server, peer) = l.accept().await.expect("accept");
+        let mut d = Box::new(Downstream::new(server, peer));
+        d.unread(head);
+        let p = plain(head).expect("a plain head");
+        let (req, raw) = p.take(&mut d).expect("taken");
+        let conn = Arc::new(Conn::new(keep));
+        (
+            OwnSession::new(d, req, raw, conn.clone(), None),
+            conn,
+            client,
+        )
+    }
+
+    /// What the client has received, the `date` value masked.
+    async fn received(mut c: tokio::net::TcpStream) -> String {
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_millis(300), c.read_to_end(&mut buf)).await;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        text.split("\r\n")
+            .map(|l| match l.strip_prefix("date: ") {
+                Some(_) => "date: *",
+                None => l,
+            })
+            .collect::<Vec<_>>()
+            .join("\r\n")
+    }
+
+    #[tokio::test]
+    async fn heads_are_written_as_envoy_names_them_and_framed_as_pingora_frames_them() {
+        // Kept: names lower case, `date` set, no `connection`; a length frames the body.
+        let (mut s, conn, c) = session(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", Some(0)).await;
+        assert_eq!(s.req_header().uri, "/a");
+        assert_eq!(s.req_header().headers["host"], "h");
+        let mut resp = ResponseHeader::build(200, Some(4)).expect("head");
+        resp.append_header("Content-Type", "text/plain")
+            .expect("header");
+        resp.append_header("Content-Length", "5").expect("header");
+        let tasks = vec![
+            HttpTask::Header(Box::new(resp), false),
+            HttpTask::Body(Some(Bytes::from_static(b"hello")), true),
+        ];
+        assert!(s.response_duplex_vec(tasks).await.expect("written"));
+        assert_eq!(s.body_bytes_sent(), 5);
+        assert_eq!(s.response_written().map(|r| r.status.as_u16()), Some(200));
+        drop(s);
+        // Kept: the session handed the connection back.
+        let d = conn.take().expect("parked");
+        drop(d);
+        assert_eq!(
+            received(c).await,
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 5\r\ndate: *\r\n\r\nhello"
+        );
+
+        // Closing: `connection: close`; no length: chunked bodies in upper-case hex, one
+        // chunk for a batch's bodies.
+        let (mut s, conn, c) = session(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n", None).await;
+        let mut resp = ResponseHeader::build_no_case(200, None).expect("head");
+        resp.insert_header("transfer-encoding", "chunked")
+            .expect("header");
+        let tasks = vec![
+            HttpTask::Header(Box::new(resp), false),
+            HttpTask::Body(Some(Bytes::from(vec![b'x'; 10])), false),
+            HttpTask::Body(Some(Bytes::from(vec![b'y'; 16])), true),
+        ];
+        assert!(s.response_duplex_vec(tasks).await.expect("written"));
+        drop(s);
+        assert!(
+            conn.take().is_none(),
+            "a closed connection is not handed back"
+        );
+        assert_eq!(
+            received(c).await,
+            format!(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ndate: *\r\nconnection: close\r\n\r\n1A\r\n{}{}\r\n0\r\n\r\n",
+                "x".repeat(10),
+                "y".repeat(16)
+            )
+        );
+
+        // HEAD: the head's length, no body; a 1xx other than 101 is not relayed.
+        let (mut s, _conn, c) = session(b"HEAD / HTTP/1.1\r\nHost: h\r\n\r\n", Some(0)).await;
+        s.write_response_header(
+            Box::new(ResponseHeader::build(103, None).expect("head")),
+            false,
+        )
+        .await
+        .expect("ignored");
+        let mut resp = ResponseHeader::build(200, None).expect("head");
+        resp.insert_header("content-length", "5").expect("header");
+        s.write_response_header(Box::new(resp), false)
+            .await
+            .expect("written");
+        s.write_body(Bytes::from_static(b"hello"), true)
+            .await
+            .expect("nothing to write");
+        assert_eq!(s.body_bytes_sent(), 0);
+        drop(s);
+        assert_eq!(
+            received(c).await,
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ndate: *\r\n\r\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_short_body_is_an_error_and_the_hooks_keep_alive_decides() {
+        let (mut s, conn, _c) = session(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n", Some(0)).await;
+        let mut resp = ResponseHeader::build(200, None).expect("head");
+        resp.insert_header("content-length", "5").expect("header");
+        s.write_response_header(Box::new(resp), false)
+            .await
+            .expect("written");
+        let e = s
+            .write_body(Bytes::from_static(b"hel"), true)
+            .await
+            .expect_err("short");
+        assert_eq!(e.etype(), &PREMATURE_BODY_END);
+        // A hook's decision (through the context's `Conn`) is what the session reads.
+        conn.set_keepalive(None);
+        drop(s);
+        assert!(conn.take().is_none());
     }
 
     #[test]
