@@ -138,7 +138,7 @@ pub(crate) fn plain(head: &[u8]) -> Option<Plain> {
             return None;
         }
         if !name.is_empty() {
-            plain.fields[plain.n] = Field {
+            *plain.fields.get_mut(plain.n)? = Field {
                 name: at(name.as_bytes())?,
                 value: at(h.value)?,
             };
@@ -227,7 +227,8 @@ impl Conn {
 
     /// pingora's `set_keepalive`: None closes the connection after this request.
     pub fn set_keepalive(&self, secs: Option<u64>) {
-        self.keep.store(secs.unwrap_or(OFF), Relaxed);
+        self.keep
+            .store(secs.map_or(OFF, |s| s.min(OFF - 1)), Relaxed);
     }
 
     pub fn keepalive(&self) -> Option<u64> {
@@ -1235,6 +1236,12 @@ mod tests {
         assert!(!will_keepalive(&c, Some(0)));
         c.set_keepalive(Some(30));
         assert_eq!(c.keepalive(), Some(30));
+        c.set_keepalive(Some(u64::MAX));
+        assert_eq!(
+            c.keepalive(),
+            Some(u64::MAX - 1),
+            "a limit is never taken for none"
+        );
         c.set_keepalive(None);
         assert_eq!(c.keepalive(), None);
         assert!(!will_keepalive(&c, Some(3)));

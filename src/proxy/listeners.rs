@@ -1077,9 +1077,9 @@ async fn serve_h1(
     use pingora_core::protocols::http::ServerSession;
     /// The connection between two requests: as pingora left it (its session, and whether it
     /// holds bytes of the next request), or as Portico's own loop left it. One per connection,
-    /// taken apart at once: boxing the session would cost an allocation per request.
-    /// pingora's session boxed: the connection's state moves at every request, and the own
-    /// loop's (the usual one) is two words.
+    /// taken apart at once. pingora's session is boxed (an allocation per request pingora's
+    /// loop serves): this state moves at every request, and the own loop's, the usual one, is
+    /// two words.
     enum Between {
         Pingora(Box<ServerSession>, bool),
         Ours(Box<Downstream>, super::h1::Kept),
