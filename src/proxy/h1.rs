@@ -265,36 +265,18 @@ pub(crate) async fn process(
 /// when the connection is to be kept.
 async fn process_request(d: &Driver, mut s: Box<Session>, ctx: &mut Ctx) -> Option<Box<Session>> {
     let gw = &d.gw;
-    if let Err(e) = gw.early_request_filter(&mut s, ctx).await {
-        return handle_error(d, s, ctx, e).await;
-    }
+    // `early_request_filter` and `proxy_upstream_filter` are pingora's defaults (nothing, and
+    // go on) for the gateway: not called.
     let req = s.downstream_session.req_header_mut();
     if let Err(e) = s.downstream_modules_ctx.request_header_filter(req).await {
         return handle_error(d, s, ctx, e).await;
     }
-    match gw.request_filter(&mut s, ctx).await {
+    match gw.route_request(&mut s, ctx).await {
         Ok(true) => {
-            gw.logging(&mut s, None, ctx).await;
+            gw.end_request(&mut s, None, ctx).await;
             return Some(s);
         }
         Ok(false) => {}
-        Err(e) => return handle_error(d, s, ctx, e).await,
-    }
-    match gw.proxy_upstream_filter(&mut s, ctx).await {
-        Ok(true) => {}
-        Ok(false) => {
-            if s.response_written().is_none() {
-                let bad_gateway = pingora_http::ResponseHeader::build(502, Some(0));
-                let written = match bad_gateway {
-                    Ok(h) => s.write_response_header(Box::new(h), true).await,
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = written {
-                    return handle_error(d, s, ctx, e).await;
-                }
-            }
-            return finish(d, s, ctx, true, None).await;
-        }
         Err(e) => return handle_error(d, s, ctx, e).await,
     }
     let mut retries = 0;
@@ -329,7 +311,7 @@ async fn process_request(d: &Driver, mut s: Box<Session>, ctx: &mut Ctx) -> Opti
         }
     }
     if let Some(e) = proxy_error.as_ref() {
-        let res = gw.fail_to_proxy(&mut s, e, ctx).await;
+        let res = gw.fail_reply(&mut s, e, ctx).await;
         if !gw.suppress_error_log(&s, ctx, e) {
             tracing::error!(
                 "Fail to proxy: {e}, status: {}, tries: {retries}, retry: false",
@@ -348,11 +330,11 @@ async fn handle_error(
     e: Box<Error>,
 ) -> Option<Box<Session>> {
     let gw = &d.gw;
-    let res = gw.fail_to_proxy(&mut s, &e, ctx).await;
+    let res = gw.fail_reply(&mut s, &e, ctx).await;
     if !gw.suppress_error_log(&s, ctx, &e) {
         tracing::error!("Fail to proxy: {e}, status: {}", res.error_code);
     }
-    gw.logging(&mut s, Some(&e), ctx).await;
+    gw.end_request(&mut s, Some(&e), ctx).await;
     s.downstream_session.on_proxy_failure(e);
     res.can_reuse_downstream.then_some(s)
 }
@@ -365,7 +347,7 @@ async fn finish(
     reuse_downstream: bool,
     error: Option<Box<Error>>,
 ) -> Option<Box<Session>> {
-    d.gw.logging(&mut s, error.as_deref(), ctx).await;
+    d.gw.end_request(&mut s, error.as_deref(), ctx).await;
     if let Some(e) = error {
         s.downstream_session.on_proxy_failure(e);
     }
@@ -419,7 +401,7 @@ async fn proxy_to_upstream(
     ctx: &mut Ctx,
 ) -> (bool, Option<Box<Error>>) {
     let gw = &d.gw;
-    let peer = match gw.upstream_peer(s, ctx).await {
+    let peer = match gw.choose_peer(s, ctx).await {
         Ok(p) => p,
         Err(e) => return (false, Some(e)),
     };
@@ -497,7 +479,7 @@ async fn proxy_to_h1_upstream(
     client.set_response_case(ctx.own.is_none());
     let id = client.id();
     if let Err(e) = gw
-        .connected_to_upstream(s, reused, peer, id, client.digest().as_deref(), ctx)
+        .upstream_connected(s, reused, peer, id, client.digest().as_deref(), ctx)
         .await
     {
         return (false, false, Some(e));
@@ -508,7 +490,7 @@ async fn proxy_to_h1_upstream(
     // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::plain` left
     // nothing for a `Connection` header to name).
     strip_hop_by_hop(&mut req);
-    if let Err(e) = gw.upstream_request_filter(s, &mut req, ctx).await {
+    if let Err(e) = gw.prepare_upstream_request(s, &mut req, ctx).await {
         return (false, true, Some(e));
     }
     if let Err(e) = upstream_authority(&mut req) {
@@ -529,7 +511,7 @@ async fn proxy_to_h1_upstream(
     {
         return (false, false, Some(e));
     }
-    if let Err(e) = gw.request_body_filter(s, &mut data, true, ctx).await {
+    if let Err(e) = gw.request_body(s, &mut data, true, ctx).await {
         return (false, false, Some(e));
     }
     if let Some(b) = data.filter(|b| !b.is_empty()) {
@@ -608,7 +590,7 @@ async fn response_task(
 ) -> Result<HttpTask> {
     let delay = match &mut task {
         HttpTask::Header(header, _) => {
-            gw.upstream_response_filter(s, header, ctx).await?;
+            gw.upstream_head(s, header, ctx).await?;
             None
         }
         HttpTask::Body(data, eos) | HttpTask::UpgradedBody(data, eos) => {
@@ -639,7 +621,7 @@ async fn response_task(
                 header.set_version(http::Version::HTTP_11);
                 header.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
             }
-            gw.response_filter(s, &mut header, ctx).await?;
+            gw.response_head(s, &mut header, ctx).await?;
             HttpTask::Header(header, end)
         }
         HttpTask::Body(mut data, end) => {

@@ -532,20 +532,11 @@ impl Gateway {
     }
 }
 
-#[async_trait]
-impl ProxyHttp for Gateway {
-    type CTX = Ctx;
-
-    fn new_ctx(&self) -> Ctx {
-        Ctx::default()
-    }
-
-    /// No pingora modules: its default is a response compression module at level 0, which
-    /// does nothing (compression is the `compressor` filter's) but costs a module context and
-    /// two calls per request.
-    fn init_downstream_modules(&self, _modules: &mut pingora_core::modules::http::HttpModules) {}
-
-    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+/// pingora's request phases (the `ProxyHttp` methods below forward here). Portico's own
+/// HTTP/1 loop (`h1`) calls these directly: through the trait (`async_trait`) each call's
+/// future is boxed, an allocation per phase per request.
+impl Gateway {
+    pub(super) async fn route_request(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let listener = self.begin(session, ctx);
         // Only a connection with timers needs to know whether a body follows.
         if conn_state(session).is_some() {
@@ -757,11 +748,7 @@ impl ProxyHttp for Gateway {
         Ok(false)
     }
 
-    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        self.choose_peer(session, ctx).await
-    }
-
-    async fn connected_to_upstream(
+    pub(super) async fn upstream_connected(
         &self,
         _session: &mut Session,
         reused: bool,
@@ -782,7 +769,7 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
-    async fn upstream_request_filter(
+    pub(super) async fn prepare_upstream_request(
         &self,
         session: &mut Session,
         upstream: &mut RequestHeader,
@@ -798,7 +785,7 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
-    async fn request_body_filter(
+    pub(super) async fn request_body(
         &self,
         session: &mut Session,
         body: &mut Option<Bytes>,
@@ -818,7 +805,7 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
-    async fn upstream_response_filter(
+    pub(super) async fn upstream_head(
         &self,
         session: &mut Session,
         resp: &mut ResponseHeader,
@@ -827,6 +814,155 @@ impl ProxyHttp for Gateway {
         observe::upstream_answered(&mut ctx.info);
         istio::upstream_response(resp, ctx);
         self.upstream_response(session, resp, ctx)
+    }
+
+    pub(super) async fn response_head(
+        &self,
+        session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        trace::response_headers(resp, ctx.decorator_response.as_ref())?;
+        if self.chain.drain_close() {
+            keepalive(session, ctx, None);
+        } else if let Some(c) = conn_state(session) {
+            let kept = h1_kept_alive(session, ctx);
+            let admit = c.at_response();
+            if kept && admit != conn::Admit::Keep {
+                let idle = ctx
+                    .listener
+                    .as_ref()
+                    .and_then(|l| l.def.hcm())
+                    .and_then(|h| h.idle_timeout);
+                set_keepalive(session, ctx, idle, admit);
+            }
+        }
+        upstream::response_headers(session, resp, ctx)?;
+        istio::response(resp, ctx, &self.state)?;
+        self.compress_response(session, resp, ctx)
+    }
+
+    pub(super) async fn end_request(
+        &self,
+        session: &mut Session,
+        e: Option<&Error>,
+        ctx: &mut Ctx,
+    ) {
+        if let Some(c) = conn_state(session) {
+            c.request_ended();
+        }
+        observe::finish(session, ctx, e);
+        if ctx.traceable && !ctx.trace_begun {
+            if let Some(chain) = ctx.listener.clone() {
+                if let Some(hcm) = chain.def.hcm() {
+                    let ip = ctx.info.downstream_direct_remote.map(|a| a.ip());
+                    let req = session.req_header_mut();
+                    let decorator = ctx.decorator.as_deref();
+                    ctx.trace = trace::late(req, ip, hcm, &ctx.info, &self.state.tracer, decorator)
+                        .ok()
+                        .flatten();
+                }
+            }
+        }
+        if let Some(t) = ctx.trace.take() {
+            trace::finish(*t, &ctx.info, &self.state.tracer);
+        }
+        istio::finish(session, ctx, &self.state);
+        observe::access_log(session, ctx);
+        let code = ctx.info.response_code;
+        if ctx.counted_active {
+            self.hcm_stats.finish(code);
+        }
+        if ctx.upgrade {
+            self.hcm_stats.upgrades_active.fetch_sub(1, Relaxed);
+        }
+        ctx.filters.release(&self.hcm_stats.fault);
+        if let Some(c) = &ctx.cluster {
+            if ctx.retry_slot {
+                c.stats.retry_active.fetch_sub(1, Relaxed);
+            }
+            if ctx.cx_slot {
+                c.stats.cx_busy.fetch_sub(1, Relaxed);
+                c.stats.cx_freed.notify_one();
+            }
+            c.active[ctx.host_index].fetch_sub(1, Relaxed);
+            c.stats.rq_active.fetch_sub(1, Relaxed);
+            if !ctx.code_recorded {
+                c.stats.record_code(code);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx::default()
+    }
+
+    /// No pingora modules: its default is a response compression module at level 0, which
+    /// does nothing (compression is the `compressor` filter's) but costs a module context and
+    /// two calls per request.
+    fn init_downstream_modules(&self, _modules: &mut pingora_core::modules::http::HttpModules) {}
+
+    // `early_request_filter` and `proxy_upstream_filter` keep pingora's defaults, which the
+    // own HTTP/1 loop (`h1::process_request`) leaves uncalled: one to override is to be
+    // called there too.
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        self.route_request(session, ctx).await
+    }
+
+    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        self.choose_peer(session, ctx).await
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        session: &mut Session,
+        reused: bool,
+        peer: &HttpPeer,
+        #[cfg(unix)] fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] sock: std::os::windows::io::RawSocket,
+        digest: Option<&pingora_core::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        #[cfg(unix)]
+        let conn = fd;
+        #[cfg(windows)]
+        let conn = sock;
+        self.upstream_connected(session, reused, peer, conn, digest, ctx)
+            .await
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        self.prepare_upstream_request(session, upstream, ctx).await
+    }
+
+    async fn request_body_filter(
+        &self,
+        session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        self.request_body(session, body, end_of_stream, ctx).await
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        self.upstream_head(session, resp, ctx).await
     }
 
     fn upstream_response_trailer_filter(
@@ -878,24 +1014,7 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        trace::response_headers(resp, ctx.decorator_response.as_ref())?;
-        if self.chain.drain_close() {
-            keepalive(session, ctx, None);
-        } else if let Some(c) = conn_state(session) {
-            let kept = h1_kept_alive(session, ctx);
-            let admit = c.at_response();
-            if kept && admit != conn::Admit::Keep {
-                let idle = ctx
-                    .listener
-                    .as_ref()
-                    .and_then(|l| l.def.hcm())
-                    .and_then(|h| h.idle_timeout);
-                set_keepalive(session, ctx, idle, admit);
-            }
-        }
-        upstream::response_headers(session, resp, ctx)?;
-        istio::response(resp, ctx, &self.state)?;
-        self.compress_response(session, resp, ctx)
+        self.response_head(session, resp, ctx).await
     }
 
     fn fail_to_connect(
@@ -935,48 +1054,6 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        if let Some(c) = conn_state(session) {
-            c.request_ended();
-        }
-        observe::finish(session, ctx, e);
-        if ctx.traceable && !ctx.trace_begun {
-            if let Some(chain) = ctx.listener.clone() {
-                if let Some(hcm) = chain.def.hcm() {
-                    let ip = ctx.info.downstream_direct_remote.map(|a| a.ip());
-                    let req = session.req_header_mut();
-                    let decorator = ctx.decorator.as_deref();
-                    ctx.trace = trace::late(req, ip, hcm, &ctx.info, &self.state.tracer, decorator)
-                        .ok()
-                        .flatten();
-                }
-            }
-        }
-        if let Some(t) = ctx.trace.take() {
-            trace::finish(*t, &ctx.info, &self.state.tracer);
-        }
-        istio::finish(session, ctx, &self.state);
-        observe::access_log(session, ctx);
-        let code = ctx.info.response_code;
-        if ctx.counted_active {
-            self.hcm_stats.finish(code);
-        }
-        if ctx.upgrade {
-            self.hcm_stats.upgrades_active.fetch_sub(1, Relaxed);
-        }
-        ctx.filters.release(&self.hcm_stats.fault);
-        if let Some(c) = &ctx.cluster {
-            if ctx.retry_slot {
-                c.stats.retry_active.fetch_sub(1, Relaxed);
-            }
-            if ctx.cx_slot {
-                c.stats.cx_busy.fetch_sub(1, Relaxed);
-                c.stats.cx_freed.notify_one();
-            }
-            c.active[ctx.host_index].fetch_sub(1, Relaxed);
-            c.stats.rq_active.fetch_sub(1, Relaxed);
-            if !ctx.code_recorded {
-                c.stats.record_code(code);
-            }
-        }
+        self.end_request(session, e, ctx).await
     }
 }
