@@ -29,6 +29,7 @@ use pingora_proxy::{HttpProxy, ProxyHttp, Session};
 use super::h1_session::{Conn, OwnSession, Plain, Vacant};
 use super::h1_upstream::Upstream;
 use super::io::Downstream;
+use super::timeouts::LazyTimer;
 use super::{Ctx, Gateway};
 use crate::snapshot::route::{Action, RouteTable, Target};
 
@@ -186,6 +187,7 @@ pub(crate) async fn process(
     kept: Kept,
     told: bool,
     plain: &Plain,
+    read_timer: &mut LazyTimer,
 ) -> Option<Next> {
     // The head goes into Portico's own session when it can (see `h1_session`), else pingora's
     // session reads it from the connection.
@@ -204,6 +206,7 @@ pub(crate) async fn process(
     let s = {
         let mut ctx = d.gw.new_ctx();
         ctx.own_loop = true;
+        ctx.read_timer = std::mem::take(read_timer);
         let s = match own {
             Some((req, raw)) => {
                 let c = Arc::new(Conn::new(if told { None } else { plain.keepalive() }));
@@ -253,7 +256,9 @@ pub(crate) async fn process(
             }
         };
         d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
-        process_request(d, s, &mut ctx).await?
+        let s = process_request(d, s, &mut ctx).await;
+        *read_timer = std::mem::take(&mut ctx.read_timer);
+        s?
     };
     match conn {
         Some(c) => reuse_own(s, &c, kept).await,
@@ -532,12 +537,15 @@ async fn proxy_to_h1_upstream(
     // The response, while watching the client: one that hangs up ends the request. What the
     // upstream already sent goes out in one write, as pingora batches what its pipe holds.
     loop {
+        // The response first (no draw for an order each poll): the client is watched while
+        // it is not ready, and a write to a client gone fails anyway.
         let first = tokio::select! {
+            biased;
+            t = client.read_response_task(&mut ctx.read_timer) => t,
             r = s.downstream_session.read_body_or_idle(true) => match r {
                 Err(e) => return (false, false, Some(e.into_down())),
                 Ok(_) => continue,
             },
-            t = client.read_response_task() => t,
         };
         let mut batch = Vec::with_capacity(BATCH);
         let mut next = Some(first);
@@ -550,7 +558,9 @@ async fn proxy_to_h1_upstream(
                     // taken nothing yet, so dropping it loses nothing), and no more than
                     // pingora's pipe holds: the client's pace bounds what is read ahead.
                     if !end && batch.len() < BATCH {
-                        next = client.read_response_task().now_or_never();
+                        next = client
+                            .read_response_task(&mut ctx.read_timer)
+                            .now_or_never();
                     }
                 }
                 Err(e) => batch.push(HttpTask::Failed(e.into_up())),

@@ -27,7 +27,9 @@ use pingora_core::protocols::{Digest, Stream, UniqueID};
 use pingora_error::{Error, ErrorType, OrErr, Result, RetryType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
+
+use super::timeouts::LazyTimer;
 
 /// pingora's first read of a response head (`INIT_HEADER_BUF_SIZE`).
 const HEAD_BUF: usize = 4096;
@@ -196,9 +198,10 @@ impl Upstream {
     }
 
     /// pingora's `read_response_task`. Cancel safe: a read that has not completed took nothing.
-    pub async fn read_response_task(&mut self) -> Result<HttpTask> {
+    /// `timer` times the reads (the connection's, kept from one request to the next).
+    pub async fn read_response_task(&mut self, timer: &mut LazyTimer) -> Result<HttpTask> {
         if let Upstream::Own(x) = self {
-            match x.task().await? {
+            match x.task(timer).await? {
                 Some(task) => return Ok(task),
                 None => self.hand_to_pingora(),
             }
@@ -312,15 +315,15 @@ impl Exchange {
     }
 
     /// The next task; None: the response goes to pingora's session.
-    async fn task(&mut self) -> Result<Option<HttpTask>> {
+    async fn task(&mut self, timer: &mut LazyTimer) -> Result<Option<HttpTask>> {
         match self.state {
-            State::Request | State::Head => self.head().await,
-            State::Body { left } => self.body(left).await.map(Some),
+            State::Request | State::Head => self.head(timer).await,
+            State::Body { left } => self.body(left, timer).await.map(Some),
             State::Done { .. } => Ok(Some(HttpTask::Done)),
         }
     }
 
-    async fn head(&mut self) -> Result<Option<HttpTask>> {
+    async fn head(&mut self, timer: &mut LazyTimer) -> Result<Option<HttpTask>> {
         self.state = State::Head;
         // One read into a buffer of its own (a read that does not complete takes nothing, so
         // a dropped one loses nothing): a head that needs more goes to pingora's session with
@@ -328,9 +331,9 @@ impl Exchange {
         let mut buf = BytesMut::with_capacity(HEAD_BUF);
         let read = self.stream.read_buf(&mut buf);
         let read = match self.read_timeout {
-            Some(t) => match timeout(t, read).await {
-                Ok(r) => r,
-                Err(_) => {
+            Some(t) => match timer.bound(Instant::now() + t, read).await {
+                Some(r) => r,
+                None => {
                     return Error::e_explain(
                         ErrorType::ReadTimedout,
                         "while reading response headers",
@@ -387,16 +390,16 @@ impl Exchange {
         self.state = State::Body { left: length };
     }
 
-    async fn body(&mut self, left: usize) -> Result<HttpTask> {
+    async fn body(&mut self, left: usize, timer: &mut LazyTimer) -> Result<HttpTask> {
         let mut data = std::mem::take(&mut self.pre);
         if data.is_empty() {
             let mut buf = BytesMut::with_capacity(BODY_BUF);
             let mut limited = (&mut self.stream).take(BODY_BUF as u64);
             let read = limited.read_buf(&mut buf);
             let n = match self.read_timeout {
-                Some(t) => match timeout(t, read).await {
-                    Ok(r) => r,
-                    Err(_) => {
+                Some(t) => match timer.bound(Instant::now() + t, read).await {
+                    Some(r) => r,
+                    None => {
                         return Error::e_explain(
                             ErrorType::ReadTimedout,
                             format!("reading body, timeout: {t:?}"),
@@ -470,8 +473,8 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
     // Room for what the gateway adds (`server`, x-envoy-upstream-service-time, date,
     // connection).
     let size = resp.headers.len() + super::head::ADDED_HEADERS;
-    let (mut length, mut close, mut connection) = (None, false, false);
-    for h in resp.headers.iter() {
+    let (mut length, mut close, mut connection) = (None, false, None);
+    for (i, h) in resp.headers.iter().enumerate() {
         let name = h.name.as_bytes();
         if name.eq_ignore_ascii_case(b"content-length") {
             if length.is_some() {
@@ -481,10 +484,10 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             return None;
         } else if name.eq_ignore_ascii_case(b"connection") {
-            if connection {
+            if connection.is_some() {
                 return None;
             }
-            connection = true;
+            connection = Some(i);
             if h.value.eq_ignore_ascii_case(b"close") {
                 close = true;
             } else if !h.value.eq_ignore_ascii_case(b"keep-alive") {
@@ -492,7 +495,15 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
             }
         }
     }
-    // The names and values as pingora's session takes them: slices of the bytes read.
+    // The names and values as pingora's session takes them: slices of the bytes read. A
+    // `Connection` of `close` or `keep-alive` is left out: what it says is in `close`, and the
+    // response's filters remove it (hop-by-hop) whatever it holds.
+    let fields = resp
+        .headers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != connection)
+        .map(|(_, h)| h);
     let value = |h: &httparse::Header| pingora_http::header_value_from_raw(buf.slice_ref(h.value));
     let header = if case {
         // The names keep the case they came in: without it pingora's writer would
@@ -501,7 +512,7 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
         let mut header = ResponseHeader::build(code, Some(size)).ok()?;
         header.set_version(http::Version::HTTP_11);
         header.set_reason_phrase(resp.reason).ok()?;
-        for h in resp.headers.iter() {
+        for h in fields {
             header
                 .append_header(buf.slice_ref(h.name.as_bytes()), value(h))
                 .ok()?;
@@ -515,7 +526,7 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
         parts.status = http::StatusCode::from_u16(code).ok()?;
         parts.version = http::Version::HTTP_11;
         parts.headers.try_reserve(size).ok()?;
-        for h in resp.headers.iter() {
+        for h in fields {
             let name = http::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
             parts.headers.try_append(name, value(h)).ok()?;
         }
@@ -600,9 +611,13 @@ mod tests {
         up.write_request_header(Box::new(req)).await.expect("write");
         up.finish_body().await.expect("finish");
         let mut seen = Vec::new();
+        let mut timer = LazyTimer::default();
         for _ in 0..20 {
-            match up.read_response_task().await {
-                Ok(HttpTask::Header(h, end)) => {
+            match up.read_response_task(&mut timer).await {
+                Ok(HttpTask::Header(mut h, end)) => {
+                    // As the response's filters leave it: the hop-by-hop fields go (the own
+                    // reader leaves out a `Connection` it has read).
+                    crate::proxy::downstream::strip_response(&mut h);
                     let mut wire = Vec::new();
                     h.header_to_h1_wire(&mut wire);
                     seen.push(format!(

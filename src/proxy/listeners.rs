@@ -1088,7 +1088,12 @@ async fn serve_h1(
     // pingora's default keep-alive for a new connection; the request path sets its own.
     session.set_keepalive(Some(60));
     let mut conn = Between::Pingora(Box::new(session), false);
-    let mut idle_timer = IdleTimer::default();
+    let mut idle_timer = super::timeouts::LazyTimer::default();
+    let mut read_timer = super::timeouts::LazyTimer::default();
+    // One wait for the close signal for the connection's life: made per wait, its waiter
+    // was registered on the signal and removed again at every request.
+    let closed = closing(&mut idle_close);
+    tokio::pin!(closed);
     loop {
         let told_now = *told.borrow();
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
@@ -1111,7 +1116,7 @@ async fn serve_h1(
                 let head = tokio::select! {
                     biased;
                     h = d.read_head(super::h1::HEAD_LIMIT) => h,
-                    _ = closing(&mut idle_close) => return,
+                    _ = closed.as_mut() => return,
                 };
                 let plain = match head {
                     Head::Closed => return,
@@ -1121,9 +1126,18 @@ async fn serve_h1(
                 if let Some(plain) = plain {
                     // Boxed, as pingora's request future is: a connection's task is as
                     // large as its largest await, and it mostly idles between requests.
-                    match Box::pin(super::h1::process(driver, d, kept, told_now, &plain)).await {
+                    match Box::pin(super::h1::process(
+                        driver,
+                        d,
+                        kept,
+                        told_now,
+                        &plain,
+                        &mut read_timer,
+                    ))
+                    .await
+                    {
                         Some((d, kept)) => {
-                            if !idle_wait(&d, kept.idle(), &mut idle_close, &mut idle_timer).await {
+                            if !idle_wait(&d, kept.idle(), closed.as_mut(), &mut idle_timer).await {
                                 return;
                             }
                             conn = Between::Ours(d, kept);
@@ -1165,7 +1179,7 @@ async fn serve_h1(
             .filter(|_| !pipelined)
             .and_then(|s| s.as_any().downcast_ref::<Downstream>());
         if let Some(d) = ours {
-            if !idle_wait(d, idle, &mut idle_close, &mut idle_timer).await {
+            if !idle_wait(d, idle, closed.as_mut(), &mut idle_timer).await {
                 return;
             }
         }
@@ -1183,8 +1197,8 @@ fn keepalive_idle(secs: u64) -> Option<std::time::Duration> {
 async fn idle_wait(
     d: &super::io::Downstream,
     idle: Option<std::time::Duration>,
-    idle_close: &mut watch::Receiver<bool>,
-    timer: &mut IdleTimer,
+    mut closed: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    timer: &mut super::timeouts::LazyTimer,
 ) -> bool {
     let deadline = idle.map(|i| tokio::time::Instant::now() + i);
     loop {
@@ -1201,38 +1215,13 @@ async fn idle_wait(
             reached = expired => if reached {
                 return false;
             },
-            _ = closing(idle_close) => return false,
+            _ = closed.as_mut() => return false,
         }
     }
 }
 
-/// A connection's keep-alive timer, kept from one request to the next. Arming a fresh tokio
-/// timer per request costs an insertion into the timer wheel and a removal after it; this
-/// one is moved only when it would fire late (a shorter keep-alive) or has fired. One armed
-/// for an earlier request's deadline fires early and is then moved to the current one, as
-/// nginx's lazy timers do: once per keep-alive period rather than once per request.
-#[derive(Default)]
-struct IdleTimer(Option<std::pin::Pin<Box<tokio::time::Sleep>>>);
-
-impl IdleTimer {
-    /// Resolves when the timer fires: true when `at` has been reached, false when it fired
-    /// for an earlier deadline (call again to wait for `at`).
-    async fn until(&mut self, at: tokio::time::Instant) -> bool {
-        let sleep = match &mut self.0 {
-            Some(s) => {
-                if s.deadline() > at || s.is_elapsed() {
-                    s.as_mut().reset(at);
-                }
-                s
-            }
-            None => self.0.insert(Box::pin(tokio::time::sleep_until(at))),
-        };
-        sleep.as_mut().await;
-        tokio::time::Instant::now() >= at
-    }
-}
-
-/// Resolves when idle connections are to close (the end of a drain, shutdown).
+/// Resolves when idle connections are to close (the end of a drain, shutdown). Not to be
+/// polled once resolved: the connection closes then.
 async fn closing(idle_close: &mut watch::Receiver<bool>) {
     loop {
         if *idle_close.borrow_and_update() {

@@ -78,34 +78,3 @@ async fn pipelined_bytes_carried_to_the_next_request_are_seen() {
     settings.set_pipelined_prefix(bytes::BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]));
     assert!(carries_pipelined_bytes(&settings));
 }
-
-#[tokio::test]
-async fn the_idle_timer_moves_only_when_it_would_fire_late_or_has_fired() {
-    use futures::FutureExt;
-    use std::time::Duration;
-    use tokio::time::Instant;
-    let deadline = |t: &IdleTimer| t.0.as_ref().map(|s| s.deadline());
-    let mut t = IdleTimer::default();
-
-    // First use arms it; it reaches its deadline.
-    let at = Instant::now() + Duration::from_millis(20);
-    assert!(t.until(at).await);
-
-    // Fired: the next deadline re-arms it.
-    let early = Instant::now() + Duration::from_millis(20);
-    assert_eq!(t.until(early).now_or_never(), None);
-    assert_eq!(deadline(&t), Some(early));
-
-    // A later deadline (the next request's) leaves the armed one alone: it fires early,
-    // says so, and is then moved to the later one.
-    let late = Instant::now() + Duration::from_secs(30);
-    assert!(!t.until(late).await, "fired for the earlier deadline");
-    assert!(Instant::now() >= early && Instant::now() < late);
-    assert_eq!(t.until(late).now_or_never(), None);
-    assert_eq!(deadline(&t), Some(late));
-
-    // A shorter keep-alive moves it earlier at once.
-    let short = Instant::now() + Duration::from_millis(20);
-    assert!(t.until(short).await);
-    assert!(Instant::now() >= short);
-}

@@ -163,6 +163,9 @@ pub struct Ctx {
     /// What the request shares with Portico's own HTTP/1 session (`h1_session`), when it has
     /// one: the keep-alive its hooks decide.
     own: Option<Arc<h1_session::Conn>>,
+    /// The own loop's timer for upstream reads, lent by the client's connection for the
+    /// request (`timeouts::LazyTimer`).
+    read_timer: timeouts::LazyTimer,
     listener: Option<Arc<ActiveChain>>,
     cluster: Option<Arc<Cluster>>,
     /// The request's one snapshot, loaded when it starts: routing, upstream selection,

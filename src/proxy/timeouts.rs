@@ -211,9 +211,121 @@ pub(super) fn arm_timers(
     Ok(())
 }
 
+/// A timer kept from one use to the next (a connection's keep-alive wait, its upstream
+/// reads). Arming a fresh tokio timer per use costs an insertion into the timer wheel and a
+/// removal after it; this one is moved only when it would fire late (a shorter wait) or has
+/// fired. One armed for an earlier use's deadline fires early and is then moved to the
+/// current one, as nginx's lazy timers do: once per period rather than once per use.
+#[derive(Default)]
+pub(crate) struct LazyTimer(Option<std::pin::Pin<Box<tokio::time::Sleep>>>);
+
+impl LazyTimer {
+    /// Resolves when the timer fires: true when `at` has been reached, false when it fired
+    /// for an earlier deadline (call again to wait for `at`).
+    pub async fn until(&mut self, at: tokio::time::Instant) -> bool {
+        let sleep = match &mut self.0 {
+            Some(s) => {
+                if s.deadline() > at || s.is_elapsed() {
+                    s.as_mut().reset(at);
+                }
+                s
+            }
+            None => self.0.insert(Box::pin(tokio::time::sleep_until(at))),
+        };
+        sleep.as_mut().await;
+        tokio::time::Instant::now() >= at
+    }
+
+    /// `fut` unless `at` comes first (None).
+    pub async fn bound<F: std::future::Future>(
+        &mut self,
+        at: tokio::time::Instant,
+        fut: F,
+    ) -> Option<F::Output> {
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            tokio::select! {
+                biased;
+                out = fut.as_mut() => return Some(out),
+                reached = self.until(at) => if reached {
+                    return None;
+                },
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_lazy_timer_moves_only_when_it_would_fire_late_or_has_fired() {
+        use futures::FutureExt;
+        use std::time::Duration;
+        use tokio::time::Instant;
+        let deadline = |t: &LazyTimer| t.0.as_ref().map(|s| s.deadline());
+        let mut t = LazyTimer::default();
+
+        // First use arms it; it reaches its deadline.
+        let at = Instant::now() + Duration::from_millis(20);
+        assert!(t.until(at).await);
+
+        // Fired: the next deadline re-arms it.
+        let early = Instant::now() + Duration::from_millis(20);
+        assert_eq!(t.until(early).now_or_never(), None);
+        assert_eq!(deadline(&t), Some(early));
+
+        // A later deadline (the next request's) leaves the armed one alone: it fires early,
+        // says so, and is then moved to the later one.
+        let late = Instant::now() + Duration::from_secs(30);
+        assert!(!t.until(late).await, "fired for the earlier deadline");
+        assert!(Instant::now() >= early && Instant::now() < late);
+        assert_eq!(t.until(late).now_or_never(), None);
+        assert_eq!(deadline(&t), Some(late));
+
+        // A shorter keep-alive moves it earlier at once.
+        let short = Instant::now() + Duration::from_millis(20);
+        assert!(t.until(short).await);
+        assert!(Instant::now() >= short);
+    }
+
+    #[tokio::test]
+    async fn a_bound_read_ends_at_its_own_deadline_not_an_earlier_armed_one() {
+        use std::time::Duration;
+        use tokio::time::Instant;
+        let mut t = LazyTimer::default();
+        // What is ready comes through, the timer untouched.
+        let at = Instant::now() + Duration::from_secs(30);
+        assert_eq!(t.bound(at, async { 7 }).await, Some(7));
+
+        // Armed for an earlier wait, the timer fires early: the bound waits on to its own.
+        let early = Instant::now() + Duration::from_millis(10);
+        assert_eq!(t.bound(early, std::future::pending::<()>()).await, None);
+        assert!(Instant::now() >= early);
+        let own = Instant::now() + Duration::from_millis(60);
+        let armed = Instant::now() + Duration::from_millis(10);
+        let _ = futures::FutureExt::now_or_never(t.until(armed));
+        assert_eq!(t.bound(own, std::future::pending::<()>()).await, None);
+        assert!(
+            Instant::now() >= own,
+            "not cut short by the earlier deadline"
+        );
+
+        // A read that completes after the earlier deadline but before its own comes through.
+        let armed = Instant::now() + Duration::from_millis(10);
+        let _ = futures::FutureExt::now_or_never(t.until(armed));
+        let own = Instant::now() + Duration::from_secs(30);
+        let read = tokio::time::sleep(Duration::from_millis(40));
+        assert_eq!(
+            t.bound(own, async {
+                read.await;
+                1
+            })
+            .await,
+            Some(1)
+        );
+    }
 
     #[test]
     fn grpc_timeouts_parse_and_format_as_envoy() {
