@@ -490,11 +490,12 @@ async fn proxy_to_h1_upstream(
         return (false, false, Some(e));
     }
 
-    let mut req = s.req_header().clone();
+    let mut req = super::head::clone_request(s.req_header());
     req.set_version(http::Version::HTTP_11);
     // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::plain` left
-    // nothing for a `Connection` header to name).
-    strip_hop_by_hop(&mut req);
+    // nothing for a `Connection` header to name). None found: Envoy's policy after it has
+    // nothing to strip or put back either.
+    ctx.hop_free = !strip_hop_by_hop(&mut req);
     if let Err(e) = gw.prepare_upstream_request(s, &mut req, ctx).await {
         return (false, true, Some(e));
     }
@@ -645,8 +646,8 @@ async fn response_task(
 }
 
 /// The hop-by-hop fields pingora's default upstream request policy removes, only those present
-/// (`downstream::present`).
-fn strip_hop_by_hop(req: &mut RequestHeader) {
+/// (`downstream::present`); whether there were any.
+fn strip_hop_by_hop(req: &mut RequestHeader) -> bool {
     static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
     static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
     static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
@@ -666,6 +667,7 @@ fn strip_hop_by_hop(req: &mut RequestHeader) {
     for (name, _) in hop.iter().zip(found).filter(|(_, p)| *p) {
         req.remove_header(*name);
     }
+    found.contains(&true)
 }
 
 /// `reconcile_authority` then pingora's `validate_request_authority`, as pingora's loop does

@@ -265,21 +265,24 @@ fn own_request(req: &RequestHeader) -> Option<bool> {
     if req.method == http::Method::HEAD || req.version != http::Version::HTTP_11 {
         return None;
     }
-    let h = &req.headers;
-    if h.contains_key(http::header::TRANSFER_ENCODING) {
-        return None;
+    // One pass over the (few) fields rather than three lookups by name.
+    let mut close = None;
+    for (k, v) in req.headers.iter() {
+        if *k == http::header::TRANSFER_ENCODING {
+            return None;
+        } else if *k == http::header::CONTENT_LENGTH {
+            if v != "0" {
+                return None;
+            }
+        } else if *k == http::header::CONNECTION && close.is_none() {
+            // The first `Connection` decides, as a lookup by name reads it.
+            if !v.as_bytes().eq_ignore_ascii_case(b"close") {
+                return None;
+            }
+            close = Some(true);
+        }
     }
-    if h.get_all(http::header::CONTENT_LENGTH)
-        .iter()
-        .any(|v| v != "0")
-    {
-        return None;
-    }
-    match h.get(http::header::CONNECTION) {
-        None => Some(false),
-        Some(v) if v.as_bytes().eq_ignore_ascii_case(b"close") => Some(true),
-        Some(_) => None,
-    }
+    Some(close.unwrap_or(false))
 }
 
 impl Exchange {

@@ -261,6 +261,22 @@ pub(crate) fn drop_case(req: &mut RequestHeader) {
     });
 }
 
+/// A copy of a request head (the upstream request's start): a head without case made from
+/// its parts directly, where pingora's `clone` goes through the request builder (~400
+/// instructions more a request).
+pub(crate) fn clone_request(req: &RequestHeader) -> RequestHeader {
+    if !plain_request(req) {
+        return req.clone();
+    }
+    let (mut parts, ()) = http::Request::new(()).into_parts();
+    parts.method = req.method.clone();
+    parts.uri = req.uri.clone();
+    parts.version = req.version;
+    parts.headers = req.headers.clone();
+    parts.extensions = req.extensions.clone();
+    RequestHeader::from(parts)
+}
+
 /// How many headers the gateway may add to a request, the Istio chain's included (four of
 /// its own, four of the B3 context, two of peer metadata, the forwarded-for pair): growing
 /// the map once more on the way cost ~700 instructions a request.

@@ -199,6 +199,10 @@ pub struct Ctx {
     /// This request is the last its upstream connection may carry
     /// (`max_requests_per_connection`).
     close_upstream: bool,
+    /// The request carries none of the hop-by-hop fields (nor those Envoy forwards though
+    /// pingora strips them): the own loop looked (`h1::strip_hop_by_hop`), and the upstream
+    /// request's policy has nothing to strip or put back.
+    hop_free: bool,
     retry: Option<Arc<RetryPolicy>>,
     /// Upstream attempts started (1 on the first try).
     attempts: u32,

@@ -332,10 +332,15 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
         // Envoy forwards an upgrade's hop-by-hop headers as they came, bar two.
         return upgrade::forward_hop_by_hop(&session.req_header().headers, upstream);
     }
-    strip_request(upstream)?;
+    if !ctx.hop_free {
+        strip_request(upstream)?;
+    }
     if ctx.close_upstream {
         // pingora keeps no connection whose request asked to close it.
         upstream.insert_header(http::header::CONNECTION, "close")?;
+    }
+    if ctx.hop_free {
+        return Ok(());
     }
     // pingora strips more than Envoy does; put back what Envoy forwards: `te: trailers`,
     // `trailer` and `proxy-authorization` (unless `Connection` names them).
