@@ -168,12 +168,26 @@ fn put<'a, H: OneMap>(
     })
 }
 
+/// Names the `http` crate knows that the gateway writes on every response (`date`,
+/// `server`): pingora parses their text back without an allocation, and its insert costs
+/// less than taking a head apart for one write (~180 instructions a write on a response; for
+/// other names, or on a request, the two cost about the same).
+fn known(name: &HeaderName) -> bool {
+    [&http::header::DATE, &http::header::SERVER].contains(&name)
+}
+
 impl<H: OneMap> SetHeader for H {
     fn set(&mut self, name: &'static HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        if known(name) {
+            return self.pingora_put(Name::Static(name), value(v)?, false);
+        }
         put(self, [value(v).map(|v| (Name::Static(name), v))], false)
     }
 
     fn add(&mut self, name: &'static HeaderName, v: impl TryInto<HeaderValue>) -> Result<()> {
+        if known(name) {
+            return self.pingora_put(Name::Static(name), value(v)?, true);
+        }
         put(self, [value(v).map(|v| (Name::Static(name), v))], true)
     }
 
