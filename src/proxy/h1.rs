@@ -493,8 +493,8 @@ async fn proxy_to_h1_upstream(
     let mut req = super::head::clone_request(s.req_header());
     req.set_version(http::Version::HTTP_11);
     // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::plain` left
-    // nothing for a `Connection` header to name). None found: Envoy's policy after it has
-    // nothing to strip or put back either.
+    // nothing for a `Connection` header to name). None found: Envoy's policy, applied after it
+    // (`upstream::hop_by_hop`), has nothing to strip or put back either.
     ctx.hop_free = !strip_hop_by_hop(&mut req);
     if let Err(e) = gw.prepare_upstream_request(s, &mut req, ctx).await {
         return (false, true, Some(e));
