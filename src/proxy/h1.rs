@@ -180,7 +180,8 @@ impl Kept {
 pub(crate) type Next = (Box<Downstream>, Kept);
 
 /// One request, as `HttpProxy::process_new_http` serves it. `None`: the connection is done.
-/// `plain`: the request's head, which `read_head` buffered on the connection.
+/// `plain`: the request's head, which `read_head` buffered on the connection; `read_timer`:
+/// the connection's timer for upstream reads, lent to the request (`Ctx::read_timer`).
 pub(crate) async fn process(
     d: &Driver,
     mut stream: Box<Downstream>,

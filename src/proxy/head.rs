@@ -170,8 +170,8 @@ fn put<'a, H: OneMap>(
 
 /// Names the `http` crate knows that the gateway writes on every response (`date`,
 /// `server`): pingora parses their text back without an allocation, and its insert costs
-/// less than taking a head apart for one write (~180 instructions a write on a response; for
-/// other names, or on a request, the two cost about the same).
+/// less than taking a head apart for one write (43.3k to 43.1k instructions a request for the
+/// two; every write to a request head so measured the same as before, within noise).
 fn known(name: &HeaderName) -> bool {
     [&http::header::DATE, &http::header::SERVER].contains(&name)
 }
@@ -276,8 +276,8 @@ pub(crate) fn drop_case(req: &mut RequestHeader) {
 }
 
 /// A copy of a request head (the upstream request's start): a head without case made from
-/// its parts directly, where pingora's `clone` goes through the request builder (~400
-/// instructions more a request).
+/// its parts directly, where pingora's `clone` goes through the request builder (callgrind's
+/// profile: 1.08k instructions a request against 1.48k).
 pub(crate) fn clone_request(req: &RequestHeader) -> RequestHeader {
     if !plain_request(req) {
         return req.clone();
