@@ -48,7 +48,8 @@ fn secs(s: i64) -> Option<PbDuration> {
 }
 
 /// Every domain; `/rw/` rewritten to `/echo/`; `/t1/` (1 s timeout) and `/t0/`
-/// (timeout disabled) rewritten to `/slow/`; everything else to the backend.
+/// (timeout disabled) rewritten to `/slow/`; `/teapot` a direct 418; everything else to the
+/// backend.
 fn snapshot(port: u16, backend: &RawBackend) -> Snapshot {
     Snapshot {
         routes: vec![route_config(
@@ -75,6 +76,7 @@ fn snapshot(port: u16, backend: &RawBackend) -> Snapshot {
                             ra.timeout = secs(0);
                         }),
                     ),
+                    rt(prefix("/teapot"), direct(418, "short and stout")),
                     rt(prefix("/"), forward(|_| {})),
                 ],
             )],
@@ -217,6 +219,7 @@ impl Conn {
                 let what = if self.eof { "eof" } else { "timed out" };
                 return RawResp {
                     status: 0,
+                    reason: String::new(),
                     headers: Vec::new(),
                     body: format!("{what}; read {:?}", String::from_utf8_lossy(&self.buf))
                         .into_bytes(),
@@ -260,11 +263,9 @@ fn parse_one(buf: &[u8], head: bool, eof: bool) -> Option<(RawResp, usize)> {
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
     let text = String::from_utf8_lossy(&buf[..end]).into_owned();
     let mut lines = text.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
+    let mut status_line = lines.next().unwrap_or("").splitn(3, ' ').skip(1);
+    let status: u16 = status_line.next().and_then(|c| c.parse().ok()).unwrap_or(0);
+    let reason = status_line.next().unwrap_or("").to_string();
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.to_string(), v.trim().to_string()))
@@ -298,6 +299,7 @@ fn parse_one(buf: &[u8], head: bool, eof: bool) -> Option<(RawResp, usize)> {
     Some((
         RawResp {
             status,
+            reason,
             headers,
             body,
         },
@@ -408,7 +410,10 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
         "absolute-form",
         "pingora's parser rejects absolute-form targets",
     ),
-    ("hop: date", "pingora sets its own Date"),
+    (
+        "hop with a body: date",
+        "pingora's session (requests pingora's loop serves, HTTP/2) sets its own Date",
+    ),
     (
         "dupresp: order",
         "pingora's header map groups repeated names",
@@ -1050,6 +1055,18 @@ async fn upstream_responses() {
     for (h, want) in kept {
         c.eq(format!("hop: {h}"), all(&r.headers, h), vec![*want]);
     }
+    // The same through pingora's loop (a request with a body is its).
+    let r = raw_http1(
+        mesh.port,
+        &request("POST", "/hop", &[], Some(b"x"), true),
+        false,
+    )
+    .await;
+    c.eq(
+        "hop with a body: date",
+        all(&r.headers, "date"),
+        vec!["Mon, 01 Jan 2001 00:00:00 GMT"],
+    );
     let t = hdr(&r, "x-envoy-upstream-service-time");
     c.ok(
         "hop: x-envoy-upstream-service-time",
@@ -1089,6 +1106,42 @@ async fn upstream_responses() {
         .filter(|n| n.chars().any(|c| c.is_ascii_uppercase()))
         .collect();
     c.eq("plain: response header names not lowercase", upper, vec![]);
+
+    // The reason phrase is Envoy's codec's own, never the upstream's (`Unknown` for a status
+    // Envoy names none for), on both loops: a request with a body is pingora's.
+    #[rustfmt::skip]
+    let reasons: &[(u16, &str)] = &[
+        (200, "OK"), (201, "Created"), (204, "No Content"), (299, "Unknown"),
+        (304, "Not Modified"), (404, "Not Found"), (418, "Unknown"), (425, "Too Early"),
+        (451, "Unknown"), (503, "Service Unavailable"), (599, "Last Unassigned Server Error Code"),
+    ];
+    for (code, want) in reasons {
+        let path = format!("/status/{code}");
+        let r = keep_alive_get(mesh.port, &path).await;
+        c.eq(
+            format!("reason {code}"),
+            (r.status, r.reason.as_str()),
+            (*code, *want),
+        );
+        let req = request("POST", &path, &[], Some(b"x"), true);
+        let r = raw_http1(mesh.port, &req, false).await;
+        c.eq(
+            format!("reason {code}, with a body"),
+            (r.status, r.reason.as_str()),
+            (*code, *want),
+        );
+    }
+    for req in [
+        request("GET", "/teapot", &[], None, true),
+        request("POST", "/teapot", &[], Some(b"x"), true),
+    ] {
+        let r = raw_http1(mesh.port, &req, false).await;
+        c.eq(
+            "reason of a direct 418",
+            (r.status, r.reason.as_str()),
+            (418, "Unknown"),
+        );
+    }
 
     // Framing. Each on its own keep-alive connection, followed by a second
     // request to prove the connection stays usable.

@@ -10,7 +10,8 @@
 //! (`h1_upstream`), and says `connection: close` on a response after which it closes the
 //! connection and nothing on one it keeps, as Envoy's codec (pingora's writes `keep-alive`).
 //! Otherwise it answers as pingora's session does (`tests/h1_loop.rs` holds the two to the
-//! same bytes, but for those two): `Date` set on the response head, the same body framing (a
+//! same bytes, but for those two and the date): `Date` set on a response head without one (an
+//! upstream's is kept, as Envoy keeps it; pingora's sessions replace it), the same body framing (a
 //! length, chunked, until close; none for HEAD, 204 and 304), the same flushes and the same
 //! errors. A connection manager that keeps header case
 //! (`header_key_format`) has pingora's session.
@@ -361,18 +362,25 @@ impl OwnSession {
         if !informational {
             static DATE: HeaderName = header::DATE;
             static CONNECTION: HeaderName = header::CONNECTION;
-            let date = pingora_core::protocols::http::date::get_cached_date();
+            // An upstream's `Date` is kept, as Envoy keeps it (its connection manager adds one
+            // only where there is none: local replies, upstreams that send none).
+            let dated = header.headers.contains_key(&DATE);
+            let date = || pingora_core::protocols::http::date::get_cached_date();
             // Decided once the framing is (a body until close closes the connection; pingora
             // decides before, and says `keep-alive` of a connection it then closes).
             if self.will_keepalive() {
                 // Envoy's codec says nothing of a connection it keeps (pingora's writes
                 // `connection: keep-alive`).
                 header.remove_header(&header::CONNECTION);
-                header.set(&DATE, date)?;
+                if !dated {
+                    header.set(&DATE, date())?;
+                }
+            } else if dated {
+                header.set(&CONNECTION, HeaderValue::from_static("close"))?;
             } else {
                 // Both in one write (a head without case is taken apart once for them).
                 let close = HeaderValue::from_static("close");
-                header.set_all([(&DATE, date), (&CONNECTION, close)])?;
+                header.set_all([(&DATE, date()), (&CONNECTION, close)])?;
             }
         }
         let version = match header.version {
@@ -389,9 +397,8 @@ impl OwnSession {
             buf.extend_from_slice(version.as_bytes());
             buf.extend_from_slice(header.status.as_str().as_bytes());
             buf.push(b' ');
-            if let Some(reason) = header.get_reason_phrase() {
-                buf.extend_from_slice(reason.as_bytes());
-            }
+            // Envoy's codec writes its own phrase, never the upstream's.
+            buf.extend_from_slice(super::head::envoy_reason(header.status).as_bytes());
             buf.extend_from_slice(b"\r\n");
             // Names lower case, as Envoy's codec writes them (a head's case, if it kept
             // one, is not read: a connection manager that keeps case has pingora's session).

@@ -258,6 +258,77 @@ pub(crate) fn int_value(n: u64) -> HeaderValue {
     })
 }
 
+/// The reason phrase Envoy's HTTP/1 codec writes for `status`: its own, never the
+/// upstream's. Envoy 1.40 names the statuses below (measured: every status from 200 to 999
+/// relayed through it) and writes `Unknown` for the rest, 418 and 451 among them; 1xx heads
+/// (100 and 101 are the ones it writes) take the standard phrase.
+pub(crate) fn envoy_reason(status: http::StatusCode) -> &'static str {
+    match status.as_u16() {
+        c @ 100..=199 => http::StatusCode::from_u16(c)
+            .ok()
+            .and_then(|s| s.canonical_reason())
+            .unwrap_or("Unknown"),
+        200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        203 => "Non-Authoritative Information",
+        204 => "No Content",
+        205 => "Reset Content",
+        206 => "Partial Content",
+        207 => "Multi-Status",
+        208 => "Already Reported",
+        226 => "IM Used",
+        300 => "Multiple Choices",
+        301 => "Moved Permanently",
+        302 => "Found",
+        303 => "See Other",
+        304 => "Not Modified",
+        305 => "Use Proxy",
+        307 => "Temporary Redirect",
+        308 => "Permanent Redirect",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        402 => "Payment Required",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        406 => "Not Acceptable",
+        407 => "Proxy Authentication Required",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        410 => "Gone",
+        411 => "Length Required",
+        412 => "Precondition Failed",
+        413 => "Payload Too Large",
+        414 => "URI Too Long",
+        415 => "Unsupported Media Type",
+        416 => "Range Not Satisfiable",
+        417 => "Expectation Failed",
+        421 => "Misdirected Request",
+        422 => "Unprocessable Entity",
+        423 => "Locked",
+        424 => "Failed Dependency",
+        425 => "Too Early",
+        426 => "Upgrade Required",
+        428 => "Precondition Required",
+        429 => "Too Many Requests",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        505 => "HTTP Version Not Supported",
+        506 => "Variant Also Negotiates",
+        507 => "Insufficient Storage",
+        508 => "Loop Detected",
+        510 => "Not Extended",
+        511 => "Network Authentication Required",
+        599 => "Last Unassigned Server Error Code",
+        _ => "Unknown",
+    }
+}
+
 /// Drops the case pingora kept for an HTTP/1 request's header names (module comment): the
 /// connection manager asked for no `header_key_format`. A target the URI does not reproduce
 /// keeps its head as it is (case included): a rebuild would lose it.
@@ -564,6 +635,21 @@ mod tests {
         let mut req = RequestHeader::build_no_case("GET", b"/", None).expect("request");
         req.set_version(http::Version::HTTP_3);
         assert!(request_wire(&req, false).is_none());
+    }
+
+    #[test]
+    fn reason_phrases_are_envoys_not_the_http_crates() {
+        let reason = |c: u16| envoy_reason(http::StatusCode::from_u16(c).expect("status"));
+        // Where Envoy 1.40 and the `http` crate agree, and where they do not.
+        assert_eq!(reason(200), "OK");
+        assert_eq!(reason(101), "Switching Protocols");
+        assert_eq!(reason(100), "Continue");
+        assert_eq!(reason(413), "Payload Too Large");
+        assert_eq!(reason(418), "Unknown");
+        assert_eq!(reason(451), "Unknown");
+        assert_eq!(reason(306), "Unknown");
+        assert_eq!(reason(599), "Last Unassigned Server Error Code");
+        assert_eq!(reason(999), "Unknown");
     }
 
     #[test]

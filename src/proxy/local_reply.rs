@@ -85,6 +85,7 @@ impl Gateway {
         if let pingora_core::protocols::http::ServerSession::H2(h2) = session.as_downstream_mut() {
             h2.write_response_header(Box::new(resp), true)?;
         } else {
+            super::envoy_reason_phrase(session, &mut resp)?;
             session.write_response_header(Box::new(resp), true).await?;
         }
         Ok(true)
@@ -138,6 +139,7 @@ impl Gateway {
             super::upstream::server(&mut resp, h)?;
         }
         filter_response_headers(&mut resp, ctx)?;
+        super::envoy_reason_phrase(session, &mut resp)?;
         session
             .write_response_header(Box::new(resp), body.is_none() || head_only)
             .await?;

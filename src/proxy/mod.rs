@@ -306,6 +306,16 @@ pub(super) fn downstream_h1(session: &Session) -> bool {
     )
 }
 
+/// For pingora's HTTP/1 session, which writes a head's stored reason phrase (the upstream's,
+/// else the `http` crate's): the one Envoy's codec writes (`head::envoy_reason`), stored only
+/// where the two differ. Portico's own session writes Envoy's itself; HTTP/2 has none.
+pub(super) fn envoy_reason_phrase(session: &Session, resp: &mut ResponseHeader) -> Result<()> {
+    if let pingora_core::protocols::http::ServerSession::H1(_) = session.as_downstream() {
+        resp.set_reason_phrase(Some(head::envoy_reason(resp.status)))?;
+    }
+    Ok(())
+}
+
 /// The HTTP/1 request head as it was read (request line and fields).
 pub(super) fn raw_h1_head(session: &Session) -> Option<Bytes> {
     match session.as_downstream() {

@@ -451,5 +451,5 @@ pub(super) fn response_headers(
     for c in ctx.set_cookies.drain(..) {
         resp.append_header(http::header::SET_COOKIE, c)?;
     }
-    Ok(())
+    super::envoy_reason_phrase(session, resp)
 }

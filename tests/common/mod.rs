@@ -1771,6 +1771,8 @@ pub fn envoy_cluster_metric(cluster: &str, stat: &str) -> (String, String) {
 #[derive(Debug, Clone)]
 pub struct RawResp {
     pub status: u16,
+    /// The status line's reason phrase, as written.
+    pub reason: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
 }
@@ -1800,6 +1802,7 @@ pub async fn raw_http1(port: u16, request: &[u8], head: bool) -> RawResp {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let failed = |why: String| RawResp {
         status: 0,
+        reason: String::new(),
         headers: Vec::new(),
         body: why.into_bytes(),
     };
@@ -1845,6 +1848,7 @@ pub async fn raw_head(port: u16, path: &str, host: &str) -> RawResp {
     );
     let failed = |why: String| RawResp {
         status: 0,
+        reason: String::new(),
         headers: Vec::new(),
         body: why.into_bytes(),
     };
@@ -1898,11 +1902,9 @@ pub fn parse_raw_response(buf: &[u8], to_eof: bool) -> Option<RawResp> {
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head_text = String::from_utf8_lossy(&buf[..end]).into_owned();
     let mut lines = head_text.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
+    let mut status_line = lines.next().unwrap_or("").splitn(3, ' ').skip(1);
+    let status: u16 = status_line.next().and_then(|c| c.parse().ok()).unwrap_or(0);
+    let reason = status_line.next().unwrap_or("").to_string();
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
@@ -1932,6 +1934,7 @@ pub fn parse_raw_response(buf: &[u8], to_eof: bool) -> Option<RawResp> {
     };
     Some(RawResp {
         status,
+        reason,
         headers,
         body,
     })
@@ -2441,6 +2444,8 @@ struct RawBackendState {
 /// * `/204…`, `/304…` those statuses (with `x-mode: 204` / `etag: "v1"`)
 /// * `/hop…` 200 `ok` carrying hop-by-hop headers, its own `Server` and `Date`
 /// * `/dupresp…` repeated and mixed-case response headers
+/// * `/status/<code>…` that status with the reason phrase `Whatever`, body `ok` (none for 204
+///   and 304)
 /// * `/upclose…` 200 `ok` with `connection: close`, then closes
 /// * `/closemid…` promises 100 bytes, sends `partial`, closes
 /// * `/badstatus…`, `/garbage…`, `/clte…`, `/badhdr…` malformed responses
@@ -2685,6 +2690,24 @@ async fn raw_backend_conn(mut s: tokio::net::TcpStream, st: Arc<RawBackendState>
                 ),
                 false,
             )
+        } else if let Some(code) = target
+            .strip_prefix("/status/")
+            .and_then(|t| t.get(..3))
+            .and_then(|c| c.parse::<u16>().ok())
+        {
+            let body: &[u8] = if matches!(code, 204 | 304) || head_only {
+                b""
+            } else {
+                b"ok"
+            };
+            let length = if matches!(code, 204 | 304) {
+                String::new()
+            } else {
+                "content-length: 2\r\n".to_string()
+            };
+            let mut out = format!("HTTP/1.1 {code} Whatever\r\n{length}\r\n").into_bytes();
+            out.extend_from_slice(body);
+            (out, false)
         } else if target.starts_with("/dupresp") {
             (
                 plain(
