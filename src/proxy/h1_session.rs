@@ -186,7 +186,9 @@ impl Plain {
             .ok()?;
         for f in &self.fields[..self.n] {
             let name = HeaderName::from_bytes(raw.get(range(f.name))?).ok()?;
-            let value = HeaderValue::from_maybe_shared(raw.slice(range(f.value))).ok()?;
+            // httparse's request parser allows no fold: the bytes are a value's
+            // (`head::parsed_value`).
+            let value = super::head::parsed_value(raw.slice(range(f.value)));
             // pingora's `validate_request_authority`, for what `plain` lets through (one
             // Host, an origin-form target, whose URI has no authority): no userinfo in the
             // Host.

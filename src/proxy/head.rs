@@ -258,6 +258,18 @@ pub(crate) fn int_value(n: u64) -> HeaderValue {
     })
 }
 
+/// A header value of a head httparse parsed without line folds (obs-fold: neither
+/// `h1_session::plain`'s parser nor `h1_upstream::parse_head`'s allows them): httparse lets
+/// through only bytes a value may hold (horizontal tab, visible ASCII, space, obs-text; the
+/// tests below try every byte), so neither the `http` crate's check (about 140 instructions
+/// a value) nor pingora's normalisation (about 110) has anything to do.
+pub(crate) fn parsed_value(bytes: bytes::Bytes) -> HeaderValue {
+    debug_assert!(HeaderValue::from_maybe_shared(bytes.clone()).is_ok());
+    // SAFETY: the bytes are valid for a header value (above); the `http` crate relies on
+    // nothing else.
+    unsafe { HeaderValue::from_maybe_shared_unchecked(bytes) }
+}
+
 /// The reason phrase Envoy's HTTP/1 codec writes for `status`: its own, never the
 /// upstream's. Envoy 1.40 names the statuses below (measured: every status from 200 to 999
 /// relayed through it) and writes `Unknown` for the rest, 418 and 451 among them; 1xx heads
@@ -635,6 +647,58 @@ mod tests {
         let mut req = RequestHeader::build_no_case("GET", b"/", None).expect("request");
         req.set_version(http::Version::HTTP_3);
         assert!(request_wire(&req, false).is_none());
+    }
+
+    /// What `parsed_value` relies on, for every byte anywhere in a value, in requests
+    /// (`h1_session::plain`'s parser) and responses (`h1_upstream::parse_head`'s); and that
+    /// neither lets a fold through.
+    #[test]
+    fn httparse_passes_only_bytes_a_header_value_may_hold() {
+        let mut response_config = httparse::ParserConfig::default();
+        response_config.allow_spaces_after_header_name_in_responses(true);
+        for b in 0..=255u8 {
+            for at in 0..3 {
+                let mut v = b"ab".to_vec();
+                v.insert(at, b);
+                let mut head = b"GET / HTTP/1.1\r\nhost: a\r\nx: ".to_vec();
+                head.extend_from_slice(&v);
+                head.extend_from_slice(b"\r\n\r\n");
+                let mut fields = [httparse::EMPTY_HEADER; 4];
+                let mut req = httparse::Request::new(&mut fields);
+                let config = httparse::ParserConfig::default();
+                if let Ok(httparse::Status::Complete(_)) = config.parse_request(&mut req, &head) {
+                    let value = req.headers[1].value;
+                    assert!(
+                        HeaderValue::from_bytes(value).is_ok(),
+                        "{b} at {at}: {value:?}"
+                    );
+                }
+                let mut head = b"HTTP/1.1 200 OK\r\nx: ".to_vec();
+                head.extend_from_slice(&v);
+                head.extend_from_slice(b"\r\ncontent-length: 0\r\n\r\n");
+                let mut fields = [httparse::EMPTY_HEADER; 4];
+                let mut resp = httparse::Response::new(&mut fields);
+                if let Ok(httparse::Status::Complete(_)) =
+                    response_config.parse_response(&mut resp, &head)
+                {
+                    let value = resp.headers[0].value;
+                    assert!(
+                        HeaderValue::from_bytes(value).is_ok(),
+                        "{b} at {at}: {value:?}"
+                    );
+                }
+            }
+        }
+        let mut fields = [httparse::EMPTY_HEADER; 4];
+        let mut resp = httparse::Response::new(&mut fields);
+        let folded = b"HTTP/1.1 200 OK\r\nx: a\r\n b\r\ncontent-length: 0\r\n\r\n";
+        assert!(response_config.parse_response(&mut resp, folded).is_err());
+        let mut fields = [httparse::EMPTY_HEADER; 4];
+        let mut req = httparse::Request::new(&mut fields);
+        let folded = b"GET / HTTP/1.1\r\nhost: a\r\nx: a\r\n b\r\n\r\n";
+        assert!(httparse::ParserConfig::default()
+            .parse_request(&mut req, folded)
+            .is_err());
     }
 
     #[test]
