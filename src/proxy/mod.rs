@@ -221,7 +221,8 @@ pub struct Ctx {
     filters: FilterState,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
-    upstream_start: Option<Instant>,
+    /// When the upstream attempt started sending, since the request's start.
+    upstream_start: Option<std::time::Duration>,
     /// `set-cookie` values for cookies a hash policy generated, added to the upstream response.
     set_cookies: Vec<String>,
     /// The upstream's response code was counted when its headers arrived.
@@ -797,8 +798,10 @@ impl Gateway {
         upstream::attempt_headers(upstream, ctx)?;
         self.mirror_head(session, upstream, ctx);
         istio::upstream_request(upstream, ctx, &self.state)?;
-        ctx.upstream_start = Some(Instant::now());
-        observe::upstream_sent(&mut ctx.info);
+        // One reading of the clock for both.
+        let sent = ctx.info.started.elapsed();
+        ctx.upstream_start = Some(sent);
+        observe::upstream_sent(&mut ctx.info, sent);
         Ok(())
     }
 

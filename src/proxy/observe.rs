@@ -142,10 +142,10 @@ pub(super) fn request_done(info: &mut StreamInfo) {
     }
 }
 
-/// An upstream attempt starts sending.
-pub(super) fn upstream_sent(info: &mut StreamInfo) {
+/// An upstream attempt starts sending, `at` after the request's start.
+pub(super) fn upstream_sent(info: &mut StreamInfo, at: std::time::Duration) {
     if info.first_upstream_tx.is_none() {
-        info.first_upstream_tx = Some(info.started.elapsed());
+        info.first_upstream_tx = Some(at);
     }
 }
 

@@ -4,7 +4,6 @@
 //! policy and timeout, its own headers, the hash for ring hash and Maglev clusters.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use http::header::HeaderName;
@@ -107,7 +106,8 @@ pub(super) fn response_headers(
 }
 
 /// What a forwarding route decides for the upstream request: path and host rewrites, the
-/// retry policy, the route timeout (until `upstream::arm_timers` refines it), attempt counts.
+/// retry policy, the route timeout (`timeouts::arm_timers` refines it and sets its deadline),
+/// attempt counts.
 pub(super) fn forward(
     session: &Session,
     ctx: &mut Ctx,
@@ -164,7 +164,6 @@ pub(super) fn forward(
         hcm_strips_port(raw, listener, local_port(session)).then(|| split_port(raw).0.to_string())
     });
     ctx.timeout = fwd.timeout;
-    ctx.deadline = fwd.timeout.map(|t| Instant::now() + t);
     ctx.retry = fwd.retry.clone();
     ctx.attempt_count_to_upstream = fwd.attempt_count_to_upstream;
     ctx.attempt_count_to_client = fwd.attempt_count_to_client;

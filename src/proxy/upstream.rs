@@ -429,9 +429,14 @@ pub(super) fn response_headers(
     }
     // Envoy measures from the end of the request, which an upgrade has not reached.
     if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
+        // The response's arrival as `upstream_head` read the clock for it.
+        let answered = ctx
+            .info
+            .first_upstream_rx
+            .unwrap_or_else(|| ctx.info.started.elapsed());
         resp.set(
             &X_UPSTREAM_TIME,
-            super::timeouts::millis_value(start.elapsed()),
+            super::timeouts::millis_value(answered.saturating_sub(start)),
         )?;
     }
     // After x-envoy-upstream-service-time, before the connection manager's `server`.
