@@ -416,9 +416,19 @@ async fn proxy_to_upstream(
         .get_peer_options()
         .is_none_or(|o| matches!(o.alpn, pingora_core::protocols::ALPN::H1));
     let key = peer.reuse_hash();
-    let pooled = if own { d.pool.take(key, &*peer) } else { None };
+    // The clock as `choose_peer` read it, moments ago.
+    let chosen = ctx.peer_at.unwrap_or_else(std::time::Instant::now);
+    let pooled = if own {
+        d.pool.take(key, &*peer, chosen)
+    } else {
+        None
+    };
     let got = match pooled {
-        Some(stream) => Ok((Upstream::new(stream, &*peer), true)),
+        Some(stream) => {
+            let mut up = Upstream::new(stream, &*peer);
+            up.read_from(chosen);
+            Ok((up, true))
+        }
         // Boxed: the connector's future (a connect, maybe a TLS handshake) is 8.8 KB, and a
         // pooled connection, the usual case, should not carry that room in every request.
         None => match Box::pin(d.connector.get_http_session(&*peer)).await {
@@ -518,6 +528,12 @@ async fn proxy_to_h1_upstream(
     {
         return (false, false, Some(e));
     }
+    // The request has no body (`plain`): it was whole when its context began, after its
+    // head was read (Envoy's codec marks such a request complete with its headers), so
+    // `request_done` has no clock to read.
+    ctx.info
+        .last_downstream_rx
+        .get_or_insert(std::time::Duration::ZERO);
     if let Err(e) = gw.request_body(s, &mut data, true, ctx).await {
         return (false, false, Some(e));
     }

@@ -57,6 +57,9 @@ pub(super) struct Exchange {
     state: State,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
+    /// When the read timeout was worked out (`Upstream::read_from`): the response head's
+    /// deadline counts from there, without another reading of the clock.
+    head_from: Option<Instant>,
     /// The peer's tolerance of an invalid `Content-Length`, for pingora's session should the
     /// response go to it.
     allow_invalid_length: bool,
@@ -95,12 +98,22 @@ impl Upstream {
             state: State::Request,
             read_timeout: None,
             write_timeout: None,
+            head_from: None,
             allow_invalid_length: options
                 .is_some_and(|o| o.allow_h1_response_invalid_content_length),
             close: false,
             keep_case: false,
             response_case: true,
         })
+    }
+
+    /// The read timeout (`set_timeouts`) was worked out at `at`, moments before the request
+    /// is written: the response head's deadline is `at` plus it. For a pooled connection
+    /// (a new one's connect comes between).
+    pub fn read_from(&mut self, at: std::time::Instant) {
+        if let Upstream::Own(x) = self {
+            x.head_from = Some(Instant::from_std(at));
+        }
     }
 
     pub fn set_timeouts(&mut self, read: Option<Duration>, write: Option<Duration>) {
@@ -334,7 +347,10 @@ impl Exchange {
         let mut buf = BytesMut::with_capacity(HEAD_BUF);
         let read = self.stream.read_buf(&mut buf);
         let read = match self.read_timeout {
-            Some(t) => match timer.bound(Instant::now() + t, read).await {
+            Some(t) => match timer
+                .bound(self.head_from.take().unwrap_or_else(Instant::now) + t, read)
+                .await
+            {
                 Some(r) => r,
                 None => {
                     return Error::e_explain(

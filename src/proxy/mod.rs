@@ -223,6 +223,8 @@ pub struct Ctx {
     attempt_count_to_client: bool,
     /// When the upstream attempt started sending, since the request's start.
     upstream_start: Option<std::time::Duration>,
+    /// The clock when `choose_peer` worked out the attempt's timeouts from it.
+    peer_at: Option<Instant>,
     /// `set-cookie` values for cookies a hash policy generated, added to the upstream response.
     set_cookies: Vec<String>,
     /// The upstream's response code was counted when its headers arrived.

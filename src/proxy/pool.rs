@@ -66,9 +66,9 @@ impl Pool {
     }
 
     /// An idle connection to `peer` that is still open and within its idle timeout.
-    /// `key`: the peer's `reuse_hash` (worked out once per request, for `put` too).
-    pub fn take(&self, key: u64, peer: &impl Peer) -> Option<Stream> {
-        let now = Instant::now();
+    /// `key`: the peer's `reuse_hash` (worked out once per request, for `put` too); `now`: a
+    /// reading of the clock the caller has (the request's peer was chosen moments before).
+    pub fn take(&self, key: u64, peer: &impl Peer, now: Instant) -> Option<Stream> {
         let mut inner = self.inner.lock().ok()?;
         let inner = &mut *inner;
         let list = inner.idle.get_mut(&key)?;
@@ -255,8 +255,8 @@ mod tests {
         let (c, _s) = pair(&l).await;
         pool.put(c, p.reuse_hash(), &p, None);
         assert_eq!(pool.len(), 1);
-        assert!(pool.take(p.reuse_hash(), &p).is_some());
-        assert!(pool.take(p.reuse_hash(), &p).is_none());
+        assert!(pool.take(p.reuse_hash(), &p, Instant::now()).is_some());
+        assert!(pool.take(p.reuse_hash(), &p, Instant::now()).is_none());
     }
 
     #[tokio::test]
@@ -266,8 +266,12 @@ mod tests {
         let pool = Pool::new(8);
         let (c, _s) = pair(&l).await;
         pool.put(c, peer(&l).reuse_hash(), &peer(&l), None);
-        assert!(pool.take(peer(&l2).reuse_hash(), &peer(&l2)).is_none());
-        assert!(pool.take(peer(&l).reuse_hash(), &peer(&l)).is_some());
+        assert!(pool
+            .take(peer(&l2).reuse_hash(), &peer(&l2), Instant::now())
+            .is_none());
+        assert!(pool
+            .take(peer(&l).reuse_hash(), &peer(&l), Instant::now())
+            .is_some());
     }
 
     #[tokio::test]
@@ -292,7 +296,7 @@ mod tests {
             }
         }
         assert_eq!(pool.len(), 0);
-        assert!(pool.take(p.reuse_hash(), &p).is_none());
+        assert!(pool.take(p.reuse_hash(), &p, Instant::now()).is_none());
     }
 
     #[tokio::test]
@@ -352,9 +356,11 @@ mod tests {
         pool.put(c3, p.reuse_hash(), &p, None);
         assert_eq!(pool.len(), 2);
         closed(&mut s1, Duration::from_secs(10), "the first was closed").await;
-        assert!(pool.take(other.reuse_hash(), &other).is_some());
-        assert!(pool.take(p.reuse_hash(), &p).is_some());
-        assert!(pool.take(p.reuse_hash(), &p).is_none());
+        assert!(pool
+            .take(other.reuse_hash(), &other, Instant::now())
+            .is_some());
+        assert!(pool.take(p.reuse_hash(), &p, Instant::now()).is_some());
+        assert!(pool.take(p.reuse_hash(), &p, Instant::now()).is_none());
     }
 
     #[tokio::test]

@@ -268,6 +268,7 @@ impl Gateway {
         // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
         // and within what is left of the route timeout.
         let now = Instant::now();
+        ctx.peer_at = Some(now);
         let left = |d: Option<Instant>| d.map(|d| d.saturating_duration_since(now));
         let bounds = [
             (ctx.per_try, TimeoutKind::PerTry),
