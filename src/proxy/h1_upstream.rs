@@ -220,7 +220,15 @@ impl Upstream {
             }
         }
         match self {
-            Upstream::Pingora(c) => c.read_response_task().await,
+            Upstream::Pingora(c) => {
+                let mut task = c.read_response_task().await?;
+                if let HttpTask::Header(head, _) = &mut task {
+                    // The heads this exchange reads itself are ones Envoy takes as they are.
+                    super::framing::check_raw(&c.get_headers_raw_bytes())?;
+                    super::framing::check_head(head)?;
+                }
+                Ok(task)
+            }
             _ => Err(moving()),
         }
     }
@@ -474,12 +482,12 @@ struct Head {
 fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
     let mut fields = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut []);
-    let mut config = httparse::ParserConfig::default();
-    // As pingora's session parses responses, but for folded lines (obs-fold), which it allows
-    // and turns into spaces: a head with one is its to read. Without them httparse lets
-    // through only bytes a value may hold (`head::parsed_value`), which need neither
-    // pingora's normalisation nor another check.
-    config.allow_spaces_after_header_name_in_responses(true);
+    let config = httparse::ParserConfig::default();
+    // Stricter than pingora's session parses responses: no folded lines (obs-fold), which it
+    // allows and turns into spaces, and no spaces before a colon, which it allows and Envoy
+    // refuses (`framing::check_raw`): a head with either is its to read. Without folds
+    // httparse lets through only bytes a value may hold (`head::parsed_value`), which need
+    // neither pingora's normalisation nor another check.
     let body_at = match config.parse_response_with_uninit_headers(&mut resp, buf, &mut fields) {
         Ok(httparse::Status::Complete(n)) => n,
         _ => return None,

@@ -37,6 +37,7 @@ mod callout;
 pub mod client_cert;
 pub mod conn;
 mod downstream;
+mod framing;
 mod h1;
 mod h1_session;
 mod h1_upstream;
@@ -984,6 +985,9 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        // The own loop's upstream exchange checks the heads pingora's session reads for it
+        // (`h1_upstream`); here pingora's session read it for pingora's loop.
+        framing::check_head(resp)?;
         self.upstream_head(session, resp, ctx).await
     }
 

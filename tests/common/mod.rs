@@ -2450,6 +2450,7 @@ struct RawBackendState {
 /// * `/closemid…` promises 100 bytes, sends `partial`, closes
 /// * `/badstatus…`, `/garbage…`, `/clte…`, `/badhdr…` malformed responses
 /// * `/closenow…` closes without answering
+/// * `/raw/<hex>` the bytes the hex spells, as they are, then closes
 /// * `/slow/<ms>…` waits `<ms>` then answers like the default
 /// * `/stream-resp…` chunked: `part1`, then waits for `release()`, then `part2`
 /// * `/body…` 200 with the request body as its body
@@ -2644,7 +2645,13 @@ async fn raw_backend_conn(mut s: tokio::net::TcpStream, st: Arc<RawBackendState>
             out
         };
         // (bytes to write, close afterwards)
-        let (out, close): (Vec<u8>, bool) = if target.starts_with("/nolength") {
+        let (out, close): (Vec<u8>, bool) = if let Some(hex) = target.strip_prefix("/raw/") {
+            // Exactly the bytes the path spells in hex, then the connection closes.
+            let out = (0..hex.len() / 2)
+                .filter_map(|i| u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok())
+                .collect();
+            (out, true)
+        } else if target.starts_with("/nolength") {
             (
                 b"HTTP/1.1 200 OK\r\nx-mode: nolength\r\n\r\nclose-delimited body".to_vec(),
                 true,
