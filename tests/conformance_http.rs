@@ -420,11 +420,11 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
     ),
     (
         "POST odd: length and chunked",
-        "pingora's session drops the length for the coding and keeps no trace of it: only the own loop's exchange sees the bytes (`framing::check_raw`)",
+        "pingora's session (requests with a body, HTTP/2 clients) drops the length for the coding and keeps no trace of it: only the own loop's exchange sees the bytes (`framing::check_raw`)",
     ),
     (
         "POST odd: space before colon",
-        "pingora's session allows it in responses and keeps no trace of it: only the own loop's exchange sees the bytes (`framing::check_raw`)",
+        "pingora's session (requests with a body, HTTP/2 clients) allows it in responses and keeps no trace of it: only the own loop's exchange sees the bytes (`framing::check_raw`)",
     ),
     (
         "hop-req: header names lowercased",
