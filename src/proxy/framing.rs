@@ -11,8 +11,9 @@
 //! - `Transfer-Encoding` other than one field that says `chunked` (any case): a list, two
 //!   fields, an empty value, `identity`, `gzip`; any `Transfer-Encoding` on a 1xx or a 204;
 //! - a `Content-Length` on a 1xx or a 204 other than exactly `0` (that one is dropped);
-//! - more than one `Content-Length` (even equal ones), or one that is a list (`3, 3`), on any
-//!   status but 304, whose length Envoy does not read;
+//! - more than one `Content-Length` field (even equal ones), or one that is a list (`3, 3`)
+//!   on any status but 304, whose length Envoy does not read (`3, 4` passes there; so does
+//!   `abc`, which pingora's session refuses, as it does on every status);
 //! - `Content-Length` together with `Transfer-Encoding`;
 //! - a space or tab between a header name and its colon.
 //!
@@ -63,7 +64,7 @@ pub(crate) fn check_head(resp: &mut ResponseHeader) -> Result<()> {
                 return refuse("content length not allowed in 1xx or 204");
             }
             resp.remove_header(&CONTENT_LENGTH);
-        } else if status != 304 && (more || length.as_bytes().contains(&b',')) {
+        } else if more || (status != 304 && length.as_bytes().contains(&b',')) {
             return refuse("multiple content-length values");
         }
     }
@@ -149,6 +150,8 @@ mod tests {
             (103, &[("content-length", "0")], Some(&[])),
             (304, &[("content-length", "3")], Some(&[("content-length", "3")])),
             (304, &[("content-length", "3, 3")], Some(&[("content-length", "3, 3")])),
+            (304, &[("content-length", "3, 4")], Some(&[("content-length", "3, 4")])),
+            (304, &[("content-length", "3"), ("content-length", "3")], None),
             (304, &[("transfer-encoding", "chunked")], Some(&[])),
             (304, &[("transfer-encoding", "gzip")], None),
         ];
