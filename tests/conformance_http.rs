@@ -397,6 +397,18 @@ const KNOWN_PORTICO_GAPS: &[(&str, &str)] = &[
     ("chunk size with bare LF", "pingora's own 400 (empty body)"),
     ("NUL in header value", "pingora's own 400 (empty body)"),
     (
+        "angle brackets in the path",
+        "the `http` crate's URI refuses them: pingora's session answers its own 400 (Envoy forwards them as they came)",
+    ),
+    (
+        "a backtick in the path",
+        "the `http` crate's URI refuses it in a path: pingora's session answers its own 400 (Envoy forwards it)",
+    ),
+    (
+        "a quote in the query",
+        "the `http` crate's URI refuses it in a query: pingora's session answers its own 400 (Envoy forwards it)",
+    ),
+    (
         "request line of 70000 bytes path",
         "pingora's parser limit answers 400 before Portico sees it",
     ),
@@ -536,6 +548,19 @@ async fn malformed_requests() {
         ("chunk size with bare LF", format!("POST /bad HTTP/1.1\r\n{h}transfer-encoding: chunked\r\n\r\n5\nhello\r\n0\r\n\r\n"), v(400, BAD_REQUEST, true)),
         ("request line of 70000 bytes path", format!("GET /{} HTTP/1.1\r\n{h}\r\n", a(70000)), v(431, "Request Header Fields Too Large", true)),
         ("header name with underscore", format!("GET /underscore HTTP/1.1\r\n{h}x_y: 1\r\n\r\n"), v(200, "raw-backend", false)),
+        // pingora's session would percent-encode these and serve the request.
+        ("control byte in the path", format!("GET /bad\x01x HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("DEL in the path", format!("GET /bad\x7fx HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("space in the path", format!("GET /bad x HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("tab in the path", format!("GET /bad\tx HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("CR in the path", format!("GET /bad\rx HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("control byte in the query", format!("GET /bad?q=\x1b HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("space in the query", format!("GET /bad?q=a b HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("a quote in the path", format!("GET /quote\"x HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("braces and a pipe in the query", format!("GET /braces?q={{a|b}} HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("angle brackets in the path", format!("GET /lt<gt> HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("a backtick in the path", format!("GET /tick`x HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("a quote in the query", format!("GET /quote?q=\"x\" HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
         ("NUL in header value", format!("GET /bad HTTP/1.1\r\n{h}x-y: a\x00b\r\n\r\n"), v(400, BAD_REQUEST, true)),
     ];
     let results = futures::future::join_all(

@@ -390,6 +390,10 @@ fn reject(
     if h1 && req.version == http::Version::HTTP_10 {
         return Some((426, "Upgrade Required", true));
     }
+    // Before the fragment check: such a target was marked with `#` (`h1_session`).
+    if refused_target(session) {
+        return Some((400, "Bad Request", true));
+    }
     if has_fragment(session) {
         return Some((400, "", true));
     }
@@ -628,6 +632,19 @@ fn raw_head_has(session: &Session, name: &[u8]) -> bool {
             .skip(1)
             .any(|line| line.len() >= name.len() && line[..name.len()].eq_ignore_ascii_case(name))
     })
+}
+
+/// Whether the HTTP/1 request's target held bytes Envoy's codec refuses
+/// (`h1_session::mark_refused_target`).
+fn refused_target(session: &Session) -> bool {
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => h1
+            .stream()
+            .as_any()
+            .downcast_ref::<super::io::Downstream>()
+            .is_some_and(super::io::Downstream::refused_target),
+        _ => false,
+    }
 }
 
 /// Whether the HTTP/1 request line carries a `#fragment`, which the URI parser drops silently

@@ -149,6 +149,37 @@ pub(crate) fn plain(head: &[u8]) -> Option<Plain> {
     (hosts == 1 && lengths <= 1).then_some(plain)
 }
 
+/// Envoy's codec refuses a request whose target holds a control byte, a space or DEL (a 400,
+/// `Bad Request`, the connection closed); pingora's session instead percent-encodes them
+/// (`%01`, `%20`) and serves the request, which no later check can tell from a client's own
+/// `%20`. So before pingora's session reads a head, such bytes in its request line's target
+/// (between the method's space and the last ` HTTP/`) are made `#`: pingora's parser takes
+/// it, the URI drops what follows, and `downstream::reject` refuses the request (as a
+/// fragment, should nothing else: `Downstream::refused_target` says which). Whether any was.
+pub(crate) fn mark_refused_target(head: &mut [u8]) -> bool {
+    let line_end = head.iter().position(|b| *b == b'\n').unwrap_or(head.len());
+    let line = &head[..line_end];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let Some(method_end) = line.iter().position(|b| *b == b' ') else {
+        return false;
+    };
+    let Some(version_at) = line
+        .windows(6)
+        .rposition(|w| w == b" HTTP/")
+        .filter(|v| *v > method_end)
+    else {
+        return false;
+    };
+    let mut marked = false;
+    for b in &mut head[method_end + 1..version_at] {
+        if *b <= b' ' || *b == 0x7f {
+            *b = b'#';
+            marked = true;
+        }
+    }
+    marked
+}
+
 impl Plain {
     /// The request head, as pingora's session would read it less its names' case, and its
     /// bytes, taken off the connection. None: they stay on it, for pingora's session to read
@@ -1071,6 +1102,35 @@ mod tests {
         ]));
         assert!(!chunked(&[("transfer-encoding", "chunked, gzip")]));
         assert!(!chunked(&[]));
+    }
+
+    #[test]
+    fn targets_envoy_refuses_are_marked_for_its_400() {
+        let mark = |h: &[u8]| {
+            let mut h = h.to_vec();
+            let marked = mark_refused_target(&mut h);
+            (marked, h)
+        };
+        // Each control byte, space and DEL inside the target; nothing else of the head.
+        for b in (0u8..=b' ').chain([0x7f]).filter(|b| *b != b'\n') {
+            let head = [&b"GET /a"[..], &[b], b"b?q HTTP/1.1\r\nHost: x y\r\n\r\n"].concat();
+            let (marked, out) = mark(&head);
+            assert!(marked, "{b:#x}");
+            assert_eq!(out[6], b'#', "{b:#x}");
+            assert_eq!(out[..6], head[..6]);
+            assert_eq!(out[7..], head[7..]);
+            // Marked, the head parses: the request reaches the check that answers Envoy's 400.
+            assert!(plain(&out).is_some(), "{b:#x}");
+        }
+        for ok in [
+            &b"GET /a<b>\"{}|^` HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+            b"GET /a HTTP/1.1\r\nx: a b\r\n\r\n",
+            b"GET / HTTP/1.1\nHost: x\n\n",
+            b"nonsense\r\n\r\n",
+            b"GET /a\nb HTTP/1.1\r\n\r\n",
+        ] {
+            assert_eq!(mark(ok), (false, ok.to_vec()));
+        }
     }
 
     #[test]

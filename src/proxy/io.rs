@@ -68,6 +68,9 @@ pub struct Downstream {
     /// Bytes read ahead (`read_head`, or handed back with `unread`) that the next reads
     /// return before the socket's.
     ahead: bytes::BytesMut,
+    /// `mark_refused_target` marked the head read ahead (the connection closes after the
+    /// 400 it gets, so this is never reset).
+    refused_target: bool,
 }
 
 /// What `read_head` found in front of the connection.
@@ -131,6 +134,7 @@ impl Downstream {
             established: SystemTime::now(),
             timer: None,
             ahead: bytes::BytesMut::new(),
+            refused_target: false,
         }
     }
 
@@ -171,6 +175,23 @@ impl Downstream {
     /// The bytes `read_head` buffered.
     pub fn ahead(&self) -> &[u8] {
         &self.ahead
+    }
+
+    /// Marks a target Envoy's codec refuses in the first `end` bytes read ahead (a head),
+    /// for `downstream::reject` to answer as Envoy does (`h1_session::mark_refused_target`).
+    /// Whether there was one.
+    pub fn mark_refused_target(&mut self, end: usize) -> bool {
+        let marked = self
+            .ahead
+            .get_mut(..end)
+            .is_some_and(super::h1_session::mark_refused_target);
+        self.refused_target |= marked;
+        marked
+    }
+
+    /// The request being read has a target Envoy's codec refuses.
+    pub fn refused_target(&self) -> bool {
+        self.refused_target
     }
 
     /// The first `n` bytes `read_head` buffered (a request head), taken off the connection.

@@ -1098,16 +1098,12 @@ async fn serve_h1(
         let told_now = *told.borrow();
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
         // the start of (pipelined) stays with pingora, whose session holds those bytes.
+        // The head is read here even for pingora's loop (an HTTP/2 upstream in the routes),
+        // to mark a target Envoy refuses before pingora's session reads it.
+        let own_loop = driver.routes_h1();
         let ours = match conn {
-            Between::Ours(d, kept) if driver.routes_h1() => Ok((d, kept)),
-            Between::Ours(d, kept) => {
-                let mut session = ServerSession::new_http1(d);
-                kept.apply(&mut session);
-                Err(Box::new(session))
-            }
-            Between::Pingora(session, false) if driver.routes_h1() => {
-                ours_with_settings(*session).map_err(Box::new)
-            }
+            Between::Ours(d, kept) => Ok((d, kept)),
+            Between::Pingora(session, false) => ours_with_settings(*session).map_err(Box::new),
             Between::Pingora(session, _) => Err(session),
         };
         let reused = match ours {
@@ -1121,7 +1117,17 @@ async fn serve_h1(
                 let plain = match head {
                     Head::Closed => return,
                     Head::Undecided => None,
-                    Head::Complete(end) => super::h1_session::plain(&d.ahead()[..end]),
+                    Head::Complete(end) => {
+                        let plain = own_loop
+                            .then(|| super::h1_session::plain(&d.ahead()[..end]))
+                            .flatten();
+                        if plain.is_none() {
+                            // Only a head the quick parse refused can hold such a target;
+                            // pingora's session reads it, marked.
+                            d.mark_refused_target(end);
+                        }
+                        plain
+                    }
                 };
                 if let Some(plain) = plain {
                     // Boxed, as pingora's request future is: a connection's task is as
