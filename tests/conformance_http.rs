@@ -1364,6 +1364,27 @@ async fn odd_upstream_responses() {
         ("length and chunked", b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", refused()),
         ("space before colon", b"HTTP/1.1 200 OK\r\nx-bad : v\r\ncontent-length: 3\r\n\r\nabc", refused()),
     ];
+    // Envoy's limits on a response head (the cluster's defaults): 100 fields, 80 KiB. The
+    // heads are `HTTP/1.1 200 OK`, the fields, `content-length: 3`: 81,873 bytes of `x-big`
+    // make a head of 81,920.
+    for (path, want) in [
+        ("/fields/100", seen(200, "abc", Some("3"), None)),
+        ("/fields/101", refused()),
+        ("/bighead/81873", seen(200, "abc", Some("3"), None)),
+        ("/bighead/81874", refused()),
+    ] {
+        for (method, body) in [("GET", None), ("POST", Some(&b"hi"[..]))] {
+            let r = raw_http1(mesh.port, &request(method, path, &[], body, true), false).await;
+            let got: Seen = (
+                r.status,
+                r.body_str(),
+                hdr(&r, "content-length").map(Into::into),
+                hdr(&r, "transfer-encoding").map(Into::into),
+                "HTTP/1.1".into(),
+            );
+            c.eq(format!("{method} odd: {path}"), got, want.clone());
+        }
+    }
     for (name, raw, want) in &cases {
         let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
         let path = format!("/raw/{hex}");

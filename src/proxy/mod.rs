@@ -834,6 +834,13 @@ impl Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if let Some(c) = &ctx.cluster {
+            framing::check_limits(
+                resp,
+                c.def.max_response_headers,
+                c.def.max_response_head_bytes,
+            )?;
+        }
         observe::upstream_answered(&mut ctx.info);
         istio::upstream_response(resp, ctx);
         self.upstream_response(session, resp, ctx)

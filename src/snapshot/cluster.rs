@@ -146,6 +146,12 @@ pub struct ClusterDef {
     pub idle_timeout: Option<Duration>,
     /// `max_requests_per_connection`: an upstream connection closes after this many requests.
     pub max_requests_per_connection: Option<u32>,
+    /// `common_http_protocol_options.max_headers_count` (default 100): an HTTP/1 response
+    /// with more header fields is refused (502, as Envoy's codec refuses it).
+    pub max_response_headers: usize,
+    /// `common_http_protocol_options.max_response_headers_kb` in bytes (HTTP/1 default
+    /// 80 KiB): an HTTP/1 response head larger than this is refused.
+    pub max_response_head_bytes: usize,
     /// `upstream_connection_options.tcp_keepalive`.
     pub tcp_keepalive: Option<TcpKeepalive>,
     /// `health_checks`: the active health check, when there is one.
@@ -881,8 +887,25 @@ impl ClusterDef {
             None => Some(Duration::from_secs(3600)),
         };
         // `max_connection_duration` (istiod's DestinationRule maxConnectionDuration) only
-        // retires upstream connections sooner, and `max_headers_count`/`max_response_headers_kb`
-        // bound what an upstream may answer: accepted, the hosts chosen are the same.
+        // retires upstream connections sooner: accepted, the hosts chosen are the same.
+        let max_response_headers = match common.and_then(|o| o.max_headers_count.as_ref()) {
+            Some(v) if v.value == 0 => {
+                return Err(err(
+                    "common_http_protocol_options.max_headers_count: must be at least 1".into(),
+                ))
+            }
+            Some(v) => v.value as usize,
+            None => 100,
+        };
+        let max_response_head_bytes =
+            match common.and_then(|o| o.max_response_headers_kb.as_ref()) {
+                Some(v) if v.value == 0 || v.value > 8192 => return Err(err(format!(
+                    "common_http_protocol_options.max_response_headers_kb: {} is not in 1..=8192",
+                    v.value
+                ))),
+                Some(v) => v.value as usize * 1024,
+                None => 80 * 1024,
+            };
         // `max_stream_duration` would end upstream requests: refused until it is implemented.
         if common.is_some_and(|o| o.max_stream_duration.is_some()) {
             return Err(err(
@@ -1000,6 +1023,8 @@ impl ClusterDef {
             health_check,
             idle_timeout,
             max_requests_per_connection,
+            max_response_headers,
+            max_response_head_bytes,
             tcp_keepalive,
             outlier,
             max_retries: limit(|t| t.max_retries.as_ref().map(|v| v.value), 3),

@@ -151,6 +151,8 @@ fn defaults() {
             dns_family: DnsFamily::Auto,
             idle_timeout: Some(Duration::from_secs(3600)),
             max_requests_per_connection: None,
+            max_response_headers: 100,
+            max_response_head_bytes: 80 * 1024,
             tcp_keepalive: None,
             health_check: None,
             transport: Default::default(),
@@ -1823,6 +1825,41 @@ fn connection_pool_options() {
     let def = ok(&c);
     assert_eq!(def.idle_timeout, None);
     assert_eq!(def.max_requests_per_connection, Some(1));
+    // The response head's limits: Envoy's defaults, else the options'.
+    assert_eq!(
+        (def.max_response_headers, def.max_response_head_bytes),
+        (100, 80 * 1024)
+    );
+    let mut c = cluster("c");
+    #[allow(deprecated)]
+    {
+        c.common_http_protocol_options = Some(Common {
+            max_headers_count: Some(UInt32Value { value: 150 }),
+            max_response_headers_kb: Some(UInt32Value { value: 96 }),
+            ..Default::default()
+        });
+    }
+    let def = ok(&c);
+    assert_eq!(
+        (def.max_response_headers, def.max_response_head_bytes),
+        (150, 96 * 1024)
+    );
+    for (count, kb, field) in [
+        (0, 96, "max_headers_count"),
+        (150, 0, "max_response_headers_kb"),
+        (150, 8193, "max_response_headers_kb"),
+    ] {
+        let mut c = cluster("c");
+        #[allow(deprecated)]
+        {
+            c.common_http_protocol_options = Some(Common {
+                max_headers_count: Some(UInt32Value { value: count }),
+                max_response_headers_kb: Some(UInt32Value { value: kb }),
+                ..Default::default()
+            });
+        }
+        rejected(&c, field);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

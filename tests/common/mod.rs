@@ -2451,6 +2451,8 @@ struct RawBackendState {
 /// * `/badstatus…`, `/garbage…`, `/clte…`, `/badhdr…` malformed responses
 /// * `/closenow…` closes without answering
 /// * `/raw/<hex>` the bytes the hex spells, as they are, then closes
+/// * `/fields/<n>` 200 `abc` with `n` header fields (`content-length` the last)
+/// * `/bighead/<n>` 200 `abc` with `x-big:` `n` bytes long (and `content-length`)
 /// * `/slow/<ms>…` waits `<ms>` then answers like the default
 /// * `/stream-resp…` chunked: `part1`, then waits for `release()`, then `part2`
 /// * `/body…` 200 with the request body as its body
@@ -2645,7 +2647,16 @@ async fn raw_backend_conn(mut s: tokio::net::TcpStream, st: Arc<RawBackendState>
             out
         };
         // (bytes to write, close afterwards)
-        let (out, close): (Vec<u8>, bool) = if let Some(hex) = target.strip_prefix("/raw/") {
+        let number = |prefix: &str| -> Option<usize> { target.strip_prefix(prefix)?.parse().ok() };
+        let (out, close): (Vec<u8>, bool) = if let Some(n) = number("/fields/") {
+            let fields: String = (1..n).map(|i| format!("x-h{i}: v\r\n")).collect();
+            (plain(&fields, b"abc"), false)
+        } else if let Some(n) = number("/bighead/") {
+            (
+                plain(&format!("x-big: {}\r\n", "a".repeat(n)), b"abc"),
+                false,
+            )
+        } else if let Some(hex) = target.strip_prefix("/raw/") {
             // Exactly the bytes the path spells in hex, then the connection closes.
             let out = (0..hex.len() / 2)
                 .filter_map(|i| u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok())
