@@ -897,15 +897,17 @@ impl ClusterDef {
             Some(v) => v.value as usize,
             None => 100,
         };
-        let max_response_head_bytes =
-            match common.and_then(|o| o.max_response_headers_kb.as_ref()) {
-                Some(v) if v.value == 0 || v.value > 8192 => return Err(err(format!(
+        let max_response_head_bytes = match common.and_then(|o| o.max_response_headers_kb.as_ref())
+        {
+            Some(v) if v.value == 0 || v.value > 8192 => {
+                return Err(err(format!(
                     "common_http_protocol_options.max_response_headers_kb: {} is not in 1..=8192",
                     v.value
-                ))),
-                Some(v) => v.value as usize * 1024,
-                None => 80 * 1024,
-            };
+                )))
+            }
+            Some(v) => v.value as usize * 1024,
+            None => 80 * 1024,
+        };
         // `max_stream_duration` would end upstream requests: refused until it is implemented.
         if common.is_some_and(|o| o.max_stream_duration.is_some()) {
             return Err(err(
