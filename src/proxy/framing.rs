@@ -75,38 +75,55 @@ pub(crate) fn check_head(resp: &mut ResponseHeader) -> Result<()> {
 }
 
 /// Envoy's limits on an HTTP/1 upstream's response head (the cluster's
-/// `common_http_protocol_options`): more than `max_fields` header fields, or a head (status
-/// line through the blank line) of more than `max_bytes`, is a protocol error (Envoy 1.40
-/// answers 502: measured at 100 fields and 81,920 bytes, its defaults). The size is the head
-/// as written back from its fields (`name: value` lines), which is the head as it came unless
-/// the upstream padded its values with spaces.
-pub(crate) fn check_limits(
-    resp: &ResponseHeader,
-    max_fields: usize,
-    max_bytes: usize,
-) -> Result<()> {
-    if !matches!(resp.version, Version::HTTP_10 | Version::HTTP_11) {
-        return Ok(());
+/// `common_http_protocol_options`): more than `fields` header fields, or a head (status line
+/// through the blank line) of more than `bytes`, is a protocol error (Envoy 1.40 answers 502:
+/// measured at 100 fields and 81,920 bytes, its defaults).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub fields: usize,
+    pub bytes: usize,
+}
+
+impl Default for Limits {
+    /// Envoy's defaults for HTTP/1.
+    fn default() -> Limits {
+        Limits {
+            fields: 100,
+            bytes: 80 * 1024,
+        }
     }
-    if resp.headers.len() > max_fields {
-        return refuse("too many response headers");
+}
+
+impl Limits {
+    /// A head of `fields` fields and `bytes` bytes as it came (the exchanges that read it know
+    /// both).
+    pub fn check(self, fields: usize, bytes: usize) -> Result<()> {
+        if fields > self.fields {
+            return refuse("too many response headers");
+        }
+        if bytes > self.bytes {
+            return refuse("response headers too large");
+        }
+        Ok(())
     }
-    // `HTTP/1.1 200 ` and CRLF, the reason, the blank line; each field's `: ` and CRLF.
-    let reason = resp
-        .get_reason_phrase()
-        .or_else(|| resp.status.canonical_reason())
-        .map_or(0, str::len);
-    let mut size = 13 + reason + 2 + 2;
-    if size + resp.headers.len() * 4 > max_bytes {
-        return refuse("response headers too large");
+
+    /// `check` for a head pingora's loop parsed, whose bytes it does not keep: the size is the
+    /// head as written back from its fields (`name: value` lines), which is the head as it
+    /// came unless the upstream padded its values with spaces. HTTP/2 heads are the codec's.
+    pub fn check_parsed(self, resp: &ResponseHeader) -> Result<()> {
+        if !matches!(resp.version, Version::HTTP_10 | Version::HTTP_11) {
+            return Ok(());
+        }
+        // `HTTP/1.1 200 ` and CRLF, the reason, the blank line; each field's `: ` and CRLF.
+        let reason = resp
+            .get_reason_phrase()
+            .or_else(|| resp.status.canonical_reason())
+            .map_or(0, str::len);
+        let size = resp.headers.iter().fold(13 + reason + 2 + 2, |n, (k, v)| {
+            n + k.as_str().len() + v.len() + 4
+        });
+        self.check(resp.headers.len(), size)
     }
-    for (k, v) in resp.headers.iter() {
-        size += k.as_str().len() + v.len() + 4;
-    }
-    if size > max_bytes {
-        return refuse("response headers too large");
-    }
-    Ok(())
 }
 
 /// What only the bytes of a head pingora's session parsed tell: a `Content-Length` it dropped
@@ -229,20 +246,22 @@ mod tests {
 
     #[test]
     fn heads_beyond_the_clusters_limits_are_refused_at_envoys_bounds() {
-        let fields = |n: usize| -> Vec<(String, &str)> {
-            (0..n).map(|i| (format!("x-h{i}"), "v")).collect()
-        };
-        let head_of = |f: &[(String, &str)]| {
+        let envoy = Limits::default();
+        let fields = |n: usize| {
             let mut h = ResponseHeader::build(200, None).expect("status");
-            for (k, v) in f {
-                h.append_header(k.clone(), *v).expect("field");
+            for i in 0..n {
+                h.append_header(format!("x-h{i}"), "v").expect("field");
             }
             h
         };
-        assert!(check_limits(&head_of(&fields(100)), 100, 81920).is_ok());
-        let e = check_limits(&head_of(&fields(101)), 100, 81920).expect_err("101 fields");
+        assert!(envoy.check_parsed(&fields(100)).is_ok());
+        let e = envoy.check_parsed(&fields(101)).expect_err("101 fields");
         assert_eq!(*e.esource(), pingora_error::ErrorSource::Upstream);
-        assert!(check_limits(&head_of(&fields(101)), 200, 81920).is_ok());
+        let more = Limits {
+            fields: 200,
+            ..envoy
+        };
+        assert!(more.check_parsed(&fields(101)).is_ok());
         // `HTTP/1.1 200 OK` with `x-big: <n>` and `content-length: 3`: Envoy 1.40 took n =
         // 81,873 (a head of 81,920 bytes) and refused 81,874.
         let big = |n: usize| {
@@ -251,12 +270,15 @@ mod tests {
             h.append_header("content-length", "3").expect("field");
             h
         };
-        assert!(check_limits(&big(81873), 100, 81920).is_ok());
-        assert!(check_limits(&big(81874), 100, 81920).is_err());
+        assert!(envoy.check_parsed(&big(81873)).is_ok());
+        assert!(envoy.check_parsed(&big(81874)).is_err());
+        assert!(envoy.check(100, 81920).is_ok());
+        assert!(envoy.check(101, 100).is_err());
+        assert!(envoy.check(2, 81921).is_err());
         // HTTP/2 heads are the codec's.
-        let mut h2 = head_of(&fields(101));
+        let mut h2 = fields(101);
         h2.set_version(Version::HTTP_2);
-        assert!(check_limits(&h2, 100, 81920).is_ok());
+        assert!(envoy.check_parsed(&h2).is_ok());
     }
 
     #[test]

@@ -552,6 +552,7 @@ async fn proxy_to_h1_upstream(
     // the reader later would overwrite (the byte was lost and the next request forwarded as
     // `ET /...`).
     s.downstream_session.is_body_done();
+    let limits = super::response_limits(ctx);
     // The response, while watching the client: one that hangs up ends the request. What the
     // upstream already sent goes out in one write, as pingora batches what its pipe holds.
     loop {
@@ -559,7 +560,7 @@ async fn proxy_to_h1_upstream(
         // it is not ready, and a write to a client gone fails anyway.
         let first = tokio::select! {
             biased;
-            t = client.read_response_task(&mut ctx.read_timer) => t,
+            t = client.read_response_task(&mut ctx.read_timer, limits) => t,
             r = s.downstream_session.read_body_or_idle(true) => match r {
                 Err(e) => return (false, false, Some(e.into_down())),
                 Ok(_) => continue,
@@ -577,7 +578,7 @@ async fn proxy_to_h1_upstream(
                     // pingora's pipe holds: the client's pace bounds what is read ahead.
                     if !end && batch.len() < BATCH {
                         next = client
-                            .read_response_task(&mut ctx.read_timer)
+                            .read_response_task(&mut ctx.read_timer, limits)
                             .now_or_never();
                     }
                 }

@@ -29,6 +29,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{timeout, Instant};
 
+use super::framing::Limits;
 use super::timeouts::LazyTimer;
 
 /// pingora's first read of a response head (`INIT_HEADER_BUF_SIZE`).
@@ -65,6 +66,8 @@ pub(super) struct Exchange {
     allow_invalid_length: bool,
     /// The connection is closed after this exchange (the request or the response said so).
     close: bool,
+    /// The response head's length as it came (for `Limits::check`).
+    head_len: usize,
     /// The cluster takes header names in the case the request kept (`head::request_wire`).
     keep_case: bool,
     /// The response head keeps its names' case: pingora's downstream session writes them so.
@@ -102,6 +105,7 @@ impl Upstream {
             allow_invalid_length: options
                 .is_some_and(|o| o.allow_h1_response_invalid_content_length),
             close: false,
+            head_len: 0,
             keep_case: false,
             response_case: true,
         })
@@ -211,11 +215,21 @@ impl Upstream {
     }
 
     /// pingora's `read_response_task`. Cancel safe: a read that has not completed took nothing.
-    /// `timer` times the reads (the connection's, kept from one request to the next).
-    pub async fn read_response_task(&mut self, timer: &mut LazyTimer) -> Result<HttpTask> {
+    /// `timer` times the reads (the connection's, kept from one request to the next); a head
+    /// beyond `limits` is refused (`framing::Limits`), counted as it came.
+    pub async fn read_response_task(
+        &mut self,
+        timer: &mut LazyTimer,
+        limits: Limits,
+    ) -> Result<HttpTask> {
         if let Upstream::Own(x) = self {
             match x.task(timer).await? {
-                Some(task) => return Ok(task),
+                Some(task) => {
+                    if let HttpTask::Header(head, _) = &task {
+                        limits.check(head.headers.len(), x.head_len)?;
+                    }
+                    return Ok(task);
+                }
                 None => self.hand_to_pingora(),
             }
         }
@@ -224,7 +238,9 @@ impl Upstream {
                 let mut task = c.read_response_task().await?;
                 if let HttpTask::Header(head, _) = &mut task {
                     // The heads this exchange reads itself are ones Envoy takes as they are.
-                    super::framing::check_raw(&c.get_headers_raw_bytes())?;
+                    let raw = c.get_headers_raw_bytes();
+                    limits.check(head.headers.len(), raw.len())?;
+                    super::framing::check_raw(&raw)?;
                     super::framing::check_head(head)?;
                 }
                 Ok(task)
@@ -398,6 +414,7 @@ impl Exchange {
             self.unread = buf;
             return Ok(None);
         };
+        self.head_len = head.body_at;
         self.after_head(buf.slice(head.body_at..), head.length, head.close);
         let end = head.length == 0;
         Ok(Some(HttpTask::Header(Box::new(head.header), end)))
@@ -642,7 +659,7 @@ mod tests {
         let mut seen = Vec::new();
         let mut timer = LazyTimer::default();
         for _ in 0..20 {
-            match up.read_response_task(&mut timer).await {
+            match up.read_response_task(&mut timer, Limits::default()).await {
                 Ok(HttpTask::Header(mut h, end)) => {
                     // As the response's filters leave it: the hop-by-hop fields go (the own
                     // reader leaves out a `Connection` it has read).

@@ -179,14 +179,11 @@ impl Downstream {
 
     /// Marks a target Envoy's codec refuses in the first `end` bytes read ahead (a head),
     /// for `downstream::reject` to answer as Envoy does (`h1_session::mark_refused_target`).
-    /// Whether there was one.
-    pub fn mark_refused_target(&mut self, end: usize) -> bool {
-        let marked = self
+    pub fn mark_refused_target(&mut self, end: usize) {
+        self.refused_target |= self
             .ahead
             .get_mut(..end)
             .is_some_and(super::h1_session::mark_refused_target);
-        self.refused_target |= marked;
-        marked
     }
 
     /// The request being read has a target Envoy's codec refuses.

@@ -1114,21 +1114,18 @@ async fn serve_h1(
                     h = d.read_head(super::h1::HEAD_LIMIT) => h,
                     _ = closed.as_mut() => return,
                 };
-                let plain = match head {
+                let plain = match &head {
                     Head::Closed => return,
                     Head::Undecided => None,
-                    Head::Complete(end) => {
-                        let plain = own_loop
-                            .then(|| super::h1_session::plain(&d.ahead()[..end]))
-                            .flatten();
-                        if plain.is_none() {
-                            // Only a head the quick parse refused can hold such a target;
-                            // pingora's session reads it, marked.
-                            d.mark_refused_target(end);
-                        }
-                        plain
-                    }
+                    Head::Complete(end) if own_loop => super::h1_session::plain(&d.ahead()[..*end]),
+                    Head::Complete(_) => None,
                 };
+                if let (None, Head::Complete(end)) = (&plain, &head) {
+                    // Only a head the quick parse refused (or did not try) can hold such a
+                    // target; pingora's session reads it, marked. (Decided apart from the
+                    // parse: a `Plain` is large, and moving it out of a block cost a copy.)
+                    d.mark_refused_target(*end);
+                }
                 if let Some(plain) = plain {
                     // Boxed, as pingora's request future is: a connection's task is as
                     // large as its largest await, and it mostly idles between requests.

@@ -363,6 +363,16 @@ fn h1_kept_alive(session: &Session, ctx: &Ctx) -> bool {
     )
 }
 
+/// The cluster's limits on a response head (Envoy's defaults before one is chosen).
+pub(super) fn response_limits(ctx: &Ctx) -> framing::Limits {
+    ctx.cluster
+        .as_ref()
+        .map_or_else(framing::Limits::default, |c| framing::Limits {
+            fields: c.def.max_response_headers,
+            bytes: c.def.max_response_head_bytes,
+        })
+}
+
 fn conn_state(session: &Session) -> Option<&conn::ConnState> {
     conn::info(session.digest())?.state.as_deref()
 }
@@ -834,13 +844,6 @@ impl Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(c) = &ctx.cluster {
-            framing::check_limits(
-                resp,
-                c.def.max_response_headers,
-                c.def.max_response_head_bytes,
-            )?;
-        }
         observe::upstream_answered(&mut ctx.info);
         istio::upstream_response(resp, ctx);
         self.upstream_response(session, resp, ctx)
@@ -995,6 +998,7 @@ impl ProxyHttp for Gateway {
         // The own loop's upstream exchange checks the heads pingora's session reads for it
         // (`h1_upstream`); here pingora's session read it for pingora's loop.
         framing::check_head(resp)?;
+        response_limits(ctx).check_parsed(resp)?;
         self.upstream_head(session, resp, ctx).await
     }
 
