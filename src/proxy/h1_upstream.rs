@@ -190,6 +190,27 @@ impl Upstream {
         }
     }
 
+    /// `write_request_header` of the client's head itself (no copy edited for the upstream):
+    /// pingora's session, which keeps the head it writes, gets a copy.
+    pub async fn write_request(&mut self, req: &RequestHeader) -> Result<usize> {
+        if let Upstream::Own(x) = self {
+            match own_request(req) {
+                Some(close) => {
+                    x.close = close;
+                    return x.write_head(req).await;
+                }
+                None => self.hand_to_pingora(),
+            }
+        }
+        match self {
+            Upstream::Pingora(c) => {
+                let copy = Box::new(super::head::clone_request(req));
+                c.write_request_header(copy).await
+            }
+            _ => Err(moving()),
+        }
+    }
+
     /// pingora's `write_body` for what a body filter made of an empty body: the request said
     /// no length, which pingora's writer frames as zero bytes, so nothing is written.
     pub async fn write_body(&mut self, data: &[u8]) -> Result<Option<usize>> {

@@ -21,6 +21,13 @@ fn istio(ctx: &Ctx) -> Option<&IstioFilters> {
         .map(|h| &h.istio)
 }
 
+/// Whether `upstream_request` may add peer metadata to the upstream request.
+pub(super) fn propagates(ctx: &Ctx) -> bool {
+    istio(ctx)
+        .and_then(|i| i.peer_metadata.as_ref())
+        .is_some_and(|p| p.upstream_propagation.is_some())
+}
+
 /// The first discovery method that finds the peer in `headers`, as istio-proxy's
 /// `discover`; None if none does.
 fn discover(

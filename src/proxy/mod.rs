@@ -811,11 +811,16 @@ impl Gateway {
         upstream::attempt_headers(upstream, ctx)?;
         self.mirror_head(session, upstream, ctx);
         istio::upstream_request(upstream, ctx, &self.state)?;
+        self.upstream_request_sent(ctx);
+        Ok(())
+    }
+
+    /// The upstream request is on its way: when, for timing and the access log.
+    pub(super) fn upstream_request_sent(&self, ctx: &mut Ctx) {
         // One reading of the clock for both.
         let sent = ctx.info.started.elapsed();
         ctx.upstream_start = Some(sent);
         observe::upstream_sent(&mut ctx.info, sent);
-        Ok(())
     }
 
     pub(super) async fn request_body(
