@@ -388,7 +388,8 @@ impl OwnSession {
         if header.status == StatusCode::SWITCHING_PROTOCOLS {
             self.conn.set_keepalive(None);
         }
-        let has_length = self.init_body_writer(&header);
+        let fields = HeadFields::of(&header.headers);
+        let has_length = self.init_body_writer(&header, &fields);
         if matches!(self.body, Body::UntilClose(_)) {
             self.conn.set_keepalive(None);
         }
@@ -397,14 +398,16 @@ impl OwnSession {
             static CONNECTION: HeaderName = header::CONNECTION;
             // An upstream's `Date` is kept, as Envoy keeps it (its connection manager adds one
             // only where there is none: local replies, upstreams that send none).
-            let dated = header.headers.contains_key(&DATE);
+            let dated = fields.date;
             let date = || pingora_core::protocols::http::date::get_cached_date();
             // Decided once the framing is (a body until close closes the connection; pingora
             // decides before, and says `keep-alive` of a connection it then closes).
             if self.will_keepalive() {
                 // Envoy's codec says nothing of a connection it keeps (pingora's writes
                 // `connection: keep-alive`).
-                header.remove_header(&header::CONNECTION);
+                if fields.connection {
+                    header.remove_header(&header::CONNECTION);
+                }
                 if !dated {
                     header.set(&DATE, date())?;
                 }
@@ -454,8 +457,7 @@ impl OwnSession {
 
     /// pingora's `init_body_writer` for a request that asked for no upgrade; whether the head
     /// has a `Content-Length` field (pingora flushes a head without one at once).
-    fn init_body_writer(&mut self, header: &ResponseHeader) -> bool {
-        let headers = &header.headers;
+    fn init_body_writer(&mut self, header: &ResponseHeader, fields: &HeadFields) -> bool {
         if matches!(
             header.status,
             StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
@@ -465,22 +467,21 @@ impl OwnSession {
                 total: 0,
                 written: 0,
             };
-            return headers.contains_key(header::CONTENT_LENGTH);
+            return fields.length_field;
         }
         if header.status.is_informational() && header.status != StatusCode::SWITCHING_PROTOCOLS {
-            return headers.contains_key(header::CONTENT_LENGTH);
+            return fields.length_field;
         }
-        let (present, length) = content_length(headers);
-        self.body = if chunked_last(headers) {
+        self.body = if fields.chunked {
             Body::Chunked(0)
         } else {
-            match length {
+            match fields.length {
                 Some(total) => Body::Length { total, written: 0 },
                 // No length, or one that cannot frame the body: until the connection closes.
                 None => Body::UntilClose(0),
             }
         };
-        present
+        fields.length_field
     }
 
     /// pingora's `write_body`: through the body's framing, within the write timeout.
@@ -668,52 +669,77 @@ fn chunk_size(n: usize, buf: &mut [u8; 18]) -> &[u8] {
     &buf[..len + 2]
 }
 
-/// Whether chunked is the final coding of the last `Transfer-Encoding` field (pingora's
-/// `is_chunked_encoding_from_headers`).
-fn chunked_last(headers: &HeaderMap) -> bool {
-    let Some(last) = headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .next_back()
-    else {
-        return false;
-    };
-    let bytes = last.as_bytes();
-    let token = bytes
-        .iter()
-        .rposition(|b| *b == b',')
-        .map_or(bytes, |p| &bytes[p + 1..]);
-    token.trim_ascii().eq_ignore_ascii_case(b"chunked")
+/// What the response head's writer reads of its fields, found in one pass over them (four
+/// lookups by name hashed each name, and the framing walked the values they found again).
+#[derive(Default)]
+struct HeadFields {
+    /// A `Content-Length` field is there.
+    length_field: bool,
+    /// The one length all its values agree on (pingora's `content_length_for_framing`; None:
+    /// unparseable or in conflict).
+    length: Option<usize>,
+    /// Chunked is the final coding of the last `Transfer-Encoding` field (pingora's
+    /// `is_chunked_encoding_from_headers`).
+    chunked: bool,
+    date: bool,
+    connection: bool,
 }
 
-/// Whether there is a `Content-Length` field, and the one length all its values agree on
-/// (pingora's `content_length_for_framing`; None: unparseable or in conflict).
-fn content_length(headers: &HeaderMap) -> (bool, Option<usize>) {
-    let mut fields = headers.get_all(header::CONTENT_LENGTH).iter().peekable();
-    let present = fields.peek().is_some();
-    let agreed = || -> Option<usize> {
-        let mut length: Option<u64> = None;
-        for value in fields {
-            let line = value.to_str().ok()?;
-            for v in line.split(',') {
-                let v = v.trim().as_bytes();
-                if v.is_empty() {
-                    return None;
+impl HeadFields {
+    fn of(headers: &HeaderMap) -> Self {
+        let mut f = HeadFields::default();
+        // Err: the lengths cannot frame the body.
+        let mut length: std::result::Result<Option<u64>, ()> = Ok(None);
+        for (name, value) in headers {
+            if *name == header::CONTENT_LENGTH {
+                f.length_field = true;
+                if let Ok(agreed) = length {
+                    length = add_lengths(agreed, value);
                 }
-                let n = v.iter().try_fold(0u64, |n, b| {
-                    b.is_ascii_digit().then_some(())?;
-                    n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-                })?;
-                match length {
-                    None => length = Some(n),
-                    Some(prev) if prev != n => return None,
-                    Some(_) => {}
-                }
+            } else if *name == header::TRANSFER_ENCODING {
+                // A name's values come one after the other: the last one seen is the last.
+                let bytes = value.as_bytes();
+                let token = bytes
+                    .iter()
+                    .rposition(|b| *b == b',')
+                    .map_or(bytes, |p| &bytes[p + 1..]);
+                f.chunked = token.trim_ascii().eq_ignore_ascii_case(b"chunked");
+            } else if *name == header::DATE {
+                f.date = true;
+            } else if *name == header::CONNECTION {
+                f.connection = true;
             }
         }
-        usize::try_from(length?).ok()
-    };
-    (present, agreed())
+        f.length = length.ok().flatten().and_then(|n| usize::try_from(n).ok());
+        f
+    }
+}
+
+/// The length so far and a `Content-Length` value's list of lengths, which must agree with it.
+fn add_lengths(
+    mut length: Option<u64>,
+    value: &HeaderValue,
+) -> std::result::Result<Option<u64>, ()> {
+    let line = value.to_str().map_err(|_| ())?;
+    for v in line.split(',') {
+        let v = v.trim().as_bytes();
+        if v.is_empty() {
+            return Err(());
+        }
+        let n = v
+            .iter()
+            .try_fold(0u64, |n, b| {
+                b.is_ascii_digit().then_some(())?;
+                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+            })
+            .ok_or(())?;
+        match length {
+            None => length = Some(n),
+            Some(prev) if prev != n => return Err(()),
+            Some(_) => {}
+        }
+    }
+    Ok(length)
 }
 
 impl Drop for OwnSession {
@@ -1071,7 +1097,7 @@ mod tests {
             }
             m
         };
-        let cl = |fields: &[(&str, &str)]| content_length(&map(fields)).1;
+        let cl = |fields: &[(&str, &str)]| HeadFields::of(&map(fields)).length;
         assert_eq!(cl(&[("content-length", "5")]), Some(5));
         assert_eq!(cl(&[("content-length", "5, 5")]), Some(5));
         assert_eq!(
@@ -1087,9 +1113,9 @@ mod tests {
         assert_eq!(cl(&[("content-length", "5,")]), None);
         assert_eq!(cl(&[("content-length", "99999999999999999999999")]), None);
         assert_eq!(cl(&[]), None);
-        assert!(content_length(&map(&[("content-length", "x")])).0);
-        assert!(!content_length(&map(&[])).0);
-        let chunked = |fields: &[(&str, &str)]| chunked_last(&map(fields));
+        assert!(HeadFields::of(&map(&[("content-length", "x")])).length_field);
+        assert!(!HeadFields::of(&map(&[])).length_field);
+        let chunked = |fields: &[(&str, &str)]| HeadFields::of(&map(fields)).chunked;
         assert!(chunked(&[("transfer-encoding", "chunked")]));
         assert!(chunked(&[("transfer-encoding", "gzip, Chunked ")]));
         assert!(chunked(&[
@@ -1102,6 +1128,10 @@ mod tests {
         ]));
         assert!(!chunked(&[("transfer-encoding", "chunked, gzip")]));
         assert!(!chunked(&[]));
+        let f = HeadFields::of(&map(&[("date", "x"), ("content-length", "1")]));
+        assert!(f.date && !f.connection && f.length == Some(1));
+        let f = HeadFields::of(&map(&[("connection", "close")]));
+        assert!(!f.date && f.connection && !f.length_field);
     }
 
     #[test]

@@ -1172,7 +1172,7 @@ impl Store {
             }
         };
         let clusters = if self.touched.all_clusters {
-            let mut clusters = imbl::HashMap::new();
+            let mut clusters = crate::snapshot::ClusterMap::default();
             for (name, item) in self.clusters.iter() {
                 if let Some(c) = build(name, &item.value) {
                     clusters.insert(item.value.name.clone(), c);
