@@ -83,7 +83,8 @@ pub type ClusterMap = imbl::GenericHashMap<
 #[derive(Debug, Default)]
 pub struct Snapshot {
     pub version: u64,
-    pub listeners: HashMap<String, Arc<ActiveListener>>,
+    /// By name, looked up on every request (foldhash: see `ClusterMap`).
+    pub listeners: HashMap<String, Arc<ActiveListener>, foldhash::fast::RandomState>,
     /// Persistent, so an EDS update replaces one entry and shares the rest.
     pub clusters: ClusterMap,
 }

@@ -1206,7 +1206,8 @@ impl Store {
             }
             clusters
         };
-        let mut listeners = HashMap::with_capacity(self.listeners.len());
+        let mut listeners =
+            HashMap::with_capacity_and_hasher(self.listeners.len(), Default::default());
         for (name, item) in self.listeners.iter() {
             let def = &item.value;
             let old = prev.listeners.get(name);
