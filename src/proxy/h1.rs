@@ -712,7 +712,7 @@ static HOP_BY_HOP: [&HeaderName; 10] = [
 /// ways to the same bytes in debug builds.
 fn edits_request(s: &Session, ctx: &Ctx) -> bool {
     let req = s.req_header();
-    ctx.upgrade
+    let edits = ctx.upgrade
         || ctx.close_upstream
         || ctx.prefix_rewrite.is_some()
         || ctx.path_rewrite.is_some()
@@ -725,20 +725,35 @@ fn edits_request(s: &Session, ctx: &Ctx) -> bool {
         || ctx.mirror.is_some()
         || super::istio::propagates(ctx)
         || req.version != http::Version::HTTP_11
-        || !origin_form_with_one_host(req)
-        || super::downstream::present(&req.headers, &HOP_BY_HOP).contains(&true)
+        // What `upstream_authority` reconciles: a target other than origin-form.
+        || req.method == http::Method::CONNECT
+        || req.uri.authority().is_some()
+        || req.raw_path().first() != Some(&b'/');
+    if edits {
+        return true;
+    }
+    // One pass over the fields for a hop-by-hop name and the Host (`upstream_authority`
+    // passes one without userinfo unchanged).
+    let mut hosts = 0;
+    for (k, v) in req.headers.iter() {
+        if *k == http::header::HOST {
+            hosts += 1;
+            if hosts > 1 || v.as_bytes().contains(&b'@') {
+                return true;
+            }
+        } else if HOP_LENGTHS & (1 << k.as_str().len().min(63)) != 0
+            && HOP_BY_HOP.iter().any(|h| *h == k)
+        {
+            return true;
+        }
+    }
+    hosts != 1
 }
 
-/// What `upstream_authority` passes unchanged: an origin-form target and one Host field
-/// without userinfo.
-fn origin_form_with_one_host(req: &RequestHeader) -> bool {
-    let origin_form = req.method != http::Method::CONNECT
-        && req.uri.authority().is_none()
-        && req.raw_path().first() == Some(&b'/');
-    let mut hosts = req.headers.get_all(http::header::HOST).iter();
-    origin_form
-        && matches!((hosts.next(), hosts.next()), (Some(h), None) if !h.as_bytes().contains(&b'@'))
-}
+/// The lengths of the `HOP_BY_HOP` names as a bit set: most names have a length none of them
+/// has, and skip the comparisons.
+const HOP_LENGTHS: u64 =
+    1 << 2 | 1 << 7 | 1 << 10 | 1 << 14 | 1 << 16 | 1 << 17 | 1 << 18 | 1 << 19;
 
 /// Debug builds: a head `edits_request` lets go uncopied is the one the copy and its edits
 /// would have written.
@@ -867,6 +882,14 @@ fn reconcile_authority(req: &mut RequestHeader) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hop_lengths_are_the_hop_by_hop_names_lengths() {
+        let lengths = HOP_BY_HOP
+            .iter()
+            .fold(0u64, |set, h| set | 1 << h.as_str().len());
+        assert_eq!(HOP_LENGTHS, lengths);
+    }
 
     #[test]
     fn plain_requests_are_bodiless_http11_origin_form_with_one_host() {

@@ -429,45 +429,23 @@ pub(super) fn response_headers(
         ctx.code_recorded = true;
     }
     // Envoy measures from the end of the request, which an upgrade has not reached.
-    let service_time = match (ctx.upstream_start, ctx.upgrade) {
-        (Some(start), false) => {
-            // The response's arrival as `upstream_head` read the clock for it.
-            let answered = ctx
-                .info
-                .first_upstream_rx
-                .unwrap_or_else(|| ctx.info.started.elapsed());
-            Some(super::timeouts::millis_value(
-                answered.saturating_sub(start),
-            ))
-        }
-        _ => None,
-    };
-    let hcm = ctx.listener.as_ref().and_then(|l| l.def.hcm());
-    match (
-        &ctx.resp_headers,
-        hcm.and_then(|h| h.server_header.as_ref()),
-    ) {
-        // Nothing between them: both in one write (a head without case is taken apart once).
-        (None, Some(server)) => resp.set_all(
-            [
-                service_time.map(|v| (&X_UPSTREAM_TIME, v)),
-                Some((&http::header::SERVER, server.clone())),
-            ]
-            .into_iter()
-            .flatten(),
-        )?,
-        (rh, _) => {
-            if let Some(v) = service_time {
-                resp.set(&X_UPSTREAM_TIME, v)?;
-            }
-            // After x-envoy-upstream-service-time, before the connection manager's `server`.
-            if let Some(rh) = rh {
-                rh.apply(resp, session.req_header());
-            }
-            if let Some(h) = hcm {
-                server(resp, h)?;
-            }
-        }
+    if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
+        // The response's arrival as `upstream_head` read the clock for it.
+        let answered = ctx
+            .info
+            .first_upstream_rx
+            .unwrap_or_else(|| ctx.info.started.elapsed());
+        resp.set(
+            &X_UPSTREAM_TIME,
+            super::timeouts::millis_value(answered.saturating_sub(start)),
+        )?;
+    }
+    // After x-envoy-upstream-service-time, before the connection manager's `server`.
+    if let Some(rh) = &ctx.resp_headers {
+        rh.apply(resp, session.req_header());
+    }
+    if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
+        server(resp, h)?;
     }
     if ctx.attempt_count_to_client && ctx.attempts > 0 {
         resp.set(
