@@ -495,7 +495,7 @@ async fn proxy_to_h1_upstream(
     client.set_response_case(ctx.own.is_none());
     let id = client.id();
     if let Err(e) = gw
-        .upstream_connected(s, reused, peer, id, client.digest().as_deref(), ctx)
+        .upstream_connected(s, reused, peer, id, client.local_addr(), ctx)
         .await
     {
         return (false, false, Some(e));

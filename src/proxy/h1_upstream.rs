@@ -23,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
 use pingora_core::protocols::http::HttpTask;
 use pingora_core::protocols::l4::stream::Stream as Tcp;
-use pingora_core::protocols::{Digest, Stream, UniqueID};
+use pingora_core::protocols::{Stream, UniqueID};
 use pingora_error::{Error, ErrorType, OrErr, Result, RetryType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -157,19 +157,15 @@ impl Upstream {
         }
     }
 
-    /// The connection's digest, as pingora's session records it when made.
-    pub fn digest(&self) -> Option<std::borrow::Cow<'_, Digest>> {
-        use std::borrow::Cow;
-        match self {
-            Upstream::Own(x) => Some(Cow::Owned(Digest {
-                ssl_digest: x.stream.get_ssl_digest(),
-                timing_digest: x.stream.get_timing_digest(),
-                proxy_digest: x.stream.get_proxy_digest(),
-                socket_digest: x.stream.get_socket_digest(),
-            })),
-            Upstream::Pingora(c) => Some(Cow::Borrowed(c.digest())),
+    /// The connection's own address (`%UPSTREAM_LOCAL_ADDRESS%`), without a whole digest
+    /// made for it (its timing part is an allocation).
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        let socket = match self {
+            Upstream::Own(x) => x.stream.get_socket_digest(),
+            Upstream::Pingora(c) => c.digest().socket_digest.clone(),
             Upstream::Moving => None,
-        }
+        }?;
+        socket.local_addr()?.as_inet().copied()
     }
 
     /// pingora's `write_request_header`: a request this exchange does not frame itself goes to

@@ -786,17 +786,13 @@ impl Gateway {
         _peer: &HttpPeer,
         #[cfg(unix)] fd: std::os::unix::io::RawFd,
         #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
-        digest: Option<&pingora_core::protocols::Digest>,
+        upstream_local: Option<SocketAddr>,
         ctx: &mut Ctx,
     ) -> Result<()> {
         #[cfg(unix)]
         upstream::count_request(ctx, reused, fd);
         // `%UPSTREAM_LOCAL_ADDRESS%`: the attempt's connection's own address.
-        ctx.info.upstream_local = digest
-            .and_then(|d| d.socket_digest.as_ref())
-            .and_then(|s| s.local_addr())
-            .and_then(|a| a.as_inet())
-            .copied();
+        ctx.info.upstream_local = upstream_local;
         Ok(())
     }
 
@@ -971,7 +967,12 @@ impl ProxyHttp for Gateway {
         let conn = fd;
         #[cfg(windows)]
         let conn = sock;
-        self.upstream_connected(session, reused, peer, conn, digest, ctx)
+        let local = digest
+            .and_then(|d| d.socket_digest.as_ref())
+            .and_then(|s| s.local_addr())
+            .and_then(|a| a.as_inet())
+            .copied();
+        self.upstream_connected(session, reused, peer, conn, local, ctx)
             .await
     }
 
