@@ -741,9 +741,7 @@ fn edits_request(s: &Session, ctx: &Ctx) -> bool {
             if hosts > 1 || v.as_bytes().contains(&b'@') {
                 return true;
             }
-        } else if HOP_LENGTHS & (1 << k.as_str().len().min(63)) != 0
-            && HOP_BY_HOP.iter().any(|h| *h == k)
-        {
+        } else if HOP_LENGTHS & (1 << k.as_str().len().min(63)) != 0 && HOP_BY_HOP.contains(&k) {
             return true;
         }
     }
