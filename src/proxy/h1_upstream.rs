@@ -171,14 +171,8 @@ impl Upstream {
     /// pingora's `write_request_header`: a request this exchange does not frame itself goes to
     /// pingora's session from here on.
     pub async fn write_request_header(&mut self, req: Box<RequestHeader>) -> Result<usize> {
-        if let Upstream::Own(x) = self {
-            match own_request(&req) {
-                Some(close) => {
-                    x.close = close;
-                    return x.write_head(&req).await;
-                }
-                None => self.hand_to_pingora(),
-            }
+        if let Some(written) = self.write_own(&req).await {
+            return written;
         }
         match self {
             Upstream::Pingora(c) => c.write_request_header(req).await,
@@ -189,21 +183,28 @@ impl Upstream {
     /// `write_request_header` of the client's head itself (no copy edited for the upstream):
     /// pingora's session, which keeps the head it writes, gets a copy.
     pub async fn write_request(&mut self, req: &RequestHeader) -> Result<usize> {
-        if let Upstream::Own(x) = self {
-            match own_request(req) {
-                Some(close) => {
-                    x.close = close;
-                    return x.write_head(req).await;
-                }
-                None => self.hand_to_pingora(),
-            }
+        if let Some(written) = self.write_own(req).await {
+            return written;
         }
-        match self {
-            Upstream::Pingora(c) => {
-                let copy = Box::new(super::head::clone_request(req));
-                c.write_request_header(copy).await
+        let copy = Box::new(super::head::clone_request(req));
+        self.write_request_header(copy).await
+    }
+
+    /// The head written by this exchange when it frames the request itself; None: handed to
+    /// pingora's session (or there is none), which is to write it.
+    async fn write_own(&mut self, req: &RequestHeader) -> Option<Result<usize>> {
+        let Upstream::Own(x) = self else {
+            return None;
+        };
+        match own_request(req) {
+            Some(close) => {
+                x.close = close;
+                Some(x.write_head(req).await)
             }
-            _ => Err(moving()),
+            None => {
+                self.hand_to_pingora();
+                None
+            }
         }
     }
 
