@@ -8,7 +8,7 @@
 //! and with the same errors as `HttpProxy` (its `process_request`, `proxy_to_upstream` and
 //! `proxy_to_h1_upstream`), one step after the other. Everything else (a request body, an
 //! upgrade, `Expect`, HTTP/1.0, absolute-form targets, a route that can reach an HTTP/2
-//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`: `h1_session::plain`
+//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`: `h1_session::Plain::parse`
 //! decides on the head read ahead of the session, so either path reads the request itself.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -136,7 +136,7 @@ fn upstreams_h1(routes: &RouteTable, h1: impl Fn(&str) -> bool) -> bool {
 }
 
 /// Whether a request head (complete, as `io::Downstream::read_head` found it) is one this loop
-/// serves (`h1_session::plain`).
+/// serves (`h1_session::Plain::parse`).
 #[cfg(test)]
 pub(crate) fn plain_request(head: &[u8]) -> bool {
     super::h1_session::plain(head).is_some()
@@ -211,14 +211,15 @@ pub(crate) async fn process(
         let s = match own {
             Some((req, raw)) => {
                 let c = Arc::new(Conn::new(if told { None } else { plain.keepalive() }));
-                let session = OwnSession::new(stream, req, raw, c.clone(), kept.reuses);
+                // Both made in their boxes (`in_box`), as each request makes them.
+                let session =
+                    super::in_box(|| OwnSession::new(stream, req, raw, c.clone(), kept.reuses));
                 // pingora's proxy session is made only around an HTTP/1 session of its own;
                 // the own one takes its place at once.
-                let mut s = Box::new(Session::new_h1_with_modules(
-                    Box::new(Vacant),
-                    &d.app.downstream_modules,
-                ));
-                *s.downstream_session = ServerSession::new_custom(Box::new(session));
+                let mut s = super::in_box(|| {
+                    Session::new_h1_with_modules(Box::new(Vacant), &d.app.downstream_modules)
+                });
+                *s.downstream_session = ServerSession::new_custom(session);
                 ctx.own = Some(c.clone());
                 conn = Some(c);
                 s
@@ -507,7 +508,7 @@ async fn proxy_to_h1_upstream(
     let written = if edits_request(s, ctx) {
         let mut req = super::head::clone_request(s.req_header());
         req.set_version(http::Version::HTTP_11);
-        // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::plain`
+        // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::Plain::parse`
         // left nothing for a `Connection` header to name). None found: Envoy's policy, applied
         // after it (`upstream::hop_by_hop`), has nothing to strip or put back either.
         ctx.hop_free = !strip_hop_by_hop(&mut req);

@@ -4,7 +4,7 @@
 //! pingora's HTTP/1 session reads a request into a head that keeps its names' case in a
 //! second map (which the gateway drops again: Envoy keeps none), validates it a second time,
 //! and is made and taken apart around every request; its writer needs a response head with a
-//! case map to write names lower case as Envoy does. This session takes a head that `plain`
+//! case map to write names lower case as Envoy does. This session takes a head that `Plain::parse`
 //! has already parsed and checked straight into a head without case, and writes response
 //! names lower case from the head's one map, so the upstream's response needs no case either
 //! (`h1_upstream`), and says `connection: close` on a response after which it closes the
@@ -57,7 +57,7 @@ struct Field {
     value: (u16, u16),
 }
 
-/// A request head `plain` accepted, as offsets into the connection's buffered bytes: the
+/// A request head `Plain::parse` accepted, as offsets into the connection's buffered bytes: the
 /// head is built from them once those bytes are taken off the connection, without copies.
 pub(crate) struct Plain {
     end: usize,
@@ -70,83 +70,110 @@ pub(crate) struct Plain {
 }
 
 /// Whether a request head (complete, through its blank line: `head`) is one the own loop
-/// serves: HTTP/1.1, origin-form, one Host, no body (no `transfer-encoding`, no
-/// `content-length` but 0), no upgrade or `Expect`, and a `Connection` header (if any) that
-/// only says `close` or `keep-alive`, so pingora's upstream request policy has nothing to
-/// strip that it names. Anything else, or anything httparse refuses, goes to pingora's loop.
+/// serves (`Plain::parse`), and the head as it read it.
+#[cfg(test)]
 pub(crate) fn plain(head: &[u8]) -> Option<Plain> {
-    let at = |s: &[u8]| -> Option<(u16, u16)> {
-        let start = (s.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
-        Some((u16::try_from(start).ok()?, u16::try_from(s.len()).ok()?))
-    };
-    if head.len() > usize::from(u16::MAX) {
-        return None;
+    let mut plain = Plain::default();
+    plain.parse(head).then_some(plain)
+}
+
+impl Default for Plain {
+    fn default() -> Plain {
+        Plain {
+            end: 0,
+            method: (0, 0),
+            path: (0, 0),
+            fields: [Field::default(); MAX_FIELDS],
+            n: 0,
+            connection: None,
+        }
     }
-    // Uninitialised: the parse writes only the fields it finds (an initialised array of 100
-    // is 3.2 KB written per request).
-    let mut headers = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_FIELDS];
-    let mut req = httparse::Request::new(&mut []);
-    let parsed = httparse::ParserConfig::default().parse_request_with_uninit_headers(
-        &mut req,
-        head,
-        &mut headers,
-    );
-    let end = match parsed {
-        Ok(httparse::Status::Complete(end)) => end,
-        _ => return None,
-    };
-    if req.version != Some(1) {
-        return None;
+}
+
+impl Plain {
+    /// Whether a request head (complete, through its blank line: `head`) is one the own loop
+    /// serves: HTTP/1.1, origin-form, one Host, no body (no `transfer-encoding`, no
+    /// `content-length` but 0), no upgrade or `Expect`, and a `Connection` header (if any)
+    /// that only says `close` or `keep-alive`, so pingora's upstream request policy has
+    /// nothing to strip that it names. Anything else, or anything httparse refuses, goes to
+    /// pingora's loop. The head is read into `self`, one per connection: a `Plain` is large
+    /// (its fields), and returned or moved it cost two copies and a fill a request.
+    pub(crate) fn parse(&mut self, head: &[u8]) -> bool {
+        self.parse_head(head).is_some()
     }
-    let (Some(method), Some(path)) = (req.method, req.path) else {
-        return None;
-    };
-    if method == "CONNECT" || !path.starts_with('/') {
-        return None;
-    }
-    let mut plain = Plain {
-        end,
-        method: at(method.as_bytes())?,
-        path: at(path.as_bytes())?,
-        fields: [Field::default(); MAX_FIELDS],
-        n: 0,
-        connection: None,
-    };
-    let (mut hosts, mut lengths) = (0, 0);
-    for h in req.headers.iter() {
-        let name = h.name;
-        let is = |n: &str| name.eq_ignore_ascii_case(n);
-        if is("host") {
-            hosts += 1;
-        } else if is("content-length") {
-            lengths += 1;
-            if h.value != b"0" {
-                return None;
-            }
-        } else if is("connection") {
-            let v = h.value;
-            let keep = v.eq_ignore_ascii_case(b"keep-alive");
-            if !(keep || v.eq_ignore_ascii_case(b"close")) {
-                return None;
-            }
-            plain.connection = plain.connection.or(Some(keep));
-        } else if is("transfer-encoding")
-            || is("upgrade")
-            || is("expect")
-            || is("http2-settings")
-            || is("close")
-        {
+
+    fn parse_head(&mut self, head: &[u8]) -> Option<()> {
+        let at = |s: &[u8]| -> Option<(u16, u16)> {
+            let start = (s.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
+            Some((u16::try_from(start).ok()?, u16::try_from(s.len()).ok()?))
+        };
+        if head.len() > usize::from(u16::MAX) {
             return None;
         }
-        if !name.is_empty() {
-            *plain.fields.get_mut(plain.n)? = Field {
-                name: at(name.as_bytes())?,
-                value: at(h.value)?,
-            };
-            plain.n += 1;
+        // Uninitialised: the parse writes only the fields it finds (an initialised array of
+        // 100 is 3.2 KB written per request).
+        let mut headers =
+            [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_FIELDS];
+        let mut req = httparse::Request::new(&mut []);
+        let parsed = httparse::ParserConfig::default().parse_request_with_uninit_headers(
+            &mut req,
+            head,
+            &mut headers,
+        );
+        let end = match parsed {
+            Ok(httparse::Status::Complete(end)) => end,
+            _ => return None,
+        };
+        if req.version != Some(1) {
+            return None;
         }
+        let (Some(method), Some(path)) = (req.method, req.path) else {
+            return None;
+        };
+        if method == "CONNECT" || !path.starts_with('/') {
+            return None;
+        }
+        self.end = end;
+        self.method = at(method.as_bytes())?;
+        self.path = at(path.as_bytes())?;
+        self.n = 0;
+        self.connection = None;
+        let (mut hosts, mut lengths) = (0, 0);
+        for h in req.headers.iter() {
+            let name = h.name;
+            let is = |n: &str| name.eq_ignore_ascii_case(n);
+            if is("host") {
+                hosts += 1;
+            } else if is("content-length") {
+                lengths += 1;
+                if h.value != b"0" {
+                    return None;
+                }
+            } else if is("connection") {
+                let v = h.value;
+                let keep = v.eq_ignore_ascii_case(b"keep-alive");
+                if !(keep || v.eq_ignore_ascii_case(b"close")) {
+                    return None;
+                }
+                self.connection = self.connection.or(Some(keep));
+            } else if is("transfer-encoding")
+                || is("upgrade")
+                || is("expect")
+                || is("http2-settings")
+                || is("close")
+            {
+                return None;
+            }
+            if !name.is_empty() {
+                *self.fields.get_mut(self.n)? = Field {
+                    name: at(name.as_bytes())?,
+                    value: at(h.value)?,
+                };
+                self.n += 1;
+            }
+        }
+        (hosts == 1 && lengths <= 1).then_some(())
     }
-    (hosts == 1 && lengths <= 1).then_some(plain)
 }
 
 /// Envoy's codec refuses a request whose target holds a control byte, a space or DEL (a 400,
@@ -220,7 +247,7 @@ impl Plain {
             // httparse's request parser allows no fold: the bytes are a value's
             // (`head::parsed_value`).
             let value = super::head::parsed_value(raw.slice(range(f.value)));
-            // pingora's `validate_request_authority`, for what `plain` lets through (one
+            // pingora's `validate_request_authority`, for what `parse` lets through (one
             // Host, an origin-form target, whose URI has no authority): no userinfo in the
             // Host.
             if name == header::HOST && value.as_bytes().contains(&b'@') {
@@ -1195,6 +1222,40 @@ mod tests {
         assert_eq!(p.keepalive(), Some(0));
         let p = plain(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
         assert_eq!(p.keepalive(), Some(0));
+    }
+
+    /// One `Plain` serves a connection's every request: each parse leaves only its own head
+    /// in it, whatever an earlier one (longer, refused half-way) left.
+    #[tokio::test]
+    async fn a_plain_parsed_again_holds_only_the_latest_head() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (server, peer) = l.accept().await.expect("accept");
+        let mut d = Box::new(Downstream::new(server, peer));
+        let mut p = Plain::default();
+        let first: &[u8] =
+            b"POST /first?q HTTP/1.1\r\nHost: one\r\nA: 1\r\nB: 2\r\nConnection: close\r\n\r\n";
+        assert!(p.parse(first));
+        assert_eq!(p.keepalive(), None);
+        // Refused after some of its fields were read.
+        assert!(!p.parse(b"GET /x HTTP/1.1\r\nHost: x\r\nC: 3\r\nExpect: 100-continue\r\n\r\n"));
+        let second: &[u8] = b"GET /second HTTP/1.1\r\nhost: two\r\n\r\n";
+        assert!(p.parse(second));
+        assert_eq!(p.keepalive(), Some(0));
+        d.unread(second);
+        let (req, raw) = p.take(&mut d).expect("taken");
+        assert_eq!(&raw[..], second);
+        assert_eq!(req.method, Method::GET);
+        assert_eq!(req.uri, "/second");
+        let fields: Vec<_> = req
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_bytes()))
+            .collect();
+        assert_eq!(fields, [("host", &b"two"[..])]);
     }
 
     /// A session over a real connection, for a request head; and the client's end.

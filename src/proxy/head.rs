@@ -263,7 +263,7 @@ pub(crate) fn int_value(n: u64) -> HeaderValue {
 }
 
 /// A header value of a head httparse parsed without line folds (obs-fold: neither
-/// `h1_session::plain`'s parser nor `h1_upstream::parse_head`'s allows them): httparse lets
+/// `h1_session::Plain::parse`'s parser nor `h1_upstream::parse_head`'s allows them): httparse lets
 /// through only bytes a value may hold (horizontal tab, visible ASCII, space, obs-text; the
 /// tests below try every byte), so neither the `http` crate's check (about 140 instructions
 /// a value) nor pingora's normalisation (about 110) has anything to do.
@@ -654,7 +654,7 @@ mod tests {
     }
 
     /// What `parsed_value` relies on, for every byte anywhere in a value, in requests
-    /// (`h1_session::plain`'s parser) and responses (`h1_upstream::parse_head`'s); and that
+    /// (`h1_session::Plain::parse`'s parser) and responses (`h1_upstream::parse_head`'s); and that
     /// neither lets a fold through.
     #[test]
     fn httparse_passes_only_bytes_a_header_value_may_hold() {

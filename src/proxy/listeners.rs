@@ -1094,6 +1094,9 @@ async fn serve_h1(
     // was registered on the signal and removed again at every request.
     let closed = closing(&mut idle_close);
     tokio::pin!(closed);
+    // Each request's head as the own loop's parse reads it, one for the connection's life
+    // (`Plain::parse`).
+    let mut plain = super::h1_session::Plain::default();
     loop {
         let told_now = *told.borrow();
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
@@ -1114,31 +1117,24 @@ async fn serve_h1(
                     h = d.read_head(super::h1::HEAD_LIMIT) => h,
                     _ = closed.as_mut() => return,
                 };
-                let plain = match &head {
+                let parsed = match &head {
                     Head::Closed => return,
-                    Head::Undecided => None,
-                    Head::Complete(end) if own_loop => super::h1_session::plain(&d.ahead()[..*end]),
-                    Head::Complete(_) => None,
+                    Head::Undecided => false,
+                    Head::Complete(end) if own_loop => plain.parse(&d.ahead()[..*end]),
+                    Head::Complete(_) => false,
                 };
-                if let (None, Head::Complete(end)) = (&plain, &head) {
+                if let (false, Head::Complete(end)) = (parsed, &head) {
                     // Only a head the quick parse refused (or did not try) can hold such a
-                    // target; pingora's session reads it, marked. (Decided apart from the
-                    // parse: a `Plain` is large, and moving it out of a block cost a copy.)
+                    // target; pingora's session reads it, marked.
                     d.mark_refused_target(*end);
                 }
-                if let Some(plain) = plain {
+                if parsed {
                     // Boxed, as pingora's request future is: a connection's task is as
                     // large as its largest await, and it mostly idles between requests.
-                    match Box::pin(super::h1::process(
-                        driver,
-                        d,
-                        kept,
-                        told_now,
-                        &plain,
-                        &mut read_timer,
-                    ))
-                    .await
-                    {
+                    let request = super::in_box(|| {
+                        super::h1::process(driver, d, kept, told_now, &plain, &mut read_timer)
+                    });
+                    match Box::into_pin(request).await {
                         Some((d, kept)) => {
                             if !idle_wait(&d, kept.idle(), closed.as_mut(), &mut idle_timer).await {
                                 return;
