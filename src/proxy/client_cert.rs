@@ -123,7 +123,11 @@ pub fn mutate(
         (ForwardClientCert::AlwaysForwardOnly, _) => return Ok(()),
         // Without a client certificate every other mode drops what the client sent.
         (ForwardClientCert::Sanitize, _) | (_, None) => {
-            req.remove_header(&XFCC_NAME);
+            // Removed only when there: a removal hashes the name in both of pingora's maps,
+            // and few requests carry one (a scan of the names present costs less).
+            if super::downstream::present(&req.headers, &[&XFCC_NAME]) == [true] {
+                req.remove_header(&XFCC_NAME);
+            }
             return Ok(());
         }
         (ForwardClientCert::ForwardOnly, Some(_)) => return Ok(()),

@@ -120,21 +120,23 @@ impl Gateway {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         let req = session.req_header_mut();
-        let proto =
-            (hcm.use_remote_address || !req.headers.contains_key(&X_FORWARDED_PROTO)).then(|| {
-                // The chain terminating TLS is what makes the connection https, as in Envoy.
-                // Static values: a `&str` would be checked and copied into a new value each
-                // time.
-                if listener.def.tls.is_some() {
-                    http::HeaderValue::from_static("https")
-                } else {
-                    http::HeaderValue::from_static("http")
-                }
-            });
+        // Both looked for in one pass over the names present (`present`): a lookup hashes
+        // each name, for headers most requests do not carry.
+        let [has_proto, has_id] = present(&req.headers, &[&X_FORWARDED_PROTO, &X_REQUEST_ID]);
+        let proto = (hcm.use_remote_address || !has_proto).then(|| {
+            // The chain terminating TLS is what makes the connection https, as in Envoy.
+            // Static values: a `&str` would be checked and copied into a new value each
+            // time.
+            if listener.def.tls.is_some() {
+                http::HeaderValue::from_static("https")
+            } else {
+                http::HeaderValue::from_static("http")
+            }
+        });
         // x-request-id too, before any local reply: Envoy's access logs and traces name every
         // request by it, those the gateway answers itself included. Both written in one go
         // (the head taken apart once).
-        let id = request_id(req, client_ip, hcm)?;
+        let id = request_id(req, client_ip, hcm, has_id)?;
         req.set_all(
             [
                 proto.map(|v| (&X_FORWARDED_PROTO, v)),
@@ -313,13 +315,14 @@ fn request_id(
     req: &RequestHeader,
     client_ip: Option<std::net::IpAddr>,
     hcm: &Hcm,
+    has_id: bool,
 ) -> Result<Option<http::HeaderValue>> {
     if !hcm.generate_request_id {
         return Ok(None);
     }
     let edge = hcm.use_remote_address && !is_internal_request(&req.headers, client_ip, hcm);
     let regenerate = edge && !hcm.preserve_external_request_id;
-    if regenerate || !req.headers.contains_key(&X_REQUEST_ID) {
+    if regenerate || !has_id {
         let id = http::HeaderValue::from_bytes(&crate::uuid::v4_bytes())
             .or_err(ErrorType::InternalError, "request id")?;
         return Ok(Some(id));
@@ -702,6 +705,11 @@ pub(super) fn downstream_remote(
     } else {
         hcm.xff_num_trusted_hops as usize
     };
+    // A scan of the names present costs less than the lookup (which hashes the name), and
+    // most requests to an edge carry no XFF.
+    if present(headers, &[&X_FORWARDED_FOR]) == [false] {
+        return peer;
+    }
     // Several XFF lines count as one comma-joined list, as Envoy's header map keeps them.
     let from_xff = headers
         .get_all(&X_FORWARDED_FOR)
