@@ -611,11 +611,23 @@ pub(super) fn present<T, const N: usize>(
     headers: &http::HeaderMap<T>,
     names: &[&HeaderName; N],
 ) -> [bool; N] {
+    let mut found = [false; N];
+    // A few names are compared with each name present as they are: a standard name against a
+    // custom one differs by its kind, two custom ones by their lengths first, without a look
+    // at the text (cheaper than the bit set below, which reads each name's text for its
+    // length).
+    if N <= 4 {
+        for k in headers.keys() {
+            for (f, h) in found.iter_mut().zip(names) {
+                *f |= *h == k;
+            }
+        }
+        return found;
+    }
     // The lengths of `names` as a bit set: most names present have a length none of `names`
     // has, and skip the comparisons with each of them.
     let bit = |n: &HeaderName| 1u64 << n.as_str().len().min(63);
     let lengths = names.iter().fold(0u64, |set, h| set | bit(h));
-    let mut found = [false; N];
     for k in headers.keys() {
         if lengths & bit(k) == 0 {
             continue;

@@ -165,3 +165,49 @@ fn split_port_takes_the_last_colon_or_the_one_after_a_bracket() {
     assert_eq!(split_port(""), ("", None));
     assert_eq!(split_port("ä:1"), ("ä", Some("1")));
 }
+
+#[test]
+fn present_finds_what_a_lookup_finds_for_few_names_and_many() {
+    static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+    static XRI: HeaderName = HeaderName::from_static("x-request-id");
+    static XRJ: HeaderName = HeaderName::from_static("x-request-ie");
+    let many: [&HeaderName; 6] = [
+        &XFP,
+        &XRI,
+        &XRJ,
+        &http::header::HOST,
+        &http::header::CONTENT_LENGTH,
+        &http::header::TRANSFER_ENCODING,
+    ];
+    let heads: [&[&str]; 5] = [
+        &[],
+        &["host", "user-agent", "accept"],
+        &["x-request-id", "x-request-id", "content-length"],
+        // Same length as a name looked for, another name; a standard name's text as custom.
+        &[
+            "x-request-ie",
+            "x-forwarded-prot",
+            "transfer-encoding",
+            "host",
+        ],
+        &["x-forwarded-proto", "a", "b", "c", "d", "e", "f", "g", "h"],
+    ];
+    for head in heads {
+        let mut map = http::HeaderMap::new();
+        for n in head {
+            map.append(
+                HeaderName::from_bytes(n.as_bytes()).expect("name"),
+                http::HeaderValue::from_static("v"),
+            );
+        }
+        let expected = many.map(|n| map.contains_key(n));
+        assert_eq!(present(&map, &many), expected, "{head:?}");
+        let few = [many[0], many[1], many[2], many[3]];
+        assert_eq!(
+            present(&map, &few),
+            few.map(|n| map.contains_key(n)),
+            "{head:?}"
+        );
+        assert_eq!(present(&map, &[&XRI]), [map.contains_key(&XRI)], "{head:?}");
+    }
+}

@@ -656,12 +656,18 @@ async fn response_task(
             // An HTTP/1.0-style response (no length) is made chunked so the connection stays.
             let no_body = s.req_header().method == http::Method::HEAD
                 || matches!(header.status.as_u16(), 204 | 304);
-            if !no_body
-                && !header.status.is_informational()
-                && !header.headers.contains_key(http::header::TRANSFER_ENCODING)
-                && !header.headers.contains_key(http::header::CONTENT_LENGTH)
-                && !end
-            {
+            // Both framing fields in one scan of the names present (two lookups hash twice).
+            let framed = || {
+                super::downstream::present(
+                    &header.headers,
+                    &[
+                        &http::header::TRANSFER_ENCODING,
+                        &http::header::CONTENT_LENGTH,
+                    ],
+                )
+                .contains(&true)
+            };
+            if !no_body && !header.status.is_informational() && !end && !framed() {
                 header.set_version(http::Version::HTTP_11);
                 header.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
             }
