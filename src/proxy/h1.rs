@@ -8,8 +8,9 @@
 //! and with the same errors as `HttpProxy` (its `process_request`, `proxy_to_upstream` and
 //! `proxy_to_h1_upstream`), one step after the other. Everything else (a request body, an
 //! upgrade, `Expect`, HTTP/1.0, absolute-form targets, a route that can reach an HTTP/2
-//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`: `h1_session::Plain::parse`
-//! decides on the head read ahead of the session, so either path reads the request itself.
+//! cluster, a pipelined request pingora already holds) stays with `HttpProxy`:
+//! `h1_session::Plain::parse` decides on the head read ahead of the session, so either path
+//! reads the request itself.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -508,9 +509,10 @@ async fn proxy_to_h1_upstream(
     let written = if edits_request(s, ctx) {
         let mut req = super::head::clone_request(s.req_header());
         req.set_version(http::Version::HTTP_11);
-        // pingora's default upstream request policy: hop-by-hop fields go (`h1_session::Plain::parse`
-        // left nothing for a `Connection` header to name). None found: Envoy's policy, applied
-        // after it (`upstream::hop_by_hop`), has nothing to strip or put back either.
+        // pingora's default upstream request policy: hop-by-hop fields go
+        // (`h1_session::Plain::parse` left nothing for a `Connection` header to name). None
+        // found: Envoy's policy, applied after it (`upstream::hop_by_hop`), has nothing to
+        // strip or put back either.
         ctx.hop_free = !strip_hop_by_hop(&mut req);
         if let Err(e) = gw.prepare_upstream_request(s, &mut req, ctx).await {
             return (false, true, Some(e));
