@@ -125,7 +125,7 @@ pub fn mutate(
         (ForwardClientCert::Sanitize, _) | (_, None) => {
             // Removed only when there: a removal hashes the name in both of pingora's maps,
             // and few requests carry one (a scan of the names present costs less).
-            if super::downstream::present(&req.headers, &[&XFCC_NAME]) == [true] {
+            if super::downstream::has(&req.headers, &XFCC_NAME) {
                 req.remove_header(&XFCC_NAME);
             }
             return Ok(());

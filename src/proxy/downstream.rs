@@ -602,6 +602,12 @@ pub(super) fn strip_response(resp: &mut ResponseHeader) {
     }
 }
 
+/// Whether `name` is among the headers (`present` for one name): cheaper than a lookup, which
+/// hashes the name, for a name few messages carry.
+pub(super) fn has<T>(headers: &http::HeaderMap<T>, name: &HeaderName) -> bool {
+    present(headers, &[name])[0]
+}
+
 /// Which of `names` are among the headers, in one pass over the (few) names present: most
 /// messages carry none of the names a strip looks for, and a removal hashes its name in both
 /// of pingora's maps whether present or not. Removing only those present, in the order of
@@ -719,7 +725,7 @@ pub(super) fn downstream_remote(
     };
     // A scan of the names present costs less than the lookup (which hashes the name), and
     // most requests to an edge carry no XFF.
-    if present(headers, &[&X_FORWARDED_FOR]) == [false] {
+    if !has(headers, &X_FORWARDED_FOR) {
         return peer;
     }
     // Several XFF lines count as one comma-joined list, as Envoy's header map keeps them.

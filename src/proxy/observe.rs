@@ -116,7 +116,7 @@ pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
         // Looked up only when there: a lookup hashes the name, a scan of the few names a
         // response has costs less, and most responses are not gRPC.
         info.grpc_status = written
-            .filter(|r| super::downstream::present(&r.headers, &[&GRPC_STATUS]) == [true])
+            .filter(|r| super::downstream::has(&r.headers, &GRPC_STATUS))
             .and_then(|r| r.headers.get(&GRPC_STATUS))
             .and_then(|v| std::str::from_utf8(v.as_bytes()).ok()?.parse().ok());
     }
