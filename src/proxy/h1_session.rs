@@ -1228,13 +1228,7 @@ mod tests {
     /// in it, whatever an earlier one (longer, refused half-way) left.
     #[tokio::test]
     async fn a_plain_parsed_again_holds_only_the_latest_head() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = l.local_addr().expect("addr");
-        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let (server, peer) = l.accept().await.expect("accept");
-        let mut d = Box::new(Downstream::new(server, peer));
+        let (mut d, _client) = connection().await;
         let mut p = Plain::default();
         let first: &[u8] =
             b"POST /first?q HTTP/1.1\r\nHost: one\r\nA: 1\r\nB: 2\r\nConnection: close\r\n\r\n";
@@ -1258,18 +1252,23 @@ mod tests {
         assert_eq!(fields, [("host", &b"two"[..])]);
     }
 
-    /// A session over a real connection, for a request head; and the client's end.
-    async fn session(
-        head: &[u8],
-        keep: Option<u64>,
-    ) -> (OwnSession, Arc<Conn>, tokio::net::TcpStream) {
+    /// A real connection as the listener hands it over, and the client's end.
+    async fn connection() -> (Box<Downstream>, tokio::net::TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = l.local_addr().expect("addr");
         let client = tokio::net::TcpStream::connect(addr).await.expect("connect");
         let (server, peer) = l.accept().await.expect("accept");
-        let mut d = Box::new(Downstream::new(server, peer));
+        (Box::new(Downstream::new(server, peer)), client)
+    }
+
+    /// A session over a real connection, for a request head; and the client's end.
+    async fn session(
+        head: &[u8],
+        keep: Option<u64>,
+    ) -> (OwnSession, Arc<Conn>, tokio::net::TcpStream) {
+        let (mut d, client) = connection().await;
         d.unread(head);
         let p = plain(head).expect("a plain head");
         let (req, raw) = p.take(&mut d).expect("taken");
