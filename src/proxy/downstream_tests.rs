@@ -168,12 +168,11 @@ fn split_port_takes_the_last_colon_or_the_one_after_a_bracket() {
 
 #[test]
 fn present_finds_what_a_lookup_finds_for_few_names_and_many() {
-    static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
-    static XRI: HeaderName = HeaderName::from_static("x-request-id");
+    // As long as `x-request-id`, another name.
     static XRJ: HeaderName = HeaderName::from_static("x-request-ie");
     let many: [&HeaderName; 6] = [
-        &XFP,
-        &XRI,
+        &X_FORWARDED_PROTO,
+        &X_REQUEST_ID,
         &XRJ,
         &http::header::HOST,
         &http::header::CONTENT_LENGTH,
@@ -208,6 +207,10 @@ fn present_finds_what_a_lookup_finds_for_few_names_and_many() {
             few.map(|n| map.contains_key(n)),
             "{head:?}"
         );
-        assert_eq!(present(&map, &[&XRI]), [map.contains_key(&XRI)], "{head:?}");
+        assert_eq!(
+            has(&map, &X_REQUEST_ID),
+            map.contains_key(&X_REQUEST_ID),
+            "{head:?}"
+        );
     }
 }
