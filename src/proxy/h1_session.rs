@@ -243,7 +243,7 @@ impl Plain {
             .try_reserve(self.n + super::head::REQUEST_ADDED_HEADERS)
             .ok()?;
         for f in &self.fields[..self.n] {
-            let name = HeaderName::from_bytes(raw.get(range(f.name))?).ok()?;
+            let name = super::head::parsed_name(raw.get(range(f.name))?)?;
             // httparse's request parser allows no fold: the bytes are a value's
             // (`head::parsed_value`).
             let value = super::head::parsed_value(raw.slice(range(f.value)));

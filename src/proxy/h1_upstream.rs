@@ -591,7 +591,7 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
         parts.version = http::Version::HTTP_11;
         parts.headers.try_reserve(size).ok()?;
         for h in fields {
-            let name = http::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
+            let name = super::head::parsed_name(h.name.as_bytes())?;
             parts.headers.try_append(name, value(h)).ok()?;
         }
         let mut header = ResponseHeader::from(parts);

@@ -274,6 +274,127 @@ pub(crate) fn parsed_value(bytes: bytes::Bytes) -> HeaderValue {
     unsafe { HeaderValue::from_maybe_shared_unchecked(bytes) }
 }
 
+/// `HeaderName::from_bytes` for a name httparse parsed (a token), with the names most heads
+/// carry found in a table: `from_bytes` lowercases every name into a buffer and matches it
+/// against the standard names (about 115 instructions a name), and copies a name it does not
+/// know into an allocation of its own (`x-request-id`, a sidecar's
+/// `x-envoy-upstream-service-time`), where a name from the table is a copy of a static one.
+pub(crate) fn parsed_name(bytes: &[u8]) -> Option<HeaderName> {
+    for (text, name) in known_names(bytes.len()) {
+        if token_is(bytes, text.as_bytes()) {
+            return Some(name.clone());
+        }
+    }
+    HeaderName::from_bytes(bytes).ok()
+}
+
+/// `parsed_name`'s table: the names of `len` bytes it knows, each with its text (read from a
+/// `HeaderName`, a standard name's text is a lookup of its own).
+fn known_names(len: usize) -> &'static [(&'static str, HeaderName)] {
+    use http::header as h;
+    macro_rules! custom {
+        ($text:literal) => {
+            ($text, HeaderName::from_static($text))
+        };
+    }
+    type Known<const N: usize> = [(&'static str, HeaderName); N];
+    static L4: Known<4> = [
+        ("host", h::HOST),
+        ("date", h::DATE),
+        ("vary", h::VARY),
+        ("etag", h::ETAG),
+    ];
+    static L6: Known<4> = [
+        ("server", h::SERVER),
+        ("accept", h::ACCEPT),
+        ("cookie", h::COOKIE),
+        ("origin", h::ORIGIN),
+    ];
+    static L7: Known<2> = [("referer", h::REFERER), ("expires", h::EXPIRES)];
+    static L8: Known<1> = [("location", h::LOCATION)];
+    static L10: Known<3> = [
+        ("user-agent", h::USER_AGENT),
+        ("set-cookie", h::SET_COOKIE),
+        ("connection", h::CONNECTION),
+    ];
+    static L11: Known<1> = [custom!("traceparent")];
+    static L12: Known<2> = [("content-type", h::CONTENT_TYPE), custom!("x-request-id")];
+    static L13: Known<4> = [
+        ("cache-control", h::CACHE_CONTROL),
+        ("authorization", h::AUTHORIZATION),
+        ("last-modified", h::LAST_MODIFIED),
+        ("accept-ranges", h::ACCEPT_RANGES),
+    ];
+    static L14: Known<1> = [("content-length", h::CONTENT_LENGTH)];
+    static L15: Known<3> = [
+        ("accept-encoding", h::ACCEPT_ENCODING),
+        ("accept-language", h::ACCEPT_LANGUAGE),
+        custom!("x-forwarded-for"),
+    ];
+    static L16: Known<1> = [("content-encoding", h::CONTENT_ENCODING)];
+    static L17: Known<2> = [
+        ("transfer-encoding", h::TRANSFER_ENCODING),
+        custom!("x-forwarded-proto"),
+    ];
+    static L29: Known<1> = [custom!("x-envoy-upstream-service-time")];
+    match len {
+        4 => &L4,
+        6 => &L6,
+        7 => &L7,
+        8 => &L8,
+        10 => &L10,
+        11 => &L11,
+        12 => &L12,
+        13 => &L13,
+        14 => &L14,
+        15 => &L15,
+        16 => &L16,
+        17 => &L17,
+        29 => &L29,
+        _ => &[],
+    }
+}
+
+/// Whether the token `bytes` is `lower` (as long, lower case, letters, digits and `-` only)
+/// whatever its case, eight bytes at a time. Setting bit 5 lowercases a letter and leaves a
+/// digit or `-` as it is; the only other bytes it would turn into one of those are control
+/// bytes (`\r` into `-`, say), which a token does not hold.
+fn token_is(bytes: &[u8], lower: &[u8]) -> bool {
+    const CASE: u64 = 0x2020_2020_2020_2020;
+    let n = lower.len();
+    if bytes.len() != n {
+        return false;
+    }
+    if n < 4 {
+        return bytes.iter().zip(lower).all(|(b, l)| b | 0x20 == *l);
+    }
+    if n <= 8 {
+        // Two four-byte words, overlapping for fewer than eight bytes.
+        let half = |s: &[u8], at: usize| {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(&s[at..at + 4]);
+            u32::from_le_bytes(w)
+        };
+        const HALF: u32 = 0x2020_2020;
+        return half(bytes, 0) | HALF == half(lower, 0)
+            && half(bytes, n - 4) | HALF == half(lower, n - 4);
+    }
+    let word = |s: &[u8], at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&s[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
+    let mut at = 0;
+    while at + 8 < n {
+        if word(bytes, at) | CASE != word(lower, at) {
+            return false;
+        }
+        at += 8;
+    }
+    // The last eight bytes, overlapping those compared when the length is not a multiple.
+    word(bytes, n - 8) | CASE == word(lower, n - 8)
+}
+
 /// The reason phrase Envoy's HTTP/1 codec writes for `status`: its own, never the
 /// upstream's. Envoy 1.40 names the statuses below (measured: every status from 200 to 999
 /// relayed through it) and writes `Unknown` for the rest, 418 and 451 among them; 1xx heads
@@ -436,6 +557,46 @@ pub(crate) fn request_wire(req: &RequestHeader, keep_case: bool) -> Option<bytes
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parsed_name_is_the_name_from_bytes_makes() {
+        // Every token byte in every place of every name the table knows, and each such name
+        // in upper and lower case: the table's answer is `from_bytes`'s.
+        let token: Vec<u8> = (0u8..=255)
+            .filter(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b))
+            .collect();
+        let mut tried = 0;
+        for len in 0..64 {
+            for (text, name) in known_names(len) {
+                assert_eq!(*text, name.as_str(), "the text filed with {name}");
+                let text = text.as_bytes();
+                assert_eq!(text.len(), len, "{name} is filed under {len}");
+                for case in [text.to_vec(), text.to_ascii_uppercase()] {
+                    assert_eq!(parsed_name(&case).as_ref(), Some(name));
+                    for at in 0..len {
+                        for b in &token {
+                            let mut other = case.clone();
+                            other[at] = *b;
+                            let expect = HeaderName::from_bytes(&other).ok();
+                            assert_eq!(parsed_name(&other), expect, "{other:?}");
+                            tried += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(tried > 10_000);
+        // Names the table does not hold, and what `from_bytes` refuses.
+        for other in [
+            &b"x-custom"[..],
+            b"X-Envoy-Decorator-Operation",
+            b"",
+            b"a b",
+            b"k\x80",
+        ] {
+            assert_eq!(parsed_name(other), HeaderName::from_bytes(other).ok());
+        }
+    }
 
     #[test]
     fn an_integer_value_is_what_http_makes_of_it_from_the_table_the_memo_or_afresh() {
