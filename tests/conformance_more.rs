@@ -22,7 +22,7 @@ use common::*;
 use envoy_types::pb::envoy::config::cluster::v3::cluster;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
-    http_connection_manager::{RouteSpecifier, StripPortMode},
+    http_connection_manager::{RouteSpecifier, ServerHeaderTransformation, StripPortMode},
     HttpConnectionManager, Rds,
 };
 use envoy_types::pb::envoy::service::discovery::v3::Resource;
@@ -1051,6 +1051,81 @@ async fn hcm_server_name_in_proxied_and_local_replies() {
             format!("h2c {host}{p}: status, server"),
             (r.status, r.header("server")),
             (*status, Some("portico-conf/1.0")),
+        );
+    }
+    c.finish();
+}
+
+/// `server_header_transformation`: APPEND_IF_ABSENT keeps an upstream's `server` and names
+/// itself on a response without one (a local reply); PASS_THROUGH keeps the upstream's and
+/// adds none. Envoy Gateway sets PASS_THROUGH on every listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hcm_server_header_transformation() {
+    let echo = EchoBackend::start("echo").await;
+    let echo_c = svc("echo");
+    let (mut append, mut pass) = (0, 0);
+    let mesh = Mesh::start_raw(|port| {
+        append = free_port();
+        pass = free_port();
+        let rn = route_name(port);
+        let with = |p: u16, t: ServerHeaderTransformation| {
+            listener_with(
+                p,
+                hcm_rds(p, &rn, |h| {
+                    h.server_name = "portico-conf/1.0".into();
+                    h.server_header_transformation = t as i32;
+                }),
+            )
+        };
+        Snapshot {
+            listeners: vec![
+                l(port),
+                with(append, ServerHeaderTransformation::AppendIfAbsent),
+                with(pass, ServerHeaderTransformation::PassThrough),
+            ],
+            routes: vec![ignoring_port(route_config(
+                &rn,
+                vec![vhost(
+                    "more",
+                    &[HOST],
+                    vec![
+                        rt(prefix("/proxied"), to_cluster(&echo_c)),
+                        rt(path("/direct"), direct(200, "d")),
+                    ],
+                )],
+            ))],
+            clusters: vec![eds_cluster(&echo_c)],
+            endpoints: vec![cla(&echo_c, &[echo.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    wait_answer(append, "/proxied", 200, "echo").await;
+    wait_answer(pass, "/proxied", 200, "echo").await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    let cases: &[(u16, &str, u16, Option<&str>)] = &[
+        (append, "/proxied", 200, Some("echo-backend")),
+        (append, "/direct", 200, Some("portico-conf/1.0")),
+        (append, "/no-route", 404, Some("portico-conf/1.0")),
+        (pass, "/proxied", 200, Some("echo-backend")),
+        (pass, "/direct", 200, None),
+        (pass, "/no-route", 404, None),
+        (mesh.port, "/proxied", 200, Some("envoy")),
+    ];
+    for (port, p, status, want) in cases {
+        let r = raw_get(*port, p, HOST, &[]).await;
+        c.eq(
+            format!("HTTP/1.1 :{port}{p}: status, server"),
+            (r.status, r.header("server")),
+            (*status, *want),
+        );
+        let h2 = h2_client(&[HOST], *port);
+        let url = format!("http://{HOST}:{port}{p}");
+        let r = send_request(&h2, "GET", &url, None, &[], None).await;
+        c.eq(
+            format!("h2c :{port}{p}: status, server"),
+            (r.status, r.header("server")),
+            (*status, *want),
         );
     }
     c.finish();

@@ -18,6 +18,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         strip_matching_host_port: false,
         server_name: "envoy".into(),
         server_header: Some(http::HeaderValue::from_static("envoy")),
+        server_transformation: crate::snapshot::listener::ServerTransformation::Overwrite,
         filters: Vec::new(),
         stream_idle_timeout: None,
         idle_timeout: None,

@@ -427,6 +427,17 @@ impl H2Settings {
     }
 }
 
+/// `HttpConnectionManager.server_header_transformation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerTransformation {
+    /// Every response's `server` is `server_name` (the default).
+    Overwrite,
+    /// `server_name` only on a response that has no `server`.
+    AppendIfAbsent,
+    /// The response's own `server`, or none.
+    PassThrough,
+}
+
 /// The parts of `HttpConnectionManager` the request path reads.
 #[derive(Debug)]
 pub struct Hcm {
@@ -445,6 +456,9 @@ pub struct Hcm {
     /// `server_name` as the `server` header's value, made once rather than per response
     /// (None: not a valid header value, which each response then refuses as before).
     pub server_header: Option<http::HeaderValue>,
+    /// `server_header_transformation`: whether a response's `server` is replaced by
+    /// `server_name`, added only where it is missing, or passed as it came.
+    pub server_transformation: ServerTransformation,
     /// The `http_filters` that act per request, in chain order (the router, terminal, is
     /// not among them; filters accepted without effect neither).
     pub filters: Vec<HttpFilter>,
@@ -1114,6 +1128,21 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
+        let server_transformation = {
+            use hcm::http_connection_manager::ServerHeaderTransformation as T;
+            match T::try_from(h.server_header_transformation) {
+                Ok(T::Overwrite) => ServerTransformation::Overwrite,
+                Ok(T::AppendIfAbsent) => ServerTransformation::AppendIfAbsent,
+                Ok(T::PassThrough) => ServerTransformation::PassThrough,
+                // Envoy's validation takes defined values only.
+                Err(_) => {
+                    return Err(format!(
+                        "server_header_transformation: {} is not a defined value",
+                        h.server_header_transformation
+                    ))
+                }
+            }
+        };
         let HttpFilters {
             filters,
             alpn,
@@ -1316,6 +1345,7 @@ impl Hcm {
                 &h.server_name
             })
             .ok(),
+            server_transformation,
             server_name: if h.server_name.is_empty() {
                 "envoy".to_string()
             } else {

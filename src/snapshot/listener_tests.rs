@@ -183,7 +183,27 @@ fn minimal_listener_translates_with_defaults() {
     assert!(!h.strip_any_host_port);
     assert!(!h.strip_matching_host_port);
     assert_eq!(h.server_name, "envoy");
+    assert_eq!(h.server_transformation, ServerTransformation::Overwrite);
     assert!(!h.keep_header_case, "Envoy writes HTTP/1 names lower case");
+}
+
+#[test]
+fn server_header_transformation_is_kept_and_an_undefined_one_refused() {
+    use hcm::http_connection_manager::ServerHeaderTransformation as T;
+    for (t, want) in [
+        (T::Overwrite, ServerTransformation::Overwrite),
+        (T::AppendIfAbsent, ServerTransformation::AppendIfAbsent),
+        (T::PassThrough, ServerTransformation::PassThrough),
+    ] {
+        let mut h = base_hcm();
+        h.server_header_transformation = t as i32;
+        let d = ok(&listener_with(&h));
+        let hcm = d.chains[0].hcm().expect("http chain");
+        assert_eq!(hcm.server_transformation, want);
+    }
+    let mut h = base_hcm();
+    h.server_header_transformation = 7;
+    hcm_rejected(h, "server_header_transformation: 7 is not a defined value");
 }
 
 #[test]
