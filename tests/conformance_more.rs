@@ -20,13 +20,16 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use envoy_types::pb::envoy::config::cluster::v3::cluster;
+use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
-    http_connection_manager::{RouteSpecifier, ServerHeaderTransformation, StripPortMode},
+    http_connection_manager::{
+        InternalAddressConfig, RouteSpecifier, ServerHeaderTransformation, StripPortMode,
+    },
     HttpConnectionManager, Rds,
 };
 use envoy_types::pb::envoy::service::discovery::v3::Resource;
-use envoy_types::pb::google::protobuf::{Any, BoolValue};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, UInt32Value};
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
@@ -1128,6 +1131,183 @@ async fn hcm_server_header_transformation() {
             (*status, *want),
         );
     }
+    c.finish();
+}
+
+/// `via` is appended to the request's and the response's `via` (local replies included);
+/// `always_set_request_id_in_response` puts the request's `x-request-id` on the response, as
+/// an internal request's `x-envoy-force-trace` does without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hcm_via_and_request_id_in_response() {
+    let backend = RawBackend::start().await;
+    let cl = "raw";
+    let (mut via, mut inside) = (0, 0);
+    let mesh = Mesh::start_raw(|port| {
+        via = free_port();
+        inside = free_port();
+        let rn = route_name(port);
+        Snapshot {
+            listeners: vec![
+                l(port),
+                listener_with(
+                    via,
+                    hcm_rds(via, &rn, |h| {
+                        h.via = "1.1 portico-a".into();
+                        h.always_set_request_id_in_response = true;
+                    }),
+                ),
+                // Loopback clients internal: their x-envoy-force-trace is kept.
+                listener_with(
+                    inside,
+                    hcm_rds(inside, &rn, |h| {
+                        h.use_remote_address = Some(BoolValue { value: true });
+                        h.internal_address_config = Some(InternalAddressConfig {
+                            cidr_ranges: vec![CidrRange {
+                                address_prefix: "127.0.0.0".into(),
+                                prefix_len: Some(UInt32Value { value: 8 }),
+                            }],
+                            ..Default::default()
+                        });
+                    }),
+                ),
+            ],
+            routes: vec![ignoring_port(route_config(
+                &rn,
+                vec![vhost(
+                    "more",
+                    &[HOST],
+                    vec![
+                        rt(path("/direct"), direct(200, "d")),
+                        rt(prefix("/up"), to_cluster(cl)),
+                        rt(prefix("/raw"), to_cluster(cl)),
+                    ],
+                )],
+            ))],
+            clusters: vec![eds_cluster(cl)],
+            endpoints: vec![cla(cl, &[backend.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    wait_answer(via, "/up/warm", 200, "raw-backend").await;
+    wait_answer(mesh.port, "/up/warm", 200, "raw-backend").await;
+    wait_answer(inside, "/up/warm", 200, "raw-backend").await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    let up = |t: &str| {
+        backend
+            .request(t)
+            .unwrap_or_else(|| panic!("{t} did not reach the upstream"))
+    };
+
+    let r = raw_get(via, "/up/1", HOST, &[]).await;
+    let u = up("/up/1");
+    c.eq(
+        "via: upstream request's via",
+        u.header("via"),
+        Some("1.1 portico-a"),
+    );
+    c.eq(
+        "via: response's via",
+        r.header("via"),
+        Some("1.1 portico-a"),
+    );
+    let rid = u.header("x-request-id").unwrap_or_default();
+    c.ok("via: a request id generated", is_uuid(rid), rid);
+    c.eq(
+        "via: the response's x-request-id is the request's",
+        r.header("x-request-id"),
+        Some(rid),
+    );
+
+    let r = raw_get(
+        via,
+        "/up/2",
+        HOST,
+        &[("via", "1.0 client"), ("x-request-id", "my-id")],
+    )
+    .await;
+    let u = up("/up/2");
+    c.eq(
+        "via: a client's via is appended to",
+        u.header("via"),
+        Some("1.0 client, 1.1 portico-a"),
+    );
+    c.eq(
+        "via: the client's id kept and returned",
+        (u.header("x-request-id"), r.header("x-request-id")),
+        (Some("my-id"), Some("my-id")),
+    );
+    c.eq(
+        "via: the response's via is the gateway's",
+        r.header("via"),
+        Some("1.1 portico-a"),
+    );
+
+    // Two via fields: one value, as Envoy's codec merges them.
+    raw_get(
+        via,
+        "/up/twice",
+        HOST,
+        &[("via", "1.0 a"), ("via", "1.0 b")],
+    )
+    .await;
+    c.eq(
+        "via: two of a client's, joined and appended to",
+        up("/up/twice").header("via"),
+        Some("1.0 a,1.0 b, 1.1 portico-a"),
+    );
+
+    // The upstream's own via, appended to.
+    let hex: String = b"HTTP/1.1 200 OK\r\nvia: 1.1 up\r\ncontent-length: 2\r\n\r\nok"
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let r = raw_get(via, &format!("/raw/{hex}"), HOST, &[]).await;
+    c.eq(
+        "via: an upstream's via is appended to",
+        (r.status, r.header("via")),
+        (200, Some("1.1 up, 1.1 portico-a")),
+    );
+
+    for p in ["/direct", "/missing"] {
+        let r = raw_get(via, p, HOST, &[("x-request-id", "local-id")]).await;
+        c.eq(
+            format!("via: local reply {p}: via, x-request-id"),
+            (r.header("via"), r.header("x-request-id")),
+            (Some("1.1 portico-a"), Some("local-id")),
+        );
+    }
+
+    // Without the options: no via, and the id comes back only with an internal client's
+    // x-envoy-force-trace (an external client's is removed).
+    let r = raw_get(mesh.port, "/up/3", HOST, &[("x-request-id", "plain-id")]).await;
+    c.eq(
+        "default: no via, no id",
+        (r.header("via"), r.header("x-request-id")),
+        (None, None),
+    );
+    let forced = [
+        ("x-request-id", "forced-id"),
+        ("x-envoy-force-trace", "true"),
+    ];
+    let r = raw_get(mesh.port, "/up/4", HOST, &forced).await;
+    c.eq(
+        "default: force-trace from outside is removed",
+        r.header("x-request-id"),
+        None,
+    );
+    let r = raw_get(inside, "/up/5", HOST, &forced).await;
+    c.eq(
+        "internal: force-trace returns the id",
+        r.header("x-request-id"),
+        Some("forced-id"),
+    );
+    let r = raw_get(inside, "/direct", HOST, &forced).await;
+    c.eq(
+        "internal: force-trace on a local reply",
+        r.header("x-request-id"),
+        Some("forced-id"),
+    );
     c.finish();
 }
 

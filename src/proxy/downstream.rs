@@ -122,7 +122,10 @@ impl Gateway {
         let req = session.req_header_mut();
         // Both looked for in one pass over the names present (`present`): a lookup hashes
         // each name, for headers most requests do not carry.
-        let [has_proto, has_id] = present(&req.headers, &[&X_FORWARDED_PROTO, &X_REQUEST_ID]);
+        let [has_proto, has_id, has_via] = present(
+            &req.headers,
+            &[&X_FORWARDED_PROTO, &X_REQUEST_ID, &http::header::VIA],
+        );
         let proto = (hcm.use_remote_address || !has_proto).then(|| {
             // The chain terminating TLS is what makes the connection https, as in Envoy.
             // Static values: a `&str` would be checked and copied into a new value each
@@ -136,10 +139,16 @@ impl Gateway {
         // x-request-id too, before any local reply: Envoy's access logs and traces name every
         // request by it, those the gateway answers itself included. Both written in one go
         // (the head taken apart once).
+        let via = hcm
+            .via
+            .as_ref()
+            .map(|v| appended_via(&req.headers, has_via, v));
         let id = request_id(req, client_ip, hcm, has_id)?;
+        // In Envoy's order: x-forwarded-proto, via, x-request-id.
         req.set_all(
             [
                 proto.map(|v| (&X_FORWARDED_PROTO, v)),
+                via.map(|v| (&http::header::VIA, v)),
                 id.map(|v| (&X_REQUEST_ID, v)),
             ]
             .into_iter()
@@ -600,6 +609,32 @@ pub(super) fn strip_response(resp: &mut ResponseHeader) {
     {
         resp.remove_header(*h);
     }
+}
+
+/// The connection manager's `via` appended to a message's: Envoy joins the values it
+/// received with `,` (one field, as its codec merges a repeated `via`) and appends its own
+/// after `, `.
+pub(super) fn appended_via(
+    headers: &http::HeaderMap,
+    present: bool,
+    via: &http::HeaderValue,
+) -> http::HeaderValue {
+    if !present {
+        return via.clone();
+    }
+    let mut joined = Vec::with_capacity(64);
+    for v in headers.get_all(http::header::VIA) {
+        if !joined.is_empty() {
+            joined.push(b',');
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    if !joined.is_empty() {
+        joined.extend_from_slice(b", ");
+    }
+    joined.extend_from_slice(via.as_bytes());
+    // Values that were valid joined by `,` and a space are valid.
+    http::HeaderValue::from_bytes(&joined).unwrap_or_else(|_| via.clone())
 }
 
 /// Whether `name` is among the headers (`present` for one name): cheaper than a lookup, which

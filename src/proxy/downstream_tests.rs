@@ -19,6 +19,8 @@ fn downstream_remote_follows_envoys_xff_rules() {
         server_name: "envoy".into(),
         server_header: Some(http::HeaderValue::from_static("envoy")),
         server_transformation: crate::snapshot::listener::ServerTransformation::Overwrite,
+        via: None,
+        always_set_request_id_in_response: false,
         filters: Vec::new(),
         stream_idle_timeout: None,
         idle_timeout: None,

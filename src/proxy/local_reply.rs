@@ -79,6 +79,7 @@ impl Gateway {
         }
         if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
             super::upstream::server(&mut resp, h)?;
+            super::upstream::manager_response(&mut resp, h, session.req_header())?;
         }
         // Trailers-only means END_STREAM on the HEADERS frame, as Envoy sends it; pingora's
         // session wrapper would drop the flag and end the stream with an empty DATA frame.
@@ -137,6 +138,7 @@ impl Gateway {
         }
         if let Some(h) = ctx.listener.as_ref().and_then(|l| l.def.hcm()) {
             super::upstream::server(&mut resp, h)?;
+            super::upstream::manager_response(&mut resp, h, session.req_header())?;
         }
         filter_response_headers(&mut resp, ctx)?;
         super::envoy_reason_phrase(session, &mut resp)?;

@@ -372,6 +372,33 @@ pub(super) fn hop_by_hop(session: &Session, upstream: &mut RequestHeader, ctx: &
     Ok(())
 }
 
+/// What Envoy's connection manager adds to every response after `server` (its
+/// `mutateResponseHeaders`): the request's `x-request-id` with
+/// `always_set_request_id_in_response` or an `x-envoy-force-trace` (only an internal
+/// client's is left on the request), then its `via`.
+pub(super) fn manager_response(
+    resp: &mut ResponseHeader,
+    hcm: &crate::snapshot::listener::Hcm,
+    req: &RequestHeader,
+) -> Result<()> {
+    // Without internal ranges no client is internal, and every x-envoy-force-trace was
+    // removed: no need to look for one.
+    if hcm.always_set_request_id_in_response
+        || (!hcm.internal_ranges.is_empty()
+            && super::downstream::has(&req.headers, header_name!("x-envoy-force-trace")))
+    {
+        if let Some(id) = req.headers.get(&super::downstream::X_REQUEST_ID) {
+            resp.set(&super::downstream::X_REQUEST_ID, id.clone())?;
+        }
+    }
+    if let Some(via) = &hcm.via {
+        let present = super::downstream::has(&resp.headers, &http::header::VIA);
+        let v = super::downstream::appended_via(&resp.headers, present, via);
+        resp.set(&http::header::VIA, v)?;
+    }
+    Ok(())
+}
+
 /// The connection manager's `server` header as its `server_header_transformation` says, its
 /// value made once per listener (a name that is not a valid header value is refused here,
 /// per response, as before).
@@ -471,8 +498,11 @@ pub(super) fn response_headers(
     if let Some(rh) = &ctx.resp_headers {
         rh.apply(resp, session.req_header());
     }
-    if let (Some(h), false) = (hcm, served) {
-        server(resp, h)?;
+    if let Some(h) = hcm {
+        if !served {
+            server(resp, h)?;
+        }
+        manager_response(resp, h, session.req_header())?;
     }
     if ctx.attempt_count_to_client && ctx.attempts > 0 {
         resp.set(

@@ -459,6 +459,10 @@ pub struct Hcm {
     /// `server_header_transformation`: whether a response's `server` is replaced by
     /// `server_name`, added only where it is missing, or passed as it came.
     pub server_transformation: ServerTransformation,
+    /// `via`: appended to every request's and response's `via` (None: empty, nothing added).
+    pub via: Option<http::HeaderValue>,
+    /// `always_set_request_id_in_response`: the request's `x-request-id` on its response.
+    pub always_set_request_id_in_response: bool,
     /// The `http_filters` that act per request, in chain order (the router, terminal, is
     /// not among them; filters accepted without effect neither).
     pub filters: Vec<HttpFilter>,
@@ -1128,6 +1132,13 @@ impl Hcm {
         if h.stat_prefix.is_empty() {
             return Err("stat_prefix must not be empty".into());
         }
+        let via = match h.via.as_str() {
+            "" => None,
+            v => Some(
+                http::HeaderValue::from_str(v)
+                    .map_err(|_| format!("via: {v:?} is not a valid header value"))?,
+            ),
+        };
         let server_transformation = {
             use hcm::http_connection_manager::ServerHeaderTransformation as T;
             match T::try_from(h.server_header_transformation) {
@@ -1346,6 +1357,8 @@ impl Hcm {
             })
             .ok(),
             server_transformation,
+            via,
+            always_set_request_id_in_response: h.always_set_request_id_in_response,
             server_name: if h.server_name.is_empty() {
                 "envoy".to_string()
             } else {
@@ -1416,8 +1429,36 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     if h.typed_header_validation_config.is_some() {
         return Err("typed_header_validation_config is not supported".into());
     }
+    // What these change is the answer a client gets (a local reply's status and body, headers
+    // Envoy adds, an address's form, whether a connection outlives a malformed request):
+    // refused rather than left out without a word.
+    if h.local_reply_config
+        .as_ref()
+        .is_some_and(|c| !c.mappers.is_empty() || c.body_format.is_some())
+    {
+        return Err("local_reply_config: mappers and body_format are not supported".into());
+    }
+    if h.add_user_agent.as_ref().is_some_and(|b| b.value) {
+        return Err("add_user_agent is not supported".into());
+    }
+    if h.proxy_status_config.is_some() {
+        return Err("proxy_status_config is not supported".into());
+    }
+    if h.append_local_overload {
+        return Err("append_local_overload is not supported".into());
+    }
+    if h.represent_ipv4_remote_address_as_ipv4_mapped_ipv6 {
+        return Err("represent_ipv4_remote_address_as_ipv4_mapped_ipv6 is not supported".into());
+    }
+    if h.stream_error_on_invalid_http_message
+        .as_ref()
+        .is_some_and(|b| b.value)
+    {
+        return Err("stream_error_on_invalid_http_message: only false (Envoy's default: an HTTP/1 connection closes after a malformed request) is supported".into());
+    }
     // Accepted: `access_log_options` (periodic and on-new-request lines; Portico writes one
-    // line at the end of each request),
+    // line at the end of each request), `add_proxy_protocol_connection_state` (filter state
+    // no filter here reads), `http3_protocol_options` (no HTTP/3 listener),
     // `proxy_100_continue` (Portico answers `Expect: 100-continue` itself; either way the body
     // follows), `internal_address_config` (read above), `http2_protocol_options` (its
     // streams, windows and HPACK table are read above; its flood knobs

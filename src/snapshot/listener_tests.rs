@@ -188,6 +188,73 @@ fn minimal_listener_translates_with_defaults() {
 }
 
 #[test]
+fn via_and_request_id_in_response_are_kept_and_a_bad_via_refused() {
+    let mut h = base_hcm();
+    h.via = "1.1 portico".into();
+    h.always_set_request_id_in_response = true;
+    let d = ok(&listener_with(&h));
+    let hcm = d.chains[0].hcm().expect("http chain");
+    assert_eq!(
+        hcm.via.as_ref().map(|v| v.as_bytes()),
+        Some(&b"1.1 portico"[..])
+    );
+    assert!(hcm.always_set_request_id_in_response);
+    let d = ok(&listener_with(&base_hcm()));
+    let hcm = d.chains[0].hcm().expect("http chain");
+    assert!(hcm.via.is_none() && !hcm.always_set_request_id_in_response);
+    h.via = "a\nb".into();
+    hcm_rejected(h, "via: \"a\\nb\" is not a valid header value");
+}
+
+#[test]
+fn hcm_fields_that_change_answers_are_refused_with_their_names() {
+    use hcm::LocalReplyConfig;
+    type Set = fn(&mut hcm::HttpConnectionManager);
+    let cases: Vec<(Set, &str)> = vec![
+        (
+            |h| {
+                h.local_reply_config = Some(LocalReplyConfig {
+                    mappers: vec![Default::default()],
+                    ..Default::default()
+                })
+            },
+            "local_reply_config: mappers and body_format are not supported",
+        ),
+        (
+            |h| h.add_user_agent = Some(BoolValue { value: true }),
+            "add_user_agent is not supported",
+        ),
+        (
+            |h| h.proxy_status_config = Some(Default::default()),
+            "proxy_status_config is not supported",
+        ),
+        (
+            |h| h.append_local_overload = true,
+            "append_local_overload is not supported",
+        ),
+        (
+            |h| h.represent_ipv4_remote_address_as_ipv4_mapped_ipv6 = true,
+            "represent_ipv4_remote_address_as_ipv4_mapped_ipv6 is not supported",
+        ),
+        (
+            |h| h.stream_error_on_invalid_http_message = Some(BoolValue { value: true }),
+            "stream_error_on_invalid_http_message: only false",
+        ),
+    ];
+    for (set, needle) in cases {
+        let mut h = base_hcm();
+        set(&mut h);
+        hcm_rejected(h, needle);
+    }
+    // Their defaults, spelled out, are accepted.
+    let mut h = base_hcm();
+    h.local_reply_config = Some(LocalReplyConfig::default());
+    h.add_user_agent = Some(BoolValue { value: false });
+    h.stream_error_on_invalid_http_message = Some(BoolValue { value: false });
+    ok(&listener_with(&h));
+}
+
+#[test]
 fn server_header_transformation_is_kept_and_an_undefined_one_refused() {
     use hcm::http_connection_manager::ServerHeaderTransformation as T;
     for (t, want) in [
