@@ -1311,6 +1311,180 @@ async fn hcm_via_and_request_id_in_response() {
     c.finish();
 }
 
+/// The router's `suppress_envoy_headers` (Envoy Gateway sets it on every listener): no
+/// `x-envoy-expected-rq-timeout-ms` or `x-envoy-original-path` upstream, no
+/// `x-envoy-upstream-service-time` on the response; without it all three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_suppress_envoy_headers() {
+    use envoy_types::pb::envoy::config::route::v3::{route, route_action, RouteAction};
+    use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter;
+    let backend = RawBackend::start().await;
+    let cl = "raw";
+    let mut quiet = 0;
+    let mesh = Mesh::start_raw(|port| {
+        quiet = free_port();
+        let rn = route_name(port);
+        let rewrite = route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cl.into())),
+            prefix_rewrite: "/rewritten".into(),
+            timeout: Some(envoy_types::pb::google::protobuf::Duration {
+                seconds: 5,
+                nanos: 0,
+            }),
+            ..Default::default()
+        });
+        Snapshot {
+            listeners: vec![
+                l(port),
+                listener_with(
+                    quiet,
+                    hcm_rds(quiet, &rn, |h| {
+                        if let Some(f) = h.http_filters.last_mut() {
+                            f.config_type =
+                                Some(http_filter::ConfigType::TypedConfig(any(Router {
+                                    suppress_envoy_headers: true,
+                                    ..Default::default()
+                                })));
+                        }
+                    }),
+                ),
+            ],
+            routes: vec![ignoring_port(route_config(
+                &rn,
+                vec![vhost(
+                    "more",
+                    &[HOST],
+                    vec![
+                        rt(prefix("/from"), rewrite),
+                        rt(prefix("/"), to_cluster(cl)),
+                    ],
+                )],
+            ))],
+            clusters: vec![eds_cluster(cl)],
+            endpoints: vec![cla(cl, &[backend.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    wait_answer(quiet, "/warm", 200, "raw-backend").await;
+    wait_answer(mesh.port, "/warm", 200, "raw-backend").await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    for (port, what, suppressed) in [(quiet, "suppressed", true), (mesh.port, "default", false)] {
+        let target = format!("/from/{what}");
+        let r = raw_get(port, &target, HOST, &[]).await;
+        c.eq(format!("{what}: status"), r.status, 200);
+        let u = backend
+            .request(&format!("/rewritten/{what}"))
+            .unwrap_or_else(|| panic!("{what} did not reach the upstream"));
+        let expect = |v: &str| (!suppressed).then(|| v.to_string());
+        c.eq(
+            format!("{what}: upstream x-envoy-expected-rq-timeout-ms"),
+            u.header("x-envoy-expected-rq-timeout-ms")
+                .map(str::to_string),
+            expect("5000"),
+        );
+        c.eq(
+            format!("{what}: upstream x-envoy-original-path"),
+            u.header("x-envoy-original-path").map(str::to_string),
+            expect(&target),
+        );
+        c.eq(
+            format!("{what}: x-envoy-upstream-service-time on the response"),
+            r.header("x-envoy-upstream-service-time").is_some(),
+            !suppressed,
+        );
+    }
+    c.finish();
+}
+
+/// Route configuration options istiod sets: `cluster_not_found_response_code` (500 on Gateway
+/// API routes) and `max_direct_response_body_size_bytes` (1 MiB); and the configuration's
+/// `request_mirror_policies`, which a virtual host without its own inherits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_config_not_found_codes_direct_body_limit_and_mirrors() {
+    use envoy_types::pb::envoy::config::route::v3::{
+        route, route_action, route_action::ClusterNotFoundResponseCode as Code,
+        route_action::RequestMirrorPolicy, RouteAction,
+    };
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    let backend = RawBackend::start().await;
+    let shadow = RawBackend::start().await;
+    let missing = |code: Code| {
+        route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(
+                "no-such-cluster".into(),
+            )),
+            cluster_not_found_response_code: code as i32,
+            ..Default::default()
+        })
+    };
+    let big = "b".repeat(5000);
+    let mesh = Mesh::start_raw(|port| {
+        let rn = route_name(port);
+        let mut rc = route_config(
+            &rn,
+            vec![vhost(
+                "more",
+                &[HOST],
+                vec![
+                    rt(path("/missing-500"), missing(Code::InternalServerError)),
+                    rt(path("/missing-404"), missing(Code::NotFound)),
+                    rt(path("/missing-503"), missing(Code::ServiceUnavailable)),
+                    rt(path("/big"), direct(200, &big)),
+                    rt(prefix("/"), to_cluster("raw")),
+                ],
+            )],
+        );
+        rc.max_direct_response_body_size_bytes = Some(UInt32Value { value: 8192 });
+        rc.request_mirror_policies = vec![RequestMirrorPolicy {
+            cluster: "shadow".into(),
+            ..Default::default()
+        }];
+        Snapshot {
+            listeners: vec![l(port)],
+            routes: vec![ignoring_port(rc)],
+            clusters: vec![eds_cluster("raw"), eds_cluster("shadow")],
+            endpoints: vec![cla("raw", &[backend.addr]), cla("shadow", &[shadow.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    wait_answer(mesh.port, "/warm", 200, "raw-backend").await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    for (p, want) in [
+        ("/missing-500", 500),
+        ("/missing-404", 404),
+        ("/missing-503", 503),
+    ] {
+        let r = raw_get(mesh.port, p, HOST, &[]).await;
+        c.eq(format!("{p}: status"), r.status, want);
+    }
+    let r = raw_get(mesh.port, "/big", HOST, &[]).await;
+    c.eq(
+        "a 5000-byte direct body under an 8 KiB limit",
+        (r.status, r.body.len()),
+        (200, 5000),
+    );
+    raw_get(mesh.port, "/mirrored", HOST, &[]).await;
+    let seen = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if shadow.request("/mirrored").is_some() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or(false);
+    c.ok(
+        "the configuration's mirror policy reaches the shadow cluster",
+        seen,
+        "not mirrored",
+    );
+    c.finish();
+}
+
 /// `strip_matching_host_port` drops the port from Host only when it is the
 /// listener's own; `strip_any_host_port` drops any port. The stripped Host is
 /// what routing matches and what the upstream receives.

@@ -351,3 +351,92 @@ async fn an_unreachable_jwks_server_fails_the_request() {
     assert_refused(&get(&mesh, "/api", None).await, 401, "Jwt is missing");
     assert_eq!(mesh.gw.stat_ending("jwt_authn.jwks_fetch_failed").await, 1);
 }
+
+/// Envoy Gateway's way: no `rules`, a `requirement_map`, and each route's `PerRouteConfig`
+/// naming the requirement (or disabling the filter); the virtual host's word for routes
+/// without their own. A name the map does not hold is Envoy's 403.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_route_config_names_the_requirement_or_disables_it() {
+    let web = header_echo().await;
+    let signer = Signer::new();
+    let p = provider(local(signer.jwks("k1")));
+    let per_route = |s: jpb::per_route_config::RequirementSpecifier| {
+        any(jpb::PerRouteConfig {
+            requirement_specifier: Some(s),
+        })
+    };
+    use jpb::per_route_config::RequirementSpecifier as S;
+    let mesh = Mesh::start_raw(|port| {
+        let jwt = jpb::JwtAuthentication {
+            providers: [("origins".to_string(), p)].into(),
+            requirement_map: [(
+                "need-origins".to_string(),
+                jpb::JwtRequirement {
+                    requires_type: Some(jpb::jwt_requirement::RequiresType::ProviderName(
+                        "origins".into(),
+                    )),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        };
+        let mut h = hcm(port);
+        let router = h.http_filters.pop().expect("router");
+        h.http_filters = vec![filter("envoy.filters.http.jwt_authn", jwt), router];
+        let with = |mut r: rpb::Route, s: S| {
+            r.typed_per_filter_config
+                .insert("envoy.filters.http.jwt_authn".into(), per_route(s));
+            r
+        };
+        let mut vh = vhost(
+            "all",
+            &["*"],
+            vec![
+                with(
+                    rt(prefix("/secure"), to_cluster("web")),
+                    S::RequirementName("need-origins".into()),
+                ),
+                with(rt(prefix("/open"), to_cluster("web")), S::Disabled(true)),
+                with(rt(prefix("/public"), to_cluster("web")), S::Disabled(true)),
+                with(
+                    rt(prefix("/wrong"), to_cluster("web")),
+                    S::RequirementName("nope".into()),
+                ),
+                rt(prefix("/"), to_cluster("web")),
+            ],
+        );
+        vh.typed_per_filter_config.insert(
+            "envoy.filters.http.jwt_authn".into(),
+            per_route(S::RequirementName("need-origins".into())),
+        );
+        Snapshot {
+            listeners: vec![listener_with(port, h)],
+            routes: vec![route_config(&route_name(port), vec![vh])],
+            clusters: vec![eds_cluster("web")],
+            endpoints: vec![cla("web", &[web])],
+            ..Default::default()
+        }
+    })
+    .await;
+    serving(&mesh).await;
+    let good = signer.token("k1", claims("alice", "users", now() + 600));
+
+    let r = get(&mesh, "/secure", None).await;
+    assert_eq!((r.status, r.body.as_str()), (401, "Jwt is missing"));
+    let r = get(&mesh, "/secure", Some(&good)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-req-x-jwt-sub"), Some("alice"));
+    assert_eq!(get(&mesh, "/open", None).await.status, 200);
+    // The virtual host's word, for a route with none of its own.
+    let r = get(&mesh, "/elsewhere", None).await;
+    assert_eq!((r.status, r.body.as_str()), (401, "Jwt is missing"));
+    assert_eq!(get(&mesh, "/elsewhere", Some(&good)).await.status, 200);
+    let r = get(&mesh, "/wrong", Some(&good)).await;
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (
+            403,
+            "Failed JWT authentication: Wrong requirement_name: nope. It should be one of [need-origins]"
+        )
+    );
+}

@@ -185,6 +185,8 @@ pub struct RouteFilters {
     pub rbac: Vec<(String, Arc<rbac::PerRoute>)>,
     /// ext_authz's word (`ExtAuthzPerRoute`), the levels merged.
     pub ext_authz: Vec<(String, Arc<ext_authz::PerRoute>)>,
+    /// jwt_authn's word (`PerRouteConfig`), most specific level first.
+    pub jwt: Vec<(String, Arc<jwt_authn::PerRoute>)>,
 }
 
 impl RouteFilters {
@@ -204,6 +206,11 @@ impl RouteFilters {
     /// The word on the RBAC filter named `name`, if any.
     pub fn rbac_override(&self, name: &str) -> Option<&rbac::PerRoute> {
         self.rbac.iter().find(|(n, _)| n == name).map(|(_, p)| &**p)
+    }
+
+    /// The word on the jwt_authn filter named `name`, if any.
+    pub fn jwt_override(&self, name: &str) -> Option<&jwt_authn::PerRoute> {
+        self.jwt.iter().find(|(n, _)| n == name).map(|(_, p)| &**p)
     }
 }
 

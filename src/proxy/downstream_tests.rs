@@ -21,6 +21,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         server_transformation: crate::snapshot::listener::ServerTransformation::Overwrite,
         via: None,
         always_set_request_id_in_response: false,
+        suppress_envoy_headers: false,
         filters: Vec::new(),
         stream_idle_timeout: None,
         idle_timeout: None,

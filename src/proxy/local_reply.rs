@@ -205,7 +205,12 @@ impl Gateway {
             super::keepalive(session, ctx, None);
             let body = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
             let overloaded = [(X_OVERLOADED.clone(), "true".to_string())];
-            let extra: &[(HeaderName, String)] = if *e.etype() == OVERFLOW {
+            let suppressed = ctx
+                .listener
+                .as_ref()
+                .and_then(|l| l.def.hcm())
+                .is_some_and(|h| h.suppress_envoy_headers);
+            let extra: &[(HeaderName, String)] = if *e.etype() == OVERFLOW && !suppressed {
                 &overloaded
             } else {
                 &[]

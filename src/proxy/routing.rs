@@ -178,7 +178,13 @@ pub(super) fn request_headers(
     entry: Option<&ClusterEntry>,
     fmt: &FormatCtx,
 ) -> Result<()> {
-    let original_path = (ctx.prefix_rewrite.is_some() || ctx.path_rewrite.is_some()).then(|| {
+    let suppressed = ctx
+        .listener
+        .as_ref()
+        .and_then(|l| l.def.hcm())
+        .is_some_and(|h| h.suppress_envoy_headers);
+    let rewritten = ctx.prefix_rewrite.is_some() || ctx.path_rewrite.is_some();
+    let original_path = (rewritten && !suppressed).then(|| {
         session
             .req_header()
             .uri

@@ -147,7 +147,9 @@ fn set_timeouts(
     ctx.per_try = per_try;
     match per_try.or(global) {
         Some(expected) => {
-            req.set(&X_EXPECTED_TIMEOUT, millis_value(expected))?;
+            if !hcm.suppress_envoy_headers {
+                req.set(&X_EXPECTED_TIMEOUT, millis_value(expected))?;
+            }
             if legacy_grpc {
                 req.set(&GRPC_TIMEOUT, grpc_timeout_value(expected))?;
             }

@@ -98,8 +98,9 @@ impl Gateway {
                 Some(crate::telemetry::ResponseFlag::NoClusterFound),
                 super::observe::details::CLUSTER_NOT_FOUND,
             );
-            // Envoy's cluster_not_found_response_code default.
-            return self.local_reply(session, ctx, 503, None, &[]).await;
+            return self
+                .local_reply(session, ctx, fwd.cluster_not_found, None, &[])
+                .await;
         };
         let picked = if let Some(od) = &cluster.def.original_dst {
             cluster.pick_original_dst(od, &session.req_header().headers, restored_local(session))
@@ -470,8 +471,10 @@ pub(super) fn response_headers(
     }
     let hcm = ctx.listener.as_ref().and_then(|l| l.def.hcm());
     let mut served = false;
-    // Envoy measures from the end of the request, which an upgrade has not reached.
-    if let (Some(start), false) = (ctx.upstream_start, ctx.upgrade) {
+    // Envoy measures from the end of the request, which an upgrade has not reached; a
+    // router that suppresses its headers sends none.
+    let timed = !ctx.upgrade && !hcm.is_some_and(|h| h.suppress_envoy_headers);
+    if let (Some(start), true) = (ctx.upstream_start, timed) {
         // The response's arrival as `upstream_head` read the clock for it.
         let answered = ctx
             .info

@@ -463,6 +463,9 @@ pub struct Hcm {
     pub via: Option<http::HeaderValue>,
     /// `always_set_request_id_in_response`: the request's `x-request-id` on its response.
     pub always_set_request_id_in_response: bool,
+    /// The router's `suppress_envoy_headers`: no `x-envoy-upstream-service-time`,
+    /// `x-envoy-expected-rq-timeout-ms`, `x-envoy-original-path` or `x-envoy-overloaded`.
+    pub suppress_envoy_headers: bool,
     /// The `http_filters` that act per request, in chain order (the router, terminal, is
     /// not among them; filters accepted without effect neither).
     pub filters: Vec<HttpFilter>,
@@ -1156,6 +1159,7 @@ impl Hcm {
         };
         let HttpFilters {
             filters,
+            suppress_envoy_headers,
             alpn,
             istio,
         } = check_http_filters(&h.http_filters)?;
@@ -1359,6 +1363,7 @@ impl Hcm {
             server_transformation,
             via,
             always_set_request_id_in_response: h.always_set_request_id_in_response,
+            suppress_envoy_headers,
             server_name: if h.server_name.is_empty() {
                 "envoy".to_string()
             } else {
@@ -1468,8 +1473,45 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
     Ok(())
 }
 
+/// The router's own config (`envoy.extensions.filters.http.router.v3.Router`): whether it
+/// suppresses the `x-envoy-*` headers it adds. What else it holds is either refused here or
+/// does not change an answer: `dynamic_stats`, `suppress_grpc_request_failure_code_stats`
+/// (stats), `start_child_span` (a span's shape), `upstream_log` and its options (logging).
+fn router_options(a: &envoy_types::pb::google::protobuf::Any) -> Result<bool, String> {
+    use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+    if !a
+        .type_url
+        .ends_with("/envoy.extensions.filters.http.router.v3.Router")
+    {
+        // A TypedStruct: the defaults when it holds nothing.
+        let empty = crate::telemetry::istio_stats::TypedStruct::decode(a.value.as_slice())
+            .is_ok_and(|t| t.value.as_ref().is_none_or(|v| v.fields.is_empty()));
+        return if empty {
+            Ok(false)
+        } else {
+            Err(
+                "http_filters: the router's config as a TypedStruct with fields is not supported"
+                    .into(),
+            )
+        };
+    }
+    let r = Router::decode(a.value.as_slice())
+        .map_err(|e| format!("http_filters: the router's config cannot be decoded: {e}"))?;
+    if !r.upstream_http_filters.is_empty() {
+        return Err("http_filters: router upstream_http_filters are not supported".into());
+    }
+    if !r.strict_check_headers.is_empty() {
+        return Err("http_filters: router strict_check_headers is not supported".into());
+    }
+    if r.respect_expected_rq_timeout {
+        return Err("http_filters: router respect_expected_rq_timeout is not supported".into());
+    }
+    Ok(r.suppress_envoy_headers)
+}
+
 struct HttpFilters {
     filters: Vec<HttpFilter>,
+    suppress_envoy_headers: bool,
     alpn: Option<Arc<AlpnOverride>>,
     istio: crate::telemetry::istio_stats::IstioFilters,
 }
@@ -1488,6 +1530,7 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
     let Some(last) = filters.last() else {
         return Ok(HttpFilters {
             filters: Vec::new(),
+            suppress_envoy_headers: false,
             alpn: None,
             istio: Default::default(),
         });
@@ -1510,8 +1553,13 @@ fn check_http_filters(filters: &[hcm::HttpFilter]) -> Result<HttpFilters, String
             last.name
         ));
     }
+    let suppress_envoy_headers = match &last.config_type {
+        Some(hcm::http_filter::ConfigType::TypedConfig(a)) => router_options(a)?,
+        _ => false,
+    };
     let mut out = HttpFilters {
         filters: Vec::new(),
+        suppress_envoy_headers,
         alpn: None,
         istio: Default::default(),
     };

@@ -2217,3 +2217,58 @@ fn http2_settings_are_read_and_checked_against_envoys_ranges() {
         "http2_protocol_options.max_concurrent_streams: 0 is out of range (1 to 2147483647)",
     );
 }
+
+#[test]
+fn the_routers_suppress_envoy_headers_is_kept_and_what_it_cannot_do_refused() {
+    let with = |r: Router| {
+        let mut h = base_hcm();
+        if let Some(f) = h.http_filters.last_mut() {
+            f.config_type = Some(hcm::http_filter::ConfigType::TypedConfig(
+                envoy_types::util::pack_any(r),
+            ));
+        }
+        h
+    };
+    let d = ok(&listener_with(&with(Router {
+        suppress_envoy_headers: true,
+        ..Default::default()
+    })));
+    assert!(
+        d.chains[0]
+            .hcm()
+            .expect("http chain")
+            .suppress_envoy_headers
+    );
+    let d = ok(&listener_with(&base_hcm()));
+    assert!(
+        !d.chains[0]
+            .hcm()
+            .expect("http chain")
+            .suppress_envoy_headers
+    );
+    for (r, needle) in [
+        (
+            Router {
+                strict_check_headers: vec!["x-envoy-max-retries".into()],
+                ..Default::default()
+            },
+            "router strict_check_headers is not supported",
+        ),
+        (
+            Router {
+                respect_expected_rq_timeout: true,
+                ..Default::default()
+            },
+            "router respect_expected_rq_timeout is not supported",
+        ),
+        (
+            Router {
+                upstream_http_filters: vec![Default::default()],
+                ..Default::default()
+            },
+            "router upstream_http_filters are not supported",
+        ),
+    ] {
+        hcm_rejected(with(r), needle);
+    }
+}

@@ -216,6 +216,9 @@ pub struct Forward {
     pub attempt_count_to_client: bool,
     /// `upgrade_configs`: this route's word on upgrade types, over the connection manager's.
     pub upgrades: super::upgrade::Upgrades,
+    /// `cluster_not_found_response_code`: the status when the route's cluster does not exist
+    /// (istiod sets 500 on Gateway API routes).
+    pub cluster_not_found: u16,
 }
 
 /// Where a host rewrite takes the new Host from, besides a literal.
@@ -560,7 +563,16 @@ impl RouteTable {
         let rc_rbac = crate::filters::rbac::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let rc_authz =
             crate::filters::ext_authz::per_route(&rc.typed_per_filter_config).map_err(err)?;
+        let rc_jwt =
+            crate::filters::jwt_authn::per_route(&rc.typed_per_filter_config).map_err(err)?;
         let most_specific_wins = rc.most_specific_header_mutations_wins;
+        let rc_mirrors = mirrors(&rc.request_mirror_policies)
+            .map_err(|e| err(format!("request_mirror_policies: {e}")))?
+            .unwrap_or_else(|| Arc::from(Vec::new()));
+        let max_direct_body = rc
+            .max_direct_response_body_size_bytes
+            .as_ref()
+            .map_or(4096, |v| v.value as usize);
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
             let vctx = format!("vhost '{}'", vh.name);
             if vh.name.is_empty() {
@@ -602,9 +614,14 @@ impl RouteTable {
                 config_filter_configs: &rc.typed_per_filter_config,
                 cors: vh_cors,
                 retry: vhost_retry,
-                mirrors: mirrors(&vh.request_mirror_policies)
+                // The route configuration's mirrors for a virtual host without its own.
+                mirrors: match mirrors(&vh.request_mirror_policies)
                     .map_err(|e| err(format!("{vctx}: {e}")))?
-                    .unwrap_or_else(|| Arc::from(Vec::new())),
+                {
+                    Some(m) => m,
+                    None => rc_mirrors.clone(),
+                },
+                max_direct_body,
                 attempt_count_to_upstream: vh.include_request_attempt_count,
                 attempt_count_to_client: vh.include_attempt_count_in_response,
             };
@@ -622,6 +639,8 @@ impl RouteTable {
             let vh_rbac = crate::filters::rbac::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
             let vh_authz = crate::filters::ext_authz::per_route(&vh.typed_per_filter_config)
+                .map_err(|e| err(format!("{vctx}: {e}")))?;
+            let vh_jwt = crate::filters::jwt_authn::per_route(&vh.typed_per_filter_config)
                 .map_err(|e| err(format!("{vctx}: {e}")))?;
             let mut routes = Vec::with_capacity(vh.routes.len());
             for (ri, r) in vh.routes.iter().enumerate() {
@@ -659,6 +678,17 @@ impl RouteTable {
                     for (name, c) in level.iter() {
                         if !route.filters.rbac.iter().any(|(n, _)| n == name) {
                             route.filters.rbac.push((name.clone(), c.clone()));
+                        }
+                    }
+                }
+                // PerRouteConfig (jwt_authn): the most specific level's word for each filter.
+                route.filters.jwt =
+                    crate::filters::jwt_authn::per_route(&r.typed_per_filter_config)
+                        .map_err(|e| err(format!("{vctx} route {ri}: {e}")))?;
+                for level in [&vh_jwt, &rc_jwt] {
+                    for (name, c) in level.iter() {
+                        if !route.filters.jwt.iter().any(|(n, _)| n == name) {
+                            route.filters.jwt.push((name.clone(), c.clone()));
                         }
                     }
                 }
@@ -754,6 +784,9 @@ struct VhostCtx<'a> {
     mirrors: Arc<[Mirror]>,
     attempt_count_to_upstream: bool,
     attempt_count_to_client: bool,
+    /// The route configuration's `max_direct_response_body_size_bytes` (Envoy's default
+    /// 4096; istiod sets 1 MiB).
+    max_direct_body: usize,
 }
 
 fn translate_route(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
@@ -837,7 +870,7 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
         .collect::<Result<Vec<_>, _>>()?;
     let action = match &r.action {
         Some(rpb::route::Action::Route(ra)) => Action::Forward(forward(ra, vh)?),
-        Some(rpb::route::Action::DirectResponse(d)) => direct(d)?,
+        Some(rpb::route::Action::DirectResponse(d)) => direct(d, vh.max_direct_body)?,
         Some(rpb::route::Action::Redirect(rd)) => Action::Redirect(redirect(rd)?),
         Some(_) => {
             return Err("only route, redirect and direct_response actions are supported".into())
@@ -914,6 +947,23 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
                     &c.response_headers_to_remove,
                 )
                 .map_err(wctx)?;
+                // Envoy applies a policy filter's per-route word on the entry picked; here
+                // only faults are read from an entry, so the others are refused rather than
+                // left out (a route could otherwise lose its authentication).
+                for (name, a) in &c.typed_per_filter_config {
+                    if [
+                        crate::filters::jwt_authn::PER_ROUTE_TYPE,
+                        crate::filters::rbac::PER_ROUTE_TYPE,
+                        crate::filters::ext_authz::PER_ROUTE_TYPE,
+                    ]
+                    .contains(&a.type_url.as_str())
+                    {
+                        return Err(wctx(format!(
+                            "typed_per_filter_config['{name}']: {} on a weighted cluster is not supported",
+                            a.type_url
+                        )));
+                    }
+                }
                 entries.push(ClusterEntry {
                     request_headers,
                     response_headers,
@@ -988,8 +1038,23 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
     let hash_policy = crate::lb::hash_policy::translate(&ra.hash_policy)?;
     let timeouts = StreamTimeouts::translate(ra)?;
     let upgrades = super::upgrade::Upgrades::from_route(&ra.upgrade_configs)?;
+    let cluster_not_found = {
+        use rpb::route_action::ClusterNotFoundResponseCode as C;
+        match C::try_from(ra.cluster_not_found_response_code) {
+            Ok(C::ServiceUnavailable) => 503,
+            Ok(C::NotFound) => 404,
+            Ok(C::InternalServerError) => 500,
+            Err(_) => {
+                return Err(format!(
+                    "cluster_not_found_response_code: {} is not a defined value",
+                    ra.cluster_not_found_response_code
+                ))
+            }
+        }
+    };
     Ok(Forward {
         upgrades,
+        cluster_not_found,
         hash_policy,
         target,
         timeout,
@@ -1006,7 +1071,7 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
     })
 }
 
-fn direct(d: &rpb::DirectResponseAction) -> Result<Action, String> {
+fn direct(d: &rpb::DirectResponseAction, max_body: usize) -> Result<Action, String> {
     let status = u16::try_from(d.status)
         .ok()
         .filter(|s| (200..600).contains(s))
@@ -1028,10 +1093,9 @@ fn direct(d: &rpb::DirectResponseAction) -> Result<Action, String> {
             )
         }
     };
-    // Envoy's default max_direct_response_body_size_bytes.
-    if let Some(b) = body.as_ref().filter(|b| b.len() > 4096) {
+    if let Some(b) = body.as_ref().filter(|b| b.len() > max_body) {
         return Err(format!(
-            "direct_response: response body size is {} bytes; maximum is 4096",
+            "direct_response: response body size is {} bytes; maximum is {max_body}",
             b.len()
         ));
     }

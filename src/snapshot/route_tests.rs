@@ -1752,3 +1752,115 @@ fn require_tls_is_kept_per_virtual_host() {
         "{e}"
     );
 }
+
+#[test]
+fn cluster_not_found_response_code_is_kept_and_an_undefined_one_refused() {
+    use rpb::route_action::ClusterNotFoundResponseCode as C;
+    for (code, want) in [
+        (C::ServiceUnavailable, 503),
+        (C::NotFound, 404),
+        (C::InternalServerError, 500),
+    ] {
+        let mut ra = rpb::RouteAction {
+            cluster_specifier: Some(CS::Cluster("c".into())),
+            ..Default::default()
+        };
+        ra.cluster_not_found_response_code = code as i32;
+        let r = translate_one(route(prefix("/x"), rpb::route::Action::Route(ra)));
+        let Action::Forward(f) = &r.action else {
+            panic!("a forwarding route: {r:?}")
+        };
+        assert_eq!(f.cluster_not_found, want);
+    }
+    let ra = rpb::RouteAction {
+        cluster_specifier: Some(CS::Cluster("c".into())),
+        cluster_not_found_response_code: 9,
+        ..Default::default()
+    };
+    assert_route_rejected(
+        route(prefix("/x"), rpb::route::Action::Route(ra)),
+        "cluster_not_found_response_code: 9 is not a defined value",
+    );
+}
+
+#[test]
+fn the_direct_body_limit_is_the_configurations() {
+    let body = || Some(DataSpecifier::InlineString("b".repeat(5000)));
+    let mut rc = second_route(route(prefix("/big"), direct(200, body())));
+    let e = rejection(&rc).to_string();
+    assert!(
+        e.contains("response body size is 5000 bytes; maximum is 4096"),
+        "{e}"
+    );
+    rc.max_direct_response_body_size_bytes = Some(UInt32Value { value: 5000 });
+    translate(&rc);
+    rc.max_direct_response_body_size_bytes = Some(UInt32Value { value: 4999 });
+    let e = rejection(&rc).to_string();
+    assert!(e.contains("maximum is 4999"), "{e}");
+}
+
+#[test]
+fn jwt_per_route_configs_take_the_most_specific_level_and_refuse_empty_ones() {
+    use crate::filters::jwt_authn::{PerRoute, PER_ROUTE_TYPE};
+    use envoy_types::pb::envoy::extensions::filters::http::jwt_authn::v3 as jpb;
+    use jpb::per_route_config::RequirementSpecifier as S;
+    use prost::Message;
+    let any = |s: Option<S>| envoy_types::pb::google::protobuf::Any {
+        type_url: PER_ROUTE_TYPE.into(),
+        value: jpb::PerRouteConfig {
+            requirement_specifier: s,
+        }
+        .encode_to_vec(),
+    };
+    const NAME: &str = "envoy.filters.http.jwt_authn";
+    let mut own = route(prefix("/own"), to("c"));
+    own.typed_per_filter_config
+        .insert(NAME.into(), any(Some(S::Disabled(true))));
+    let inherits = route(prefix("/"), to("c"));
+    let mut vh = vhost("vh", &["*"], vec![own, inherits]);
+    vh.typed_per_filter_config
+        .insert(NAME.into(), any(Some(S::RequirementName("r".into()))));
+    let t = translate(&config("rc", vec![vh.clone()]));
+    let routes = &t.vhosts[0].routes;
+    assert_eq!(
+        routes[0].filters.jwt_override(NAME),
+        Some(&PerRoute::Disabled)
+    );
+    assert_eq!(
+        routes[1].filters.jwt_override(NAME),
+        Some(&PerRoute::Requirement("r".into()))
+    );
+    for (bad, needle) in [
+        (None, "requirement_specifier is required"),
+        (Some(S::Disabled(false)), "disabled: value must equal true"),
+        (
+            Some(S::RequirementName(String::new())),
+            "requirement_name: value length",
+        ),
+    ] {
+        let mut vh = vh.clone();
+        vh.typed_per_filter_config.insert(NAME.into(), any(bad));
+        let e = rejection(&config("rc", vec![vh])).to_string();
+        assert!(e.contains(needle), "{e}");
+    }
+}
+
+#[test]
+fn policy_per_route_configs_on_a_weighted_entry_are_refused() {
+    let mut w = weighted(vec![cw("a", Some(1)), cw("b", Some(1))], None);
+    if let rpb::route::Action::Route(ra) = &mut w {
+        if let Some(CS::WeightedClusters(wc)) = &mut ra.cluster_specifier {
+            wc.clusters[0].typed_per_filter_config.insert(
+                "envoy.filters.http.rbac".into(),
+                envoy_types::pb::google::protobuf::Any {
+                    type_url: crate::filters::rbac::PER_ROUTE_TYPE.into(),
+                    value: Vec::new(),
+                },
+            );
+        }
+    }
+    assert_route_rejected(
+        route(prefix("/w"), w),
+        "on a weighted cluster is not supported",
+    );
+}

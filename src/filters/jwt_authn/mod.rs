@@ -213,6 +213,9 @@ pub struct JwtAuthnFilter {
     pub providers: Vec<Provider>,
     /// In order; the first that matches decides (None: no verification).
     pub rules: Vec<(RuleMatch, Option<std::sync::Arc<Requirement>>)>,
+    /// `requirement_map`, which a route's `PerRouteConfig` names (it then decides in place of
+    /// `rules`).
+    pub requirement_map: std::collections::HashMap<String, std::sync::Arc<Requirement>>,
     pub bypass_cors_preflight: bool,
     pub strip_failure_response: bool,
     pub stats: OnceLock<JwtStats>,
@@ -558,10 +561,55 @@ pub fn translate(name: &str, c: &jpb::JwtAuthentication) -> Result<JwtAuthnFilte
         stat_prefix: c.stat_prefix.clone(),
         providers,
         rules,
+        requirement_map: map,
         bypass_cors_preflight: c.bypass_cors_preflight,
         strip_failure_response: c.strip_failure_response,
         stats: OnceLock::new(),
     })
+}
+
+/// A route's word to the filter (`PerRouteConfig`, the most specific level's): no
+/// verification, or the requirement of that name in the filter's `requirement_map`. Envoy
+/// Gateway's JWT policies are written this way, with no `rules` at all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PerRoute {
+    Disabled,
+    Requirement(String),
+}
+
+pub const PER_ROUTE_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.PerRouteConfig";
+
+/// The `PerRouteConfig`s of one level's `typed_per_filter_config`, by filter name.
+pub fn per_route(
+    map: &std::collections::HashMap<String, envoy_types::pb::google::protobuf::Any>,
+) -> Result<Vec<(String, std::sync::Arc<PerRoute>)>, String> {
+    let mut out = Vec::new();
+    for (name, a) in map {
+        if a.type_url != PER_ROUTE_TYPE {
+            continue;
+        }
+        let at = format!("typed_per_filter_config['{name}']");
+        let c = jpb::PerRouteConfig::decode(a.value.as_slice())
+            .map_err(|e| format!("{at}: cannot decode PerRouteConfig: {e}"))?;
+        use jpb::per_route_config::RequirementSpecifier as S;
+        let p = match c.requirement_specifier {
+            Some(S::Disabled(true)) => PerRoute::Disabled,
+            Some(S::Disabled(false)) => {
+                return Err(format!("{at}.disabled: value must equal true"));
+            }
+            Some(S::RequirementName(n)) if !n.is_empty() => PerRoute::Requirement(n),
+            Some(S::RequirementName(_)) => {
+                return Err(format!(
+                    "{at}.requirement_name: value length must be at least 1 characters"
+                ));
+            }
+            None => return Err(format!("{at}: requirement_specifier is required")),
+        };
+        out.push((name.clone(), std::sync::Arc::new(p)));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
 }
 
 pub fn translate_filter(d: &FilterDecl<'_>) -> Result<Translated, String> {
@@ -896,11 +944,30 @@ impl JwtAuthnFilter {
     }
 
     /// The requirement of the first rule that matches the request (None: not verified).
-    fn requirement(&self, req: &RequestView<'_>) -> Option<&Requirement> {
-        self.rules
-            .iter()
-            .find(|(m, _)| m.matches(req))
-            .and_then(|(_, r)| r.as_deref())
+    /// The requirement for this request: the route's word when it has one for this filter,
+    /// else the first rule that matches. Err: the route names a requirement the filter does
+    /// not have (Envoy's message).
+    fn requirement(&self, req: &Request<'_>) -> Result<Option<&Requirement>, String> {
+        match req.route.and_then(|r| r.jwt_override(&self.name)) {
+            Some(PerRoute::Disabled) => Ok(None),
+            Some(PerRoute::Requirement(n)) => match self.requirement_map.get(n) {
+                Some(r) => Ok(Some(r)),
+                None => {
+                    let mut names: Vec<&str> =
+                        self.requirement_map.keys().map(String::as_str).collect();
+                    names.sort_unstable();
+                    Err(format!(
+                        "Wrong requirement_name: {n}. It should be one of [{}]",
+                        names.join(",")
+                    ))
+                }
+            },
+            None => Ok(self
+                .rules
+                .iter()
+                .find(|(m, _)| m.matches(req.view))
+                .and_then(|(_, r)| r.as_deref())),
+        }
     }
 
     fn stats(&self) -> &JwtStats {
@@ -931,7 +998,7 @@ impl JwtAuthnFilter {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let mut o = Outputs::default();
-        if let Some(r) = self.requirement(req.view) {
+        if let Ok(Some(r)) = self.requirement(req) {
             let _ = self.check(r, req.view, now, &mut o);
         }
         for i in o.fetch {
@@ -961,9 +1028,28 @@ impl JwtAuthnFilter {
             self.stats().allowed.fetch_add(1, Relaxed);
             return Decision::Continue;
         }
-        let Some(r) = self.requirement(v) else {
-            self.stats().allowed.fetch_add(1, Relaxed);
-            return Decision::Continue;
+        let r = match self.requirement(req) {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                self.stats().allowed.fetch_add(1, Relaxed);
+                return Decision::Continue;
+            }
+            Err(msg) => {
+                // Envoy's 403, whatever `strip_failure_response` says.
+                self.stats().denied.fetch_add(1, Relaxed);
+                return Decision::Reply(LocalReply {
+                    status: 403,
+                    body: Some(bytes::Bytes::from(format!(
+                        "Failed JWT authentication: {msg}"
+                    ))),
+                    headers: Vec::new(),
+                    grpc_status: None,
+                    details: std::borrow::Cow::Owned(format!(
+                        "jwt_authn_access_denied{{{}}}",
+                        msg.replace(' ', "_")
+                    )),
+                });
+            }
         };
         let mut o = Outputs {
             fetched,
