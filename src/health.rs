@@ -402,7 +402,7 @@ async fn http_check(ctx: &SessionCtx, h: &HttpCheck, conn: &mut Option<Conn>) ->
 /// The check request as Envoy sends it: the method, `:authority`, path and `user-agent:
 /// Envoy/HC`, then the configured header mutations.
 fn request(ctx: &SessionCtx, h: &HttpCheck) -> Result<http::Request<Empty<Bytes>>, http::Error> {
-    let mut b = http::Request::builder().method(http::Method::GET);
+    let mut b = http::Request::builder().method(h.method.clone());
     if h.http2 {
         b = b.uri(format!("http://{}{}", ctx.authority, h.path));
     } else {

@@ -812,6 +812,20 @@ impl ClusterDef {
                 "cannot create an EDS cluster without an EDS config (eds_cluster_config)".into(),
             ));
         }
+        // Endpoints come over the ADS stream; another source would leave the cluster empty.
+        if let Some(src) = c
+            .eds_cluster_config
+            .as_ref()
+            .and_then(|e| e.eds_config.as_ref())
+            .and_then(|s| s.config_source_specifier.as_ref())
+        {
+            use corepb::config_source::ConfigSourceSpecifier as S;
+            if !matches!(src, S::Ads(_) | S::Self_(_)) {
+                return Err(err(
+                    "eds_cluster_config.eds_config: only ads (or self) is supported".into(),
+                ));
+            }
+        }
         let eds_name = match (&kind, &c.eds_cluster_config) {
             (DiscoveryKind::Eds, Some(e)) if !e.service_name.is_empty() => e.service_name.clone(),
             _ => c.name.clone(),
@@ -1174,6 +1188,18 @@ fn downstream_protocol(
         Some(U::AutoConfig(_)) => Err(format!(
             "{at}.auto_config is not supported yet (the upstream protocol would come from ALPN); use explicit_http_config or use_downstream_protocol_config"
         )),
+        Some(U::ExplicitHttpConfig(e))
+            if matches!(
+                e.protocol_config,
+                Some(
+                    envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::explicit_http_config::ProtocolConfig::Http3ProtocolOptions(_)
+                )
+            ) =>
+        {
+            Err(format!(
+                "{at}.explicit_http_config.http3_protocol_options: HTTP/3 upstreams are not supported"
+            ))
+        }
         _ => Ok(None),
     }
 }
@@ -1734,6 +1760,16 @@ fn protocol_options(
     String,
 > {
     use prost::Message;
+    // Envoy refuses a name it does not know and applies those it does; TCP's options (an idle
+    // timeout for tcp_proxy's upstream connections) change no answer here.
+    if let Some(k) = c.typed_extension_protocol_options.keys().find(|k| {
+        k.as_str() != HTTP_PROTOCOL_OPTIONS
+            && k.as_str() != "envoy.extensions.upstreams.tcp.v3.TcpProtocolOptions"
+    }) {
+        return Err(format!(
+            "typed_extension_protocol_options['{k}'] is not supported"
+        ));
+    }
     let Some(any) = c
         .typed_extension_protocol_options
         .get(HTTP_PROTOCOL_OPTIONS)
@@ -1783,11 +1819,27 @@ fn load_assignment_spec(
         if !p.drop_overloads.is_empty() {
             return Err("policy.drop_overloads is not supported yet".into());
         }
+        // Envoy drops the endpoints of an assignment not renewed in that time.
+        if p.endpoint_stale_after
+            .as_ref()
+            .is_some_and(|d| d.seconds != 0 || d.nanos != 0)
+        {
+            return Err("policy.endpoint_stale_after is not supported".into());
+        }
     }
     // Localities by (priority, region, zone, sub_zone): endpoints listed under the same one
     // share its weight.
     let mut localities: Vec<(u32, &str, &str, &str)> = Vec::new();
     for (li, loc) in la.endpoints.iter().enumerate() {
+        // Envoy then takes the locality's endpoints from LEDS, not from `lb_endpoints`.
+        if matches!(
+            loc.lb_config,
+            Some(epb::locality_lb_endpoints::LbConfig::LedsClusterLocalityConfig(_))
+        ) {
+            return Err(format!(
+                "endpoints[{li}].leds_cluster_locality_config: LEDS is not supported"
+            ));
+        }
         if loc.priority > 128 {
             return Err(format!(
                 "endpoints[{li}].priority {} must be at most 128",

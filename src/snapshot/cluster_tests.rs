@@ -2482,3 +2482,115 @@ fn header_key_format_keeps_header_case_wherever_the_http1_options_are() {
         assert_eq!(ok(&legacy).keep_header_case, keep);
     }
 }
+
+#[test]
+fn sources_and_options_envoy_would_act_on_are_refused_with_their_names() {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3 as hpb;
+    // EDS from anywhere but the ADS stream.
+    let mut c = typed("c", DT::Eds);
+    c.eds_cluster_config = Some(cpb::cluster::EdsClusterConfig {
+        eds_config: Some(corepb::ConfigSource {
+            config_source_specifier: Some(
+                corepb::config_source::ConfigSourceSpecifier::PathConfigSource(
+                    corepb::PathConfigSource {
+                        path: "/etc/eds.yaml".into(),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    rejected(
+        &c,
+        "eds_cluster_config.eds_config: only ads (or self) is supported",
+    );
+    c.eds_cluster_config = Some(cpb::cluster::EdsClusterConfig {
+        eds_config: Some(corepb::ConfigSource {
+            config_source_specifier: Some(corepb::config_source::ConfigSourceSpecifier::Ads(
+                Default::default(),
+            )),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    ok(&c);
+    // A protocol options name Envoy would apply or refuse.
+    let mut c = typed("c", DT::Eds);
+    c.typed_extension_protocol_options.insert(
+        "envoy.extensions.upstreams.http.v3.Unknown".into(),
+        Default::default(),
+    );
+    rejected(
+        &c,
+        "typed_extension_protocol_options['envoy.extensions.upstreams.http.v3.Unknown'] is not supported",
+    );
+    // HTTP/3 upstreams.
+    let mut c = typed("c", DT::Eds);
+    let h3 = hpb::HttpProtocolOptions {
+        upstream_protocol_options: Some(
+            hpb::http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                hpb::http_protocol_options::ExplicitHttpConfig {
+                    protocol_config: Some(
+                        hpb::http_protocol_options::explicit_http_config::ProtocolConfig::Http3ProtocolOptions(
+                            Default::default(),
+                        ),
+                    ),
+                },
+            ),
+        ),
+        ..Default::default()
+    };
+    c.typed_extension_protocol_options.insert(
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".into(),
+        envoy_types::util::pack_any(h3),
+    );
+    rejected(
+        &c,
+        "http3_protocol_options: HTTP/3 upstreams are not supported",
+    );
+}
+
+#[test]
+fn outlier_detectors_portico_does_not_run_are_refused() {
+    use envoy_types::pb::google::protobuf::{BoolValue, UInt32Value};
+    let cases: Vec<(cpb::OutlierDetection, &str)> = vec![
+        (
+            cpb::OutlierDetection {
+                enforcing_failure_percentage: Some(UInt32Value { value: 100 }),
+                ..Default::default()
+            },
+            "outlier_detection.enforcing_failure_percentage is not supported",
+        ),
+        (
+            cpb::OutlierDetection {
+                always_eject_one_host: Some(BoolValue { value: true }),
+                ..Default::default()
+            },
+            "outlier_detection.always_eject_one_host is not supported",
+        ),
+        (
+            cpb::OutlierDetection {
+                max_ejection_time_jitter: Some(envoy_types::pb::google::protobuf::Duration {
+                    seconds: 1,
+                    nanos: 0,
+                }),
+                ..Default::default()
+            },
+            "outlier_detection.max_ejection_time_jitter is not supported",
+        ),
+    ];
+    for (o, needle) in cases {
+        let mut c = typed("c", DT::Eds);
+        c.outlier_detection = Some(o);
+        rejected(&c, needle);
+    }
+    // Zero enforcement turns the failure-percentage detector off: accepted.
+    let mut c = typed("c", DT::Eds);
+    c.outlier_detection = Some(cpb::OutlierDetection {
+        enforcing_failure_percentage: Some(UInt32Value { value: 0 }),
+        ..Default::default()
+    });
+    ok(&c);
+}

@@ -55,6 +55,8 @@ pub struct HttpCheck {
     /// `host`; empty: the endpoint's `health_check_config.hostname`, else the cluster name.
     pub host: String,
     pub path: String,
+    /// `method` (GET when unspecified; CONNECT is refused, as Envoy refuses it).
+    pub method: http::Method,
     /// Half-open `[start, end)` status ranges.
     pub expected: Vec<(u16, u16)>,
     pub retriable: Vec<(u16, u16)>,
@@ -303,6 +305,25 @@ fn http_check(i: usize, h: &corepb::health_check::HttpHealthCheck) -> Result<Htt
             f("service_name_matcher")
         ));
     }
+    let method = {
+        use corepb::RequestMethod as M;
+        match M::try_from(h.method) {
+            Ok(M::MethodUnspecified) | Ok(M::Get) => http::Method::GET,
+            Ok(M::Head) => http::Method::HEAD,
+            Ok(M::Post) => http::Method::POST,
+            Ok(M::Put) => http::Method::PUT,
+            Ok(M::Delete) => http::Method::DELETE,
+            Ok(M::Options) => http::Method::OPTIONS,
+            Ok(M::Trace) => http::Method::TRACE,
+            Ok(M::Patch) => http::Method::PATCH,
+            Ok(M::Connect) | Err(_) => {
+                return Err(format!(
+                    "{}: value must not be in list [CONNECT] and must be one of the defined enum values",
+                    f("method")
+                ))
+            }
+        }
+    };
     use envoy_types::pb::envoy::r#type::v3::CodecClientType as C;
     let http2 = match C::try_from(h.codec_client_type) {
         Ok(C::Http1) => false,
@@ -340,6 +361,7 @@ fn http_check(i: usize, h: &corepb::health_check::HttpHealthCheck) -> Result<Htt
     Ok(HttpCheck {
         host: h.host.clone(),
         path: h.path.clone(),
+        method,
         expected,
         retriable: ranges(&h.retriable_statuses, "retriable")
             .map_err(|e| format!("{}: {e}", f("retriable_statuses")))?,

@@ -411,3 +411,32 @@ fn eds_health_wins_over_active_checks() {
     );
     assert_eq!(flags_text(Health::Healthy, Some(&pass)), "healthy");
 }
+
+#[test]
+fn the_checks_method_is_envoys_and_connect_is_refused() {
+    use corepb::RequestMethod as M;
+    for (m, want) in [
+        (M::MethodUnspecified, http::Method::GET),
+        (M::Head, http::Method::HEAD),
+        (M::Post, http::Method::POST),
+        (M::Patch, http::Method::PATCH),
+    ] {
+        let c = ok(base(HC::HttpHealthCheck(HttpHealthCheck {
+            path: "/healthz".into(),
+            method: m as i32,
+            ..Default::default()
+        })));
+        let CheckKind::Http(h) = &c.kind else {
+            panic!("an HTTP check: {c:?}")
+        };
+        assert_eq!(h.method, want);
+    }
+    rejected(
+        base(HC::HttpHealthCheck(HttpHealthCheck {
+            path: "/healthz".into(),
+            method: M::Connect as i32,
+            ..Default::default()
+        })),
+        "http_health_check.method: value must not be in list [CONNECT]",
+    );
+}

@@ -39,6 +39,33 @@ pub fn translate(o: &cpb::OutlierDetection) -> Result<OutlierConfig, String> {
             "outlier_detection.split_external_local_origin_errors is not supported yet".into(),
         );
     }
+    // Detectors and options that would eject other hosts, or for other times, than these do.
+    let refused = [
+        (
+            "enforcing_failure_percentage",
+            o.enforcing_failure_percentage
+                .as_ref()
+                .is_some_and(|v| v.value > 0),
+        ),
+        (
+            "always_eject_one_host",
+            o.always_eject_one_host.as_ref().is_some_and(|v| v.value),
+        ),
+        (
+            "detect_degraded_hosts",
+            o.detect_degraded_hosts.as_ref().is_some_and(|v| v.value),
+        ),
+        ("monitors", !o.monitors.is_empty()),
+        (
+            "max_ejection_time_jitter",
+            o.max_ejection_time_jitter
+                .as_ref()
+                .is_some_and(|d| d.seconds != 0 || d.nanos != 0),
+        ),
+    ];
+    if let Some((field, _)) = refused.iter().find(|(_, set)| *set) {
+        return Err(format!("outlier_detection.{field} is not supported"));
+    }
     let base = dur(
         &o.base_ejection_time,
         Duration::from_secs(30),
