@@ -906,6 +906,20 @@ fn check_listener_fields(l: &lpb::Listener) -> Result<(), String> {
     if l.fcds_config.is_some() {
         return Err("fcds_config: filter chain discovery is not supported".into());
     }
+    // Without IP_TRANSPARENT / IP_FREEBIND Envoy's socket would not receive what it is meant
+    // to; Portico does not set them.
+    if l.transparent.as_ref().is_some_and(|b| b.value) {
+        return Err("transparent is not supported".into());
+    }
+    if l.freebind.as_ref().is_some_and(|b| b.value) {
+        return Err("freebind is not supported".into());
+    }
+    if l.per_connection_buffer_high_watermark_timeout
+        .as_ref()
+        .is_some_and(|d| d.seconds != 0 || d.nanos != 0)
+    {
+        return Err("per_connection_buffer_high_watermark_timeout is not supported".into());
+    }
     // Accepted, and why they cannot matter at a gateway:
     // - connection_balance_config (exact_balance): which worker accepts a connection; Portico's
     //   workers each accept on the socket, and a connection's handling does not depend on it.
@@ -1388,6 +1402,31 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
         if o.accept_http_10 {
             return Err("http_protocol_options.accept_http_10: HTTP/1.0 is not supported (Portico answers 426, Envoy's default)".into());
         }
+        // Each changes which requests are refused or how: Portico answers as Envoy's
+        // defaults do (400 for a length next to chunked, 403 for an upgrade no config
+        // allows, absolute-form targets taken, the connection closed after a 400).
+        let refused = [
+            ("allow_chunked_length", o.allow_chunked_length),
+            (
+                "ignore_http_11_upgrade",
+                !o.ignore_http_11_upgrade.is_empty(),
+            ),
+            (
+                "allow_absolute_url",
+                o.allow_absolute_url.as_ref().is_some_and(|b| !b.value),
+            ),
+            (
+                "override_stream_error_on_invalid_http_message",
+                o.override_stream_error_on_invalid_http_message
+                    .as_ref()
+                    .is_some_and(|b| b.value),
+            ),
+        ];
+        if let Some((field, _)) = refused.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "http_protocol_options.{field}: only Envoy's default is supported"
+            ));
+        }
         // header_key_format (istiod's preserve-case) is read into `Hcm::keep_header_case`;
         // enable_trailers and the like change how HTTP/1 is written, not where a request
         // goes.
@@ -1397,6 +1436,31 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
         .is_some_and(|o| o.allow_connect)
     {
         return Err("http2_protocol_options.allow_connect: extended CONNECT (WebSocket over HTTP/2) is not supported".into());
+    }
+    if let Some(o) = &h.http2_protocol_options {
+        if !o.custom_settings_parameters.is_empty() {
+            return Err(
+                "http2_protocol_options.custom_settings_parameters are not supported".into(),
+            );
+        }
+        #[allow(deprecated)]
+        let stream_errors = o.stream_error_on_invalid_http_messaging
+            || o.override_stream_error_on_invalid_http_message
+                .as_ref()
+                .is_some_and(|b| b.value);
+        if stream_errors {
+            return Err("http2_protocol_options: stream errors on invalid messages (instead of Envoy's default, closing the connection) are not supported".into());
+        }
+    }
+    // Envoy refuses it on a connection manager (it is a cluster's option).
+    if h.common_http_protocol_options
+        .as_ref()
+        .is_some_and(|o| o.max_response_headers_kb.is_some())
+    {
+        return Err("common_http_protocol_options.max_response_headers_kb cannot be set on a connection manager".into());
+    }
+    if h.tracing.as_ref().is_some_and(|t| t.no_context_propagation) {
+        return Err("tracing.no_context_propagation is not supported".into());
     }
     // common_http_protocol_options: idle_timeout, max_connection_duration and
     // max_requests_per_connection are read above (HTTP/1 connections; see `ConnLimits`).

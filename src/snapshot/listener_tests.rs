@@ -2272,3 +2272,68 @@ fn the_routers_suppress_envoy_headers_is_kept_and_what_it_cannot_do_refused() {
         hcm_rejected(with(r), needle);
     }
 }
+
+#[test]
+fn listener_and_codec_options_that_change_answers_are_refused_with_their_names() {
+    let mut l = listener();
+    l.transparent = Some(BoolValue { value: true });
+    rejected(&l, "transparent is not supported");
+    let mut l = listener();
+    l.freebind = Some(BoolValue { value: true });
+    rejected(&l, "freebind is not supported");
+    type Set = fn(&mut hcm::HttpConnectionManager);
+    let cases: Vec<(Set, &str)> = vec![
+        (
+            |h| {
+                h.http_protocol_options = Some(corepb::Http1ProtocolOptions {
+                    allow_chunked_length: true,
+                    ..Default::default()
+                })
+            },
+            "http_protocol_options.allow_chunked_length: only Envoy's default is supported",
+        ),
+        (
+            |h| {
+                h.http_protocol_options = Some(corepb::Http1ProtocolOptions {
+                    allow_absolute_url: Some(BoolValue { value: false }),
+                    ..Default::default()
+                })
+            },
+            "http_protocol_options.allow_absolute_url: only Envoy's default is supported",
+        ),
+        (
+            |h| {
+                h.http2_protocol_options = Some(corepb::Http2ProtocolOptions {
+                    custom_settings_parameters: vec![Default::default()],
+                    ..Default::default()
+                })
+            },
+            "http2_protocol_options.custom_settings_parameters are not supported",
+        ),
+        (
+            |h| {
+                h.common_http_protocol_options = Some(corepb::HttpProtocolOptions {
+                    max_response_headers_kb: Some(envoy_types::pb::google::protobuf::UInt32Value {
+                        value: 80,
+                    }),
+                    ..Default::default()
+                })
+            },
+            "max_response_headers_kb cannot be set on a connection manager",
+        ),
+        (
+            |h| {
+                h.tracing = Some(hcm::http_connection_manager::Tracing {
+                    no_context_propagation: true,
+                    ..Default::default()
+                })
+            },
+            "tracing.no_context_propagation is not supported",
+        ),
+    ];
+    for (set, needle) in cases {
+        let mut h = base_hcm();
+        set(&mut h);
+        hcm_rejected(h, needle);
+    }
+}

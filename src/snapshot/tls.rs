@@ -347,6 +347,22 @@ impl DownstreamTls {
                 "session_ticket_keys: Portico issues tickets with keys of its own (not shared with other instances)"
             );
         }
+        // Accepted: `prefer_client_ciphers` (which suite a handshake settles on, among those
+        // both sides allow; BoringSSL's equal-preference groups have no rustls counterpart),
+        // `full_scan_certs_on_sni_mismatch` (which certificate a client whose SNI matches
+        // none gets), `TlsCertificate.ocsp_staple` (no staple is sent; a client that asks
+        // for one carries on without it).
+        if c.custom_tls_certificate_selector.is_some() {
+            return Err(
+                "common_tls_context.custom_tls_certificate_selector is not supported".into(),
+            );
+        }
+        if c.tls_params
+            .as_ref()
+            .is_some_and(|p| !p.compliance_policies.is_empty())
+        {
+            return Err("tls_params.compliance_policies are not supported".into());
+        }
         if c.tls_certificate_provider_instance.is_some() || c.custom_handshaker.is_some() {
             return Err(
                 "common_tls_context: tls_certificate_provider_instance and custom_handshaker are not supported"
@@ -618,6 +634,7 @@ fn client_verifier(
     };
     let hints = chain
         .as_ref()
+        .filter(|_| !v.suppress_ca_list)
         .map(|c| c.root_hint_subjects().to_vec())
         .unwrap_or_default();
     Ok(Some(Arc::new(ClientVerifier {

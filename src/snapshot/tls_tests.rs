@@ -492,3 +492,44 @@ fn several_certificates_translate_and_may_not_be_mixed() {
     let e = DownstreamTls::translate(&ctx(bad), &NoFiles).unwrap_err();
     assert!(e.starts_with("tls_certificates[1]: private_key"), "{e}");
 }
+
+#[test]
+fn suppress_client_ca_list_names_no_ca_in_the_certificate_request() {
+    let (ca, _) = cert("client CA");
+    let vc = |suppress: bool| tlspb::CertificateValidationContext {
+        trusted_ca: inline(&ca),
+        suppress_client_ca_list: suppress,
+        ..Default::default()
+    };
+    let hints = |suppress: bool| {
+        let v = CertValidation::parse(&vc(suppress), &mut Vec::new(), Side::Downstream, &NoFiles)
+            .expect("valid");
+        let verifier = client_verifier(Some(Arc::new(v)), false)
+            .expect("builds")
+            .expect("asks for a certificate");
+        verifier.root_hint_subjects().len()
+    };
+    assert_eq!(hints(false), 1);
+    assert_eq!(hints(true), 0);
+}
+
+#[test]
+fn tls_options_portico_does_not_implement_are_refused() {
+    let mut common = with_cert();
+    common.tls_params = Some(tlspb::TlsParameters {
+        compliance_policies: vec![1],
+        ..Default::default()
+    });
+    let e = DownstreamTls::translate(&ctx(common), &NoFiles).expect_err("refused");
+    assert!(
+        e.contains("tls_params.compliance_policies are not supported"),
+        "{e}"
+    );
+    let mut common = with_cert();
+    common.custom_tls_certificate_selector = Some(Default::default());
+    let e = DownstreamTls::translate(&ctx(common), &NoFiles).expect_err("refused");
+    assert!(
+        e.contains("custom_tls_certificate_selector is not supported"),
+        "{e}"
+    );
+}

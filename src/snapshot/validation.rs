@@ -117,6 +117,8 @@ pub struct CertValidation {
     /// of the SubjectPublicKeyInfo): when either is set the certificate must match one entry.
     pub hashes: Vec<[u8; 32]>,
     pub spkis: Vec<[u8; 32]>,
+    /// `suppress_client_ca_list`: a server asking for a client certificate names no CAs.
+    pub suppress_ca_list: bool,
 }
 
 /// Why a peer certificate was refused, as Envoy counts it (`ssl.fail_verify_*`).
@@ -322,6 +324,7 @@ impl CertValidation {
             sans,
             hashes,
             spkis,
+            suppress_ca_list: vc.suppress_client_ca_list,
         })
     }
 
