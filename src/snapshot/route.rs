@@ -573,7 +573,53 @@ impl RouteTable {
             .max_direct_response_body_size_bytes
             .as_ref()
             .map_or(4096, |v| v.value as usize);
+        // What would pick virtual hosts, routes or a path to match in another way than these
+        // tables do: refused rather than left out. Accepted at every level, and why they
+        // cannot change an answer here: `metadata` (nothing reads route metadata),
+        // `stat_prefix`, `virtual_clusters`, `tracing` (stats and spans), `rate_limits` (no
+        // global rate-limit filter; local descriptors are refused), `metadata_match` (only the
+        // subset balancer, refused, reads it), `per_request_buffer_limit_bytes` and
+        // `request_body_buffer_limit` (pingora's retry buffer has its own bound),
+        // `flush_timeout`, `runtime_key_prefix` (no runtime key of that form is read).
+        let refused = [
+            ("vhds", rc.vhds.is_some()),
+            ("vhost_header", !rc.vhost_header.is_empty()),
+            (
+                "ignore_path_parameters_in_path_matching",
+                rc.ignore_path_parameters_in_path_matching,
+            ),
+            (
+                "internal_only_headers",
+                !rc.internal_only_headers.is_empty(),
+            ),
+            ("route_specifiers", !rc.route_specifiers.is_empty()),
+        ];
+        if let Some((field, _)) = refused.iter().find(|(_, set)| *set) {
+            return Err(err(format!("{field} is not supported")));
+        }
         for (vi, vh) in rc.virtual_hosts.iter().enumerate() {
+            if vh.matcher.is_some() {
+                return Err(err(format!(
+                    "vhost '{}': matcher (the match tree API) is not supported; use routes",
+                    vh.name
+                )));
+            }
+            if !vh.route_specifiers.is_empty() {
+                return Err(err(format!(
+                    "vhost '{}': route_specifiers are not supported",
+                    vh.name
+                )));
+            }
+            if vh
+                .hedge_policy
+                .as_ref()
+                .is_some_and(|h| h.hedge_on_per_try_timeout)
+            {
+                return Err(err(format!(
+                    "vhost '{}': hedge_policy.hedge_on_per_try_timeout is not supported",
+                    vh.name
+                )));
+            }
             let vctx = format!("vhost '{}'", vh.name);
             if vh.name.is_empty() {
                 return Err(err(format!("virtual_hosts[{vi}]: name must not be empty")));
@@ -807,6 +853,9 @@ fn translate_route(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
 }
 
 fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String> {
+    if !r.route_specifiers.is_empty() {
+        return Err("route_specifiers are not supported".into());
+    }
     use rpb::route_match::PathSpecifier as PS;
     let m = r.r#match.as_ref().ok_or("match is required")?;
     let case_sensitive = m.case_sensitive.as_ref().map(|b| b.value).unwrap_or(true);
@@ -853,6 +902,15 @@ fn translate_route_inner(r: &rpb::Route, vh: &VhostCtx) -> Result<Route, String>
     }
     if !m.cookies.is_empty() {
         return Err("match.cookies is not supported".into());
+    }
+    if !m.filter_state.is_empty() {
+        return Err("match.filter_state is not supported".into());
+    }
+    // A share of requests below all of them would leave the others to later routes.
+    let share = crate::units::per_million(m.runtime_fraction.as_ref(), 1_000_000)
+        .map_err(|e| format!("match.runtime_fraction: {e}"))?;
+    if share < 1_000_000 {
+        return Err("match.runtime_fraction below 100% is not supported".into());
     }
     let headers = m
         .headers
@@ -927,6 +985,10 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
             if w.clusters.is_empty() {
                 return Err("weighted_clusters.clusters must not be empty".into());
             }
+            // The pick's number from a header or the route's hash, not a random one.
+            if w.random_value_specifier.is_some() {
+                return Err("weighted_clusters: random_value_specifier is not supported".into());
+            }
             let mut clusters = Vec::with_capacity(w.clusters.len());
             let mut entries = Vec::with_capacity(w.clusters.len());
             let mut total = 0u64;
@@ -940,6 +1002,9 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
                 total += weight;
                 clusters.push((Arc::from(c.name.as_str()), weight));
                 let wctx = |e: String| format!("weighted_clusters.clusters[{i}] '{}': {e}", c.name);
+                if c.host_rewrite_specifier.is_some() {
+                    return Err(wctx("host_rewrite_literal is not supported".into()));
+                }
                 let (request_headers, response_headers) = headers::level(
                     &c.request_headers_to_add,
                     &c.request_headers_to_remove,
@@ -992,6 +1057,31 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
         Some(_) => return Err("cluster specifier plugins are not supported".into()),
         None => return Err("route: one of cluster or weighted_clusters is required".into()),
     };
+    if matches!(ra.host_rewrite_specifier, Some(HR::HostRewrite(_))) {
+        return Err("host_rewrite (a format string) is not supported".into());
+    }
+    if !ra.path_rewrite.is_empty() {
+        return Err("path_rewrite (a format string) is not supported".into());
+    }
+    #[allow(deprecated)]
+    let internal_redirects = ra.internal_redirect_policy.is_some()
+        || ra.internal_redirect_action != 0
+        || ra.max_internal_redirects.is_some();
+    if internal_redirects {
+        return Err("internal redirects (internal_redirect_policy) are not supported".into());
+    }
+    if ra
+        .hedge_policy
+        .as_ref()
+        .is_some_and(|h| h.hedge_on_per_try_timeout)
+    {
+        return Err("hedge_policy.hedge_on_per_try_timeout is not supported".into());
+    }
+    if ra.priority != 0 {
+        return Err(
+            "priority: only DEFAULT is supported (HIGH circuit-breaker thresholds are not)".into(),
+        );
+    }
     let host_rewrite = match &ra.host_rewrite_specifier {
         Some(HR::HostRewriteLiteral(h)) => Some(h.clone()),
         _ => None,
@@ -1072,6 +1162,9 @@ fn forward(ra: &rpb::RouteAction, vh: &VhostCtx) -> Result<Forward, String> {
 }
 
 fn direct(d: &rpb::DirectResponseAction, max_body: usize) -> Result<Action, String> {
+    if d.body_format.is_some() {
+        return Err("direct_response.body_format is not supported".into());
+    }
     let status = u16::try_from(d.status)
         .ok()
         .filter(|s| (200..600).contains(s))

@@ -1864,3 +1864,66 @@ fn policy_per_route_configs_on_a_weighted_entry_are_refused() {
         "on a weighted cluster is not supported",
     );
 }
+
+#[test]
+fn route_fields_that_would_route_otherwise_are_refused_with_their_names() {
+    use envoy_types::pb::envoy::r#type::v3::FractionalPercent;
+    let with_ra = |f: fn(&mut rpb::RouteAction)| {
+        let mut ra = rpb::RouteAction {
+            cluster_specifier: Some(CS::Cluster("c".into())),
+            ..Default::default()
+        };
+        f(&mut ra);
+        route(prefix("/x"), rpb::route::Action::Route(ra))
+    };
+    assert_route_rejected(
+        with_ra(|ra| ra.priority = 1),
+        "priority: only DEFAULT is supported",
+    );
+    assert_route_rejected(
+        with_ra(|ra| ra.path_rewrite = "/%REQ(x)%".into()),
+        "path_rewrite (a format string) is not supported",
+    );
+    assert_route_rejected(
+        with_ra(|ra| ra.internal_redirect_policy = Some(Default::default())),
+        "internal redirects (internal_redirect_policy) are not supported",
+    );
+    assert_route_rejected(
+        with_ra(|ra| {
+            ra.hedge_policy = Some(rpb::HedgePolicy {
+                hedge_on_per_try_timeout: true,
+                ..Default::default()
+            })
+        }),
+        "hedge_policy.hedge_on_per_try_timeout is not supported",
+    );
+    // Half the requests matching: refused; all of them: the route as without it.
+    let mut half = prefix("/x");
+    half.runtime_fraction = Some(corepb::RuntimeFractionalPercent {
+        default_value: Some(FractionalPercent {
+            numerator: 50,
+            denominator: 0,
+        }),
+        runtime_key: "k".into(),
+    });
+    assert_route_rejected(
+        route(half.clone(), to("c")),
+        "match.runtime_fraction below 100% is not supported",
+    );
+    if let Some(f) = half
+        .runtime_fraction
+        .as_mut()
+        .and_then(|f| f.default_value.as_mut())
+    {
+        f.numerator = 100;
+    }
+    translate_one(route(half, to("c")));
+    let mut rc = second_route(route(prefix("/x"), to("c")));
+    rc.internal_only_headers = vec!["x-trusted".into()];
+    let e = rejection(&rc).to_string();
+    assert!(e.contains("internal_only_headers is not supported"), "{e}");
+    let mut rc = second_route(route(prefix("/x"), to("c")));
+    rc.vhost_header = "x-vhost".into();
+    let e = rejection(&rc).to_string();
+    assert!(e.contains("vhost_header is not supported"), "{e}");
+}

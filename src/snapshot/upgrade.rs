@@ -75,6 +75,15 @@ impl Upgrades {
                     u.upgrade_type
                 ));
             }
+            if u.connect_config
+                .as_ref()
+                .is_some_and(|c| c.allow_post || c.proxy_protocol_config.is_some())
+            {
+                return Err(
+                    "upgrade_configs: connect_config allow_post and proxy_protocol_config are not supported"
+                        .into(),
+                );
+            }
             // Envoy's per-route map ignores case too.
             if out
                 .iter()
