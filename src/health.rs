@@ -227,8 +227,13 @@ impl SessionCtx {
     ) -> crate::snapshot::health_check::Transition {
         let h = &self.stats.health;
         match outcome {
-            Outcome::Pass { .. } => h.success.fetch_add(1, Relaxed),
-            _ => h.failure.fetch_add(1, Relaxed),
+            Outcome::Pass { .. } => {
+                h.success.fetch_add(1, Relaxed);
+                self.stats.outlier.check_passed(&self.addr);
+            }
+            _ => {
+                h.failure.fetch_add(1, Relaxed);
+            }
         };
         match outcome {
             Outcome::Network | Outcome::Timeout => {

@@ -119,3 +119,91 @@ async fn gateway_errors_eject_only_when_enforced_and_max_ejection_percent_holds(
     );
     assert!(prom_value(&stats, &metric, "envoy_cluster_name", &label) >= 1.0);
 }
+
+/// `successful_active_health_check_uneject_host` (on by default): a host ejected for its 5xx
+/// is back as soon as an active health check passes, long before its ejection time; turned
+/// off, the ejection stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passing_health_check_returns_an_ejected_host_unless_told_not_to() {
+    use envoy_types::pb::envoy::config::core::v3::{health_check, HealthCheck};
+    use envoy_types::pb::google::protobuf::BoolValue;
+    for uneject in [true, false] {
+        let backend = RawBackend::start().await;
+        let mesh = Mesh::start(|port| {
+            let mut c = eds_cluster("pool");
+            c.outlier_detection = Some(OutlierDetection {
+                consecutive_5xx: Some(UInt32Value { value: 3 }),
+                interval: ms(100),
+                base_ejection_time: ms(60_000),
+                max_ejection_percent: Some(UInt32Value { value: 100 }),
+                successful_active_health_check_uneject_host: Some(BoolValue { value: uneject }),
+                ..Default::default()
+            });
+            c.health_checks = vec![HealthCheck {
+                timeout: ms(1000),
+                interval: ms(200),
+                no_traffic_interval: ms(200),
+                unhealthy_threshold: Some(UInt32Value { value: 3 }),
+                healthy_threshold: Some(UInt32Value { value: 1 }),
+                health_checker: Some(health_check::HealthChecker::HttpHealthCheck(
+                    health_check::HttpHealthCheck {
+                        path: "/healthz".into(),
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            }];
+            Snapshot {
+                routes: vec![route_config(
+                    &route_name(port),
+                    vec![vhost(
+                        "o",
+                        &[HOST],
+                        vec![rt(prefix("/"), to_cluster("pool"))],
+                    )],
+                )],
+                clusters: vec![c],
+                endpoints: vec![cla("pool", &[backend.addr])],
+                ..Default::default()
+            }
+        })
+        .await;
+        mesh.wait_routes_untouched().await;
+        eventually("the host answers", Duration::from_secs(10), || async {
+            let r = mesh.get("/warm", HOST, &[]).await;
+            (r.status == 200)
+                .then_some(())
+                .ok_or(format!("{}", r.status))
+        })
+        .await;
+        for _ in 0..3 {
+            mesh.get("/status/500", HOST, &[]).await;
+        }
+        let metric = |name: &str| {
+            let (metric, label) = envoy_cluster_metric("pool", name);
+            let gw = &mesh.gw;
+            async move {
+                let stats = gw.prometheus().await;
+                prom_value(&stats, &metric, "envoy_cluster_name", &label)
+            }
+        };
+        // The count, not the active gauge: a check may pass (and return the host) at once.
+        // Envoy ejects on its main thread, a moment after the third answer.
+        eventually("the ejection", Duration::from_secs(5), || async {
+            let n = metric("outlier_detection_ejections_enforced_total").await;
+            (n == 1.0)
+                .then_some(())
+                .ok_or(format!("uneject {uneject}: {n} ejections"))
+        })
+        .await;
+        let active = || metric("outlier_detection_ejections_active");
+        // A few health-check intervals.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let want = if uneject { 0.0 } else { 1.0 };
+        assert_eq!(
+            active().await,
+            want,
+            "uneject {uneject}: after passing checks"
+        );
+    }
+}

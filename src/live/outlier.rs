@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,9 @@ pub struct OutlierConfig {
     pub base_ejection: Duration,
     pub max_ejection: Duration,
     pub max_ejection_percent: u32,
+    /// `successful_active_health_check_uneject_host` (default true): a passing active check
+    /// returns an ejected host at once.
+    pub uneject_on_check: bool,
 }
 
 /// One host's detector state, shared by every build of its cluster.
@@ -43,6 +46,8 @@ pub struct OutlierHosts {
     pub ejections_detected_5xx: AtomicU64,
     pub ejections_detected_gateway: AtomicU64,
     pub ejections_overflow: AtomicU64,
+    /// The cluster's `uneject_on_check`, as its latest build says.
+    uneject_on_check: AtomicBool,
 }
 
 fn epoch() -> Instant {
@@ -57,7 +62,8 @@ fn now_ms() -> u64 {
 impl OutlierHosts {
     /// The state of each of `addrs`, in order (cluster build time, not per request). Hosts no
     /// longer in the cluster are forgotten, as Envoy forgets removed hosts.
-    pub fn resolve(&self, addrs: &[SocketAddr]) -> Vec<Arc<HostOutlier>> {
+    pub fn resolve(&self, addrs: &[SocketAddr], cfg: &OutlierConfig) -> Vec<Arc<HostOutlier>> {
+        self.uneject_on_check.store(cfg.uneject_on_check, Relaxed);
         let mut map = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
         let out: Vec<Arc<HostOutlier>> = addrs
             .iter()
@@ -70,6 +76,30 @@ impl OutlierHosts {
             .count();
         self.ejected.store(ejected as u32, Relaxed);
         out
+    }
+}
+
+impl OutlierHosts {
+    /// An active health check of `addr` passed: Envoy returns the host if outlier detection
+    /// had ejected it (`successful_active_health_check_uneject_host`).
+    pub fn check_passed(&self, addr: &SocketAddr) {
+        if !self.uneject_on_check.load(Relaxed) {
+            return;
+        }
+        let host = {
+            let map = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
+            map.get(addr).cloned()
+        };
+        if let Some(h) = host {
+            let until = h.ejected_until.load(Relaxed);
+            if until != 0
+                && h.ejected_until
+                    .compare_exchange(until, 0, Relaxed, Relaxed)
+                    .is_ok()
+            {
+                self.ejected.fetch_sub(1, Relaxed);
+            }
+        }
     }
 }
 
@@ -164,6 +194,7 @@ mod tests {
             base_ejection: Duration::from_millis(50),
             max_ejection: Duration::from_secs(300),
             max_ejection_percent: 50,
+            uneject_on_check: true,
         }
     }
 
@@ -172,7 +203,7 @@ mod tests {
         let cluster = OutlierHosts::default();
         let a: SocketAddr = "10.0.0.1:80".parse().unwrap();
         let b: SocketAddr = "10.0.0.2:80".parse().unwrap();
-        let hosts = cluster.resolve(&[a, b]);
+        let hosts = cluster.resolve(&[a, b], &cfg());
         let c = cfg();
         hosts[0].record(500, &c, &cluster, 2);
         hosts[0].record(500, &c, &cluster, 2);
@@ -191,8 +222,27 @@ mod tests {
         std::thread::sleep(Duration::from_millis(80));
         assert!(!hosts[0].is_ejected(&cluster));
         assert_eq!(cluster.ejected.load(Relaxed), 0);
+        // A passing active check returns an ejected host at once.
+        for _ in 0..3 {
+            hosts[0].record(500, &c, &cluster, 2);
+        }
+        assert!(hosts[0].is_ejected(&cluster));
+        cluster.check_passed(&a);
+        assert!(!hosts[0].is_ejected(&cluster));
+        assert_eq!(cluster.ejected.load(Relaxed), 0);
+        // Unless the cluster says otherwise.
+        let keep = OutlierConfig {
+            uneject_on_check: false,
+            ..cfg()
+        };
+        cluster.resolve(&[a, b], &keep);
+        for _ in 0..3 {
+            hosts[0].record(500, &keep, &cluster, 2);
+        }
+        cluster.check_passed(&a);
+        assert!(hosts[0].is_ejected(&cluster));
         // A rebuild keeps the state of hosts that stay.
-        let again = cluster.resolve(&[a]);
+        let again = cluster.resolve(&[a], &cfg());
         assert!(Arc::ptr_eq(&again[0], &hosts[0]));
     }
 }

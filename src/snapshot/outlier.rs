@@ -96,6 +96,10 @@ pub fn translate(o: &cpb::OutlierDetection) -> Result<OutlierConfig, String> {
         )?
         .max(base),
         max_ejection_percent: pct(&o.max_ejection_percent, 10, "max_ejection_percent")?,
+        uneject_on_check: o
+            .successful_active_health_check_uneject_host
+            .as_ref()
+            .is_none_or(|b| b.value),
     })
 }
 

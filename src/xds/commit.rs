@@ -340,9 +340,9 @@ pub fn host_state(live: &ClusterStats, def: &ClusterDef, endpoints: &LoadAssignm
             })),
         None => Vec::new(),
     };
-    let outlier = if def.outlier.is_some() {
+    let outlier = if let Some(cfg) = &def.outlier {
         let addrs: Vec<std::net::SocketAddr> = endpoints.hosts.iter().map(|h| h.addr).collect();
-        live.outlier.resolve(&addrs)
+        live.outlier.resolve(&addrs, cfg)
     } else {
         Vec::new()
     };
