@@ -987,10 +987,28 @@ impl ClusterDef {
         };
         // `track_remaining` (remaining_* gauges) and `max_connection_pools` (pool bookkeeping)
         // cannot change where a request goes. Only the DEFAULT priority is read: HIGH applies
-        // to routes of that priority alone.
+        // to routes of that priority alone (a HIGH route is refused).
         let limit = |f: fn(&cpb::circuit_breakers::Thresholds) -> Option<u32>, default| {
             thresholds.and_then(f).unwrap_or(default)
         };
+        // A host's connections never outnumber the cluster's: a per-host cap at or above the
+        // cluster's changes nothing (Envoy Gateway's sample sets both to 1); a lower one
+        // would queue requests Portico sends, so it is refused.
+        let cluster_connections = limit(|t| t.max_connections.as_ref().map(|v| v.value), 1024);
+        for t in c
+            .circuit_breakers
+            .as_ref()
+            .map_or(&[][..], |cb| cb.per_host_thresholds.as_slice())
+        {
+            if t.max_connections
+                .as_ref()
+                .is_some_and(|v| v.value < cluster_connections)
+            {
+                return Err(err(format!(
+                    "circuit_breakers.per_host_thresholds.max_connections below the cluster's ({cluster_connections}) is not supported"
+                )));
+            }
+        }
         let outlier = match &c.outlier_detection {
             Some(o) => Some(super::outlier::translate(o).map_err(err)?),
             None => None,

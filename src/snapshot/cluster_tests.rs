@@ -2594,3 +2594,32 @@ fn outlier_detectors_portico_does_not_run_are_refused() {
     });
     ok(&c);
 }
+
+#[test]
+fn a_per_host_connection_cap_below_the_clusters_is_refused() {
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    let with = |cluster: Option<u32>, host: u32| {
+        let mut c = typed("c", DT::Eds);
+        c.circuit_breakers = Some(cpb::CircuitBreakers {
+            thresholds: cluster
+                .map(|v| cpb::circuit_breakers::Thresholds {
+                    max_connections: Some(UInt32Value { value: v }),
+                    ..Default::default()
+                })
+                .into_iter()
+                .collect(),
+            per_host_thresholds: vec![cpb::circuit_breakers::Thresholds {
+                max_connections: Some(UInt32Value { value: host }),
+                ..Default::default()
+            }],
+        });
+        c
+    };
+    // Envoy Gateway's circuit-breaker sample: both 1.
+    ok(&with(Some(1), 1));
+    ok(&with(None, 2048));
+    rejected(
+        &with(None, 10),
+        "circuit_breakers.per_host_thresholds.max_connections below the cluster's (1024) is not supported",
+    );
+}
