@@ -207,3 +207,99 @@ async fn a_passing_health_check_returns_an_ejected_host_unless_told_not_to() {
         );
     }
 }
+
+/// The success-rate detector (on by default): among five hosts answering enough requests in
+/// an interval, the one whose success rate is far below the others' is ejected, though it
+/// never failed `consecutive_5xx` times in a row (that detector is off here); unless one host
+/// of five (20%) is more than `max_ejection_percent` (Envoy's default 10%): then the ejection
+/// overflows and the host keeps its traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_with_a_success_rate_far_below_its_peers_is_ejected() {
+    for max_percent in [Some(20), None] {
+        success_rate_case(max_percent).await;
+    }
+}
+
+async fn success_rate_case(max_percent: Option<u32>) {
+    let bad = Scripted::start("bad", vec![Step::Status(500)]).await;
+    let mut good = Vec::new();
+    for _ in 0..4 {
+        good.push(Scripted::start("good", vec![Step::Status(200)]).await);
+    }
+    let mut addrs = vec![bad.addr];
+    addrs.extend(good.iter().map(|g| g.addr));
+    let mesh = Mesh::start(|port| {
+        let mut c = eds_cluster("pool");
+        c.outlier_detection = Some(OutlierDetection {
+            consecutive_5xx: Some(UInt32Value { value: 0 }),
+            interval: ms(500),
+            base_ejection_time: ms(60_000),
+            success_rate_request_volume: Some(UInt32Value { value: 10 }),
+            max_ejection_percent: max_percent.map(|value| UInt32Value { value }),
+            ..Default::default()
+        });
+        Snapshot {
+            routes: vec![route_config(
+                &route_name(port),
+                vec![vhost(
+                    "o",
+                    &[HOST],
+                    vec![rt(prefix("/"), to_cluster("pool"))],
+                )],
+            )],
+            clusters: vec![c],
+            endpoints: vec![cla("pool", &addrs)],
+            ..Default::default()
+        }
+    })
+    .await;
+    mesh.wait_routes_untouched().await;
+    let value = |stats: &str, name: &str| {
+        let (metric, label) = envoy_cluster_metric("pool", name);
+        prom_value(stats, &metric, "envoy_cluster_name", &label)
+    };
+    // Traffic until an interval has seen enough of it (each host 10 answers or more) and the
+    // detector has had its say: an ejection, or an overflow.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let stats = loop {
+        for _ in 0..50 {
+            mesh.get("/", HOST, &[]).await;
+        }
+        let stats = mesh.gw.prometheus().await;
+        let decided = value(&stats, "outlier_detection_ejections_enforced_success_rate")
+            + value(&stats, "outlier_detection_ejections_overflow");
+        if decided >= 1.0 {
+            break stats;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "max {max_percent:?}: no success-rate verdict: {}",
+            stats
+                .lines()
+                .filter(|l| l.contains("outlier") && !l.starts_with('#'))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    };
+    let ejected = value(&stats, "outlier_detection_ejections_enforced_success_rate") >= 1.0;
+    assert_eq!(
+        ejected,
+        max_percent.is_some(),
+        "max {max_percent:?}: ejected"
+    );
+    // Envoy ejects on its interval timer: let the ejection land.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = bad.served();
+    for _ in 0..50 {
+        mesh.get("/", HOST, &[]).await;
+    }
+    let took = bad.served() - before;
+    if ejected {
+        assert_eq!(took, 0, "the ejected host took traffic");
+    } else {
+        assert!(
+            took > 0,
+            "max {max_percent:?}: the host left in took no traffic"
+        );
+    }
+}

@@ -371,6 +371,14 @@ impl Stats {
                     &s.outlier.ejections_detected_gateway,
                 ),
                 (
+                    "outlier_detection.ejections_enforced_success_rate",
+                    &s.outlier.ejections_enforced_success_rate,
+                ),
+                (
+                    "outlier_detection.ejections_detected_success_rate",
+                    &s.outlier.ejections_detected_success_rate,
+                ),
+                (
                     "outlier_detection.ejections_overflow",
                     &s.outlier.ejections_overflow,
                 ),

@@ -1,7 +1,9 @@
-//! Outlier detection's live state: each host's consecutive-error counts and ejection, shared
-//! by every build of its cluster (they survive EDS and CDS updates, as Envoy keeps a host's
-//! detector state while the host stays). Resolved per host when a cluster is built, so the
-//! request path only touches atomics. The config is translated in `snapshot::outlier`.
+//! Outlier detection's live state: each host's consecutive-error counts, its answers since
+//! the last success-rate sweep and its ejection, shared by every build of its cluster (they
+//! survive EDS and CDS updates, as Envoy keeps a host's detector state while the host
+//! stays). Resolved per host when a cluster is built, so the request path only touches
+//! atomics (and the answer after each interval sweeps). The config is translated in
+//! `snapshot::outlier`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,6 +25,20 @@ pub struct OutlierConfig {
     /// `successful_active_health_check_uneject_host` (default true): a passing active check
     /// returns an ejected host at once.
     pub uneject_on_check: bool,
+    /// The success-rate detector (on by default in Envoy).
+    pub success_rate: SuccessRate,
+}
+
+/// The success-rate detector's parameters: each `interval`, among the hosts not ejected that
+/// took `request_volume` requests or more, when there are `minimum_hosts` of them, a host
+/// whose share of non-5xx answers is below the mean less `stdev_factor` standard deviations
+/// is ejected (`enforcing` percent of the time).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SuccessRate {
+    pub enforcing: u32,
+    pub minimum_hosts: u32,
+    pub request_volume: u32,
+    pub stdev_factor: f64,
 }
 
 /// One host's detector state, shared by every build of its cluster.
@@ -30,6 +46,9 @@ pub struct OutlierConfig {
 pub struct HostOutlier {
     consecutive_5xx: AtomicU32,
     consecutive_gateway: AtomicU32,
+    /// Answers since the last success-rate sweep, and how many of them were not 5xx.
+    answered: AtomicU64,
+    succeeded: AtomicU64,
     /// Milliseconds since [`epoch`] until which the host is out; 0 when it is not.
     ejected_until: AtomicU64,
     ejections: AtomicU32,
@@ -48,6 +67,11 @@ pub struct OutlierHosts {
     pub ejections_overflow: AtomicU64,
     /// The cluster's `uneject_on_check`, as its latest build says.
     uneject_on_check: AtomicBool,
+    pub ejections_enforced_success_rate: AtomicU64,
+    pub ejections_detected_success_rate: AtomicU64,
+    /// When the next success-rate sweep is due (milliseconds since [`epoch`]; 0: not yet
+    /// armed).
+    next_sweep: AtomicU64,
 }
 
 fn epoch() -> Instant {
@@ -80,6 +104,64 @@ impl OutlierHosts {
 }
 
 impl OutlierHosts {
+    /// Envoy sweeps for success-rate outliers on its interval timer; here the first answer
+    /// after the interval is up sweeps, over the answers since the last sweep (the same
+    /// window under steady traffic; a longer one after a quiet spell, which has few answers).
+    fn sweep_if_due(&self, cfg: &OutlierConfig) {
+        let now = now_ms();
+        let interval = cfg.interval.as_millis().max(1) as u64;
+        let due = self.next_sweep.load(Relaxed);
+        if due == 0 {
+            let _ = self
+                .next_sweep
+                .compare_exchange(0, now + interval, Relaxed, Relaxed);
+            return;
+        }
+        // One caller sweeps; the others carry on.
+        if now < due
+            || self
+                .next_sweep
+                .compare_exchange(due, now + interval, Relaxed, Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        self.sweep(cfg);
+    }
+
+    fn sweep(&self, cfg: &OutlierConfig) {
+        let hosts: Vec<Arc<HostOutlier>> = {
+            let map = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
+            map.values().cloned().collect()
+        };
+        let sr = &cfg.success_rate;
+        let mut rates = Vec::with_capacity(hosts.len());
+        for h in &hosts {
+            let answered = h.answered.swap(0, Relaxed);
+            let succeeded = h.succeeded.swap(0, Relaxed).min(answered);
+            if h.is_ejected(self) || answered == 0 || answered < u64::from(sr.request_volume) {
+                continue;
+            }
+            rates.push((h, succeeded as f64 * 100.0 / answered as f64));
+        }
+        let minimum = sr.minimum_hosts as usize;
+        if hosts.len() < minimum || rates.is_empty() || rates.len() < minimum {
+            return;
+        }
+        let n = rates.len() as f64;
+        let mean = rates.iter().map(|(_, r)| r).sum::<f64>() / n;
+        let variance = rates.iter().map(|(_, r)| (r - mean).powi(2)).sum::<f64>() / n;
+        let threshold = mean - sr.stdev_factor * variance.sqrt();
+        for (h, rate) in rates {
+            if rate < threshold {
+                self.ejections_detected_success_rate.fetch_add(1, Relaxed);
+                if enforced(sr.enforcing) && h.eject(cfg, self, hosts.len()) {
+                    self.ejections_enforced_success_rate.fetch_add(1, Relaxed);
+                }
+            }
+        }
+    }
+
     /// An active health check of `addr` passed: Envoy returns the host if outlier detection
     /// had ejected it (`successful_active_health_check_uneject_host`).
     pub fn check_passed(&self, addr: &SocketAddr) {
@@ -125,6 +207,11 @@ impl HostOutlier {
 
     /// One upstream outcome (an HTTP status; 503 for a connect failure, 504 for a timeout).
     pub fn record(&self, status: u16, cfg: &OutlierConfig, cluster: &OutlierHosts, hosts: usize) {
+        self.answered.fetch_add(1, Relaxed);
+        if !(500..600).contains(&status) {
+            self.succeeded.fetch_add(1, Relaxed);
+        }
+        cluster.sweep_if_due(cfg);
         if !(500..600).contains(&status) {
             self.consecutive_5xx.store(0, Relaxed);
             self.consecutive_gateway.store(0, Relaxed);
@@ -156,8 +243,10 @@ impl HostOutlier {
         if self.ejected_until.load(Relaxed) != 0 {
             return false;
         }
+        // Envoy's rule: ejecting this one must leave at most `max_ejection_percent` out (so with
+        // five hosts and the default 10%, none is ever ejected).
         let out = cluster.ejected.load(Relaxed) as usize;
-        if hosts == 0 || out * 100 / hosts >= cfg.max_ejection_percent as usize {
+        if hosts == 0 || (out + 1) * 100 > cfg.max_ejection_percent as usize * hosts {
             cluster.ejections_overflow.fetch_add(1, Relaxed);
             return false;
         }
@@ -195,6 +284,12 @@ mod tests {
             max_ejection: Duration::from_secs(300),
             max_ejection_percent: 50,
             uneject_on_check: true,
+            success_rate: SuccessRate {
+                enforcing: 100,
+                minimum_hosts: 5,
+                request_volume: 100,
+                stdev_factor: 1.9,
+            },
         }
     }
 
@@ -244,5 +339,62 @@ mod tests {
         // A rebuild keeps the state of hosts that stay.
         let again = cluster.resolve(&[a], &cfg());
         assert!(Arc::ptr_eq(&again[0], &hosts[0]));
+    }
+
+    #[test]
+    fn a_host_well_below_the_others_success_rate_is_ejected_at_the_sweep() {
+        let addrs: Vec<SocketAddr> = (1..=5)
+            .map(|i| SocketAddr::from(([10, 0, 0, i], 80)))
+            .collect();
+        // The consecutive detectors off: only the success rate ejects.
+        let c = OutlierConfig {
+            consecutive_5xx: 0,
+            consecutive_gateway: 0,
+            interval: Duration::from_millis(200),
+            max_ejection_percent: 100,
+            ..cfg()
+        };
+        let run = |bad_every: usize, volume: usize, c: &OutlierConfig| {
+            let cluster = OutlierHosts::default();
+            let hosts = cluster.resolve(&addrs, c);
+            // The first answer arms the sweep.
+            hosts[1].record(200, c, &cluster, 5);
+            for (i, h) in hosts.iter().enumerate() {
+                for k in 0..volume {
+                    let status = if i == 0 && k % bad_every == 0 {
+                        500
+                    } else {
+                        200
+                    };
+                    h.record(status, c, &cluster, 5);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(250));
+            // The first answer after the interval sweeps.
+            hosts[1].record(200, c, &cluster, 5);
+            let out: Vec<bool> = hosts.iter().map(|h| h.is_ejected(&cluster)).collect();
+            (out, cluster.ejections_detected_success_rate.load(Relaxed))
+        };
+        // Half its answers 5xx against all good: 50% < 100 - 1.9 * 20.
+        let (out, detected) = run(2, 100, &c);
+        assert_eq!(out, [true, false, false, false, false]);
+        assert_eq!(detected, 1);
+        // Too few answers per host (Envoy's volume of 100): no verdict.
+        let (out, detected) = run(2, 99, &c);
+        assert_eq!((out.contains(&true), detected), (false, 0));
+        // Detected but not enforced (istiod sets enforcing_success_rate to 0).
+        let off = OutlierConfig {
+            success_rate: SuccessRate {
+                enforcing: 0,
+                ..c.success_rate.clone()
+            },
+            ..c.clone()
+        };
+        let (out, detected) = run(2, 100, &off);
+        assert_eq!((out.contains(&true), detected), (false, 1));
+        // Against hosts that never fail even one 5xx in a hundred is an outlier, as in
+        // Envoy's arithmetic: 99% < 99.8 - 1.9 * 0.4 = 99.04.
+        let (out, _) = run(100, 100, &c);
+        assert_eq!(out, [true, false, false, false, false]);
     }
 }

@@ -1,7 +1,9 @@
-//! Outlier detection (`Cluster.outlier_detection`) as Envoy's consecutive-error detectors do
-//! it: a host that answers `consecutive_5xx` 5xx in a row (or `consecutive_gateway_failure`
-//! 502/503/504) is ejected for `base_ejection_time` times its ejection count (capped by
-//! `max_ejection_time`), unless `max_ejection_percent` of the cluster is already out. Connect
+//! Outlier detection (`Cluster.outlier_detection`) as Envoy's detectors do it: a host that
+//! answers `consecutive_5xx` 5xx in a row (or `consecutive_gateway_failure` 502/503/504), or
+//! whose success rate over an `interval` falls `success_rate_stdev_factor` standard
+//! deviations below its peers', is ejected for `base_ejection_time` times its ejection count
+//! (capped by `max_ejection_time`), unless `max_ejection_percent` of the cluster is already
+//! out. Connect
 //! failures and timeouts count as 503 and 504, as Envoy counts local-origin errors when they
 //! are not split out. Ejected hosts are skipped by the balancers until their time is up.
 //!
@@ -100,6 +102,19 @@ pub fn translate(o: &cpb::OutlierDetection) -> Result<OutlierConfig, String> {
             .successful_active_health_check_uneject_host
             .as_ref()
             .is_none_or(|b| b.value),
+        success_rate: crate::live::outlier::SuccessRate {
+            enforcing: pct(&o.enforcing_success_rate, 100, "enforcing_success_rate")?,
+            minimum_hosts: o.success_rate_minimum_hosts.as_ref().map_or(5, |v| v.value),
+            request_volume: o
+                .success_rate_request_volume
+                .as_ref()
+                .map_or(100, |v| v.value),
+            stdev_factor: f64::from(
+                o.success_rate_stdev_factor
+                    .as_ref()
+                    .map_or(1900, |v| v.value),
+            ) / 1000.0,
+        },
     })
 }
 
