@@ -876,6 +876,7 @@ impl ClusterDef {
             }
         });
         let keep_header_case = keeps_header_case(c, options.as_ref());
+        upstream_h1_options(c, options.as_ref()).map_err(err)?;
         let downstream_protocol = downstream_protocol(options.as_ref()).map_err(err)?;
         let h2_options = h2_options.or(downstream_protocol);
         let downstream_protocol = downstream_protocol.is_some();
@@ -955,6 +956,11 @@ impl ClusterDef {
                 .iter()
                 .find(|t| t.priority == corepb::RoutingPriority::Default as i32)
         });
+        if thresholds.is_some_and(|t| t.max_connection_pools.is_some()) {
+            return Err(err(
+                "circuit_breakers.thresholds.max_connection_pools is not supported".into(),
+            ));
+        }
         let retry_budget = match thresholds.and_then(|t| t.retry_budget.as_ref()) {
             Some(b) => {
                 let percent = b.budget_percent.as_ref().map_or(20.0, |p| p.value);
@@ -985,8 +991,9 @@ impl ClusterDef {
             }
             None => None,
         };
-        // `track_remaining` (remaining_* gauges) and `max_connection_pools` (pool bookkeeping)
-        // cannot change where a request goes. Only the DEFAULT priority is read: HIGH applies
+        // `track_remaining` (remaining_* gauges) cannot change where a request goes;
+        // `max_connection_pools` overflows requests to 503 once the cluster has that many
+        // pools, so it is refused. Only the DEFAULT priority is read: HIGH applies
         // to routes of that priority alone (a HIGH route is refused).
         let limit = |f: fn(&cpb::circuit_breakers::Thresholds) -> Option<u32>, default| {
             thresholds.and_then(f).unwrap_or(default)
@@ -1388,8 +1395,13 @@ fn accepted_fields(c: &cpb::Cluster) -> Result<(), String> {
     //   connection lifecycle.
     // - per_connection_buffer_limit_bytes (and its watermark timeout), preconnect_policy,
     //   connection_pool_per_downstream_connection, close_connections_on_host_health_failure,
-    //   ignore_health_on_host_removal, wait_for_warm_on_init, use_tcp_for_dns_lookups,
-    //   lrs_server: buffering, pooling, start-up and reporting; the host chosen is the same.
+    //   wait_for_warm_on_init, use_tcp_for_dns_lookups, lrs_server: buffering, pooling,
+    //   start-up and reporting; the host chosen is the same.
+    // - ignore_health_on_host_removal: Portico drops a host EDS removes at once, which is
+    //   what the field's true asks (Envoy Gateway sets it); with false Envoy keeps a
+    //   removed host that still passes its active checks until one fails.
+    // - Endpoint.additional_addresses and happy_eyeballs_config: Portico connects to the
+    //   endpoint's first address; Envoy tries the others only when that one fails.
     Ok(())
 }
 
@@ -1422,6 +1434,12 @@ fn typed_policy(
             least_request::v3::LeastRequest::decode(any.value.as_slice())
                 .map_err(|e| format!("LeastRequest: {e}"))
                 .and_then(|r| {
+                    // FULL_SCAN picks the least loaded of all hosts, not of `choice_count`.
+                    if r.selection_method != 0 {
+                        return Err(
+                            "LeastRequest.selection_method: only N_CHOICES is supported".into()
+                        );
+                    }
                     *lb = LbOptions {
                         locality_weighted: typed_locality_weighted(r.locality_lb_config.as_ref()),
                         slow_start: typed_slow_start(r.slow_start_config.as_ref())
@@ -1768,6 +1786,41 @@ fn keeps_header_case(
     #[allow(deprecated)]
     let h1 = h1.or(c.http_protocol_options.as_ref());
     h1.is_some_and(|o| o.header_key_format.is_some())
+}
+
+/// The upstream HTTP/1 options that change what a response does: trailers relayed, a length
+/// next to chunked taken, an absolute-form request line. Refused when set.
+fn upstream_h1_options(
+    c: &cpb::Cluster,
+    options: Option<&envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
+) -> Result<(), String> {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
+        explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
+    };
+    let h1 = options.and_then(|o| match o.upstream_protocol_options.as_ref()? {
+        UpstreamProtocolOptions::ExplicitHttpConfig(e) => match &e.protocol_config {
+            Some(ProtocolConfig::HttpProtocolOptions(h1)) => Some(h1),
+            _ => None,
+        },
+        UpstreamProtocolOptions::UseDownstreamProtocolConfig(d) => d.http_protocol_options.as_ref(),
+        UpstreamProtocolOptions::AutoConfig(a) => a.http_protocol_options.as_ref(),
+    });
+    #[allow(deprecated)]
+    let h1 = h1.or(c.http_protocol_options.as_ref());
+    let Some(o) = h1 else {
+        return Ok(());
+    };
+    let refused = [
+        ("enable_trailers", o.enable_trailers),
+        ("allow_chunked_length", o.allow_chunked_length),
+        ("send_fully_qualified_url", o.send_fully_qualified_url),
+    ];
+    match refused.iter().find(|(_, set)| *set) {
+        Some((field, _)) => Err(format!(
+            "http_protocol_options.{field} is not supported on a cluster"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The cluster's `HttpProtocolOptions` extension, if it has one.

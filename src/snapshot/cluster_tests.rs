@@ -2224,6 +2224,14 @@ mod lb_options_tests {
             &c,
             "LeastRequest.choice_count: value must be greater than or equal to 2, got 1",
         );
+        let c = typed(pack(&LeastRequest {
+            selection_method: 1,
+            ..Default::default()
+        }));
+        rejected(
+            &c,
+            "LeastRequest.selection_method: only N_CHOICES is supported",
+        );
         // A zero window is no slow start; a bad aggression falls back to 1.0, as in Envoy.
         let c = typed(pack(&RoundRobin {
             slow_start_config: Some(common::SlowStartConfig {
@@ -2621,5 +2629,50 @@ fn a_per_host_connection_cap_below_the_clusters_is_refused() {
     rejected(
         &with(None, 10),
         "circuit_breakers.per_host_thresholds.max_connections below the cluster's (1024) is not supported",
+    );
+}
+
+#[test]
+fn upstream_http1_options_and_pool_caps_envoy_would_act_on_are_refused() {
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3 as hpb;
+    let with_h1 = |o: corepb::Http1ProtocolOptions| {
+        let mut c = typed("c", DT::Eds);
+        let p = hpb::HttpProtocolOptions {
+            upstream_protocol_options: Some(
+                hpb::http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                    hpb::http_protocol_options::ExplicitHttpConfig {
+                        protocol_config: Some(
+                            hpb::http_protocol_options::explicit_http_config::ProtocolConfig::HttpProtocolOptions(o),
+                        ),
+                    },
+                ),
+            ),
+            ..Default::default()
+        };
+        c.typed_extension_protocol_options.insert(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".into(),
+            envoy_types::util::pack_any(p),
+        );
+        c
+    };
+    rejected(
+        &with_h1(corepb::Http1ProtocolOptions {
+            enable_trailers: true,
+            ..Default::default()
+        }),
+        "http_protocol_options.enable_trailers is not supported on a cluster",
+    );
+    ok(&with_h1(corepb::Http1ProtocolOptions::default()));
+    let mut c = typed("c", DT::Eds);
+    c.circuit_breakers = Some(cpb::CircuitBreakers {
+        thresholds: vec![cpb::circuit_breakers::Thresholds {
+            max_connection_pools: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 3 }),
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    rejected(
+        &c,
+        "circuit_breakers.thresholds.max_connection_pools is not supported",
     );
 }
