@@ -1485,6 +1485,88 @@ async fn route_config_not_found_codes_direct_body_limit_and_mirrors() {
     c.finish();
 }
 
+/// `internal_only_headers`: removed from an external client's request before routing (a
+/// spoofed trust header neither reaches the upstream nor matches a route); an internal
+/// client's go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_config_internal_only_headers() {
+    use envoy_types::pb::envoy::config::route::v3::{header_matcher, HeaderMatcher};
+    let backend = RawBackend::start().await;
+    let cl = "raw";
+    let mut inside = 0;
+    let mesh = Mesh::start_raw(|port| {
+        inside = free_port();
+        let rn = route_name(port);
+        let mut trusted = rt(prefix("/"), direct(200, "trusted route"));
+        if let Some(m) = trusted.r#match.as_mut() {
+            m.headers = vec![HeaderMatcher {
+                name: "x-trusted".into(),
+                header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::PresentMatch(
+                    true,
+                )),
+                ..Default::default()
+            }];
+        }
+        let mut rc = route_config(
+            &rn,
+            vec![vhost(
+                "more",
+                &[HOST],
+                vec![trusted, rt(prefix("/"), to_cluster(cl))],
+            )],
+        );
+        rc.internal_only_headers = vec!["x-trusted".into()];
+        Snapshot {
+            listeners: vec![
+                l(port),
+                listener_with(
+                    inside,
+                    hcm_rds(inside, &rn, |h| {
+                        h.use_remote_address = Some(BoolValue { value: true });
+                        h.internal_address_config = Some(InternalAddressConfig {
+                            cidr_ranges: vec![CidrRange {
+                                address_prefix: "127.0.0.0".into(),
+                                prefix_len: Some(UInt32Value { value: 8 }),
+                            }],
+                            ..Default::default()
+                        });
+                    }),
+                ),
+            ],
+            routes: vec![ignoring_port(rc)],
+            clusters: vec![eds_cluster(cl)],
+            endpoints: vec![cla(cl, &[backend.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    wait_answer(mesh.port, "/warm", 200, "raw-backend").await;
+    wait_answer(inside, "/warm", 200, "raw-backend").await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    let spoofed = [("x-trusted", "yes"), ("x-other", "kept")];
+    let r = raw_get(mesh.port, "/outside", HOST, &spoofed).await;
+    c.eq(
+        "external: the header matched no route",
+        (r.status, String::from_utf8_lossy(&r.body).to_string()),
+        (200, "raw-backend".to_string()),
+    );
+    let u = backend
+        .request("/outside")
+        .unwrap_or_else(|| panic!("/outside did not reach the upstream"));
+    c.eq(
+        "external: x-trusted removed, x-other kept",
+        (u.header("x-trusted"), u.header("x-other")),
+        (None, Some("kept")),
+    );
+    let r = raw_get(inside, "/inside", HOST, &spoofed).await;
+    c.eq(
+        "internal: the header matches its route",
+        (r.status, String::from_utf8_lossy(&r.body).to_string()),
+        (200, "trusted route".to_string()),
+    );
+    c.finish();
+}
+
 /// `strip_matching_host_port` drops the port from Host only when it is the
 /// listener's own; `strip_any_host_port` drops any port. The stripped Host is
 /// what routing matches and what the upstream receives.

@@ -139,6 +139,15 @@ impl Gateway {
         // x-request-id too, before any local reply: Envoy's access logs and traces name every
         // request by it, those the gateway answers itself included. Both written in one go
         // (the head taken apart once).
+        // Before routing, as Envoy's connection manager removes them: a spoofed trust header
+        // neither reaches the upstream nor picks a route.
+        if !listener.routes.internal_only.is_empty()
+            && !is_internal_request(&req.headers, client_ip, hcm)
+        {
+            for h in &listener.routes.internal_only {
+                req.remove_header(h);
+            }
+        }
         let via = hcm
             .via
             .as_ref()

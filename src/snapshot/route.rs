@@ -29,6 +29,8 @@ pub use crate::matcher::{
 pub struct RouteTable {
     /// Some virtual host has `require_tls`: only then is the host looked up before routing.
     pub any_require_tls: bool,
+    /// `internal_only_headers`: removed from requests that are not internal, before routing.
+    pub internal_only: Vec<http::HeaderName>,
     pub name: String,
     pub vhosts: Vec<VirtualHost>,
     /// Exact domains (lowercase) to vhost index.
@@ -531,6 +533,7 @@ impl RouteTable {
     pub fn empty() -> RouteTable {
         RouteTable {
             any_require_tls: false,
+            internal_only: Vec::new(),
             name: String::new(),
             vhosts: Vec::new(),
             exact: HashMap::new(),
@@ -573,6 +576,17 @@ impl RouteTable {
             .max_direct_response_body_size_bytes
             .as_ref()
             .map_or(4096, |v| v.value as usize);
+        let internal_only = rc
+            .internal_only_headers
+            .iter()
+            .map(|h| {
+                http::HeaderName::from_bytes(h.as_bytes()).map_err(|_| {
+                    err(format!(
+                        "internal_only_headers: '{h}' is not a valid header name"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         // What would pick virtual hosts, routes or a path to match in another way than these
         // tables do: refused rather than left out. Accepted at every level, and why they
         // cannot change an answer here: `metadata` (nothing reads route metadata),
@@ -587,10 +601,6 @@ impl RouteTable {
             (
                 "ignore_path_parameters_in_path_matching",
                 rc.ignore_path_parameters_in_path_matching,
-            ),
-            (
-                "internal_only_headers",
-                !rc.internal_only_headers.is_empty(),
             ),
             ("route_specifiers", !rc.route_specifiers.is_empty()),
         ];
@@ -770,6 +780,7 @@ impl RouteTable {
         prefixes.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
         Ok(RouteTable {
             any_require_tls: vhosts.iter().any(|v| v.require_tls != RequireTls::None),
+            internal_only,
             name: rc.name.clone(),
             vhosts,
             exact,
