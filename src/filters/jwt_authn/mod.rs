@@ -2,7 +2,8 @@
 //! (issuer, audiences, where tokens are found, what a good token leaves on the request) and
 //! requirements (`rules` by route match, `requirement_map` by name; provider, provider with
 //! audiences, `requires_any`, `requires_all`, `allow_missing`, `allow_missing_or_failed`) are
-//! translated once; a request is checked against the first rule that matches it.
+//! translated once; a request is checked against its route's `PerRouteConfig` (disabled, or a
+//! `requirement_map` entry by name) when it has one, else the first rule that matches it.
 //!
 //! A failed requirement answers 401 (403 for `Audiences in Jwt are not allowed`) with
 //! jwt_verify_lib's status string as the body, `www-authenticate: Bearer realm="<uri>"` (with
@@ -536,24 +537,18 @@ pub fn translate(name: &str, c: &jpb::JwtAuthentication) -> Result<JwtAuthnFilte
             &format!("{at}.match"),
         )?;
         use jpb::requirement_rule::RequirementType as RT;
-        let req = match &r.requirement_type {
-            None => None,
-            Some(RT::Requires(q)) => Some(std::sync::Arc::new(requirement(
-                q,
-                &names,
-                &format!("{at}.requires"),
-            )?)),
-            Some(RT::RequirementName(n)) => Some(map.get(n).cloned().ok_or_else(|| {
-                format!(
-                    "{at}.requirement_name: Wrong requirement_name: {n}. It should be one of [{}]",
-                    {
-                        let mut ks: Vec<_> = map.keys().cloned().collect();
-                        ks.sort();
-                        ks.join(",")
-                    }
-                )
-            })?),
-        };
+        let req =
+            match &r.requirement_type {
+                None => None,
+                Some(RT::Requires(q)) => Some(std::sync::Arc::new(requirement(
+                    q,
+                    &names,
+                    &format!("{at}.requires"),
+                )?)),
+                Some(RT::RequirementName(n)) => Some(map.get(n).cloned().ok_or_else(|| {
+                    format!("{at}.requirement_name: {}", wrong_requirement(n, &map))
+                })?),
+            };
         rules.push((m, req));
     }
     Ok(JwtAuthnFilter {
@@ -566,6 +561,17 @@ pub fn translate(name: &str, c: &jpb::JwtAuthentication) -> Result<JwtAuthnFilte
         strip_failure_response: c.strip_failure_response,
         stats: OnceLock::new(),
     })
+}
+
+/// Envoy's words for a requirement name the map does not hold (its names sorted: Envoy lists
+/// them in its map's order, which no config fixes).
+fn wrong_requirement<T>(name: &str, map: &std::collections::HashMap<String, T>) -> String {
+    let mut names: Vec<&str> = map.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    format!(
+        "Wrong requirement_name: {name}. It should be one of [{}]",
+        names.join(",")
+    )
 }
 
 /// A route's word to the filter (`PerRouteConfig`, the most specific level's): no
@@ -943,7 +949,6 @@ impl JwtAuthnFilter {
         }
     }
 
-    /// The requirement of the first rule that matches the request (None: not verified).
     /// The requirement for this request: the route's word when it has one for this filter,
     /// else the first rule that matches. Err: the route names a requirement the filter does
     /// not have (Envoy's message).
@@ -952,15 +957,7 @@ impl JwtAuthnFilter {
             Some(PerRoute::Disabled) => Ok(None),
             Some(PerRoute::Requirement(n)) => match self.requirement_map.get(n) {
                 Some(r) => Ok(Some(r)),
-                None => {
-                    let mut names: Vec<&str> =
-                        self.requirement_map.keys().map(String::as_str).collect();
-                    names.sort_unstable();
-                    Err(format!(
-                        "Wrong requirement_name: {n}. It should be one of [{}]",
-                        names.join(",")
-                    ))
-                }
+                None => Err(wrong_requirement(n, &self.requirement_map)),
             },
             None => Ok(self
                 .rules
