@@ -1567,6 +1567,76 @@ async fn route_config_internal_only_headers() {
     c.finish();
 }
 
+/// Envoy removes an external client's `x-envoy-*` control headers before routing: a route
+/// matching on one does not match for that client, and does for an internal one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrusted_envoy_headers_are_gone_before_routing() {
+    use envoy_types::pb::envoy::config::route::v3::{header_matcher, HeaderMatcher};
+    let backend = RawBackend::start().await;
+    let cl = "raw";
+    let mut inside = 0;
+    let mesh = Mesh::start_raw(|port| {
+        inside = free_port();
+        let rn = route_name(port);
+        let mut retry = rt(prefix("/"), direct(200, "matched on x-envoy-retry-on"));
+        if let Some(m) = retry.r#match.as_mut() {
+            m.headers = vec![HeaderMatcher {
+                name: "x-envoy-retry-on".into(),
+                header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::PresentMatch(
+                    true,
+                )),
+                ..Default::default()
+            }];
+        }
+        Snapshot {
+            listeners: vec![
+                l(port),
+                listener_with(
+                    inside,
+                    hcm_rds(inside, &rn, |h| {
+                        h.use_remote_address = Some(BoolValue { value: true });
+                        h.internal_address_config = Some(InternalAddressConfig {
+                            cidr_ranges: vec![CidrRange {
+                                address_prefix: "127.0.0.0".into(),
+                                prefix_len: Some(UInt32Value { value: 8 }),
+                            }],
+                            ..Default::default()
+                        });
+                    }),
+                ),
+            ],
+            routes: vec![ignoring_port(route_config(
+                &rn,
+                vec![vhost(
+                    "more",
+                    &[HOST],
+                    vec![retry, rt(prefix("/"), to_cluster(cl))],
+                )],
+            ))],
+            clusters: vec![eds_cluster(cl)],
+            endpoints: vec![cla(cl, &[backend.addr])],
+            ..Default::default()
+        }
+    })
+    .await;
+    wait_answer(mesh.port, "/warm", 200, "raw-backend").await;
+    wait_answer(inside, "/warm", 200, "raw-backend").await;
+    let mut c = Checks::with_gaps(KNOWN_PORTICO_GAPS);
+    let control = [("x-envoy-retry-on", "5xx")];
+    for (port, who, want) in [
+        (mesh.port, "external", "raw-backend"),
+        (inside, "internal", "matched on x-envoy-retry-on"),
+    ] {
+        let r = raw_get(port, "/x", HOST, &control).await;
+        c.eq(
+            format!("{who}: the route picked"),
+            (r.status, String::from_utf8_lossy(&r.body).to_string()),
+            (200, want.to_string()),
+        );
+    }
+    c.finish();
+}
+
 /// `strip_matching_host_port` drops the port from Host only when it is the
 /// listener's own; `strip_any_host_port` drops any port. The stripped Host is
 /// what routing matches and what the upstream receives.

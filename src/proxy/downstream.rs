@@ -58,8 +58,9 @@ const MAX_REQUEST_HEADERS: usize = 100;
 
 impl Gateway {
     /// Before routing, as Envoy's codec and connection manager: refusals, header names with
-    /// underscores, path normalization, then `x-forwarded-proto`, `require_tls` and XFCC,
-    /// which route matchers see. `Ok(true)`: answered locally.
+    /// underscores, path normalization, then the control headers an external client may not
+    /// send, `x-forwarded-proto`, `x-envoy-internal`, `via`, `x-request-id`, `require_tls` and
+    /// XFCC, which route matchers see. `Ok(true)`: answered locally.
     pub(super) async fn downstream_checks(
         &self,
         session: &mut Session,
@@ -120,8 +121,8 @@ impl Gateway {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         let req = session.req_header_mut();
-        // Both looked for in one pass over the names present (`present`): a lookup hashes
-        // each name, for headers most requests do not carry.
+        // Looked for in one pass over the names present (`present`): a lookup hashes each
+        // name, for headers most requests do not carry.
         let [has_proto, has_id, has_via] = present(
             &req.headers,
             &[&X_FORWARDED_PROTO, &X_REQUEST_ID, &http::header::VIA],
@@ -136,27 +137,44 @@ impl Gateway {
                 http::HeaderValue::from_static("http")
             }
         });
-        // x-request-id too, before any local reply: Envoy's access logs and traces name every
-        // request by it, those the gateway answers itself included. Both written in one go
-        // (the head taken apart once).
-        // Before routing, as Envoy's connection manager removes them: a spoofed trust header
-        // neither reaches the upstream nor picks a route.
-        if !listener.routes.internal_only.is_empty()
-            && !is_internal_request(&req.headers, client_ip, hcm)
-        {
+        // Envoy trusts x-envoy-* control headers only from internal clients (Envoy 1.40 has no
+        // internal address ranges unless internal_address_config names some), and removes
+        // them, the edge's and the route configuration's internal-only ones before routing:
+        // a spoofed header neither picks a route nor reaches the upstream.
+        let internal = is_internal_request(&req.headers, client_ip, hcm);
+        if !internal {
+            if req
+                .headers
+                .keys()
+                .any(|k| k.as_str().starts_with("x-envoy-"))
+            {
+                for h in UNTRUSTED_ENVOY_HEADERS {
+                    req.remove_header(*h);
+                }
+            }
+            if hcm.use_remote_address {
+                for h in EDGE_STRIPPED_HEADERS {
+                    req.remove_header(*h);
+                }
+            }
             for h in &listener.routes.internal_only {
                 req.remove_header(h);
             }
         }
+        // x-request-id too, before any local reply: Envoy's access logs and traces name every
+        // request by it, those the gateway answers itself included. All written in one go
+        // (the head taken apart once).
         let via = hcm
             .via
             .as_ref()
             .map(|v| appended_via(&req.headers, has_via, v));
         let id = request_id(req, client_ip, hcm, has_id)?;
-        // In Envoy's order: x-forwarded-proto, via, x-request-id.
+        // In Envoy's order: x-forwarded-proto, x-envoy-internal, via, x-request-id.
+        let internal = internal.then(|| http::HeaderValue::from_static("true"));
         req.set_all(
             [
                 proto.map(|v| (&X_FORWARDED_PROTO, v)),
+                internal.map(|v| (&X_ENVOY_INTERNAL, v)),
                 via.map(|v| (&http::header::VIA, v)),
                 id.map(|v| (&X_REQUEST_ID, v)),
             ]
@@ -251,9 +269,8 @@ pub(super) fn expects_continue(req: &RequestHeader) -> bool {
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
-/// The request headers as Envoy's connection manager mutates them for a request going upstream:
-/// `100 Continue`, `x-envoy-*` control headers kept only from internal clients, edge headers,
-/// XFF and `x-envoy-external-address`, `x-request-id`.
+/// The rest of what Envoy's connection manager does to a request going upstream: `100
+/// Continue`, XFF and `x-envoy-external-address`.
 pub(super) async fn request_headers(
     session: &mut Session,
     hcm: &Hcm,
@@ -272,26 +289,9 @@ pub(super) async fn request_headers(
             .remove_header(&http::header::EXPECT);
     }
     let req = session.req_header_mut();
-    // Envoy trusts x-envoy-* control headers only from internal clients; Envoy 1.40 has no
-    // internal address ranges unless internal_address_config names some.
-    let internal = is_internal_request(&req.headers, client_ip, hcm);
-    if internal {
-        req.set(&X_ENVOY_INTERNAL, "true")?;
-    } else if req
-        .headers
-        .keys()
-        .any(|k| k.as_str().starts_with("x-envoy-"))
-    {
-        for h in UNTRUSTED_ENVOY_HEADERS {
-            req.remove_header(*h);
-        }
-    }
-    let edge = hcm.use_remote_address && !internal;
-    if edge {
-        for h in EDGE_STRIPPED_HEADERS {
-            req.remove_header(*h);
-        }
-    }
+    // The control headers an external client may not send went before routing
+    // (`downstream_checks`); that check settles the same way now, as XFF is not changed yet.
+    let edge = hcm.use_remote_address && !is_internal_request(&req.headers, client_ip, hcm);
     if let (true, Some(ip)) = (hcm.use_remote_address, client_ip) {
         let prior = req
             .headers
