@@ -990,6 +990,33 @@ async fn inline_route_config_naming_an_unknown_cluster_is_nacked() {
 // HCM options
 // ---------------------------------------------------------------------------
 
+/// A connection manager whose loopback clients are internal (their `x-envoy-*` control
+/// headers are trusted).
+fn loopback_internal(h: &mut HttpConnectionManager) {
+    h.use_remote_address = Some(BoolValue { value: true });
+    h.internal_address_config = Some(InternalAddressConfig {
+        cidr_ranges: vec![CidrRange {
+            address_prefix: "127.0.0.0".into(),
+            prefix_len: Some(UInt32Value { value: 8 }),
+        }],
+        ..Default::default()
+    });
+}
+
+/// A route that answers `body` itself for a request carrying `header`.
+fn with_header_route(header: &str, body: &str) -> envoy_types::pb::envoy::config::route::v3::Route {
+    use envoy_types::pb::envoy::config::route::v3::{header_matcher, HeaderMatcher};
+    let mut r = rt(prefix("/"), direct(200, body));
+    if let Some(m) = r.r#match.as_mut() {
+        m.headers = vec![HeaderMatcher {
+            name: header.into(),
+            header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::PresentMatch(true)),
+            ..Default::default()
+        }];
+    }
+    r
+}
+
 /// `server_name` replaces `envoy` in the `server` header of proxied responses
 /// (over the upstream's own) and of every local reply, on HTTP/1.1 and h2c.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1157,19 +1184,7 @@ async fn hcm_via_and_request_id_in_response() {
                     }),
                 ),
                 // Loopback clients internal: their x-envoy-force-trace is kept.
-                listener_with(
-                    inside,
-                    hcm_rds(inside, &rn, |h| {
-                        h.use_remote_address = Some(BoolValue { value: true });
-                        h.internal_address_config = Some(InternalAddressConfig {
-                            cidr_ranges: vec![CidrRange {
-                                address_prefix: "127.0.0.0".into(),
-                                prefix_len: Some(UInt32Value { value: 8 }),
-                            }],
-                            ..Default::default()
-                        });
-                    }),
-                ),
+                listener_with(inside, hcm_rds(inside, &rn, loopback_internal)),
             ],
             routes: vec![ignoring_port(route_config(
                 &rn,
@@ -1490,23 +1505,13 @@ async fn route_config_not_found_codes_direct_body_limit_and_mirrors() {
 /// client's go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_config_internal_only_headers() {
-    use envoy_types::pb::envoy::config::route::v3::{header_matcher, HeaderMatcher};
     let backend = RawBackend::start().await;
     let cl = "raw";
     let mut inside = 0;
     let mesh = Mesh::start_raw(|port| {
         inside = free_port();
         let rn = route_name(port);
-        let mut trusted = rt(prefix("/"), direct(200, "trusted route"));
-        if let Some(m) = trusted.r#match.as_mut() {
-            m.headers = vec![HeaderMatcher {
-                name: "x-trusted".into(),
-                header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::PresentMatch(
-                    true,
-                )),
-                ..Default::default()
-            }];
-        }
+        let trusted = with_header_route("x-trusted", "trusted route");
         let mut rc = route_config(
             &rn,
             vec![vhost(
@@ -1519,19 +1524,7 @@ async fn route_config_internal_only_headers() {
         Snapshot {
             listeners: vec![
                 l(port),
-                listener_with(
-                    inside,
-                    hcm_rds(inside, &rn, |h| {
-                        h.use_remote_address = Some(BoolValue { value: true });
-                        h.internal_address_config = Some(InternalAddressConfig {
-                            cidr_ranges: vec![CidrRange {
-                                address_prefix: "127.0.0.0".into(),
-                                prefix_len: Some(UInt32Value { value: 8 }),
-                            }],
-                            ..Default::default()
-                        });
-                    }),
-                ),
+                listener_with(inside, hcm_rds(inside, &rn, loopback_internal)),
             ],
             routes: vec![ignoring_port(rc)],
             clusters: vec![eds_cluster(cl)],
@@ -1571,39 +1564,17 @@ async fn route_config_internal_only_headers() {
 /// matching on one does not match for that client, and does for an internal one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn untrusted_envoy_headers_are_gone_before_routing() {
-    use envoy_types::pb::envoy::config::route::v3::{header_matcher, HeaderMatcher};
     let backend = RawBackend::start().await;
     let cl = "raw";
     let mut inside = 0;
     let mesh = Mesh::start_raw(|port| {
         inside = free_port();
         let rn = route_name(port);
-        let mut retry = rt(prefix("/"), direct(200, "matched on x-envoy-retry-on"));
-        if let Some(m) = retry.r#match.as_mut() {
-            m.headers = vec![HeaderMatcher {
-                name: "x-envoy-retry-on".into(),
-                header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::PresentMatch(
-                    true,
-                )),
-                ..Default::default()
-            }];
-        }
+        let retry = with_header_route("x-envoy-retry-on", "matched on x-envoy-retry-on");
         Snapshot {
             listeners: vec![
                 l(port),
-                listener_with(
-                    inside,
-                    hcm_rds(inside, &rn, |h| {
-                        h.use_remote_address = Some(BoolValue { value: true });
-                        h.internal_address_config = Some(InternalAddressConfig {
-                            cidr_ranges: vec![CidrRange {
-                                address_prefix: "127.0.0.0".into(),
-                                prefix_len: Some(UInt32Value { value: 8 }),
-                            }],
-                            ..Default::default()
-                        });
-                    }),
-                ),
+                listener_with(inside, hcm_rds(inside, &rn, loopback_internal)),
             ],
             routes: vec![ignoring_port(route_config(
                 &rn,

@@ -19,23 +19,32 @@ fn ms(n: i64) -> Option<PDuration> {
     })
 }
 
+/// Every request to the cluster `pool` (`c`), whose endpoints are `addrs`.
+fn pool(
+    port: u16,
+    c: envoy_types::pb::envoy::config::cluster::v3::Cluster,
+    addrs: &[std::net::SocketAddr],
+) -> Snapshot {
+    Snapshot {
+        routes: vec![route_config(
+            &route_name(port),
+            vec![vhost(
+                "o",
+                &[HOST],
+                vec![rt(prefix("/"), to_cluster("pool"))],
+            )],
+        )],
+        clusters: vec![c],
+        endpoints: vec![cla("pool", addrs)],
+        ..Default::default()
+    }
+}
+
 async fn mesh(bad: &Scripted, good: &Scripted, od: OutlierDetection) -> Mesh {
     let mesh = Mesh::start(|port| {
         let mut c = eds_cluster("pool");
         c.outlier_detection = Some(od);
-        Snapshot {
-            routes: vec![route_config(
-                &route_name(port),
-                vec![vhost(
-                    "o",
-                    &[HOST],
-                    vec![rt(prefix("/"), to_cluster("pool"))],
-                )],
-            )],
-            clusters: vec![c],
-            endpoints: vec![cla("pool", &[bad.addr, good.addr])],
-            ..Default::default()
-        }
+        pool(port, c, &[bad.addr, good.addr])
     })
     .await;
     mesh.wait_routes_untouched().await;
@@ -153,19 +162,7 @@ async fn a_passing_health_check_returns_an_ejected_host_unless_told_not_to() {
                 )),
                 ..Default::default()
             }];
-            Snapshot {
-                routes: vec![route_config(
-                    &route_name(port),
-                    vec![vhost(
-                        "o",
-                        &[HOST],
-                        vec![rt(prefix("/"), to_cluster("pool"))],
-                    )],
-                )],
-                clusters: vec![c],
-                endpoints: vec![cla("pool", &[backend.addr])],
-                ..Default::default()
-            }
+            pool(port, c, &[backend.addr])
         })
         .await;
         mesh.wait_routes_untouched().await;
@@ -238,19 +235,7 @@ async fn success_rate_case(max_percent: Option<u32>) {
             max_ejection_percent: max_percent.map(|value| UInt32Value { value }),
             ..Default::default()
         });
-        Snapshot {
-            routes: vec![route_config(
-                &route_name(port),
-                vec![vhost(
-                    "o",
-                    &[HOST],
-                    vec![rt(prefix("/"), to_cluster("pool"))],
-                )],
-            )],
-            clusters: vec![c],
-            endpoints: vec![cla("pool", &addrs)],
-            ..Default::default()
-        }
+        pool(port, c, &addrs)
     })
     .await;
     mesh.wait_routes_untouched().await;

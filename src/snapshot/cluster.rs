@@ -1766,12 +1766,14 @@ pub fn is_raw_buffer(ts: &corepb::TransportSocket) -> bool {
 
 const HTTP_PROTOCOL_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
-/// Whether the cluster's HTTP/1 options name a `header_key_format`: in the protocol options
-/// extension (explicit or downstream-protocol config) or the deprecated cluster field.
-fn keeps_header_case(
-    c: &cpb::Cluster,
-    options: Option<&envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
-) -> bool {
+/// The cluster's HTTP/1 options: in the protocol options extension (explicit, downstream-
+/// protocol or auto config), else the deprecated cluster field.
+fn upstream_h1<'a>(
+    c: &'a cpb::Cluster,
+    options: Option<
+        &'a envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions,
+    >,
+) -> Option<&'a corepb::Http1ProtocolOptions> {
     use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
         explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
     };
@@ -1784,8 +1786,15 @@ fn keeps_header_case(
         UpstreamProtocolOptions::AutoConfig(a) => a.http_protocol_options.as_ref(),
     });
     #[allow(deprecated)]
-    let h1 = h1.or(c.http_protocol_options.as_ref());
-    h1.is_some_and(|o| o.header_key_format.is_some())
+    h1.or(c.http_protocol_options.as_ref())
+}
+
+/// Whether the cluster's HTTP/1 options name a `header_key_format`.
+fn keeps_header_case(
+    c: &cpb::Cluster,
+    options: Option<&envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
+) -> bool {
+    upstream_h1(c, options).is_some_and(|o| o.header_key_format.is_some())
 }
 
 /// The upstream HTTP/1 options that change what a response does: trailers relayed, a length
@@ -1794,20 +1803,7 @@ fn upstream_h1_options(
     c: &cpb::Cluster,
     options: Option<&envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions>,
 ) -> Result<(), String> {
-    use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
-        explicit_http_config::ProtocolConfig, UpstreamProtocolOptions,
-    };
-    let h1 = options.and_then(|o| match o.upstream_protocol_options.as_ref()? {
-        UpstreamProtocolOptions::ExplicitHttpConfig(e) => match &e.protocol_config {
-            Some(ProtocolConfig::HttpProtocolOptions(h1)) => Some(h1),
-            _ => None,
-        },
-        UpstreamProtocolOptions::UseDownstreamProtocolConfig(d) => d.http_protocol_options.as_ref(),
-        UpstreamProtocolOptions::AutoConfig(a) => a.http_protocol_options.as_ref(),
-    });
-    #[allow(deprecated)]
-    let h1 = h1.or(c.http_protocol_options.as_ref());
-    let Some(o) = h1 else {
+    let Some(o) = upstream_h1(c, options) else {
         return Ok(());
     };
     let refused = [
