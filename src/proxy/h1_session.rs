@@ -141,7 +141,7 @@ impl Plain {
         let (mut hosts, mut lengths) = (0, 0);
         for h in req.headers.iter() {
             let name = h.name;
-            let is = |n: &str| name.eq_ignore_ascii_case(n);
+            let is = |n: &str| super::head::token_is(name.as_bytes(), n.as_bytes());
             if is("host") {
                 hosts += 1;
             } else if is("content-length") {
@@ -151,8 +151,8 @@ impl Plain {
                 }
             } else if is("connection") {
                 let v = h.value;
-                let keep = v.eq_ignore_ascii_case(b"keep-alive");
-                if !(keep || v.eq_ignore_ascii_case(b"close")) {
+                let keep = super::head::token_is(v, b"keep-alive");
+                if !(keep || super::head::token_is(v, b"close")) {
                     return None;
                 }
                 self.connection = self.connection.or(Some(keep));

@@ -538,23 +538,24 @@ fn parse_head(buf: &Bytes, case: bool) -> Option<Head> {
     // connection).
     let size = resp.headers.len() + super::head::ADDED_HEADERS;
     let (mut length, mut close, mut connection) = (None, false, None);
+    let token_is = super::head::token_is;
     for (i, h) in resp.headers.iter().enumerate() {
         let name = h.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"content-length") {
+        if token_is(name, b"content-length") {
             if length.is_some() {
                 return None;
             }
             length = Some(digits(h.value)?);
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        } else if token_is(name, b"transfer-encoding") {
             return None;
-        } else if name.eq_ignore_ascii_case(b"connection") {
+        } else if token_is(name, b"connection") {
             if connection.is_some() {
                 return None;
             }
             connection = Some(i);
-            if h.value.eq_ignore_ascii_case(b"close") {
+            if token_is(h.value, b"close") {
                 close = true;
-            } else if !h.value.eq_ignore_ascii_case(b"keep-alive") {
+            } else if !token_is(h.value, b"keep-alive") {
                 return None;
             }
         }

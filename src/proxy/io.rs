@@ -405,8 +405,10 @@ fn head_end(buf: &[u8]) -> Option<usize> {
     None
 }
 
+// memchr's search, a word or a vector at a time: a byte at a time, finding the line ends of a
+// request head cost about 3 instructions a byte of it.
 fn memchr_nl(buf: &[u8]) -> Option<usize> {
-    buf.iter().position(|b| *b == b'\n')
+    memchr::memchr(b'\n', buf)
 }
 
 impl AsyncWrite for Downstream {
