@@ -182,7 +182,8 @@ pub(crate) type Next = (Box<Downstream>, Kept);
 
 /// One request, as `HttpProxy::process_new_http` serves it. `None`: the connection is done.
 /// `plain`: the request's head, which `read_head` buffered on the connection; `read_timer`:
-/// the connection's timer for upstream reads, lent to the request (`Ctx::read_timer`).
+/// the connection's timer for upstream reads, lent to the request (`Ctx::read_timer`);
+/// `spare`: the connection's proxy session, kept from its last request (`Spare`).
 pub(crate) async fn process(
     d: &Driver,
     mut stream: Box<Downstream>,
@@ -190,6 +191,7 @@ pub(crate) async fn process(
     told: bool,
     plain: &Plain,
     read_timer: &mut LazyTimer,
+    spare: &mut Spare,
 ) -> Option<Next> {
     // The head goes into Portico's own session when it can (see `h1_session`), else pingora's
     // session reads it from the connection.
@@ -216,9 +218,11 @@ pub(crate) async fn process(
                 let session =
                     super::in_box(|| OwnSession::new(stream, req, raw, c.clone(), kept.reuses));
                 // pingora's proxy session is made only around an HTTP/1 session of its own;
-                // the own one takes its place at once.
-                let mut s = super::in_box(|| {
-                    Session::new_h1_with_modules(Box::new(Vacant), &d.app.downstream_modules)
+                // the own one takes its place at once. Made once a connection (`Spare`).
+                let mut s = spare.take().unwrap_or_else(|| {
+                    super::in_box(|| {
+                        Session::new_h1_with_modules(Box::new(Vacant), &d.app.downstream_modules)
+                    })
                 });
                 *s.downstream_session = ServerSession::new_custom(session);
                 ctx.own = Some(c.clone());
@@ -264,9 +268,38 @@ pub(crate) async fn process(
         s?
     };
     match conn {
-        Some(c) => reuse_own(s, &c, kept).await,
+        Some(c) => reuse_own(d, s, &c, kept, spare).await,
         None => Box::pin(reuse(s)).await,
     }
+}
+
+/// A connection's pingora proxy session between two requests its own session serves: kept
+/// rather than made for each. Making one costs its own HTTP/1 session, made only to be
+/// replaced (the `Vacant` one), two allocations of pingora's and the moves, and dropping it
+/// again about as much: about 1,000 instructions a request.
+///
+/// What a request leaves on it is put back as `Session::new` makes it (`vacate`); the fields
+/// only pingora's proxy loop writes, which this loop never calls, stay as made. The one such
+/// field this loop can reach (the 101 `write_response_tasks` marks) belongs to a response
+/// after which the connection is not kept, so its session is not either.
+pub(crate) type Spare = Option<Box<Session>>;
+
+/// The session back as `Session::new` makes it, its own session (the request's, dropped with
+/// it: `OwnSession`'s drop hands the connection back) replaced by pingora's placeholder for a
+/// custom session, `()`, whose box allocates nothing. None: it holds what a next request
+/// must not inherit (a cache in use).
+fn vacate(mut s: Box<Session>, d: &Driver) -> Option<Box<Session>> {
+    *s.downstream_session = ServerSession::new_custom(Box::new(()));
+    if s.cache.enabled() || s.subrequest_ctx.is_some() {
+        return None;
+    }
+    s.upstream_compression =
+        pingora_core::protocols::http::compression::ResponseCompressionCtx::new(0, false, false);
+    s.ignore_downstream_range = false;
+    s.upstream_headers_mutated_for_cache = false;
+    s.subrequest_spawner = None;
+    s.downstream_modules_ctx = d.app.downstream_modules.build_ctx();
+    Some(s)
 }
 
 /// `HttpProxy::process_request` without a cache, subrequests or custom sessions: the session
@@ -386,13 +419,19 @@ async fn reuse(s: Box<Session>) -> Option<Next> {
 
 /// `reuse` for Portico's own session: as pingora's `finish` of its own, the response's end
 /// flushed, the connection shut unless it is kept, and then handed back by the session.
-async fn reuse_own(mut s: Box<Session>, conn: &Conn, kept: Kept) -> Option<Next> {
+async fn reuse_own(
+    d: &Driver,
+    mut s: Box<Session>,
+    conn: &Conn,
+    kept: Kept,
+    spare: &mut Spare,
+) -> Option<Next> {
     s.downstream_session.finish_body().await.ok()?;
     if !super::h1_session::will_keepalive(conn, kept.reuses) {
         s.downstream_session.shutdown().await;
         return None;
     }
-    drop(s);
+    *spare = vacate(s, d);
     let d = conn.take()?;
     let kept = Kept {
         keepalive: conn.keepalive(),

@@ -1097,6 +1097,7 @@ async fn serve_h1(
     // Each request's head as the own loop's parse reads it, one for the connection's life
     // (`Plain::parse`).
     let mut plain = super::h1_session::Plain::default();
+    let mut spare: super::h1::Spare = None;
     loop {
         let told_now = *told.borrow();
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
@@ -1132,7 +1133,15 @@ async fn serve_h1(
                     // Boxed, as pingora's request future is: a connection's task is as
                     // large as its largest await, and it mostly idles between requests.
                     let request = super::in_box(|| {
-                        super::h1::process(driver, d, kept, told_now, &plain, &mut read_timer)
+                        super::h1::process(
+                            driver,
+                            d,
+                            kept,
+                            told_now,
+                            &plain,
+                            &mut read_timer,
+                            &mut spare,
+                        )
                     });
                     match Box::into_pin(request).await {
                         Some((d, kept)) => {
