@@ -183,7 +183,7 @@ pub(crate) type Next = (Box<Downstream>, Kept);
 /// One request, as `HttpProxy::process_new_http` serves it. `None`: the connection is done.
 /// `plain`: the request's head, which `read_head` buffered on the connection; `read_timer`:
 /// the connection's timer for upstream reads, lent to the request (`Ctx::read_timer`);
-/// `spare`: the connection's proxy session, kept from its last request (`Spare`).
+/// `spare`: what the connection's last request left for the next (`Spare`).
 pub(crate) async fn process(
     d: &Driver,
     mut stream: Box<Downstream>,
@@ -213,13 +213,13 @@ pub(crate) async fn process(
         ctx.read_timer = std::mem::take(read_timer);
         let s = match own {
             Some((req, raw)) => {
-                let c = Arc::new(Conn::new(if told { None } else { plain.keepalive() }));
+                let c = spare.conn(if told { None } else { plain.keepalive() });
                 // Both made in their boxes (`in_box`), as each request makes them.
                 let session =
                     super::in_box(|| OwnSession::new(stream, req, raw, c.clone(), kept.reuses));
                 // pingora's proxy session is made only around an HTTP/1 session of its own;
                 // the own one takes its place at once. Made once a connection (`Spare`).
-                let mut s = spare.take().unwrap_or_else(|| {
+                let mut s = spare.session.take().unwrap_or_else(|| {
                     super::in_box(|| {
                         Session::new_h1_with_modules(Box::new(Vacant), &d.app.downstream_modules)
                     })
@@ -268,21 +268,45 @@ pub(crate) async fn process(
         s?
     };
     match conn {
-        Some(c) => reuse_own(d, s, &c, kept, spare).await,
+        Some(c) => {
+            let next = reuse_own(d, s, &c, kept, spare).await;
+            spare.conn = Some(c);
+            next
+        }
         None => Box::pin(reuse(s)).await,
     }
 }
 
-/// A connection's pingora proxy session between two requests its own session serves: kept
-/// rather than made for each. Making one costs its own HTTP/1 session, made only to be
-/// replaced (the `Vacant` one), two allocations of pingora's and the moves, and dropping it
-/// again about as much: about 1,000 instructions a request.
+/// What a connection's requests its own session serves keep from one to the next, rather
+/// than make for each.
 ///
-/// What a request leaves on it is put back as `Session::new` makes it (`vacate`); the fields
-/// only pingora's proxy loop writes, which this loop never calls, stay as made. The one such
-/// field this loop can reach (the 101 `write_response_tasks` marks) belongs to a response
-/// after which the connection is not kept, so its session is not either.
-pub(crate) type Spare = Option<Box<Session>>;
+/// `session`: pingora's proxy session. Making one costs its own HTTP/1 session, made only to
+/// be replaced (the `Vacant` one), two allocations of pingora's and the moves, and dropping it
+/// again about as much: about 1,000 instructions a request. What a request leaves on it is put
+/// back as `Session::new` makes it (`vacate`); the fields only pingora's proxy loop writes,
+/// which this loop never calls, stay as made. The one such field this loop can reach (the 101
+/// `write_response_tasks` marks) belongs to a response after which the connection is not
+/// kept, so its session is not either.
+///
+/// `conn`: what the request's hooks and its session share (`Conn`), made anew in the same
+/// allocation once the last request's holders are gone.
+#[derive(Default)]
+pub(crate) struct Spare {
+    session: Option<Box<Session>>,
+    conn: Option<Arc<Conn>>,
+}
+
+impl Spare {
+    fn conn(&mut self, keepalive: Option<u64>) -> Arc<Conn> {
+        if let Some(mut c) = self.conn.take() {
+            if let Some(fresh) = Arc::get_mut(&mut c) {
+                *fresh = Conn::new(keepalive);
+                return c;
+            }
+        }
+        Arc::new(Conn::new(keepalive))
+    }
+}
 
 /// The session back as `Session::new` makes it, its own session (the request's, dropped with
 /// it: `OwnSession`'s drop hands the connection back) replaced by pingora's placeholder for a
@@ -431,7 +455,7 @@ async fn reuse_own(
         s.downstream_session.shutdown().await;
         return None;
     }
-    *spare = vacate(s, d);
+    spare.session = vacate(s, d);
     let d = conn.take()?;
     let kept = Kept {
         keepalive: conn.keepalive(),

@@ -1097,7 +1097,7 @@ async fn serve_h1(
     // Each request's head as the own loop's parse reads it, one for the connection's life
     // (`Plain::parse`).
     let mut plain = super::h1_session::Plain::default();
-    let mut spare: super::h1::Spare = None;
+    let mut spare = super::h1::Spare::default();
     loop {
         let told_now = *told.borrow();
         // A plain request goes to Portico's own loop (`h1`); a request pingora already read
