@@ -220,6 +220,10 @@ impl Gateway {
         hcm: &Hcm,
         route: Option<&Route>,
     ) -> bool {
+        // The own loop serves no head with an `Upgrade` (`h1_session::Plain::parse`).
+        if ctx.own_loop {
+            return true;
+        }
         let Some(up) = upgrade::requested(session) else {
             return true;
         };

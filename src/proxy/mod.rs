@@ -159,7 +159,8 @@ impl PinnedChain {
 /// Per-request state: the snapshot loaded once, and what routing decided.
 #[derive(Default)]
 pub struct Ctx {
-    /// Served by Portico's own HTTP/1 loop (`h1`), whose upstream writer lowercases names.
+    /// Served by Portico's own HTTP/1 loop (`h1`), whose upstream writer lowercases names and
+    /// whose heads `h1_session::Plain::parse` passed (no body, upgrade or `Expect`).
     own_loop: bool,
     /// What the request shares with Portico's own HTTP/1 session (`h1_session`), when it has
     /// one: the keep-alive its hooks decide.
@@ -601,7 +602,9 @@ impl Gateway {
         }
         // Set after the codec-level checks above, whose replies stay plain.
         ctx.grpc_request = router::is_grpc(&session.req_header().headers);
-        let mut expect_continue = downstream::expects_continue(session.req_header());
+        // The own loop serves no head with an `Expect` (`h1_session::Plain::parse`).
+        let mut expect_continue =
+            !ctx.own_loop && downstream::expects_continue(session.req_header());
         // `istio.metadata_exchange` and `istio.stats` read the request's headers (the former
         // removes the peer's metadata headers, which are not forwarded).
         istio::request(session, ctx);
