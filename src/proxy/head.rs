@@ -195,23 +195,28 @@ fn put<'a, H: OneMap>(
         }
         return Ok(());
     }
-    let write = |map: &mut http::HeaderMap| {
-        for h in headers {
-            let (name, v) = h?;
-            let name = name.header().clone();
-            let added = if append {
-                map.try_append(name, v).map(|_| ())
-            } else {
-                map.try_insert(name, v).map(|_| ())
-            };
-            added.or_err(ErrorType::InvalidHTTPHeader, "too many headers")?;
-        }
-        Ok(())
-    };
-    match head.map_mut() {
-        Some(map) => write(map),
-        None => head.with_map(write),
+    if let Some(map) = head.map_mut() {
+        return write_map(map, headers, append);
     }
+    head.with_map(|map| write_map(map, headers, append))
+}
+
+fn write_map<'a>(
+    map: &mut http::HeaderMap,
+    headers: impl IntoIterator<Item = Result<(Name<'a>, HeaderValue)>>,
+    append: bool,
+) -> Result<()> {
+    for h in headers {
+        let (name, v) = h?;
+        let name = name.header().clone();
+        let added = if append {
+            map.try_append(name, v).map(|_| ())
+        } else {
+            map.try_insert(name, v).map(|_| ())
+        };
+        added.or_err(ErrorType::InvalidHTTPHeader, "too many headers")?;
+    }
+    Ok(())
 }
 
 impl<H: OneMap> SetHeader for H {
@@ -235,14 +240,10 @@ impl<H: OneMap> SetHeader for H {
         &mut self,
         headers: impl IntoIterator<Item = (&'static HeaderName, V)>,
     ) -> Result<()> {
-        let mut headers = headers
+        // Written in place (`map_mut`): nothing to write costs nothing.
+        let headers = headers
             .into_iter()
-            .map(|(name, v)| value(v).map(|v| (Name::Static(name), v)))
-            .peekable();
-        // Nothing to write: no need to take the head apart.
-        if headers.peek().is_none() {
-            return Ok(());
-        }
+            .map(|(name, v)| value(v).map(|v| (Name::Static(name), v)));
         put(self, headers, false)
     }
 }
