@@ -312,7 +312,10 @@ impl Spare {
 /// it: `OwnSession`'s drop hands the connection back) replaced by pingora's placeholder for a
 /// custom session, `()`, whose box allocates nothing. None: it holds what a next request
 /// must not inherit (a cache in use).
-fn vacate(mut s: Box<Session>, d: &Driver) -> Option<Box<Session>> {
+fn vacate(
+    mut s: Box<Session>,
+    modules: &pingora_core::modules::http::HttpModules,
+) -> Option<Box<Session>> {
     *s.downstream_session = ServerSession::new_custom(Box::new(()));
     if s.cache.enabled() || s.subrequest_ctx.is_some() {
         return None;
@@ -322,7 +325,7 @@ fn vacate(mut s: Box<Session>, d: &Driver) -> Option<Box<Session>> {
     s.ignore_downstream_range = false;
     s.upstream_headers_mutated_for_cache = false;
     s.subrequest_spawner = None;
-    s.downstream_modules_ctx = d.app.downstream_modules.build_ctx();
+    s.downstream_modules_ctx = modules.build_ctx();
     Some(s)
 }
 
@@ -455,7 +458,7 @@ async fn reuse_own(
         s.downstream_session.shutdown().await;
         return None;
     }
-    spare.session = vacate(s, d);
+    spare.session = vacate(s, &d.app.downstream_modules);
     let d = conn.take()?;
     let kept = Kept {
         keepalive: conn.keepalive(),
@@ -952,6 +955,41 @@ fn reconcile_authority(req: &mut RequestHeader) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kept_session_is_put_back_as_made_and_holds_no_request() {
+        let modules = pingora_core::modules::http::HttpModules::new();
+        let mut s = Box::new(Session::new_h1_with_modules(Box::new(Vacant), &modules));
+        s.ignore_downstream_range = true;
+        s.upstream_headers_mutated_for_cache = true;
+        let kept = vacate(s, &modules).expect("kept");
+        assert!(!kept.ignore_downstream_range);
+        assert!(!kept.upstream_headers_mutated_for_cache);
+        assert!(kept.subrequest_spawner.is_none());
+        // The request's own session is gone: pingora's placeholder stands in.
+        assert!(matches!(*kept.downstream_session, ServerSession::Custom(_)));
+        // One with a subrequest's context is not kept.
+        let mut s = kept;
+        s.subrequest_ctx = Some(Box::new(pingora_proxy::subrequest::Ctx::builder().build()));
+        assert!(vacate(s, &modules).is_none());
+    }
+
+    #[test]
+    fn a_connections_conn_is_reset_in_place_once_no_one_else_holds_it() {
+        let mut spare = Spare::default();
+        let first = spare.conn(None);
+        assert_eq!(first.keepalive(), None);
+        let at = Arc::as_ptr(&first);
+        spare.conn = Some(first);
+        let second = spare.conn(Some(5));
+        assert_eq!(Arc::as_ptr(&second), at, "the same allocation");
+        assert_eq!(second.keepalive(), Some(5), "made anew");
+        // Still held elsewhere (a request's hooks): a new one.
+        let held = second.clone();
+        spare.conn = Some(second);
+        let third = spare.conn(None);
+        assert_ne!(Arc::as_ptr(&third), Arc::as_ptr(&held));
+    }
 
     #[test]
     fn hop_lengths_are_the_hop_by_hop_names_lengths() {
