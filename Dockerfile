@@ -11,22 +11,30 @@ ARG ISTIO_VERSION=1.30.0
 ARG ISTIO_HUB=docker.io/istio
 
 FROM rust:1-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
+# cmake for pingora's zlib-ng; nginx, h2load, openssl and curl for the profile-guided build's
+# training load (on this stage's loopback); llvm-tools for llvm-profdata.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends cmake nginx nghttp2-client openssl curl \
+    && rm -rf /var/lib/apt/lists/* \
+    && rustup component add llvm-tools
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY src ./src
 COPY benches ./benches
 COPY gateway-examples ./gateway-examples
-RUN cargo build --profile dist --locked --bin portico
+COPY scripts/pgo-build.sh scripts/rig.sh ./scripts/
+# The `dist` build, profile-guided: built instrumented, trained on loopback load (HTTP/1.1,
+# h2c, TLS, istiod's gateway chain), built again with the profile (about 16 minutes on 2 cores).
+RUN bash scripts/pgo-build.sh
 
 # Istio's proxyv2 with Portico as its proxy: the same Istio version as the control plane.
 FROM ${ISTIO_HUB}/proxyv2:${ISTIO_VERSION} AS proxyv2
-COPY --from=build --chmod=0755 /src/target/dist/portico /usr/local/bin/envoy
+COPY --from=build --chmod=0755 /src/target/pgo/dist/portico /usr/local/bin/envoy
 
 FROM debian:bookworm-slim AS standalone
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 1337 --home-dir /nonexistent --shell /usr/sbin/nologin portico
-COPY --from=build /src/target/dist/portico /usr/local/bin/portico
+COPY --from=build /src/target/pgo/dist/portico /usr/local/bin/portico
 COPY --from=build /src/gateway-examples /etc/portico/examples
 USER 1337
 # 8080: example HTTP listener; 15000: admin (/ready, /stats/prometheus, /config_dump).

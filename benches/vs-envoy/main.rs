@@ -14,6 +14,10 @@
 //! `target/vs-envoy/`, with SVG charts beside them (latency.svg, cpu.svg, rss.svg);
 //! `--publish DIR` copies the charts and the JSON to DIR (say docs/bench, for the README).
 //!
+//! Portico is the image's build: the profile-guided one (`scripts/pgo-build.sh`, as the
+//! Dockerfile builds it) when it was built from the current commit, else this bench profile's
+//! (fat LTO, no PGO), said so; `PORTICO_BIN` measures another. The table's footer names it.
+//!
 //! Under `cargo test` (no `--bench` argument) it runs the charts' checks (the bench has no
 //! test harness, so no `#[test]`) and says how to run it; `--self-test` runs them alone.
 
@@ -124,6 +128,7 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
     }
     let table = tools::table(&results);
     println!("{table}");
+    println!("Portico: {} ({})", env.portico.display(), env.portico_build);
     let path = tools::save(&env, &opts, &results, &table)?;
     println!("saved {}", path.display());
     let files = charts::write_all(&results, &env.proxies, &tools::out_dir())?;

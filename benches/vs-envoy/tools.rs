@@ -148,6 +148,8 @@ impl Proxy {
 
 pub struct Env {
     pub portico: PathBuf,
+    /// Which build `portico` is (`portico_binary`), for the record.
+    pub portico_build: String,
     /// Needed only when Envoy is among the contenders.
     pub envoy: Option<PathBuf>,
     /// HAProxy, when it is among the contenders.
@@ -170,6 +172,62 @@ fn which(name: &str) -> Option<PathBuf> {
         dirs.push(Path::new(&home).join(".cargo/bin"));
     }
     dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// The Portico binary a run measures, and which build it is. `PORTICO_BIN` compares another
+/// build (say target/release/portico) with the same harness. Else the image's: the
+/// profile-guided build (`scripts/pgo-build.sh`, as the Dockerfile builds it) when it was built
+/// from this very commit with no change to what the binary is built of; failing that, this
+/// bench profile's build (the image's settings without PGO), said so on stderr.
+fn portico_binary() -> (PathBuf, String) {
+    if let Some(p) = std::env::var_os("PORTICO_BIN") {
+        return (PathBuf::from(p), "PORTICO_BIN".into());
+    }
+    let pgo = target_dir().join("pgo/dist/portico");
+    let built_from = std::fs::read_to_string(target_dir().join("pgo/dist/portico.source"))
+        .map(|s| s.trim().to_string())
+        .ok();
+    let current = source_commit();
+    match (built_from, current) {
+        (Some(b), Some(c)) if b == c && pgo.is_file() => (pgo, format!("dist + PGO, {c}")),
+        (b, c) => {
+            eprintln!(
+                "vs-envoy: no profile-guided build of this source (target/pgo/dist: {}, source: {}; \
+                 scripts/pgo-build.sh makes it): measuring the bench profile's build, without PGO",
+                b.as_deref().unwrap_or("none"),
+                c.as_deref().unwrap_or("uncommitted changes"),
+            );
+            (
+                PathBuf::from(env!("CARGO_BIN_EXE_portico")),
+                "bench profile, no PGO".into(),
+            )
+        }
+    }
+}
+
+/// The commit the source is at, if nothing the binary is built of differs from it (as
+/// `scripts/pgo-build.sh` records it).
+fn source_commit() -> Option<String> {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(manifest_dir())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let changes = git(&[
+        "status",
+        "--porcelain",
+        "--",
+        "src",
+        "build.rs",
+        "Cargo.toml",
+        "Cargo.lock",
+    ])?;
+    let head = git(&["rev-parse", "HEAD"])?;
+    changes.is_empty().then_some(head)
 }
 
 fn manifest_dir() -> PathBuf {
@@ -225,12 +283,14 @@ impl Env {
                 }
             })
         };
+        let (portico, portico_build) = portico_binary();
+        eprintln!(
+            "vs-envoy: Portico is {} ({portico_build})",
+            portico.display()
+        );
         Ok(Env {
-            // PORTICO_BIN compares another build (say target/release/portico) with the same
-            // harness; by default the bench profile's (the image's) build.
-            portico: std::env::var_os("PORTICO_BIN")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_portico"))),
+            portico,
+            portico_build,
             envoy,
             haproxy: haproxy.filter(|_| proxies.contains(&Proxy::Haproxy)),
             proxies,
@@ -974,6 +1034,7 @@ pub fn save(env: &Env, opts: &Opts, r: &Results, table: &str) -> Result<PathBuf,
         "unix_time": now,
         "machine": machine(),
         "portico_commit": git,
+        "portico_build": env.portico_build,
         "envoy": envoy_version,
         "nginx": env.version(Proxy::Nginx),
         "haproxy": env.version(Proxy::Haproxy),
