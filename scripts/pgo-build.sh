@@ -13,8 +13,8 @@
 #    writes its counts.
 # 3. `llvm-profdata merge` (rustup's llvm-tools, the same LLVM as rustc), then the optimised
 #    build (`-Cprofile-use`) into target/pgo; target/pgo/dist/portico.source names the
-#    commit it was built from (`cargo bench --bench vs-envoy` measures this binary when it is
-#    the current commit's).
+#    source it was built from (`cargo bench --bench vs-envoy` measures this binary when that
+#    is the current commit's).
 #
 # Functions the training never runs are laid out as cold, not left out: every path still
 # works, the untrained ones are not made faster.
@@ -125,14 +125,15 @@ done
 echo "pgo-build: optimised build" >&2
 RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$PWD/$out/portico.profdata" \
   cargo build --profile "$profile" --locked --bin portico --target-dir "$out"
-# The source it was built from: a commit, if the tree held no change to what the binary is
-# built of.
+# What it was built from: the committed objects of what the binary is built of (`git ls-tree`,
+# which `vs-envoy` compares with the current commit's), if the tree held no change to them.
 source=unknown
 if git rev-parse HEAD >/dev/null 2>&1; then
-  source=$(git rev-parse HEAD)
-  if [ -n "$(git status --porcelain -- src build.rs Cargo.toml Cargo.lock)" ]; then
-    source="$source+changes"
+  if [ -z "$(git status --porcelain -- src build.rs Cargo.toml Cargo.lock)" ]; then
+    source=$(git ls-tree HEAD src build.rs Cargo.toml Cargo.lock)
+  else
+    source="uncommitted changes"
   fi
 fi
 echo "$source" >"$out/$profile/portico.source"
-echo "pgo-build: $out/$profile/portico (from $source)" >&2
+echo "pgo-build: $out/$profile/portico" >&2

@@ -177,8 +177,9 @@ fn which(name: &str) -> Option<PathBuf> {
 /// The Portico binary a run measures, and which build it is. `PORTICO_BIN` compares another
 /// build (say target/release/portico) with the same harness. Else the image's: the
 /// profile-guided build (`scripts/pgo-build.sh`, as the Dockerfile builds it) when it was built
-/// from this very commit with no change to what the binary is built of; failing that, this
-/// bench profile's build (the image's settings without PGO), said so on stderr.
+/// from what the current commit holds of the binary's source, with no change to it since;
+/// failing that, this bench profile's build (the image's settings without PGO), said so on
+/// stderr.
 fn portico_binary() -> (PathBuf, String) {
     if let Some(p) = std::env::var_os("PORTICO_BIN") {
         return (PathBuf::from(p), "PORTICO_BIN".into());
@@ -187,15 +188,18 @@ fn portico_binary() -> (PathBuf, String) {
     let built_from = std::fs::read_to_string(target_dir().join("pgo/dist/portico.source"))
         .map(|s| s.trim().to_string())
         .ok();
-    let current = source_commit();
-    match (built_from, current) {
-        (Some(b), Some(c)) if b == c && pgo.is_file() => (pgo, format!("dist + PGO, {c}")),
+    match (built_from, binary_source()) {
+        (Some(b), Some(c)) if b == c && pgo.is_file() => (pgo, "dist profile + PGO".into()),
         (b, c) => {
+            let why = match (b, c) {
+                (None, _) => "there is none",
+                (_, None) => "the source has uncommitted changes",
+                _ => "it was built from other source",
+            };
             eprintln!(
-                "vs-envoy: no profile-guided build of this source (target/pgo/dist: {}, source: {}; \
-                 scripts/pgo-build.sh makes it): measuring the bench profile's build, without PGO",
-                b.as_deref().unwrap_or("none"),
-                c.as_deref().unwrap_or("uncommitted changes"),
+                "vs-envoy: no profile-guided build of this source in target/pgo/dist \
+                 ({why}; scripts/pgo-build.sh makes it): measuring the bench profile's \
+                 build, without PGO"
             );
             (
                 PathBuf::from(env!("CARGO_BIN_EXE_portico")),
@@ -205,9 +209,10 @@ fn portico_binary() -> (PathBuf, String) {
     }
 }
 
-/// The commit the source is at, if nothing the binary is built of differs from it (as
-/// `scripts/pgo-build.sh` records it).
-fn source_commit() -> Option<String> {
+/// What the current commit holds of the binary's source (`git ls-tree`, as
+/// `scripts/pgo-build.sh` records it), if the tree has no change to it.
+fn binary_source() -> Option<String> {
+    const PATHS: [&str; 4] = ["src", "build.rs", "Cargo.toml", "Cargo.lock"];
     let git = |args: &[&str]| {
         Command::new("git")
             .args(args)
@@ -217,17 +222,9 @@ fn source_commit() -> Option<String> {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    let changes = git(&[
-        "status",
-        "--porcelain",
-        "--",
-        "src",
-        "build.rs",
-        "Cargo.toml",
-        "Cargo.lock",
-    ])?;
-    let head = git(&["rev-parse", "HEAD"])?;
-    changes.is_empty().then_some(head)
+    let changes = git(&[&["status", "--porcelain", "--"][..], &PATHS[..]].concat())?;
+    let tree = git(&[&["ls-tree", "HEAD"][..], &PATHS[..]].concat())?;
+    changes.is_empty().then_some(tree)
 }
 
 fn manifest_dir() -> PathBuf {
