@@ -3,6 +3,7 @@
 # (fat LTO, one codegen unit) laid out by what the request path really runs.
 #
 #   scripts/pgo-build.sh          -> target/pgo/dist/portico   (about 16 minutes on 2 cores)
+#   PGO_PROFILE=NAME scripts/pgo-build.sh   (another Cargo profile, the same way: target/pgo/NAME)
 #
 # 1. An instrumented build (`-Cprofile-generate`) into target/pgo/gen.
 # 2. Training: that binary serves load on the rig of `scripts/rig.sh` (an nginx backend),
@@ -21,18 +22,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/pgo
-profile=${PROFILE:-dist}
+profile=${PGO_PROFILE:-dist}
 port=${PORT:-19580}
 
-SUDO=""
-[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+missing=()
 for tool in nginx h2load openssl curl; do
   if ! command -v "$tool" >/dev/null 2>&1 && [ ! -x "/usr/sbin/$tool" ]; then
     pkg=$tool
     [ "$tool" = h2load ] && pkg=nghttp2-client
-    $SUDO apt-get install -y -qq "$pkg" >/dev/null
+    missing+=("$pkg")
   fi
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "pgo-build: installing ${missing[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
 host=$(rustc -vV | awk '/^host:/ {print $2}')
 profdata="$(rustc --print sysroot)/lib/rustlib/$host/bin/llvm-profdata"
 if [ ! -x "$profdata" ]; then

@@ -15,8 +15,9 @@
 //! `--publish DIR` copies the charts and the JSON to DIR (say docs/bench, for the README).
 //!
 //! Portico is the image's build: the profile-guided one (`scripts/pgo-build.sh`, as the
-//! Dockerfile builds it) when it was built from the current commit, else this bench profile's
-//! (fat LTO, no PGO), said so; `PORTICO_BIN` measures another. The table's footer names it.
+//! Dockerfile builds it) when it was built from the current commit's source, else this bench
+//! profile's (fat LTO, no PGO), said so; `PORTICO_BIN` measures another. The table's footer
+//! names it.
 //!
 //! Under `cargo test` (no `--bench` argument) it runs the charts' checks (the bench has no
 //! test harness, so no `#[test]`) and says how to run it; `--self-test` runs them alone.

@@ -193,7 +193,7 @@ fn portico_binary() -> (PathBuf, String) {
         (b, c) => {
             let why = match (b, c) {
                 (None, _) => "there is none",
-                (_, None) => "the source has uncommitted changes",
+                (_, None) => "the source has uncommitted changes, or is not a git checkout",
                 _ => "it was built from other source",
             };
             eprintln!(
