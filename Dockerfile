@@ -24,7 +24,7 @@ COPY benches ./benches
 COPY gateway-examples ./gateway-examples
 COPY scripts/pgo-build.sh scripts/rig.sh ./scripts/
 # The `dist` build, profile-guided: built instrumented, trained on loopback load (HTTP/1.1,
-# h2c, TLS, istiod's gateway chain), built again with the profile (about 16 minutes on 2 cores).
+# h2c, TLS, istiod's gateway chain), built again with the profile (about 15 minutes on 2 cores).
 RUN bash scripts/pgo-build.sh
 
 # Istio's proxyv2 with Portico as its proxy: the same Istio version as the control plane.

@@ -2,7 +2,7 @@
 # The image's binary built with profile-guided optimisation (PGO): the `dist` build
 # (fat LTO, one codegen unit) laid out by what the request path really runs.
 #
-#   scripts/pgo-build.sh          -> target/pgo/dist/portico   (about 16 minutes on 2 cores)
+#   scripts/pgo-build.sh          -> target/pgo/dist/portico   (about 15 minutes on 2 cores)
 #   PGO_PROFILE=NAME scripts/pgo-build.sh   (another Cargo profile, the same way: target/pgo/NAME)
 #
 # 1. An instrumented build (`-Cprofile-generate`) into target/pgo/gen.
