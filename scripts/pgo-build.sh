@@ -69,9 +69,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
-  -subj /CN=backend.example -addext subjectAltName=DNS:backend.example \
-  -keyout "$work/key.pem" -out "$work/cert.pem" 2>/dev/null
+rig_cert "$work"
 rig_backend "$work" $((port + 1)) $((port + 3)) "$work/cert.pem" "$work/key.pem"
 
 # load URL ARGS...: h2load's run, which must have succeeded whole.

@@ -30,6 +30,14 @@ EOF
   "$(command -v nginx || echo /usr/sbin/nginx)" -c "$work/nginx.conf"
 }
 
+# rig_cert WORK: a throwaway self-signed certificate for `backend.example`, WORK/cert.pem and
+# WORK/key.pem (the TLS listener's and the TLS backend's).
+rig_cert() {
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    -subj /CN=backend.example -addext subjectAltName=DNS:backend.example \
+    -keyout "$1/key.pem" -out "$1/cert.pem" 2>/dev/null
+}
+
 # rig_stop_backend WORK
 rig_stop_backend() {
   [ -f "$1/nginx.pid" ] && kill "$(cat "$1/nginx.pid")" 2>/dev/null || true

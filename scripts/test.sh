@@ -27,12 +27,11 @@ step "validate the load rig's bootstraps (scripts/rig.sh) with Portico and Envoy
 rig=$(mktemp -d)
 (
   . scripts/rig.sh
+  rig_cert "$rig"
   for chain in router istio tls upstream-tls; do
     rig_bootstrap "$chain" "$rig/$chain.yaml" 19580 19581 19582 "$rig" "$rig/cert.pem" "$rig/key.pem"
   done
 )
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 \
-  -subj /CN=rig -keyout "$rig/key.pem" -out "$rig/cert.pem" 2>/dev/null
 for chain in router istio tls upstream-tls; do
   "$portico_bin" --mode validate -c "$rig/$chain.yaml" --log-level error
   # The istio chain holds istio-proxy's own filters, which stock Envoy does not build.
