@@ -152,7 +152,14 @@ impl Downstream {
             // Read straight into the buffer's spare room (no array in this future: a
             // connection's task is as large as its largest await), which is not zeroed first:
             // `read_buf` hands the reader uninitialised memory and keeps only what it filled.
-            self.ahead.reserve(want);
+            if self.ahead.capacity() == 0 {
+                // A connection's next request starts on an empty buffer (`take_ahead` handed
+                // the last one to its request): allocated as it stands, rather than through
+                // `reserve`, which first works out whether a shared buffer can be reclaimed.
+                self.ahead = bytes::BytesMut::with_capacity(want);
+            } else {
+                self.ahead.reserve(want);
+            }
             let mut reader = HeadReader {
                 tcp: &mut self.tcp,
                 timer: &mut self.timer,

@@ -949,7 +949,8 @@ impl ProxyHttp for Gateway {
 
     /// No pingora modules: its default is a response compression module at level 0, which
     /// does nothing (compression is the `compressor` filter's) but costs a module context and
-    /// two calls per request.
+    /// two calls per request. The own HTTP/1 loop relies on there being none: it writes most
+    /// responses without pingora's module pass (`h1::write_tasks`).
     fn init_downstream_modules(&self, _modules: &mut pingora_core::modules::http::HttpModules) {}
 
     // `early_request_filter` and `proxy_upstream_filter` keep pingora's defaults, which the
