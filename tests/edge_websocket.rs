@@ -857,3 +857,35 @@ async fn the_stream_idle_timeout_ends_a_quiet_websocket() {
         "ended after {took:?}"
     );
 }
+
+/// A backend that answers a request which asked for no upgrade with a 101: relayed as Envoy
+/// relays it, its connection fields gone, dated like any response. (The own HTTP/1 loop skips
+/// pingora's checks of the switch only for batches without a 101.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unasked_for_101_is_relayed_without_its_connection_fields() {
+    let (addr, heads) = raw_backend(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\nx-resp: 1\r\n\r\n",
+    )
+    .await;
+    let mesh = raw_mesh(addr).await;
+    let (status, headers) = head_only(
+        mesh.port,
+        format!("GET /plain HTTP/1.1\r\nhost: {HOST}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    let mut names: Vec<&str> = headers.iter().map(|(k, _)| k.as_str()).collect();
+    names.sort_unstable();
+    let mut c = Checks::default();
+    c.eq(
+        "requests the backend saw",
+        heads.lock().expect("lock").len(),
+        1,
+    );
+    c.eq("status", status, 101);
+    c.eq(
+        "header names",
+        names,
+        vec!["date", "server", "x-envoy-upstream-service-time", "x-resp"],
+    );
+    c.finish();
+}

@@ -89,6 +89,13 @@ pub(super) fn switch_response(resp: &mut ResponseHeader) -> pingora_core::Result
     resp.remove_header(&KEEP_ALIVE);
     resp.remove_header(&PROXY_CONNECTION);
     resp.remove_header(&http::header::TRANSFER_ENCODING);
+    dated(resp)
+}
+
+/// A `Date` where the 101 has none: Envoy's connection manager dates a 101 as it dates a final
+/// response, whether or not the request asked for the switch (pingora dates only final
+/// responses).
+pub(super) fn dated(resp: &mut ResponseHeader) -> pingora_core::Result<()> {
     if !resp.headers.contains_key(http::header::DATE) {
         resp.insert_header(
             http::header::DATE,

@@ -456,6 +456,11 @@ pub(super) fn response_headers(
         upgrade::switch_response(resp)?;
     } else {
         strip_response(resp);
+        // A 101 the request did not ask for is relayed as Envoy relays it: its connection
+        // fields stripped, dated.
+        if resp.status == http::StatusCode::SWITCHING_PROTOCOLS {
+            upgrade::dated(resp)?;
+        }
     }
     if ctx.upgrade && !switching {
         // Envoy 1.40 relays a refused upgrade's head with an empty body and closes the
