@@ -195,8 +195,9 @@ pub fn run_drained(
     crate::release_freed_memory();
     // pingora's timeouts (connect, its HTTP/1 and HTTP/2 sessions' reads and writes) run on
     // its own clock thread below 15 minutes, and that thread, once a first timeout starts it,
-    // wakes every 10 ms for the life of the process, busy or idle. The workers' tokio timers
-    // take every timeout of a second or more instead: no thread, no wake-ups while idle.
+    // wakes every 10 ms for the life of the process, busy or idle. Every timeout of a second
+    // or more goes on the tokio timers of the runtime that sets it instead (a worker's, or the
+    // control thread's): no thread, no wake-ups while idle.
     pingora_timeout::fast_timeout::set_fast_timeout_to_tokio_threshold(Some(Duration::ZERO));
     let workers = Workers::start(concurrency.max(1)).map_err(ServerError::Runtime)?;
     // xDS, admin and DNS run on their own thread so a large push never stalls a worker.
