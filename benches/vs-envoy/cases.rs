@@ -83,13 +83,115 @@ async fn wrk_with_cpu(
     Ok(())
 }
 
+/// The slices of `secs` seconds the HTTP/1.1 saturation run takes turns in: about two
+/// seconds each (wrk counts whole seconds), the first ones a second longer when it does not
+/// divide evenly.
+fn slices(secs: u64) -> Vec<u64> {
+    let n = (secs / 2).max(1);
+    (0..n)
+        .map(|i| secs / n + u64::from(i < secs % n))
+        .filter(|s| *s > 0)
+        .collect()
+}
+
+/// `slices`' check (for `--self-test`): the slices add up to the run and none is empty or
+/// longer than a second over another.
+pub fn slices_self_test() -> Result<(), String> {
+    for secs in 1..=60 {
+        let s = slices(secs);
+        let (min, max) = (s.iter().min().copied(), s.iter().max().copied());
+        if s.iter().sum::<u64>() != secs
+            || min == Some(0)
+            || max.zip(min).is_none_or(|(a, b)| a - b > 1)
+        {
+            return Err(format!("{secs} s cut into {s:?}"));
+        }
+    }
+    if slices(10) != [2, 2, 2, 2, 2] || slices(5) != [3, 2] || slices(3) != [3] {
+        return Err(format!(
+            "10, 5, 3 s: {:?} {:?} {:?}",
+            slices(10),
+            slices(5),
+            slices(3)
+        ));
+    }
+    Ok(())
+}
+
+/// Cases 1 and 4 (h1 run) and memory idle and after it: every contender serves the basic
+/// config at once, and they take turns under wrk in slices of about two seconds (`slices`),
+/// the order turning by one each slice, until each has had `secs` seconds. A proxy's figure
+/// for the round is its requests over its slices and its CPU seconds within them. This VM's
+/// speed drifts (other tenants): with whole turns of `secs` each, a contender's rounds moved
+/// by up to 23 % within one run, and Portico/nginx by round went from 0.80 to 1.22; slices a
+/// few seconds apart share the drift (two runs of 3 rounds: 0.98 to 1.06 by round). The
+/// contenders waiting their turn idle on the same core.
+pub async fn h1_turns(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    results: &mut Results,
+) -> Result<(), String> {
+    let mut running = Vec::new();
+    for &proxy in &env.proxies {
+        let port = common::free_port();
+        let p = if proxy.speaks_xds() {
+            let admin = common::free_port();
+            let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
+            Running::start(env, opts, proxy, &boot, admin).await?
+        } else {
+            Running::start_plain(env, opts, proxy, port, &backend.ports).await?
+        };
+        let url = format!("http://127.0.0.1:{port}/");
+        check_serves(&url).await?;
+        running.push((p, url));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for (p, _) in &running {
+        results.add("5 rss idle", p.proxy.name(), p.rss_mib()?);
+    }
+    // Per contender: requests, seconds under load, CPU seconds, errors.
+    let mut sums = vec![(0.0, 0u64, 0.0, 0u64); running.len()];
+    for (turn, secs) in slices(opts.secs).into_iter().enumerate() {
+        for k in 0..running.len() {
+            let i = (k + turn) % running.len();
+            let (p, url) = &running[i];
+            let cpu0 = p.cpu_secs()?;
+            let (e, o, u) = (env.clone(), opts.clone(), url.clone());
+            let r = blocking(move || tools::wrk_with(&e, &o, &u, 50, secs, &[])).await?;
+            let cpu1 = p.cpu_secs()?;
+            let s = &mut sums[i];
+            s.0 += r.requests;
+            s.1 += secs;
+            s.2 += cpu1 - cpu0;
+            s.3 += r.errors;
+        }
+    }
+    for ((p, _), (requests, secs, cpu, errors)) in running.iter().zip(sums) {
+        let who = p.proxy.name();
+        if secs > 0 {
+            results.add("1 h1 rps, 50 conns", who, requests / secs as f64);
+        }
+        if requests > 0.0 {
+            results.add(
+                "4 cpu per 100k requests (h1 run)",
+                who,
+                cpu / requests * 100_000.0,
+            );
+        }
+        results.error(format!("{who} h1"), errors);
+        results.add("5 rss after h1 run", who, p.rss_mib()?);
+    }
+    Ok(())
+}
+
 fn last(results: &Results, case: &str, who: &str) -> Option<f64> {
     results.by_case.get(case)?.get(who)?.last().copied()
 }
 
-/// Cases 1-4 and memory idle and after load: one listener, one route, one cluster. nginx and
-/// HAProxy (their own configs, the same backends) run the HTTP/1.1 parts: saturation, CPU,
-/// the fixed-rate latency, memory; h2c is Portico's and Envoy's alone.
+/// Cases 2-4: one listener, one route, one cluster (case 1, the saturation run, and memory
+/// are `h1_turns`'). nginx and HAProxy (their own configs, the same backends) run the
+/// fixed-rate latency and its CPU; h2c is Portico's and Envoy's alone.
 pub async fn basic(
     env: &Arc<Env>,
     opts: &Arc<Opts>,
@@ -97,6 +199,10 @@ pub async fn basic(
     proxy: Proxy,
     results: &mut Results,
 ) -> Result<(), String> {
+    if opts.wants("h1") && !opts.wants("h2c") && !opts.wants("latency") {
+        // All of it in `h1_turns`.
+        return Ok(());
+    }
     let port = common::free_port();
     let p = if proxy.speaks_xds() {
         let admin = common::free_port();
@@ -108,17 +214,11 @@ pub async fn basic(
     let who = proxy.name();
     let url = format!("http://127.0.0.1:{port}/");
     check_serves(&url).await?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    results.add("5 rss idle", who, p.rss_mib()?);
     let secs = opts.secs;
-    if opts.wants("h1") {
-        let cases = (
-            "1 h1 rps, 50 conns",
-            "4 cpu per 100k requests (h1 run)",
-            "h1",
-        );
-        wrk_with_cpu(env, opts, &p, &url, 50, &[], cases, results).await?;
-        results.add("5 rss after h1 run", who, p.rss_mib()?);
+    if !opts.wants("h1") {
+        // Else measured with the h1 run (`h1_turns`).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        results.add("5 rss idle", who, p.rss_mib()?);
     }
     if opts.wants("h2c") && proxy.speaks_xds() {
         let (e, o, u) = (env.clone(), opts.clone(), url.clone());

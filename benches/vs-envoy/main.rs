@@ -4,7 +4,9 @@
 //! nginx and HAProxy join for the HTTP/1.1 keep-alive case (saturation, CPU per request, the
 //! fixed-rate latency, memory), each with its own config to the same backends, pinned and
 //! loaded the same way; `--proxies portico,envoy,nginx,haproxy` picks the contenders (by
-//! default all four, less HAProxy when it is not installed). They take turns in each round.
+//! default all four, less HAProxy when it is not installed). They take turns in each round;
+//! in the HTTP/1.1 saturation case they run side by side and take turns in slices of about
+//! two seconds (`cases::h1_turns`).
 //!
 //! The proxy under test runs on one core with one worker (`taskset -c 0`, `--concurrency 1`);
 //! the load generator, the backend (nginx) and this harness (with its ADS server) share the
@@ -92,6 +94,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
     for round in 0..opts.rounds {
         eprintln!("== round {} of {}", round + 1, opts.rounds);
         cases::direct(&env, &opts, &backend, &mut results).await?;
+        if opts.wants("h1") {
+            cases::h1_turns(&env, &opts, &backend, &mut results).await?;
+        }
         for &proxy in &env.proxies {
             cases::basic(&env, &opts, &backend, proxy, &mut results).await?;
             if !proxy.speaks_xds() {
@@ -156,7 +161,9 @@ async fn run(opts: std::sync::Arc<Opts>, env: std::sync::Arc<tools::Env>) -> Res
 /// The charts' checks; false (after printing why) if one fails.
 fn self_test() -> bool {
     let mut ok = true;
-    for (name, r) in charts::self_test() {
+    let mut checks = charts::self_test();
+    checks.push(("saturation slices", cases::slices_self_test()));
+    for (name, r) in checks {
         match r {
             Ok(()) => println!("vs-envoy self-test: {name} ... ok"),
             Err(e) => {
