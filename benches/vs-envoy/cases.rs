@@ -118,6 +118,27 @@ pub fn slices_self_test() -> Result<(), String> {
     Ok(())
 }
 
+/// `proxy` serving the basic case's config (one listener, one route, one cluster; nginx and
+/// HAProxy their own configs to the same backends), and its URL, once it serves.
+async fn start_basic(
+    env: &Arc<Env>,
+    opts: &Arc<Opts>,
+    backend: &Nginx,
+    proxy: Proxy,
+) -> Result<(Running, String), String> {
+    let port = common::free_port();
+    let p = if proxy.speaks_xds() {
+        let admin = common::free_port();
+        let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
+        Running::start(env, opts, proxy, &boot, admin).await?
+    } else {
+        Running::start_plain(env, opts, proxy, port, &backend.ports).await?
+    };
+    let url = format!("http://127.0.0.1:{port}/");
+    check_serves(&url).await?;
+    Ok((p, url))
+}
+
 /// Cases 1 and 4 (h1 run) and memory idle and after it: every contender serves the basic
 /// config at once, and they take turns under wrk in slices of about two seconds (`slices`),
 /// the order turning by one each slice, until each has had `secs` seconds. A proxy's figure
@@ -134,17 +155,7 @@ pub async fn h1_turns(
 ) -> Result<(), String> {
     let mut running = Vec::new();
     for &proxy in &env.proxies {
-        let port = common::free_port();
-        let p = if proxy.speaks_xds() {
-            let admin = common::free_port();
-            let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
-            Running::start(env, opts, proxy, &boot, admin).await?
-        } else {
-            Running::start_plain(env, opts, proxy, port, &backend.ports).await?
-        };
-        let url = format!("http://127.0.0.1:{port}/");
-        check_serves(&url).await?;
-        running.push((p, url));
+        running.push(start_basic(env, opts, backend, proxy).await?);
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     for (p, _) in &running {
@@ -203,17 +214,8 @@ pub async fn basic(
         // All of it in `h1_turns`.
         return Ok(());
     }
-    let port = common::free_port();
-    let p = if proxy.speaks_xds() {
-        let admin = common::free_port();
-        let boot = config::static_bootstrap(admin, port, 0, &backend.ports);
-        Running::start(env, opts, proxy, &boot, admin).await?
-    } else {
-        Running::start_plain(env, opts, proxy, port, &backend.ports).await?
-    };
+    let (p, url) = start_basic(env, opts, backend, proxy).await?;
     let who = proxy.name();
-    let url = format!("http://127.0.0.1:{port}/");
-    check_serves(&url).await?;
     let secs = opts.secs;
     if !opts.wants("h1") {
         // Else measured with the h1 run (`h1_turns`).
