@@ -145,7 +145,7 @@ async fn start_basic(
 /// for the round is its requests over its slices and its CPU seconds within them. This VM's
 /// speed drifts (other tenants): with whole turns of `secs` each, a contender's rounds moved
 /// by up to 23 % within one run, and Portico/nginx by round went from 0.80 to 1.22; slices a
-/// few seconds apart share the drift (two runs of 3 rounds: 0.98 to 1.06 by round). The
+/// few seconds apart share the drift (four runs of 3 rounds: 0.95 to 1.06 by round). The
 /// contenders waiting their turn idle on the same core.
 pub async fn h1_turns(
     env: &Arc<Env>,
