@@ -320,6 +320,8 @@ impl Workers {
             let thread = std::thread::Builder::new()
                 .name(format!("portico-worker-{i}"))
                 .spawn(move || {
+                    // Made first, so it outlives the runtime and gives its blocks back last.
+                    let _kept = crate::alloc::ThreadCache::on();
                     let rt = match tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
