@@ -37,9 +37,10 @@ fn plain(align: usize, size: usize) -> bool {
 /// The medium sizes the thread cache keeps: above mimalloc's fast-path limit (1 KiB), up to
 /// 8 KiB, in mimalloc's size classes (four to a doubling: 1280, 1536, 1792, 2048, 2560, ...).
 const CLASSES: usize = 12;
-/// Blocks kept per class and thread: as many as a worker's requests in flight commonly
-/// differ by from one moment to the next (50 connections: up to 50 of each block live).
-const KEPT: u32 = 64;
+/// The bytes a thread keeps, over all classes: a worker's requests in flight rise and fall
+/// by tens at a time (50 connections: up to 150 blocks of 4 KiB live at once), and a block
+/// freed past the budget goes back to mimalloc.
+const KEPT_BYTES: usize = 1 << 20;
 
 /// A medium size's class and that class's block size, which every block of the class is
 /// made with (so any of them serves any size of the class). `None` outside 1 KiB-8 KiB.
@@ -61,11 +62,20 @@ fn made_size(size: usize) -> usize {
     class(size).map_or(size, |(_, made)| made)
 }
 
-/// A thread's kept blocks: per class, a list linked through each block's first word.
+/// The block size of a class (`class`'s second half).
+fn class_size(class: usize) -> usize {
+    (class % 4 + 5) << (class / 4 + 8)
+}
+
+/// A thread's kept blocks: per class, a list linked through each block's first word, the
+/// most recently freed first.
 struct Kept {
     on: bool,
     heads: [*mut u8; CLASSES],
     counts: [u32; CLASSES],
+    /// Per class, the fewest blocks listed since the last trim: that many were not used.
+    low: [u32; CLASSES],
+    bytes: usize,
 }
 
 thread_local! {
@@ -76,13 +86,41 @@ thread_local! {
             on: false,
             heads: [std::ptr::null_mut(); CLASSES],
             counts: [0; CLASSES],
+            low: [0; CLASSES],
+            bytes: 0,
         })
     };
 }
 
+impl Kept {
+    /// Gives back to mimalloc all but the first `keep` blocks of a class's list.
+    ///
+    /// # Safety
+    /// The thread's own `Kept`, its lists as `take_kept` and `keep` leave them.
+    unsafe fn free_past(&mut self, class: usize, keep: u32) {
+        let mut link: *mut *mut u8 = &mut self.heads[class];
+        for _ in 0..keep {
+            if (*link).is_null() {
+                return;
+            }
+            link = (*link).cast::<*mut u8>();
+        }
+        let mut block = *link;
+        *link = std::ptr::null_mut();
+        while !block.is_null() {
+            let next = block.cast::<*mut u8>().read();
+            mi::mi_free(block.cast::<c_void>());
+            self.counts[class] -= 1;
+            self.bytes -= class_size(class);
+            block = next;
+        }
+    }
+}
+
 /// Turns the medium-block cache on for the calling thread until dropped, which gives the
 /// kept blocks back to mimalloc. For long-lived threads that make and free such blocks at a
-/// high rate (the workers); every other thread goes to mimalloc directly.
+/// high rate (the workers), which call `trim` now and then; every other thread goes to
+/// mimalloc directly.
 pub struct ThreadCache(std::marker::PhantomData<*const ()>);
 
 impl ThreadCache {
@@ -93,30 +131,53 @@ impl ThreadCache {
     }
 }
 
+/// Gives back to mimalloc the calling thread's kept blocks that no allocation took since the
+/// last trim: a burst's leftovers (a worker's start-up loads the platform's certificates)
+/// and the surplus of a load that fell. The blocks used since stay, as the load needs them.
+pub fn trim() {
+    let freed = KEPT_BLOCKS.with(|k| {
+        let mut freed = false;
+        // SAFETY: the thread's own cell, not reentered (mimalloc's free does not allocate).
+        unsafe {
+            let k = &mut *k.get();
+            for class in 0..CLASSES {
+                let unused = k.low[class];
+                if unused > 0 {
+                    k.free_past(class, k.counts[class] - unused);
+                    freed = true;
+                }
+                k.low[class] = k.counts[class];
+            }
+        }
+        freed
+    });
+    if freed {
+        // mimalloc returns emptied pages to the system when it next allocates or frees
+        // pages, which an idle worker does not: now, so the memory leaves the RSS.
+        // SAFETY: a plain call on the calling thread's heap.
+        unsafe { mi::mi_collect(false) };
+    }
+}
+
 impl Drop for ThreadCache {
     fn drop(&mut self) {
         KEPT_BLOCKS.with(|k| {
-            // SAFETY: the thread's own cell. Each listed block came from mimalloc and is
-            // listed once; its first word links the next.
+            // SAFETY: the thread's own cell.
             unsafe {
                 let k = &mut *k.get();
                 k.on = false;
-                for (head, count) in k.heads.iter_mut().zip(k.counts.iter_mut()) {
-                    while !head.is_null() {
-                        let next = head.cast::<*mut u8>().read();
-                        mi::mi_free(head.cast::<c_void>());
-                        *head = next;
-                    }
-                    *count = 0;
+                for class in 0..CLASSES {
+                    k.free_past(class, 0);
+                    k.low[class] = 0;
                 }
             }
         });
     }
 }
 
-/// A kept block of the class, if the thread keeps any.
+/// A kept block of the class (of `made` bytes), if the thread keeps any.
 #[inline]
-fn take_kept(class: usize) -> Option<*mut u8> {
+fn take_kept(class: usize, made: usize) -> Option<*mut u8> {
     KEPT_BLOCKS.with(|k| {
         // SAFETY: the thread's own cell, not reentered (mimalloc is not called here). A
         // listed block is a freed one of at least the class's size, linked through its
@@ -128,24 +189,29 @@ fn take_kept(class: usize) -> Option<*mut u8> {
                 return None;
             }
             *k.heads.get_unchecked_mut(class) = head.cast::<*mut u8>().read();
-            *k.counts.get_unchecked_mut(class) -= 1;
+            let count = k.counts.get_unchecked_mut(class);
+            *count -= 1;
+            let low = k.low.get_unchecked_mut(class);
+            *low = (*low).min(*count);
+            k.bytes -= made;
             Some(head)
         }
     })
 }
 
-/// Keeps a freed block of the class if the thread keeps blocks and has room; else false.
+/// Keeps a freed block of the class (of `made` bytes) if the thread keeps blocks and has
+/// room; else false.
 #[inline]
-fn keep(class: usize, block: *mut u8) -> bool {
+fn keep(class: usize, made: usize, block: *mut u8) -> bool {
     KEPT_BLOCKS.with(|k| {
         // SAFETY: as `take_kept`; the block is freed by its owner and at least a word long.
         unsafe {
             let k = &mut *k.get();
-            let count = k.counts.get_unchecked_mut(class);
-            if !k.on || *count >= KEPT {
+            if !k.on || k.bytes + made > KEPT_BYTES {
                 return false;
             }
-            *count += 1;
+            k.bytes += made;
+            *k.counts.get_unchecked_mut(class) += 1;
             let head = k.heads.get_unchecked_mut(class);
             block.cast::<*mut u8>().write(*head);
             *head = block;
@@ -165,7 +231,7 @@ unsafe impl GlobalAlloc for MiAlloc {
         let (size, align) = (layout.size(), layout.align());
         if plain(align, size) {
             match class(size) {
-                Some((c, made)) => match take_kept(c) {
+                Some((c, made)) => match take_kept(c, made) {
                     Some(block) => block,
                     None => mi::mi_malloc(made).cast(),
                 },
@@ -189,8 +255,8 @@ unsafe impl GlobalAlloc for MiAlloc {
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if plain(layout.align(), layout.size()) {
-            if let Some((c, _)) = class(layout.size()) {
-                if keep(c, ptr) {
+            if let Some((c, made)) = class(layout.size()) {
+                if keep(c, made, ptr) {
                     return;
                 }
             }
@@ -241,6 +307,7 @@ mod tests {
                 u
             };
             assert_eq!(usable, made, "mimalloc's class for {size}");
+            assert_eq!(class_size(c), made);
             last = (c, made);
         }
     }
@@ -256,31 +323,65 @@ mod tests {
             // Off: freed blocks go back to mimalloc, nothing is kept.
             let p = a.alloc(big);
             a.dealloc(p, big);
-            assert!(KEPT_BLOCKS.with(|k| (*k.get()).counts.iter().all(|c| *c == 0)));
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).bytes), 0);
 
             let cache = ThreadCache::on();
             let p = a.alloc(big);
             std::ptr::write_bytes(p, 1, 2500);
             a.dealloc(p, big);
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).bytes), 2560);
             // Another size of the same class (2049-2560) gets the kept block, whole.
             let q = a.alloc(other);
             assert_eq!(q, p);
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).bytes), 0);
             std::ptr::write_bytes(q, 2, 2560);
             // Small sizes are mimalloc's own.
             let s = a.alloc(small);
             a.dealloc(s, small);
-            assert!(KEPT_BLOCKS.with(|k| (*k.get()).counts.iter().all(|c| *c == 0)));
-            // No more than KEPT of a class are kept.
-            let blocks: Vec<*mut u8> = (0..KEPT + 5).map(|_| a.alloc(big)).collect();
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).bytes), 0);
+            // No more than KEPT_BYTES are kept.
+            let n = KEPT_BYTES / 2560 + 5;
+            let blocks: Vec<*mut u8> = (0..n).map(|_| a.alloc(big)).collect();
             a.dealloc(q, other);
             for b in blocks {
                 a.dealloc(b, big);
             }
-            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).counts[4]), KEPT);
+            assert_eq!(
+                KEPT_BLOCKS.with(|k| (*k.get()).bytes),
+                KEPT_BYTES / 2560 * 2560
+            );
+            // A trim frees what no allocation took since the last one: here, nothing yet.
+            trim();
+            let full = KEPT_BYTES / 2560;
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).counts[4]), full as u32);
+            // Ten taken and given back since: they stay, the others go.
+            let ten: Vec<*mut u8> = (0..10).map(|_| a.alloc(big)).collect();
+            for b in ten.iter().rev() {
+                a.dealloc(*b, big);
+            }
+            trim();
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).counts[4]), 10);
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).bytes), 10 * 2560);
+            // The kept ones are the ones used last.
+            let again: Vec<*mut u8> = (0..10).map(|_| a.alloc(big)).collect();
+            assert_eq!(again, ten);
+            for b in again {
+                a.dealloc(b, big);
+            }
+            // Unused through a whole period: gone.
+            trim();
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).counts[4]), 10);
+            trim();
+            assert_eq!(KEPT_BLOCKS.with(|k| (*k.get()).bytes), 0);
+            let p = a.alloc(big);
+            a.dealloc(p, big);
             drop(cache);
             assert!(KEPT_BLOCKS.with(|k| {
                 let k = &*k.get();
-                !k.on && k.heads.iter().all(|h| h.is_null()) && k.counts.iter().all(|c| *c == 0)
+                !k.on
+                    && k.heads.iter().all(|h| h.is_null())
+                    && k.counts.iter().all(|c| *c == 0)
+                    && k.bytes == 0
             }));
         }
     }

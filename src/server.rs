@@ -334,7 +334,9 @@ impl Workers {
                     };
                     let _ = tx.send(Ok(rt.handle().clone()));
                     rt.block_on(async move {
+                        let trim = tokio::spawn(trim_kept_blocks());
                         let _ = stopped.wait_for(|s| *s).await;
+                        trim.abort();
                         // The access log lines this worker still holds go to their writers.
                         crate::telemetry::access_log::sink::flush_thread_local();
                     });
@@ -354,6 +356,18 @@ impl Workers {
         for t in std::mem::take(&mut self.threads) {
             let _ = t.join();
         }
+    }
+}
+
+/// A worker's kept medium blocks (`alloc::ThreadCache`) that went unused for a second go
+/// back to the allocator: the cache follows the load down, and a start-up burst's blocks do
+/// not stay. One wake-up a second.
+async fn trim_kept_blocks() {
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        crate::alloc::trim();
     }
 }
 
