@@ -13,8 +13,8 @@
 //! Above 1 KiB even plain `mi_malloc` has no fast path: it looks the size's page queue up on
 //! every call (`_mi_malloc_generic`), and a page of a few such blocks that empties is freed
 //! and made again soon after. A proxied request makes five blocks of that size (its boxed
-//! future and session, both heads' read buffers, the upstream request's state) and frees
-//! them when it ends. So each worker thread keeps the medium blocks it frees (1-8 KiB, in
+//! future, the read buffers of both heads, the entries of both header maps) and frees them
+//! when it ends. So each worker thread keeps the medium blocks it frees (1-8 KiB, in
 //! mimalloc's own size classes) on short per-class lists and hands them out again first.
 use std::alloc::{GlobalAlloc, Layout};
 use std::cell::UnsafeCell;
