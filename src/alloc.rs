@@ -53,7 +53,8 @@ fn class(size: usize) -> Option<(usize, usize)> {
     let log = (usize::BITS - 1 - m.leading_zeros()) as usize; // 10..=12
     let step = log - 2;
     let k = m >> step; // 4..=7
-    Some(((log - 10) * 4 + (k - 4), (k + 1) << step))
+    let c = (log - 10) * 4 + (k - 4);
+    Some((c, class_size(c)))
 }
 
 /// The size mimalloc is asked for: a medium size's class size, else the size itself.
@@ -62,7 +63,8 @@ fn made_size(size: usize) -> usize {
     class(size).map_or(size, |(_, made)| made)
 }
 
-/// The block size of a class (`class`'s second half).
+/// The block size of a class: four to a doubling, from 1,280 bytes.
+#[inline]
 fn class_size(class: usize) -> usize {
     (class % 4 + 5) << (class / 4 + 8)
 }
@@ -307,7 +309,6 @@ mod tests {
                 u
             };
             assert_eq!(usable, made, "mimalloc's class for {size}");
-            assert_eq!(class_size(c), made);
             last = (c, made);
         }
     }
