@@ -150,6 +150,10 @@ pub(crate) struct Kept {
     keepalive: Option<u64>,
     reuses: Option<u32>,
     pipelining: bool,
+    /// When the last response ended, as the request's end read the clock (its
+    /// `%DURATION%`): the keep-alive wait counts from there rather than from a reading of
+    /// its own. None: from when the wait starts.
+    ended: Option<std::time::Instant>,
 }
 
 impl Kept {
@@ -158,6 +162,7 @@ impl Kept {
             keepalive: h1.get_keepalive_timeout(),
             reuses: h1.get_keepalive_reuses_remaining(),
             pipelining: h1.pipelining_enabled(),
+            ended: None,
         }
     }
 
@@ -167,6 +172,16 @@ impl Kept {
         self.keepalive
             .filter(|secs| *secs > 0)
             .map(std::time::Duration::from_secs)
+    }
+
+    /// When the connection's keep-alive wait ends, if it has a limit.
+    pub fn idle_deadline(&self) -> Option<tokio::time::Instant> {
+        let idle = self.idle()?;
+        let from = match self.ended {
+            Some(t) => tokio::time::Instant::from_std(t),
+            None => tokio::time::Instant::now(),
+        };
+        Some(from + idle)
     }
 
     pub fn apply(self, s: &mut ServerSession) {
@@ -203,6 +218,7 @@ pub(crate) async fn process(
     // What the request's hooks and its own session share, kept here to take the connection
     // back from it.
     let mut conn = None;
+    let ended;
     // The session is handed back here rather than in each way out of `process_request`,
     // and the request's state lives in this block only: a future is as large as its largest
     // await, and pingora's `finish` (which `reuse` awaits) nested under the proxying steps,
@@ -265,11 +281,15 @@ pub(crate) async fn process(
         d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
         let s = process_request(d, s, &mut ctx).await;
         *read_timer = std::mem::take(&mut ctx.read_timer);
+        ended = ctx
+            .info
+            .last_downstream_tx
+            .map(|since| ctx.info.started + since);
         s?
     };
     match conn {
         Some(c) => {
-            let next = reuse_own(d, s, &c, kept, spare).await;
+            let next = reuse_own(d, s, &c, kept, ended, spare).await;
             spare.conn = Some(c);
             next
         }
@@ -432,6 +452,7 @@ async fn reuse(s: Box<Session>) -> Option<Next> {
             .get_keepalive_reuses_remaining()
             .map(|r| r.saturating_sub(1)),
         pipelining: ds.pipelining_enabled(),
+        ended: None,
     };
     // `finish` flushes the response, and shuts a connection that is not kept.
     let session: ServerSession = *s.downstream_session;
@@ -451,6 +472,7 @@ async fn reuse_own(
     mut s: Box<Session>,
     conn: &Conn,
     kept: Kept,
+    ended: Option<std::time::Instant>,
     spare: &mut Spare,
 ) -> Option<Next> {
     s.downstream_session.finish_body().await.ok()?;
@@ -464,6 +486,7 @@ async fn reuse_own(
         keepalive: conn.keepalive(),
         reuses: kept.reuses.map(|r| r.saturating_sub(1)),
         pipelining: true,
+        ended,
     };
     Some((d, kept))
 }
@@ -976,6 +999,30 @@ fn reconcile_authority(req: &mut RequestHeader) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_keepalive_wait_counts_from_the_responses_end() {
+        use std::time::Duration;
+        let ended = std::time::Instant::now();
+        let kept = |keepalive, ended| Kept {
+            keepalive,
+            reuses: None,
+            pipelining: true,
+            ended,
+        };
+        assert_eq!(
+            kept(Some(60), Some(ended)).idle_deadline(),
+            Some(tokio::time::Instant::from_std(ended) + Duration::from_secs(60))
+        );
+        // Without the end's reading, from the clock when the wait starts.
+        let before = tokio::time::Instant::now();
+        let at = kept(Some(5), None).idle_deadline().expect("a limit");
+        assert!(at >= before + Duration::from_secs(5));
+        assert!(at <= tokio::time::Instant::now() + Duration::from_secs(5));
+        // pingora's 0 and none: no limit.
+        assert_eq!(kept(Some(0), Some(ended)).idle_deadline(), None);
+        assert_eq!(kept(None, Some(ended)).idle_deadline(), None);
+    }
 
     #[test]
     fn a_kept_session_is_put_back_as_made_and_holds_no_request() {

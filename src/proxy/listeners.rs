@@ -1145,7 +1145,14 @@ async fn serve_h1(
                     });
                     match Box::into_pin(request).await {
                         Some((d, kept)) => {
-                            if !idle_wait(&d, kept.idle(), closed.as_mut(), &mut idle_timer).await {
+                            if !idle_wait(
+                                &d,
+                                kept.idle_deadline(),
+                                closed.as_mut(),
+                                &mut idle_timer,
+                            )
+                            .await
+                            {
                                 return;
                             }
                             conn = Between::Ours(d, kept);
@@ -1187,7 +1194,8 @@ async fn serve_h1(
             .filter(|_| !pipelined)
             .and_then(|s| s.as_any().downcast_ref::<Downstream>());
         if let Some(d) = ours {
-            if !idle_wait(d, idle, closed.as_mut(), &mut idle_timer).await {
+            let deadline = idle.map(|i| tokio::time::Instant::now() + i);
+            if !idle_wait(d, deadline, closed.as_mut(), &mut idle_timer).await {
                 return;
             }
         }
@@ -1204,11 +1212,10 @@ fn keepalive_idle(secs: u64) -> Option<std::time::Duration> {
 /// ran out, idle connections are closing, or the client went away).
 async fn idle_wait(
     d: &super::io::Downstream,
-    idle: Option<std::time::Duration>,
+    deadline: Option<tokio::time::Instant>,
     mut closed: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
     timer: &mut super::timeouts::LazyTimer,
 ) -> bool {
-    let deadline = idle.map(|i| tokio::time::Instant::now() + i);
     loop {
         let expired = async {
             match deadline {

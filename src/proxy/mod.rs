@@ -227,6 +227,12 @@ pub struct Ctx {
     upstream_start: Option<std::time::Duration>,
     /// The clock when `choose_peer` worked out the attempt's timeouts from it.
     peer_at: Option<Instant>,
+    /// A reading of the clock that nothing since has waited on, for the next step that
+    /// needs the time to take instead of reading it again (a reading costs ~25 ns here, and
+    /// a request made eleven): `arm_timers`' for the first attempt's `choose_peer`, then
+    /// `choose_peer`'s for the upstream request's start when the connection came from the
+    /// pool. Cleared where a step may wait (a connect, a circuit breaker's queue).
+    clock: Option<Instant>,
     /// `set-cookie` values for cookies a hash policy generated, added to the upstream response.
     set_cookies: Vec<String>,
     /// The upstream's response code was counted when its headers arrived.
@@ -802,6 +808,10 @@ impl Gateway {
     ) -> Result<()> {
         #[cfg(unix)]
         upstream::count_request(ctx, reused, fd);
+        if !reused {
+            // The connect took time: the request's start reads the clock anew.
+            ctx.clock = None;
+        }
         // `%UPSTREAM_LOCAL_ADDRESS%`: the attempt's connection's own address.
         ctx.info.upstream_local = upstream_local;
         Ok(())
@@ -824,8 +834,12 @@ impl Gateway {
 
     /// The upstream request is on its way: when, for timing and the access log.
     pub(super) fn upstream_request_sent(&self, ctx: &mut Ctx) {
-        // One reading of the clock for both.
-        let sent = ctx.info.started.elapsed();
+        // One reading of the clock for both: `choose_peer`'s, moments ago, when no connect
+        // came between.
+        let sent = match ctx.clock.take() {
+            Some(t) => t.saturating_duration_since(ctx.info.started),
+            None => ctx.info.started.elapsed(),
+        };
         ctx.upstream_start = Some(sent);
         observe::upstream_sent(&mut ctx.info, sent);
     }

@@ -89,11 +89,23 @@ static GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-statu
 pub(super) fn finish(session: &Session, ctx: &mut Ctx, e: Option<&Error>) {
     let written = session.response_written();
     let code = written.map_or(0, |r| r.status.as_u16());
+    // The access log and a trace's span (one begun, or one `end_request` may still begin)
+    // give the wall clock at the start.
+    let wall = ctx.trace.is_some()
+        || ctx
+            .listener
+            .as_ref()
+            .and_then(|l| l.def.hcm())
+            .is_some_and(|h| !h.access_log.is_empty() || h.tracing.is_some());
     let info = &mut ctx.info;
     info.response_code = code;
     info.bytes_received = session.body_bytes_read() as u64;
     info.bytes_sent = session.body_bytes_sent() as u64;
-    info.last_downstream_tx = Some(info.started.elapsed());
+    let elapsed = info.started.elapsed();
+    info.last_downstream_tx = Some(elapsed);
+    if wall {
+        info.settle_start_time(elapsed);
+    }
     info.attempts = ctx.attempts;
     if let Some(c) = &ctx.cluster {
         info.upstream = Some(c.def.telemetry.clone());

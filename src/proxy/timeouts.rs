@@ -96,6 +96,7 @@ fn set_timeouts(
 ) -> Result<()> {
     use std::time::Duration;
     let now = Instant::now();
+    ctx.clock = Some(now);
     let t = &fwd.timeouts;
     let grpc_header = if ctx.grpc_request {
         req.headers.get(&GRPC_TIMEOUT).and_then(parse_grpc_timeout)

@@ -265,7 +265,7 @@ pub(super) fn finish(trace: ActiveTrace, info: &StreamInfo, tracer: &Tracer) {
         provider,
         ctx,
         name,
-        start: info.start_time,
+        start: info.start_time(),
         duration: info.duration(),
         tags,
     });

@@ -172,6 +172,8 @@ impl Gateway {
                 continue;
             }
             if !waiting {
+                // Queued for a connection: the request's last reading of the clock is old.
+                ctx.clock = None;
                 s.cx_overflow.fetch_add(1, Relaxed);
                 let pending = s.rq_pending_active.fetch_add(1, Relaxed);
                 if pending >= u64::from(def.max_pending_requests) {
@@ -271,8 +273,14 @@ impl Gateway {
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
         // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
         // and within what is left of the route timeout.
-        let now = Instant::now();
+        // The first attempt takes `arm_timers`' reading, made moments ago with nothing waited
+        // on since; a retry (after its back-off) reads the clock.
+        let now = match ctx.clock.take() {
+            Some(t) if ctx.attempts == 1 => t,
+            _ => Instant::now(),
+        };
         ctx.peer_at = Some(now);
+        ctx.clock = Some(now);
         let left = |d: Option<Instant>| d.map(|d| d.saturating_duration_since(now));
         let bounds = [
             (ctx.per_try, TimeoutKind::PerTry),

@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 listed_enum! {
@@ -187,8 +187,10 @@ pub struct UpstreamInfo {
 /// One request's (or TCP connection's) record. Times are offsets from `started`.
 #[derive(Debug, Clone)]
 pub struct StreamInfo {
-    /// Wall clock at the start (`%START_TIME%`).
-    pub start_time: SystemTime,
+    /// Wall clock at the start (`%START_TIME%`): `start_time()`, worked out when first
+    /// asked for. Most requests log nothing and are traced by nobody, and a reading of the
+    /// wall clock for each cost ~25 ns.
+    start_wall: OnceLock<SystemTime>,
     pub started: Instant,
     pub protocol: Protocol,
     /// The downstream peer as the connection manager decided it (XFF when trusted):
@@ -270,7 +272,7 @@ impl Default for StreamInfo {
 impl StreamInfo {
     pub fn new(protocol: Protocol) -> StreamInfo {
         StreamInfo {
-            start_time: SystemTime::now(),
+            start_wall: OnceLock::new(),
             started: Instant::now(),
             protocol,
             downstream_remote: None,
@@ -306,6 +308,30 @@ impl StreamInfo {
         }
     }
 
+    /// The wall clock at the start: the wall clock now less the time since the start (one
+    /// reading of each clock, a few nanoseconds apart), then the same for the stream's life.
+    pub fn start_time(&self) -> SystemTime {
+        *self.start_wall.get_or_init(|| {
+            let now = SystemTime::now();
+            now.checked_sub(self.elapsed()).unwrap_or(now)
+        })
+    }
+
+    /// `start_time` from `elapsed`, the time since the start as just read, when nothing has
+    /// asked for it yet: the stream's end, which reads that time anyway, then costs one
+    /// reading of the wall clock.
+    pub fn settle_start_time(&mut self, elapsed: Duration) {
+        if self.start_wall.get().is_none() {
+            let now = SystemTime::now();
+            let _ = self.start_wall.set(now.checked_sub(elapsed).unwrap_or(now));
+        }
+    }
+
+    /// Sets the wall clock at the start (tests, and a stream that copies another's).
+    pub fn set_start_time(&mut self, t: SystemTime) {
+        self.start_wall = OnceLock::from(t);
+    }
+
     /// Time since the start.
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
@@ -324,6 +350,38 @@ impl StreamInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_start_time_is_the_wall_clock_at_the_start_and_stays_put() {
+        // Only a step of the wall clock by more than the slack between these readings,
+        // microseconds apart, could fail this.
+        let slack = Duration::from_millis(50);
+        let before = SystemTime::now();
+        let i = StreamInfo::new(Protocol::Http11);
+        let after = SystemTime::now();
+        let t = i.start_time();
+        assert!(
+            t + slack >= before && t <= after + slack,
+            "{t:?} not in {before:?}..{after:?}"
+        );
+        assert_eq!(i.start_time(), t, "worked out once, then the same");
+
+        // Settled at the stream's end from the time since the start it read.
+        let mut s = StreamInfo::new(Protocol::Http11);
+        let begun = SystemTime::now();
+        let elapsed = Duration::from_secs(3);
+        s.settle_start_time(elapsed);
+        let t = s.start_time();
+        assert!(t + elapsed + slack >= begun && t + elapsed <= SystemTime::now() + slack);
+        // Once worked out (or asked for), a later settle leaves it.
+        s.settle_start_time(Duration::ZERO);
+        assert_eq!(s.start_time(), t);
+        let fixed = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_224_485);
+        s.set_start_time(fixed);
+        assert_eq!(s.start_time(), fixed);
+        let copy = s.clone();
+        assert_eq!(copy.start_time(), fixed);
+    }
 
     #[test]
     fn flags_list_in_envoys_order() {

@@ -511,8 +511,8 @@ pub fn eval<'a>(op: &Op, ctx: &LogContext<'a>) -> Value<'a> {
         Op::StartTime(f) => {
             let mut s = String::with_capacity(32);
             match f {
-                None => TimeFormat::default_format().write(&mut s, info.start_time),
-                Some(f) => f.write(&mut s, info.start_time),
+                None => TimeFormat::default_format().write(&mut s, info.start_time()),
+                Some(f) => f.write(&mut s, info.start_time()),
             }
             Value::Str(Cow::Owned(s))
         }
@@ -678,7 +678,7 @@ fn write_direct(out: &mut String, op: &Op, ctx: &LogContext<'_>, missing: &str) 
         Op::StartTime(f) => {
             f.as_ref()
                 .unwrap_or_else(|| TimeFormat::default_format())
-                .write(out, info.start_time);
+                .write(out, info.start_time());
             return true;
         }
         Op::UpstreamHost => (info.upstream_host, true),
@@ -1189,7 +1189,7 @@ mod tests {
         for a in addrs {
             let a = a.map(|a| a.parse::<std::net::SocketAddr>().expect("address"));
             let mut info = crate::telemetry::stream_info::StreamInfo::new(Protocol::Http11);
-            info.start_time = UNIX_EPOCH + Duration::new(1_796_397_286, 829_123_456);
+            info.set_start_time(UNIX_EPOCH + Duration::new(1_796_397_286, 829_123_456));
             info.upstream_host = a;
             info.upstream_local = a;
             info.downstream_local = a;

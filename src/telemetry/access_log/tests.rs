@@ -16,7 +16,7 @@ const ISTIO_TEXT: &str = "[%START_TIME%] \"%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-
 fn info() -> StreamInfo {
     let mut i = StreamInfo::new(Protocol::Http11);
     // 2026-12-02T15:14:45.829920Z
-    i.start_time = UNIX_EPOCH + Duration::new(1_796_224_485, 829_920_000);
+    i.set_start_time(UNIX_EPOCH + Duration::new(1_796_224_485, 829_920_000));
     i.downstream_local = Some("127.0.0.1:18001".parse().unwrap());
     i.downstream_remote = Some("127.0.0.1:34832".parse().unwrap());
     i.downstream_direct_remote = i.downstream_remote;
@@ -90,7 +90,7 @@ fn istio_text_format_renders_like_envoy() {
         "[2026-12-02T15:14:45.829Z] \"GET /ok?x=1 HTTP/1.1\" 200 - via_upstream - \"-\" 0 335 14 12 \"-\" \"ua/1\" \"rid-1\" \"example.com:8080\" \"127.0.0.1:18002\" up 127.0.0.1:48144 127.0.0.1:18001 127.0.0.1:34832 - r_ok\n"
     );
     let mut nr = StreamInfo::new(Protocol::Http11);
-    nr.start_time = info().start_time;
+    nr.set_start_time(info().start_time());
     nr.response_code = 404;
     nr.flags.set(ResponseFlag::NoRouteFound);
     nr.set_details("route_not_found");
@@ -139,7 +139,7 @@ fn operators_and_lengths() {
 
 #[test]
 fn start_time_formats() {
-    let t = info().start_time;
+    let t = info().start_time();
     let f = |s: &str| {
         let mut o = String::new();
         TimeFormat::parse(s).write(&mut o, t);
