@@ -327,7 +327,7 @@ impl StreamInfo {
         }
     }
 
-    /// Sets the wall clock at the start (tests, and a stream that copies another's).
+    /// Sets the wall clock at the start (tests' fixed times).
     pub fn set_start_time(&mut self, t: SystemTime) {
         self.start_wall = OnceLock::from(t);
     }
