@@ -31,6 +31,7 @@ use super::h1_session::{Conn, OwnSession, Plain, Vacant};
 use super::h1_upstream::Upstream;
 use super::io::Downstream;
 use super::timeouts::LazyTimer;
+use super::up_io::Io;
 use super::{Ctx, Gateway};
 use crate::snapshot::route::{Action, RouteTable, Target};
 
@@ -520,12 +521,20 @@ async fn proxy_to_upstream(
             up.read_from(chosen);
             Ok((up, true))
         }
+        // A plain peer for the own pool: connected here, the socket kept without pingora's
+        // stream around it (`up_io`). Boxed, as the connector's future below.
+        None if own && super::up_io::connects_itself(&peer) => {
+            match Box::pin(super::up_io::connect(&peer)).await {
+                Ok(io) => Ok((Upstream::new(io, &*peer), false)),
+                Err(e) => Err(e),
+            }
+        }
         // Boxed: the connector's future (a connect, maybe a TLS handshake) is 8.8 KB, and a
         // pooled connection, the usual case, should not carry that room in every request.
         None => match Box::pin(d.connector.get_http_session(&*peer)).await {
             // A connection for the own pool: the exchange reads the common response itself.
             Ok((ClientSession::H1(h1), reused)) if own => {
-                Ok((Upstream::new(h1.into_inner(), &*peer), reused))
+                Ok((Upstream::new(Io::Stream(h1.into_inner()), &*peer), reused))
             }
             Ok((ClientSession::H1(h1), reused)) => Ok((Upstream::Pingora(Box::new(h1)), reused)),
             Ok((other, _)) => {

@@ -22,8 +22,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use pingora_core::protocols::http::v1::client::HttpSession as ClientV1;
 use pingora_core::protocols::http::HttpTask;
-use pingora_core::protocols::l4::stream::Stream as Tcp;
-use pingora_core::protocols::{Stream, UniqueID};
+use pingora_core::protocols::UniqueID;
 use pingora_error::{Error, ErrorType, OrErr, Result, RetryType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -31,6 +30,7 @@ use tokio::time::{timeout, Instant};
 
 use super::framing::Limits;
 use super::timeouts::LazyTimer;
+use super::up_io::Io;
 
 /// pingora's first read of a response head (`INIT_HEADER_BUF_SIZE`).
 const HEAD_BUF: usize = 4096;
@@ -40,6 +40,8 @@ const BODY_BUF: usize = 64 * 1024;
 const MAX_HEADERS: usize = 256;
 
 /// One upstream exchange on an HTTP/1 connection.
+// The large variant is the common one: boxing it would add an allocation to every request.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Upstream {
     Own(Exchange),
     /// Boxed: the rare case's room (472 bytes) is not carried by the common one.
@@ -49,7 +51,7 @@ pub(super) enum Upstream {
 }
 
 pub(super) struct Exchange {
-    stream: Stream,
+    stream: Io,
     /// What was read of a response head this exchange leaves to pingora's session, which
     /// reads it again.
     unread: Bytes,
@@ -88,10 +90,13 @@ enum State {
 
 impl Upstream {
     /// An exchange on a connection (pooled or new) to `peer`.
-    pub fn new<P: pingora_core::upstreams::peer::Peer>(stream: Stream, peer: &P) -> Upstream {
+    pub fn new<P: pingora_core::upstreams::peer::Peer>(stream: Io, peer: &P) -> Upstream {
         // Only a plain TCP stream can take read bytes back for pingora's session.
-        if !stream.as_any().is::<Tcp>() {
-            return Upstream::Pingora(Box::new(ClientV1::new_with_options(stream, peer)));
+        if !stream.is_plain() {
+            return Upstream::Pingora(Box::new(ClientV1::new_with_options(
+                stream.into_stream(),
+                peer,
+            )));
         }
         let options = peer.get_peer_options();
         Upstream::Own(Exchange {
@@ -161,7 +166,7 @@ impl Upstream {
     /// made for it (its timing part is an allocation).
     pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
         let socket = match self {
-            Upstream::Own(x) => x.stream.get_socket_digest(),
+            Upstream::Own(x) => return x.stream.local_addr(),
             Upstream::Pingora(c) => c.digest().socket_digest.clone(),
             Upstream::Moving => None,
         }?;
@@ -269,19 +274,19 @@ impl Upstream {
 
     /// pingora's `respect_keepalive` then `reuse`: the connection when it may carry another
     /// request, else it is shut.
-    pub async fn reuse(self) -> Option<Stream> {
+    pub async fn reuse(self) -> Option<Io> {
         match self {
             Upstream::Own(mut x) => {
                 if matches!(x.state, State::Done { reusable: true }) {
                     Some(x.stream)
                 } else {
-                    let _ = x.stream.shutdown().await;
+                    x.stream.shutdown().await;
                     None
                 }
             }
             Upstream::Pingora(mut c) => {
                 c.respect_keepalive();
-                c.reuse().await
+                c.reuse().await.map(Io::Stream)
             }
             Upstream::Moving => None,
         }
@@ -292,12 +297,11 @@ impl Upstream {
         let Upstream::Own(x) = std::mem::replace(self, Upstream::Moving) else {
             return;
         };
-        // `new` takes only plain TCP streams, so the downcast holds.
-        let Ok(mut tcp) = x.stream.into_any().downcast::<Tcp>() else {
+        // `new` takes only plain TCP streams, so this holds.
+        let Some(tcp) = x.stream.into_pingora(&x.unread) else {
             return;
         };
-        tcp.rewind(&x.unread);
-        let mut c = ClientV1::new(tcp);
+        let mut c = ClientV1::new(Box::new(tcp));
         c.set_allow_h1_response_invalid_content_length(x.allow_invalid_length);
         c.read_timeout = x.read_timeout;
         c.write_timeout = x.write_timeout;
@@ -658,13 +662,16 @@ mod tests {
                 let _ = c.read(&mut [0u8; 1]).await;
             }
         });
-        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let stream: Stream = Box::new(Tcp::from(tcp));
         let peer = HttpPeer::new(addr, false, String::new());
         let mut up = if own {
-            Upstream::new(stream, &peer)
+            // Connected as the own loop connects to a plain peer.
+            assert!(crate::proxy::up_io::connects_itself(&peer));
+            let io = crate::proxy::up_io::connect(&peer).await.expect("connect");
+            Upstream::new(io, &peer)
         } else {
-            Upstream::Pingora(Box::new(ClientV1::new(stream)))
+            let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let stream = pingora_core::protocols::l4::stream::Stream::from(tcp);
+            Upstream::Pingora(Box::new(ClientV1::new(Box::new(stream))))
         };
         up.set_timeouts(Some(read_timeout), None);
         let mut req = RequestHeader::build("GET", b"/x", None).expect("request");

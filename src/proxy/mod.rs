@@ -59,6 +59,7 @@ pub mod tcp;
 mod timeouts;
 pub mod tls;
 mod trace;
+mod up_io;
 mod upgrade;
 mod upstream;
 mod upstream_tls;

@@ -20,9 +20,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use super::up_io::Io;
 use futures::FutureExt;
 use pingora_core::protocols::l4::socket::SocketAddr;
-use pingora_core::protocols::Stream;
 use pingora_core::upstreams::peer::Peer;
 use tokio::io::AsyncReadExt;
 
@@ -51,7 +51,7 @@ struct Inner {
 
 struct Idle {
     addr: SocketAddr,
-    stream: Stream,
+    stream: Io,
     until: Option<Instant>,
     seq: u64,
 }
@@ -68,7 +68,7 @@ impl Pool {
     /// An idle connection to `peer` that is still open and within its idle timeout.
     /// `key`: the peer's `reuse_hash` (worked out once per request, for `put` too); `now`: a
     /// reading of the clock the caller has (the request's peer was chosen moments before).
-    pub fn take(&self, key: u64, peer: &impl Peer, now: Instant) -> Option<Stream> {
+    pub fn take(&self, key: u64, peer: &impl Peer, now: Instant) -> Option<Io> {
         let mut inner = self.inner.lock().ok()?;
         let inner = &mut *inner;
         let list = inner.idle.get_mut(&key)?;
@@ -93,13 +93,7 @@ impl Pool {
     }
 
     /// Keeps `stream` (a connection to `peer` whose last response is complete) for reuse.
-    pub fn put(
-        self: &Arc<Self>,
-        stream: Stream,
-        key: u64,
-        peer: &impl Peer,
-        idle: Option<Duration>,
-    ) {
+    pub fn put(self: &Arc<Self>, stream: Io, key: u64, peer: &impl Peer, idle: Option<Duration>) {
         // Not checked here as `take` checks: the response was read to its end moments ago,
         // leaving nothing buffered, and what the server sends or closes from now on `take`
         // (or the sweep) finds, as it would find it after a check here (~320 instructions).
@@ -214,7 +208,7 @@ async fn sweep(pool: Weak<Pool>, wake: Arc<tokio::sync::Notify>) {
 
 /// pingora's test of a pooled connection: an idle connection has nothing to read, so a read
 /// that is ready (data, EOF or an error) means it is not reusable. Not ready costs no syscall.
-fn reusable(stream: &mut Stream) -> bool {
+fn reusable(stream: &mut Io) -> bool {
     let mut buf = [0u8; 1];
     // `unconstrained`: tokio's budget could make a ready read look pending.
     tokio::task::unconstrained(stream.read(&mut buf[..]))
@@ -229,11 +223,19 @@ mod tests {
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
 
-    async fn pair(l: &TcpListener) -> (Stream, TcpStream) {
+    /// A connection as the own loop makes one to a plain peer, and the server's end.
+    async fn pair(l: &TcpListener) -> (Io, TcpStream) {
+        let p = peer(l);
+        let (c, s) = tokio::join!(crate::proxy::up_io::connect(&p), l.accept());
+        (c.expect("connect"), s.expect("accept").0)
+    }
+
+    /// A connection as pingora's connector makes one (its stream), and the server's end.
+    async fn pingora_pair(l: &TcpListener) -> (Io, TcpStream) {
         let addr = l.local_addr().expect("addr");
         let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
         let c = pingora_core::protocols::l4::stream::Stream::from(c.expect("connect"));
-        (Box::new(c), s.expect("accept").0)
+        (Io::Stream(Box::new(c)), s.expect("accept").0)
     }
 
     /// Waits (at most `within`) for the server side to see the pool close its connection.
@@ -284,10 +286,15 @@ mod tests {
         let pool = Pool::new(8);
         let (c1, s1) = pair(&l).await;
         let (c2, mut s2) = pair(&l).await;
-        pool.put(c1, p.reuse_hash(), &p, None);
-        pool.put(c2, p.reuse_hash(), &p, None);
+        let (c3, s3) = pingora_pair(&l).await;
+        let (c4, mut s4) = pingora_pair(&l).await;
+        for c in [c1, c2, c3, c4] {
+            pool.put(c, p.reuse_hash(), &p, None);
+        }
         drop(s1);
+        drop(s3);
         s2.write_all(b"unexpected").await.expect("write");
+        s4.write_all(b"unexpected").await.expect("write");
         // Until the reactor has seen both sockets readable, they look idle.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
