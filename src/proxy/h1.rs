@@ -524,10 +524,9 @@ async fn proxy_to_upstream(
         // A plain peer for the own pool: connected here, the socket kept without pingora's
         // stream around it (`up_io`). Boxed, as the connector's future below.
         None if own && super::up_io::connects_itself(&peer) => {
-            match Box::pin(super::up_io::connect(&peer)).await {
-                Ok(io) => Ok((Upstream::new(io, &*peer), false)),
-                Err(e) => Err(e),
-            }
+            Box::pin(super::up_io::connect(&peer))
+                .await
+                .map(|io| (Upstream::new(io, &*peer), false))
         }
         // Boxed: the connector's future (a connect, maybe a TLS handshake) is 8.8 KB, and a
         // pooled connection, the usual case, should not carry that room in every request.

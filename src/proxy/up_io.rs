@@ -195,3 +195,135 @@ impl AsyncWrite for Io {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pingora_core::connectors::TransportConnector;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    fn plain(addr: SocketAddr) -> HttpPeer {
+        HttpPeer::new(addr, false, String::new())
+    }
+
+    fn sockopt(fd: i32, level: i32, name: i32) -> i32 {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: a valid descriptor, and a buffer of the size given.
+        let r = unsafe {
+            libc::getsockopt(
+                fd,
+                level,
+                name,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0, "getsockopt");
+        v
+    }
+
+    #[test]
+    fn only_plain_peers_are_connected_here() {
+        let addr: SocketAddr = "127.0.0.1:80".parse().expect("addr");
+        assert!(connects_itself(&plain(addr)));
+        assert!(!connects_itself(&HttpPeer::new(addr, true, "h".into())));
+        let mut p = plain(addr);
+        p.options.dscp = Some(10);
+        assert!(!connects_itself(&p));
+        let mut p = plain(addr);
+        p.options.tcp_recv_buf = Some(1 << 16);
+        assert!(!connects_itself(&p));
+        let mut p = plain(addr);
+        p.options.tcp_fast_open = true;
+        assert!(!connects_itself(&p));
+        let mut p = plain(addr);
+        p.options.total_connection_timeout = Some(Duration::from_secs(1));
+        assert!(!connects_itself(&p));
+        let unix =
+            HttpPeer::new_uds("/tmp/portico-none.sock", false, String::new()).expect("uds peer");
+        assert!(!connects_itself(&unix));
+    }
+
+    #[tokio::test]
+    async fn a_plain_connection_is_set_up_as_pingoras_connector_sets_one_up() {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let mut peer = plain(l.local_addr().expect("addr"));
+        peer.options.tcp_keepalive = Some(pingora_core::protocols::TcpKeepalive {
+            idle: Duration::from_secs(30),
+            interval: Duration::from_secs(5),
+            count: 3,
+            user_timeout: Duration::ZERO,
+        });
+        let (io, accepted) = tokio::join!(connect(&peer), l.accept());
+        let (mut io, (mut server, from)) = (io.expect("connect"), accepted.expect("accept"));
+        assert!(matches!(io, Io::Tcp(_)));
+        assert!(io.is_plain());
+        // The address the server sees is the one read at the connect.
+        assert_eq!(io.local_addr(), Some(from));
+        let fd = io.id();
+        assert_eq!(sockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY), 1);
+        assert_eq!(sockopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(sockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 30);
+        assert_eq!(sockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 5);
+        assert_eq!(sockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3);
+        // Both ways, then a shut writing side the server reads as the end.
+        io.write_all(b"ping").await.expect("write");
+        io.flush().await.expect("flush");
+        let mut got = [0u8; 4];
+        server.read_exact(&mut got).await.expect("server read");
+        assert_eq!(&got, b"ping");
+        server.write_all(b"pong").await.expect("server write");
+        io.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"pong");
+        io.shutdown().await;
+        assert_eq!(server.read(&mut got).await.expect("eof"), 0);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connect_fails_as_pingoras_connector_says_it() {
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr")
+        };
+        let mut peer = plain(addr);
+        peer.options.connection_timeout = Some(Duration::from_secs(5));
+        let Err(ours) = connect(&peer).await else {
+            panic!("connected to a closed port");
+        };
+        let Err(theirs) = TransportConnector::new(None).new_stream(&peer).await else {
+            panic!("connected to a closed port");
+        };
+        assert_eq!(ours.etype(), theirs.etype());
+        assert_eq!(ours.etype(), &ErrorType::ConnectRefused);
+        assert_eq!(
+            ours.context.as_ref().map(|c| c.as_str()),
+            theirs.context.as_ref().map(|c| c.as_str())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_handed_to_pingora_keeps_its_address_and_unread_bytes() {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let peer = plain(l.local_addr().expect("addr"));
+        let (io, accepted) = tokio::join!(connect(&peer), l.accept());
+        let (io, (mut server, from)) = (io.expect("connect"), accepted.expect("accept"));
+        server.write_all(b"rest").await.expect("server write");
+        let mut tcp = io.into_pingora(b"head ").expect("plain");
+        let local = tcp
+            .get_socket_digest()
+            .and_then(|d| d.local_addr().and_then(|a| a.as_inet()).copied());
+        assert_eq!(local, Some(from));
+        let mut got = [0u8; 9];
+        tcp.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"head rest");
+        // Back from pingora's session (plain TCP in its stream), the own exchange can read it
+        // again, and the address stays known.
+        let other: Stream = Box::new(tcp);
+        let io = Io::Stream(other);
+        assert!(io.is_plain());
+        assert_eq!(io.local_addr(), Some(from));
+    }
+}
