@@ -3,7 +3,8 @@
 //! listener's tunnel, a connection pingora's session held).
 //!
 //! pingora's TCP stream wraps the socket in layers the loop does not use: a write buffer of
-//! no capacity, a read-ahead buffer, receive timestamps, a dispatch through `dyn IO`, and a
+//! no capacity, a list of put-back bytes every read checks first (its read-ahead buffer has no
+//! capacity either), receive timestamps, a dispatch through `dyn IO`, and a
 //! clock reading on each side of a read that waits (its `read_pending_time`, two readings a
 //! request). For a plain peer the loop connects as pingora's connector does and keeps the
 //! socket itself; a stream handed to pingora's session becomes pingora's stream then.
