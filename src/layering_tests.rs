@@ -156,3 +156,57 @@ fn the_snapshot_reads_no_files_or_environment() {
         broken.join("\n")
     );
 }
+
+/// `h1_session::OwnAt::get`'s premise: Portico makes custom sessions of two types only, its
+/// own (whose address `OwnAt::of` takes as it is handed over) and the empty `()`. Unit tests
+/// (a file's `mod tests`, the `_tests.rs` files) are left out.
+#[test]
+fn custom_sessions_are_own_sessions_or_empty() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let needle = "new_custom(";
+    let mut found = Vec::new();
+    let mut all = Vec::new();
+    files(&src, &mut all);
+    // The request path's code only: tests make sessions of their own (and this file's
+    // expectations below name the calls they look for).
+    let tests = |f: &PathBuf| f.to_string_lossy().ends_with("_tests.rs");
+    for f in all.into_iter().filter(|f| !tests(f)) {
+        let text = std::fs::read_to_string(&f).expect("readable source");
+        let lines: Vec<&str> = text
+            .lines()
+            .map(code)
+            .take_while(|l| l.trim() != "mod tests {")
+            .collect();
+        for (n, line) in lines.iter().enumerate() {
+            if line.contains(needle) {
+                let before = n.checked_sub(1).map_or("", |p| lines[p].trim());
+                found.push((
+                    f.strip_prefix(&src).unwrap_or(&f).display().to_string(),
+                    before.to_string(),
+                    line.trim().to_string(),
+                ));
+            }
+        }
+    }
+    let at = |before: &str, line: &str| {
+        (
+            "proxy/h1.rs".to_string(),
+            before.to_string(),
+            line.to_string(),
+        )
+    };
+    assert_eq!(
+        found,
+        [
+            at(
+                "ctx.own_at = OwnAt::of(&session);",
+                "*s.downstream_session = ServerSession::new_custom(session);"
+            ),
+            at(
+                ") -> Option<Box<Session>> {",
+                "*s.downstream_session = ServerSession::new_custom(Box::new(()));"
+            ),
+        ],
+        "a custom session of another kind breaks `OwnAt::get`"
+    );
+}

@@ -741,7 +741,7 @@ fn authority_or_host<'a>(req: &'a RequestHeader, host: Option<&'a http::HeaderVa
     req.uri
         .authority()
         .map(|a| a.as_str())
-        .or_else(|| host.and_then(|h| h.to_str().ok()))
+        .or_else(|| host.and_then(super::head::value_str))
         .unwrap_or("")
 }
 

@@ -27,7 +27,7 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::RequestHeader;
 use pingora_proxy::{HttpProxy, ProxyHttp, Session};
 
-use super::h1_session::{Conn, OwnSession, Plain, Vacant};
+use super::h1_session::{Conn, OwnAt, OwnSession, Plain, Vacant};
 use super::h1_upstream::Upstream;
 use super::io::Downstream;
 use super::timeouts::LazyTimer;
@@ -241,6 +241,7 @@ pub(crate) async fn process(
                         Session::new_h1_with_modules(Box::new(Vacant), &d.app.downstream_modules)
                     })
                 });
+                ctx.own_at = OwnAt::of(&session);
                 *s.downstream_session = ServerSession::new_custom(session);
                 ctx.own = Some(c.clone());
                 conn = Some(c);
@@ -476,7 +477,11 @@ async fn reuse_own(
     ended: Option<std::time::Instant>,
     spare: &mut Spare,
 ) -> Option<Next> {
-    s.downstream_session.finish_body().await.ok()?;
+    // Most responses were finished where the proxying ended; this call (a boxed future, as
+    // each of the session's async methods) is for the others, an error's reply among them.
+    if !conn.finished() {
+        s.downstream_session.finish_body().await.ok()?;
+    }
     if !super::h1_session::will_keepalive(conn, kept.reuses) {
         s.downstream_session.shutdown().await;
         return None;
@@ -667,6 +672,7 @@ async fn proxy_to_h1_upstream(
     // `ET /...`).
     s.downstream_session.is_body_done();
     let limits = super::response_limits(ctx);
+    let at = ctx.own_at;
     // The response, while watching the client: one that hangs up ends the request. What the
     // upstream already sent goes out in one write, as pingora batches what its pipe holds.
     loop {
@@ -675,7 +681,7 @@ async fn proxy_to_h1_upstream(
         let first = tokio::select! {
             biased;
             t = client.read_response_task(&mut ctx.read_timer, limits) => t,
-            r = s.downstream_session.read_body_or_idle(true) => match r {
+            r = body_or_idle(&mut s.downstream_session, at) => match r {
                 Err(e) => return (false, false, Some(e.into_down())),
                 Ok(_) => continue,
             },
@@ -708,14 +714,18 @@ async fn proxy_to_h1_upstream(
                 Err(e) => return (false, false, Some(e)),
             }
         }
-        match write_tasks(s, batch).await {
+        match write_tasks(s, batch, at).await {
             Ok(done) if done || end => break,
             Ok(_) => {}
             Err(e) => return (false, false, Some(e)),
         }
     }
-    let reuse_downstream = match s.as_mut().finish_body().await {
-        Ok(_) => true,
+    let finished = match at.get(&mut s.downstream_session) {
+        Some(own) => own.finish_body().await.map(|_| ()),
+        None => s.as_mut().finish_body().await,
+    };
+    let reuse_downstream = match finished {
+        Ok(()) => true,
         Err(e) => {
             tracing::error!("Error finish sending body to downstream: {e}");
             false
@@ -731,7 +741,7 @@ async fn proxy_to_h1_upstream(
 /// that asked for no upgrade, on a connection not upgraded, and a batch with neither a 101
 /// head nor an upgraded body, that pass does nothing, and the tasks go to the session
 /// directly, without its calls for each task.
-async fn write_tasks(s: &mut Session, batch: Vec<HttpTask>) -> Result<bool> {
+async fn write_tasks(s: &mut Session, batch: Vec<HttpTask>, at: OwnAt) -> Result<bool> {
     let upgrade = s.downstream_session.is_upgrade_req()
         || s.downstream_session.was_upgraded()
         || batch.iter().any(|t| match t {
@@ -742,7 +752,19 @@ async fn write_tasks(s: &mut Session, batch: Vec<HttpTask>) -> Result<bool> {
     if upgrade {
         return s.write_response_tasks(batch).await;
     }
-    s.downstream_session.response_duplex_vec(batch).await
+    match at.get(&mut s.downstream_session) {
+        Some(own) => own.duplex_vec(batch).await,
+        None => s.downstream_session.response_duplex_vec(batch).await,
+    }
+}
+
+/// pingora's `read_body_or_idle` for a request without a body: the own session's called
+/// directly (`OwnAt`).
+async fn body_or_idle(s: &mut ServerSession, at: OwnAt) -> Result<Option<bytes::Bytes>> {
+    match at.get(s) {
+        Some(own) => own.body_or_idle().await,
+        None => s.read_body_or_idle(true).await,
+    }
 }
 
 /// `upstream_filter` then `h1_response_filter`, without a cache.

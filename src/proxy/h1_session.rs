@@ -22,7 +22,7 @@
 //! (pingora's `finish` gives a custom session's connection back to no one).
 
 use std::future::pending;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +32,7 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Versi
 use pingora_core::protocols::http::custom::server::Session as CustomSession;
 use pingora_core::protocols::http::custom::CustomMessageWrite;
 use pingora_core::protocols::http::HttpTask;
+use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::l4::socket::SocketAddr;
 use pingora_core::protocols::{
     Digest, GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, UniqueID,
@@ -225,8 +226,10 @@ impl Plain {
     fn head(&self, raw: &Bytes) -> Option<RequestHeader> {
         let range = |(at, len): (u16, u16)| usize::from(at)..usize::from(at) + usize::from(len);
         let target = raw.slice(range(self.path));
+        let method = raw.get(range(self.method))?;
         // A fragment pingora's session cuts off the target (and the connection manager then
-        // refuses): pingora's to read.
+        // refuses): pingora's to read. So an own session's target holds none
+        // (`downstream::has_fragment`).
         if target.contains(&b'#') {
             return None;
         }
@@ -235,7 +238,7 @@ impl Plain {
         // its builder, a copy of the target or a case map; a target the URI refuses (bytes
         // that are not ASCII, say) is pingora's to read.
         let (mut parts, ()) = http::Request::new(()).into_parts();
-        parts.method = Method::from_bytes(raw.get(range(self.method))?).ok()?;
+        parts.method = Method::from_bytes(method).ok()?;
         parts.uri = http::Uri::from(http::uri::PathAndQuery::from_maybe_shared(target).ok()?);
         parts.version = Version::HTTP_11;
         parts
@@ -274,6 +277,9 @@ pub(crate) struct Conn {
     keep: AtomicU64,
     /// The connection, handed back by a session dropped with the connection kept.
     parked: Mutex<Option<Box<Downstream>>>,
+    /// The response is whole and flushed: nothing the session writes after that reaches
+    /// the connection, so the loop's own `finish` at the request's end has nothing to do.
+    finished: AtomicBool,
 }
 
 const OFF: u64 = u64::MAX;
@@ -283,7 +289,13 @@ impl Conn {
         Conn {
             keep: AtomicU64::new(keepalive.unwrap_or(OFF)),
             parked: Mutex::new(None),
+            finished: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the session's response was finished and flushed (`OwnSession::finish_body`).
+    pub fn finished(&self) -> bool {
+        self.finished.load(Relaxed)
     }
 
     /// pingora's `set_keepalive`: None closes the connection after this request.
@@ -299,6 +311,42 @@ impl Conn {
     /// The connection its session handed back, if it was kept.
     pub fn take(&self) -> Option<Box<Downstream>> {
         self.parked.lock().ok()?.take()
+    }
+}
+
+/// Where a request's own session was boxed, so that the own loop can call it directly while
+/// pingora's session holds it. Through pingora's custom-session trait (which offers no way
+/// back to the type) each async method boxes its future: the response's write, the watch on
+/// the client and the finish were three allocations a request, and each future's move into
+/// its box a copy. 0: no own session.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct OwnAt(usize);
+
+impl OwnAt {
+    pub fn of(own: &OwnSession) -> OwnAt {
+        OwnAt(std::ptr::from_ref(own) as usize)
+    }
+
+    /// The own session `session` holds, when it is the one boxed at this address.
+    pub fn get(self, session: &mut ServerSession) -> Option<&mut OwnSession> {
+        let ServerSession::Custom(custom) = session else {
+            return None;
+        };
+        let sized = std::mem::size_of_val(&**custom) == std::mem::size_of::<OwnSession>();
+        let object: *mut dyn CustomSession = &mut **custom;
+        let own = object.cast::<OwnSession>();
+        if self.0 == 0 || own as usize != self.0 || !sized {
+            return None;
+        }
+        // SAFETY: `own` points at the object pingora's session holds, and is derived from a
+        // unique borrow of it, for as long as `session` is borrowed. That object is the own
+        // session boxed at this address: Portico makes custom sessions of two types only
+        // (`custom_sessions_are_own_sessions_or_empty` checks the source), its own and the
+        // empty placeholder `()`, which has no size (the check above) and so no address an
+        // own session could have. A request's own session stays in pingora's session while
+        // the request runs (`h1::process` puts it there, and `h1::vacate` takes it out after
+        // the request), so none other can have taken its place at its address meanwhile.
+        Some(unsafe { &mut *own })
     }
 }
 
@@ -592,7 +640,7 @@ impl OwnSession {
     }
 
     /// pingora's `finish_body`: the body's end (a last chunk), then a flush.
-    async fn finish_body(&mut self) -> Result<Option<usize>> {
+    pub async fn finish_body(&mut self) -> Result<Option<usize>> {
         let body = self.body;
         let io = self.io()?;
         let done = match body {
@@ -622,6 +670,15 @@ impl OwnSession {
             .flush()
             .await
             .or_err(ErrorType::WriteError, "flushing body")?;
+        // A complete body after a final head takes no more writes (`write_framed`,
+        // `write_head`): this flush was the response's last.
+        let last = self
+            .response_written
+            .as_ref()
+            .is_some_and(|r| !r.status.is_informational());
+        if last && matches!(self.body, Body::Complete) {
+            self.conn.finished.store(true, Relaxed);
+        }
         Ok(done)
     }
 
@@ -658,6 +715,87 @@ impl OwnSession {
         self.body_buf = buf;
         self.body_buf.clear();
         written
+    }
+
+    /// pingora's `response_duplex_vec`: the tasks written, whether the response is done.
+    pub async fn duplex_vec(&mut self, mut tasks: Vec<HttpTask>) -> Result<bool> {
+        if tasks.len() == 1 {
+            if let Some(task) = tasks.pop() {
+                return self.duplex(task).await;
+            }
+        }
+        // One body in the batch (a head and its body, the usual case) is written as it is:
+        // the batch's copy is for several bodies, which pingora writes as one.
+        let bodies = tasks
+            .iter()
+            .filter(|t| matches!(t, HttpTask::Body(Some(d), _) if !d.is_empty()))
+            .count();
+        let mut end = false;
+        for task in tasks {
+            end = match task {
+                HttpTask::Body(Some(d), end) if bodies == 1 && !d.is_empty() => {
+                    self.write_body_timed(&d).await.map_err(|e| e.into_down())?;
+                    end
+                }
+                HttpTask::Header(header, end) => {
+                    self.write_head(header).await.map_err(|e| e.into_down())?;
+                    end
+                }
+                HttpTask::Body(data, end) => {
+                    if let Some(d) = data.filter(|d| !d.is_empty()) {
+                        if !self.body_finished() {
+                            self.body_buf.extend_from_slice(&d);
+                        }
+                    }
+                    end
+                }
+                HttpTask::UpgradedBody(..) => return Err(not_upgraded()),
+                HttpTask::Trailer(_) | HttpTask::Done => true,
+                HttpTask::Failed(e) => {
+                    self.write_body_buf().await.map_err(|e| e.into_down())?;
+                    self.io()?
+                        .flush()
+                        .await
+                        .or_err(ErrorType::WriteError, "flushing response")?;
+                    return Err(e);
+                }
+            };
+        }
+        self.write_body_buf().await.map_err(|e| e.into_down())?;
+        if end {
+            self.finish_body().await.map_err(|e| e.into_down())?;
+        }
+        Ok(end || self.body_finished())
+    }
+
+    /// pingora's, for a request without a body on a session with pipelining on (Portico
+    /// turns it on for every HTTP/1 session): the client closing fails the request; bytes of
+    /// a next request stay on the connection for it.
+    pub async fn body_or_idle(&mut self) -> Result<Option<Bytes>> {
+        if self.half_closed {
+            return Error::e_explain(ErrorType::ConnectionClosed, self.premature());
+        }
+        if self.stashed {
+            return pending().await;
+        }
+        let io = self.io()?;
+        if !io.ahead().is_empty() {
+            self.stashed = true;
+            return pending().await;
+        }
+        let mut probe = [0u8; 1];
+        let read = io
+            .read(&mut probe)
+            .await
+            .or_err(ErrorType::ReadError, "during HTTP body-or-idle state")?;
+        if read == 0 {
+            self.half_closed = true;
+            self.conn.set_keepalive(None);
+            return Error::e_explain(ErrorType::ConnectionClosed, self.premature());
+        }
+        io.unread(&probe[..read]);
+        self.stashed = true;
+        pending().await
     }
 
     fn premature(&self) -> &'static str {
@@ -823,54 +961,8 @@ impl CustomSession for OwnSession {
         Ok(())
     }
 
-    async fn response_duplex_vec(&mut self, mut tasks: Vec<HttpTask>) -> Result<bool> {
-        if tasks.len() == 1 {
-            if let Some(task) = tasks.pop() {
-                return self.duplex(task).await;
-            }
-        }
-        // One body in the batch (a head and its body, the usual case) is written as it is:
-        // the batch's copy is for several bodies, which pingora writes as one.
-        let bodies = tasks
-            .iter()
-            .filter(|t| matches!(t, HttpTask::Body(Some(d), _) if !d.is_empty()))
-            .count();
-        let mut end = false;
-        for task in tasks {
-            end = match task {
-                HttpTask::Body(Some(d), end) if bodies == 1 && !d.is_empty() => {
-                    self.write_body_timed(&d).await.map_err(|e| e.into_down())?;
-                    end
-                }
-                HttpTask::Header(header, end) => {
-                    self.write_head(header).await.map_err(|e| e.into_down())?;
-                    end
-                }
-                HttpTask::Body(data, end) => {
-                    if let Some(d) = data.filter(|d| !d.is_empty()) {
-                        if !self.body_finished() {
-                            self.body_buf.extend_from_slice(&d);
-                        }
-                    }
-                    end
-                }
-                HttpTask::UpgradedBody(..) => return Err(not_upgraded()),
-                HttpTask::Trailer(_) | HttpTask::Done => true,
-                HttpTask::Failed(e) => {
-                    self.write_body_buf().await.map_err(|e| e.into_down())?;
-                    self.io()?
-                        .flush()
-                        .await
-                        .or_err(ErrorType::WriteError, "flushing response")?;
-                    return Err(e);
-                }
-            };
-        }
-        self.write_body_buf().await.map_err(|e| e.into_down())?;
-        if end {
-            self.finish_body().await.map_err(|e| e.into_down())?;
-        }
-        Ok(end || self.body_finished())
+    async fn response_duplex_vec(&mut self, tasks: Vec<HttpTask>) -> Result<bool> {
+        self.duplex_vec(tasks).await
     }
 
     fn set_read_timeout(&mut self, timeout: Option<Duration>) {
@@ -933,34 +1025,8 @@ impl CustomSession for OwnSession {
         true
     }
 
-    /// pingora's, for a request without a body on a session with pipelining on (Portico
-    /// turns it on for every HTTP/1 session): the client closing fails the request; bytes of
-    /// a next request stay on the connection for it.
     async fn read_body_or_idle(&mut self, _no_body_expected: bool) -> Result<Option<Bytes>> {
-        if self.half_closed {
-            return Error::e_explain(ErrorType::ConnectionClosed, self.premature());
-        }
-        if self.stashed {
-            return pending().await;
-        }
-        let io = self.io()?;
-        if !io.ahead().is_empty() {
-            self.stashed = true;
-            return pending().await;
-        }
-        let mut probe = [0u8; 1];
-        let read = io
-            .read(&mut probe)
-            .await
-            .or_err(ErrorType::ReadError, "during HTTP body-or-idle state")?;
-        if read == 0 {
-            self.half_closed = true;
-            self.conn.set_keepalive(None);
-            return Error::e_explain(ErrorType::ConnectionClosed, self.premature());
-        }
-        io.unread(&probe[..read]);
-        self.stashed = true;
-        pending().await
+        self.body_or_idle().await
     }
 
     fn body_bytes_sent(&self) -> usize {
@@ -1250,6 +1316,70 @@ mod tests {
             .map(|(k, v)| (k.as_str(), v.as_bytes()))
             .collect();
         assert_eq!(fields, [("host", &b"two"[..])]);
+    }
+
+    /// A `#` in the target is left on the connection for pingora's session, whose head the
+    /// connection manager checks for it (`downstream::has_fragment` looks at no own
+    /// session's); one in the method is not a fragment.
+    #[tokio::test]
+    async fn a_target_with_a_hash_is_left_to_pingoras_session() {
+        for head in [
+            &b"GET /a#b HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+            b"GET /#? HTTP/1.1\r\nHost: a\r\n\r\n",
+            b"G#T /a#b HTTP/1.1\r\nHost: a\r\n\r\n",
+        ] {
+            let (mut d, _client) = connection().await;
+            let mut p = Plain::default();
+            assert!(p.parse(head), "{head:?} parses");
+            d.unread(head);
+            assert!(p.take(&mut d).is_none(), "{head:?} taken");
+            assert_eq!(d.ahead(), head, "{head:?} left whole");
+        }
+        for head in [
+            &b"G-T /a?b=%23 HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+            b"G#T /a HTTP/1.1\r\nHost: a\r\n\r\n",
+        ] {
+            let (mut d, _client) = connection().await;
+            let mut p = Plain::default();
+            assert!(p.parse(head));
+            d.unread(head);
+            assert!(p.take(&mut d).is_some(), "{head:?} left");
+        }
+    }
+
+    /// `OwnAt` finds the own session it was taken from, and nothing in a session holding
+    /// another (an own session boxed elsewhere, the empty placeholder, pingora's own).
+    #[tokio::test]
+    async fn own_at_finds_only_the_session_it_was_taken_from() {
+        let head = b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n";
+        let (own, _conn, _client) = session(head, Some(0)).await;
+        let own = Box::new(own);
+        let at = OwnAt::of(&own);
+        let mut s = ServerSession::new_custom(own);
+        let found = at.get(&mut s).expect("the own session");
+        assert_eq!(found.req.uri, "/a");
+        found.body_bytes_sent = 7;
+        // What was changed through it is what the trait sees.
+        let ServerSession::Custom(c) = &s else {
+            panic!("a custom session");
+        };
+        assert_eq!(c.body_bytes_sent(), 7);
+        assert!(OwnAt::default().get(&mut s).is_none());
+
+        let (other, _conn, _client) = session(head, Some(0)).await;
+        let mut elsewhere = ServerSession::new_custom(Box::new(other));
+        assert!(at.get(&mut elsewhere).is_none());
+        let mut empty = ServerSession::new_custom(Box::new(()));
+        assert!(at.get(&mut empty).is_none());
+        // Taken from the placeholder's own address: its size tells it apart.
+        let ServerSession::Custom(c) = &mut empty else {
+            panic!("a custom session");
+        };
+        let placeholder = (&mut **c as *mut dyn CustomSession).cast::<u8>() as usize;
+        assert!(OwnAt(placeholder).get(&mut empty).is_none());
+        let (d, _client) = connection().await;
+        let mut pingoras = ServerSession::new_http1(d);
+        assert!(at.get(&mut pingoras).is_none());
     }
 
     /// A real connection as the listener hands it over, and the client's end.

@@ -384,6 +384,51 @@ fn known_names(len: usize) -> &'static [(&'static str, HeaderName)] {
     }
 }
 
+/// `HeaderValue::to_str`, eight bytes at a time: the value as text when each byte is visible
+/// ASCII or a tab, else None. `to_str` tests byte after byte (about 120 instructions for a
+/// Host like `127.0.0.1:8080`), and a request's Host is read as text four times on its way
+/// (the codec checks, the route's view, the authority, the upstream's).
+pub(crate) fn value_str(v: &HeaderValue) -> Option<&str> {
+    let bytes = v.as_bytes();
+    if !visible_ascii(bytes) {
+        return None;
+    }
+    // SAFETY: every byte is ASCII (`visible_ascii`), and ASCII is UTF-8.
+    Some(unsafe { std::str::from_utf8_unchecked(bytes) })
+}
+
+/// Whether every byte is visible ASCII (a space to `~`) or a tab, `to_str`'s test. A word
+/// with no byte below a space and none above `~` passes whole; the tests for either find
+/// every such byte (they may also flag a byte next to one, never miss one), and a word they
+/// flag is judged byte by byte, which is exact and lets tabs through. The last word overlaps
+/// the one before it rather than be padded (a copy of a length known only at run time is a
+/// call of `memcpy`).
+fn visible_ascii(bytes: &[u8]) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let exact = |s: &[u8]| s.iter().all(|b| (b' '..=b'~').contains(b) || *b == b'\t');
+    let n = bytes.len();
+    if n < 8 {
+        return exact(bytes);
+    }
+    let word_ok = |at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&bytes[at..at + 8]);
+        let w = u64::from_le_bytes(w);
+        let below_space = w.wrapping_sub(ONES * 0x20) & !w & HIGH;
+        let above_tilde = (w.wrapping_add(ONES) | w) & HIGH;
+        below_space | above_tilde == 0 || exact(&bytes[at..at + 8])
+    };
+    let mut at = 0;
+    while at + 8 < n {
+        if !word_ok(at) {
+            return false;
+        }
+        at += 8;
+    }
+    word_ok(n - 8)
+}
+
 /// Whether the token `bytes` is `lower` (as long, lower case, letters, digits and `-` only)
 /// whatever its case, eight bytes at a time. Setting bit 5 lowercases a letter and leaves a
 /// digit or `-` as it is; the only other bytes it would turn into one of those are control
@@ -615,6 +660,43 @@ mod tests {
         assert!(cased.map_mut().is_none());
         cased.set(&http::header::ACCEPT, "5").expect("set");
         assert_eq!(cased.headers[&http::header::ACCEPT], "5");
+    }
+
+    #[test]
+    fn a_value_as_text_is_what_to_str_gives() {
+        // Every byte a value may hold, at every place of values of every length up to three
+        // words, among `a`s, `~`s, spaces or tabs (the edges of the visible range, next to
+        // which the word tests may flag a byte): the same answer as `to_str`.
+        let mut tried = 0;
+        for len in 1..=24 {
+            for fill in [b'a', b'~', b' ', b'\t'] {
+                for at in 0..len {
+                    for b in 0u8..=255 {
+                        let mut bytes = vec![fill; len];
+                        bytes[at] = b;
+                        // Control bytes but the tab, and DEL, are no value's.
+                        let Ok(v) = HeaderValue::from_bytes(&bytes) else {
+                            continue;
+                        };
+                        assert_eq!(value_str(&v), v.to_str().ok(), "{bytes:?}");
+                        tried += 1;
+                    }
+                }
+            }
+        }
+        assert!(tried > 100_000);
+        let empty = HeaderValue::from_static("");
+        assert_eq!(value_str(&empty), Some(""));
+        // Two bytes out of range in one word, one in each of two words, and the edges.
+        for bytes in [
+            &b"ab\x80\xffcd"[..],
+            b"\x80bcdefgh\x80",
+            b"\xffabcdefg",
+            b"abcdefg\x80",
+        ] {
+            let v = HeaderValue::from_bytes(bytes).expect("a value");
+            assert_eq!(value_str(&v), None, "{bytes:?}");
+        }
     }
 
     #[test]

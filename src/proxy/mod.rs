@@ -166,6 +166,8 @@ pub struct Ctx {
     /// What the request shares with Portico's own HTTP/1 session (`h1_session`), when it has
     /// one: the keep-alive its hooks decide.
     own: Option<Arc<h1_session::Conn>>,
+    /// That session, for the own loop to call directly (`h1_session::OwnAt`).
+    own_at: h1_session::OwnAt,
     /// The own loop's timer for upstream reads, lent by the client's connection for the
     /// request (`timeouts::LazyTimer`).
     read_timer: timeouts::LazyTimer,
