@@ -493,6 +493,44 @@ fn v(status: u16, body: &str, close: bool) -> Verdict {
     }
 }
 
+/// `http_protocol_options.allow_custom_methods`: any token is a method, forwarded as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_methods_when_allowed() {
+    use envoy_types::pb::envoy::config::core::v3::Http1ProtocolOptions;
+    let backend = RawBackend::start().await;
+    let mesh = Mesh::start_raw(|port| {
+        let mut h = hcm(port);
+        h.http_protocol_options = Some(Http1ProtocolOptions {
+            allow_custom_methods: true,
+            ..Default::default()
+        });
+        let mut s = snapshot(port, &backend);
+        s.listeners.push(listener_with(port, h));
+        s
+    })
+    .await;
+    eventually("the route to the backend", PROPAGATION, || async {
+        let r = get_close(mesh.port, "/ready-probe", &[]).await;
+        if r.status == 200 && r.body_str() == "raw-backend" {
+            Ok(())
+        } else {
+            Err(format!("{r:?}"))
+        }
+    })
+    .await;
+    let h = format!("host: {HOST}\r\n");
+    let mut c = Checks::default();
+    for method in ["FOO", "M-SEARCH", "G#T", "GET"] {
+        let (got, _) = verdict(
+            mesh.port,
+            format!("{method} /m HTTP/1.1\r\n{h}\r\n").into_bytes(),
+        )
+        .await;
+        c.eq(method, got, v(200, "raw-backend", false));
+    }
+    c.finish();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests() {
     let backend = RawBackend::start().await;
@@ -515,6 +553,18 @@ async fn malformed_requests() {
         ("header value with \\x01", format!("GET /bad HTTP/1.1\r\n{h}x-y: a\x01b\r\n\r\n"), v(400, BAD_REQUEST, true)),
         ("header value with \\x7f", format!("GET /bad HTTP/1.1\r\n{h}x-y: a\x7fb\r\n\r\n"), v(400, BAD_REQUEST, true)),
         ("Host with a space", "GET /bad HTTP/1.1\r\nhost: a b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        // Envoy checks the authority's characters (RFC 3986's for a host and port).
+        ("Host with a slash", "GET /bad HTTP/1.1\r\nhost: a/b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with a question mark", "GET /bad HTTP/1.1\r\nhost: a?b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with a hash", "GET /bad HTTP/1.1\r\nhost: a#b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with a quote", "GET /bad HTTP/1.1\r\nhost: a\"b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with a backslash", "GET /bad HTTP/1.1\r\nhost: a\\b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with a pipe and braces", "GET /bad HTTP/1.1\r\nhost: a|{b}\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with a caret and a backtick", "GET /bad HTTP/1.1\r\nhost: a^`b\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host not ASCII", "GET /bad HTTP/1.1\r\nhost: caf\u{e9}.example\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with angle brackets", "GET /bad HTTP/1.1\r\nhost: <a>\r\n\r\n".into(), v(400, BAD_REQUEST, true)),
+        ("Host with sub-delims and a percent", "GET /m HTTP/1.1\r\nhost: a!$&'()*+,;=%b.c_d~e\r\n\r\n".into(), v(200, "raw-backend", false)),
+        ("Host as an IPv6 literal", "GET /m HTTP/1.1\r\nhost: [::1]:80\r\n\r\n".into(), v(200, "raw-backend", false)),
         ("URL of 70000 bytes", format!("GET /bad?{} HTTP/1.1\r\n{h}\r\n", a(70000)), v(431, "Request Header Fields Too Large", true)),
         ("URL of 59000 bytes", format!("GET /m?{} HTTP/1.1\r\n{h}\r\n", a(59000)), v(200, "raw-backend", false)),
         ("header of 62000 bytes", format!("GET /bad HTTP/1.1\r\n{h}x-big: {}\r\n\r\n", a(62000)), v(431, "Request Header Fields Too Large", true)),
@@ -562,6 +612,16 @@ async fn malformed_requests() {
         ("a backtick in the path", format!("GET /tick`x HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
         ("a quote in the query", format!("GET /quote?q=\"x\" HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
         ("NUL in header value", format!("GET /bad HTTP/1.1\r\n{h}x-y: a\x00b\r\n\r\n"), v(400, BAD_REQUEST, true)),
+        // Envoy's HTTP/1 codec knows a list of methods (`allow_custom_methods` unset) and
+        // reads the method before the version.
+        ("a method Envoy does not know", format!("FOO /bad HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("an unknown method on HTTP/1.0", format!("FOO /bad HTTP/1.0\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("a hash in the method", format!("G#T /bad HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("M-SEARCH", format!("M-SEARCH /bad HTTP/1.1\r\n{h}\r\n"), v(400, BAD_REQUEST, true)),
+        ("MSEARCH", format!("MSEARCH /m HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("PROPFIND", format!("PROPFIND /m HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("PURGE", format!("PURGE /m HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
+        ("UNSUBSCRIBE", format!("UNSUBSCRIBE /m HTTP/1.1\r\n{h}\r\n"), v(200, "raw-backend", false)),
     ];
     let results = futures::future::join_all(
         cases

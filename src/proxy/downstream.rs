@@ -418,6 +418,11 @@ fn reject(
 ) -> Option<(u16, &'static str, bool)> {
     let req = session.req_header();
     let h1 = super::downstream_h1(session);
+    // Envoy's HTTP/1 codec reads the method first and refuses one it does not know, before
+    // it reads the version.
+    if h1 && !hcm.is_some_and(|h| h.allow_custom_methods) && !known_method(&req.method) {
+        return Some((400, "Bad Request", true));
+    }
     if h1 && req.version == http::Version::HTTP_10 {
         return Some((426, "Upgrade Required", true));
     }
@@ -462,8 +467,14 @@ fn reject(
     if h1 && host.is_none() && req.uri.authority().is_none() {
         return Some((400, "", true));
     }
-    let authority = authority_or_host(req, host);
-    if authority.bytes().any(|b| b <= b' ' || b == 0x7f) {
+    // The authority's bytes as sent (a Host that is not text is refused too).
+    let authority = req
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| host.map(http::HeaderValue::as_bytes))
+        .unwrap_or_default();
+    if !authority_chars_valid(authority) {
         return Some((400, "Bad Request", true));
     }
     let raw = req.raw_path();
@@ -496,6 +507,78 @@ fn reject(
     }
     // Upgrades are decided after routing (`upgrade::permitted`): the route has a say.
     None
+}
+
+/// Envoy's check of an authority's characters (`HeaderUtility::authorityIsValid`, nghttp2's
+/// `check_authority`): RFC 3986's for a host name, an IP literal and a port, `@` and `%`
+/// among them; anything else (a space, `/`, `?`, `#`, `"`, `\`, a byte that is not ASCII)
+/// is answered 400.
+fn authority_chars_valid(authority: &[u8]) -> bool {
+    const VALID: [bool; 256] = {
+        let mut t = [false; 256];
+        let extra = b"-._~!$&'()*+,;=:@[]%";
+        let mut b = 0;
+        while b < 256 {
+            let c = b as u8;
+            t[b] = c.is_ascii_alphanumeric();
+            b += 1;
+        }
+        let mut i = 0;
+        while i < extra.len() {
+            t[extra[i] as usize] = true;
+            i += 1;
+        }
+        t
+    };
+    authority.iter().all(|b| VALID[usize::from(*b)])
+}
+
+/// Whether Envoy's HTTP/1 codec takes the method without `allow_custom_methods`: the methods
+/// of http-parser's list, as its balsa parser keeps them (`MSEARCH` without the dash; no
+/// lower case).
+pub(super) fn known_method(method: &http::Method) -> bool {
+    use http::Method as M;
+    const OTHERS: [&str; 25] = [
+        "ACL",
+        "BIND",
+        "CHECKOUT",
+        "COPY",
+        "LINK",
+        "LOCK",
+        "MERGE",
+        "MKACTIVITY",
+        "MKCALENDAR",
+        "MKCOL",
+        "MOVE",
+        "MSEARCH",
+        "NOTIFY",
+        "PROPFIND",
+        "PROPPATCH",
+        "PURGE",
+        "REBIND",
+        "REPORT",
+        "SEARCH",
+        "SOURCE",
+        "SUBSCRIBE",
+        "UNBIND",
+        "UNLINK",
+        "UNLOCK",
+        "UNSUBSCRIBE",
+    ];
+    // The nine the `http` crate knows are compared without their text.
+    [
+        M::GET,
+        M::POST,
+        M::PUT,
+        M::DELETE,
+        M::HEAD,
+        M::OPTIONS,
+        M::CONNECT,
+        M::PATCH,
+        M::TRACE,
+    ]
+    .contains(method)
+        || OTHERS.contains(&method.as_str())
 }
 
 /// Replaces the request's path and query, keeping its scheme and authority (HTTP/2).
@@ -722,13 +805,31 @@ fn refused_target(session: &Session) -> bool {
     }
 }
 
-/// Whether the HTTP/1 request line carries a `#fragment`, which the URI parser drops silently
-/// but Envoy answers with 400.
+/// Whether the HTTP/1 request's target carries a `#fragment`, which the URI parser drops
+/// silently but Envoy answers with 400 (a `#` in a method, which `allow_custom_methods`
+/// lets through, is no fragment). Portico's own session serves no target with a `#`
+/// (`h1_session::Plain::head` leaves those to pingora's): nothing to look for there.
 fn has_fragment(session: &Session) -> bool {
-    super::raw_h1_head(session).is_some_and(|raw| {
-        let line_end = raw.iter().position(|b| *b == b'\n').unwrap_or(raw.len());
-        raw[..line_end].contains(&b'#')
-    })
+    match session.as_downstream() {
+        pingora_core::protocols::http::ServerSession::H1(h1) => {
+            let raw = h1.get_headers_raw_bytes();
+            let line_end = raw.iter().position(|b| *b == b'\n').unwrap_or(raw.len());
+            fragment_in_target(&raw[..line_end])
+        }
+        _ => false,
+    }
+}
+
+/// Whether a request line's target (after the method's space, before the version's) holds
+/// a `#`.
+fn fragment_in_target(line: &[u8]) -> bool {
+    let start = line.iter().position(|b| *b == b' ').map_or(0, |p| p + 1);
+    let end = line
+        .iter()
+        .rposition(|b| *b == b' ')
+        .filter(|e| *e >= start)
+        .unwrap_or(line.len());
+    line[start..end].contains(&b'#')
 }
 
 /// The authority as the client sent it (`:authority` or `Host`).

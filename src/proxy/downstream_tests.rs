@@ -40,6 +40,7 @@ fn downstream_remote_follows_envoys_xff_rules() {
         access_log: Default::default(),
         tracing: None,
         keep_header_case: false,
+        allow_custom_methods: false,
     };
     let peer: Option<SocketAddr> = "127.0.0.1:5000".parse().ok();
     let mut h = http::HeaderMap::new();
@@ -216,5 +217,119 @@ fn present_finds_what_a_lookup_finds_for_few_names_and_many() {
             map.contains_key(&X_REQUEST_ID),
             "{head:?}"
         );
+    }
+}
+
+#[test]
+fn known_methods_are_envoys_http1_list() {
+    // Envoy's balsa parser's list, in its order.
+    let envoy = [
+        "ACL",
+        "BIND",
+        "CHECKOUT",
+        "CONNECT",
+        "COPY",
+        "DELETE",
+        "GET",
+        "HEAD",
+        "LINK",
+        "LOCK",
+        "MERGE",
+        "MKACTIVITY",
+        "MKCALENDAR",
+        "MKCOL",
+        "MOVE",
+        "MSEARCH",
+        "NOTIFY",
+        "OPTIONS",
+        "PATCH",
+        "POST",
+        "PROPFIND",
+        "PROPPATCH",
+        "PURGE",
+        "PUT",
+        "REBIND",
+        "REPORT",
+        "SEARCH",
+        "SOURCE",
+        "SUBSCRIBE",
+        "TRACE",
+        "UNBIND",
+        "UNLINK",
+        "UNLOCK",
+        "UNSUBSCRIBE",
+    ];
+    for m in envoy {
+        let method = http::Method::from_bytes(m.as_bytes()).expect("a method");
+        assert!(known_method(&method), "{m}");
+        // One letter more, fewer or in lower case is another method.
+        for other in [format!("{m}X"), m[1..].to_string(), m.to_ascii_lowercase()] {
+            if envoy.contains(&other.as_str()) {
+                continue;
+            }
+            let method = http::Method::from_bytes(other.as_bytes()).expect("a method");
+            assert!(!known_method(&method), "{other}");
+        }
+    }
+    for other in ["M-SEARCH", "FOO", "G#T", "QUERY", "Get"] {
+        let method = http::Method::from_bytes(other.as_bytes()).expect("a method");
+        assert!(!known_method(&method), "{other}");
+    }
+}
+
+#[test]
+fn a_fragment_is_a_hash_in_the_target_only() {
+    for (line, fragment) in [
+        (&b"GET /a#b HTTP/1.1\r"[..], true),
+        (b"GET /# HTTP/1.1", true),
+        (b"GET /a?b#c HTTP/1.1", true),
+        (b"G#T /a HTTP/1.1", false),
+        (b"GET /a HTTP/1.1#", false),
+        (b"GET /a%23 HTTP/1.1", false),
+        // No version: the target runs to the line's end.
+        (b"GET /a#b", true),
+        (b"GET", false),
+    ] {
+        assert_eq!(
+            fragment_in_target(line),
+            fragment,
+            "{}",
+            String::from_utf8_lossy(line)
+        );
+    }
+}
+
+#[test]
+fn authority_characters_are_envoys() {
+    // Every byte alone, and in a name: what Envoy's check takes (RFC 3986's characters for a
+    // host and port, `@` and `%`), as the conformance tests found it answer.
+    for b in 0u8..=255 {
+        let valid = b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@[]%".contains(&b);
+        assert_eq!(authority_chars_valid(&[b]), valid, "{b:#x}");
+        assert_eq!(
+            authority_chars_valid(&[b'a', b, b'.', b'b']),
+            valid,
+            "{b:#x}"
+        );
+    }
+    for ok in [
+        &b"example.com:8080"[..],
+        b"[::1]:80",
+        b"a%20b",
+        b"user@host",
+        b"",
+    ] {
+        assert!(authority_chars_valid(ok), "{ok:?}");
+    }
+    for bad in [
+        &b"a b"[..],
+        b"a/b",
+        b"a?b",
+        b"a#b",
+        b"a\"b",
+        b"a\x80b",
+        b"a\\b",
+    ] {
+        assert!(!authority_chars_valid(bad), "{bad:?}");
     }
 }

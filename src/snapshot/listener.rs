@@ -513,6 +513,9 @@ pub struct Hcm {
     /// proper case): HTTP/1 header names keep the case they came with. Unset, Envoy writes
     /// them lower case and Portico keeps none (`proxy::head`).
     pub keep_header_case: bool,
+    /// `http_protocol_options.allow_custom_methods`: any token as an HTTP/1 method. Unset,
+    /// Envoy's codec takes only the methods it knows (`proxy::downstream::known_method`).
+    pub allow_custom_methods: bool,
 }
 
 /// What the codec does with a request header whose name holds `_`.
@@ -1387,6 +1390,10 @@ impl Hcm {
                 .http_protocol_options
                 .as_ref()
                 .is_some_and(|o| o.header_key_format.is_some()),
+            allow_custom_methods: h
+                .http_protocol_options
+                .as_ref()
+                .is_some_and(|o| o.allow_custom_methods),
         })
     }
 }
@@ -1427,8 +1434,8 @@ fn check_hcm_fields(h: &hcm::HttpConnectionManager) -> Result<(), String> {
                 "http_protocol_options.{field}: only Envoy's default is supported"
             ));
         }
-        // header_key_format (istiod's preserve-case) is read into `Hcm::keep_header_case`;
-        // enable_trailers and the like change how HTTP/1 is written, not where a request
+        // header_key_format (istiod's preserve-case) is read into `Hcm::keep_header_case`,
+        // allow_custom_methods into `Hcm::allow_custom_methods`; enable_trailers and the like change how HTTP/1 is written, not where a request
         // goes.
     }
     if h.http2_protocol_options
