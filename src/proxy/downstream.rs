@@ -73,12 +73,15 @@ impl Gateway {
             // Envoy answers Expect: 100-continue itself; upstream 1xx are not relayed.
             h1.set_ignore_info_resp(true);
         }
-        if let Err(()) = absolute_form(session) {
-            super::keepalive(session, ctx, None);
-            let body = Some(Bytes::from_static(b"Bad Request"));
-            return self.local_reply(session, ctx, 400, body, &[]).await;
-        }
-        if let Some((status, body, close)) = reject(session, listener.def.hcm()) {
+        let host_from_target = match absolute_form(session) {
+            Ok(taken) => taken,
+            Err(()) => {
+                super::keepalive(session, ctx, None);
+                let body = Some(Bytes::from_static(b"Bad Request"));
+                return self.local_reply(session, ctx, 400, body, &[]).await;
+            }
+        };
+        if let Some((status, body, close)) = reject(session, listener.def.hcm(), host_from_target) {
             if close {
                 super::keepalive(session, ctx, None);
             }
@@ -361,29 +364,30 @@ fn uuid_value(text: [u8; 36]) -> http::HeaderValue {
 /// An HTTP/1 request target in absolute form (`GET http://host/path`, RFC 9112 3.2.2), as
 /// Envoy's codec takes it: the target's authority (less any userinfo) replaces Host, its path
 /// (`/` when it has none) becomes the target. Only http and https, with an authority: anything
-/// else is refused (`Err`).
-fn absolute_form(session: &mut Session) -> std::result::Result<(), ()> {
+/// else is refused (`Err`). Whether the target was in absolute form (its authority now the
+/// Host).
+fn absolute_form(session: &mut Session) -> std::result::Result<bool, ()> {
     if !super::downstream_h1(session) {
-        return Ok(());
+        return Ok(false);
     }
     let req = session.req_header();
     if req.method == http::Method::CONNECT {
-        return Ok(());
+        return Ok(false);
     }
     let raw = req.raw_path();
     let Some(colon) = raw.iter().position(|b| *b == b':') else {
-        return Ok(());
+        return Ok(false);
     };
     let (scheme, rest) = raw.split_at(colon);
     let Some(rest) = rest.strip_prefix(b"://") else {
-        return Ok(());
+        return Ok(false);
     };
     if scheme.is_empty()
         || !scheme
             .iter()
             .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(b))
     {
-        return Ok(());
+        return Ok(false);
     }
     if !scheme.eq_ignore_ascii_case(b"http") && !scheme.eq_ignore_ascii_case(b"https") {
         return Err(());
@@ -408,13 +412,15 @@ fn absolute_form(session: &mut Session) -> std::result::Result<(), ()> {
     req.set_raw_path(&target).map_err(|_| ())?;
     req.insert_header(http::header::HOST, host)
         .map_err(|_| ())?;
-    Ok(())
+    Ok(true)
 }
 
 /// Requests Envoy's codec refuses before routing: (status, body, close the connection).
+/// `host_from_target`: the Host is an absolute-form target's authority (`absolute_form`).
 fn reject(
     session: &Session,
     hcm: Option<&crate::snapshot::listener::Hcm>,
+    host_from_target: bool,
 ) -> Option<(u16, &'static str, bool)> {
     let req = session.req_header();
     let h1 = super::downstream_h1(session);
@@ -467,14 +473,16 @@ fn reject(
     if h1 && host.is_none() && req.uri.authority().is_none() {
         return Some((400, "", true));
     }
-    // The authority's bytes as sent (a Host that is not text is refused too).
-    let authority = req
-        .uri
-        .authority()
-        .map(|a| a.as_str().as_bytes())
-        .or_else(|| host.map(http::HeaderValue::as_bytes))
-        .unwrap_or_default();
-    if !authority_chars_valid(authority) {
+    // Envoy checks the characters of the Host a client sent (one that is not text is
+    // refused too); a target's authority (absolute-form, HTTP/2's) is its parser's, which
+    // takes `example.com?q` as one (`edge_absolute_form`).
+    let authority_ok = match (host, req.uri.authority()) {
+        (Some(_), _) if host_from_target => true,
+        (Some(h), _) => authority_chars_valid(h.as_bytes()),
+        (None, Some(a)) => !a.as_str().bytes().any(|b| b <= b' ' || b == 0x7f),
+        (None, None) => true,
+    };
+    if !authority_ok {
         return Some((400, "Bad Request", true));
     }
     let raw = req.raw_path();
