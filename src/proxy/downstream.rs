@@ -842,15 +842,14 @@ fn fragment_in_target(line: &[u8]) -> bool {
 
 /// The authority as the client sent it (`:authority` or `Host`).
 pub(super) fn raw_authority(req: &RequestHeader) -> &str {
-    authority_or_host(req, req.headers.get(http::header::HOST))
-}
-
-/// `raw_authority` with the request's first Host already looked up.
-fn authority_or_host<'a>(req: &'a RequestHeader, host: Option<&'a http::HeaderValue>) -> &'a str {
     req.uri
         .authority()
         .map(|a| a.as_str())
-        .or_else(|| host.and_then(super::head::value_str))
+        .or_else(|| {
+            req.headers
+                .get(http::header::HOST)
+                .and_then(super::head::value_str)
+        })
         .unwrap_or("")
 }
 
