@@ -228,6 +228,7 @@ pub(crate) async fn process(
         let mut ctx = d.gw.new_ctx();
         ctx.own_loop = true;
         ctx.read_timer = std::mem::take(read_timer);
+        ctx.spare_peer = spare.peer.take();
         let s = match own {
             Some((req, raw)) => {
                 let c = spare.conn(if told { None } else { plain.keepalive() });
@@ -283,6 +284,7 @@ pub(crate) async fn process(
         d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
         let s = process_request(d, s, &mut ctx).await;
         *read_timer = std::mem::take(&mut ctx.read_timer);
+        spare.peer = ctx.spare_peer.take();
         ended = ctx
             .info
             .last_downstream_tx
@@ -316,6 +318,8 @@ pub(crate) async fn process(
 pub(crate) struct Spare {
     session: Option<Box<Session>>,
     conn: Option<Arc<Conn>>,
+    /// The last request's plain upstream peer (`Ctx::spare_peer`).
+    peer: Option<Box<HttpPeer>>,
 }
 
 impl Spare {
@@ -512,7 +516,13 @@ async fn proxy_to_upstream(
     let own = peer
         .get_peer_options()
         .is_none_or(|o| matches!(o.alpn, pingora_core::protocols::ALPN::H1));
-    let key = peer.reuse_hash();
+    // A plain peer's reuse hash is its address and group key (`pool::plain_key`).
+    let plain = ctx.plain_peer && !ctx.upstream_h2;
+    let key = if plain {
+        super::pool::plain_key(peer.address(), peer.group_key)
+    } else {
+        peer.reuse_hash()
+    };
     // The clock as `choose_peer` read it, moments ago.
     let chosen = ctx.peer_at.unwrap_or_else(std::time::Instant::now);
     let pooled = if own {
@@ -572,6 +582,9 @@ async fn proxy_to_upstream(
                 .await;
             }
             let error = error.map(|e| gw.error_while_proxy(&peer, s, e, ctx, client_reused));
+            if plain {
+                ctx.spare_peer = Some(peer);
+            }
             (server_reused, error)
         }
         Err(mut e) => {
@@ -890,11 +903,30 @@ fn edits_request(s: &Session, ctx: &Ctx) -> bool {
             if hosts > 1 || v.as_bytes().contains(&b'@') {
                 return true;
             }
-        } else if HOP_LENGTHS & (1 << k.as_str().len().min(63)) != 0 && HOP_BY_HOP.contains(&k) {
+        } else if HOP_LENGTHS & (1 << k.as_str().len().min(63)) != 0 && hop_by_hop(k.as_str()) {
             return true;
         }
     }
     hosts != 1
+}
+
+/// Whether `name` (lower case, as a `HeaderName` holds it) is one of `HOP_BY_HOP`: one
+/// comparison of text, where comparing `HeaderName`s with the list's took about 165
+/// instructions for a name of a listed length (`user-agent` has `connection`'s).
+fn hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "connection"
+            | "upgrade"
+            | "http2-settings"
+    )
 }
 
 /// The lengths of the `HOP_BY_HOP` names as a bit set: most names have a length none of them
@@ -1087,6 +1119,27 @@ mod tests {
         spare.conn = Some(second);
         let third = spare.conn(None);
         assert_ne!(Arc::as_ptr(&third), Arc::as_ptr(&held));
+    }
+
+    #[test]
+    fn hop_by_hop_names_the_list() {
+        for h in HOP_BY_HOP {
+            assert!(hop_by_hop(h.as_str()), "{h}");
+        }
+        for other in [
+            "user-agent",
+            "host",
+            "te2",
+            "t",
+            "",
+            "connectio",
+            "connections",
+            "keep-alivf",
+            "x-forwarded-for",
+            "upgrade-insecure-requests",
+        ] {
+            assert!(!hop_by_hop(other), "{other}");
+        }
     }
 
     #[test]

@@ -26,6 +26,38 @@ use pingora_core::protocols::l4::socket::SocketAddr;
 use pingora_core::upstreams::peer::Peer;
 use tokio::io::AsyncReadExt;
 
+/// The pool key of a plain peer (no TLS, proxy or client certificate; HTTP/1): of what
+/// pingora's reuse hash reads, only its address and group key can differ between two such
+/// peers. pingora's hash runs ahash over every field (~150 instructions a request); this
+/// mixes the two (under 20). Keys made either way share a pool, as pingora's reuse hashes
+/// share one: two different peers with one key (odds of 2^-64) would share connections there
+/// too, and `take` still checks the address.
+pub(crate) fn plain_key(addr: &SocketAddr, group_key: u64) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mix = |h: u64, w: u64| (h.rotate_left(26) ^ w).wrapping_mul(K);
+    let h = mix(group_key ^ 0x706c_6169_6e00, 0);
+    let h = match addr {
+        SocketAddr::Inet(std::net::SocketAddr::V4(a)) => {
+            mix(h, u64::from(a.ip().to_bits()) << 16 | u64::from(a.port()))
+        }
+        SocketAddr::Inet(std::net::SocketAddr::V6(a)) => {
+            let ip = a.ip().to_bits();
+            let h = mix(mix(h, ip as u64), (ip >> 64) as u64);
+            mix(h, u64::from(a.port()) << 32 | u64::from(a.scope_id()))
+        }
+        // The own loop's plain peers are TCP ones; any other address still gets a key.
+        other => {
+            use std::hash::{Hash, Hasher};
+            let mut d = std::hash::DefaultHasher::new();
+            other.hash(&mut d);
+            mix(h, d.finish())
+        }
+    };
+    // The map takes the key as its own hash (`Prehashed`): the top bits pick the control
+    // byte, the low ones the bucket.
+    h ^ h >> 29
+}
+
 /// How long a server's close of an idle connection may go unanswered.
 const SWEEP: Duration = Duration::from_secs(1);
 
@@ -382,5 +414,52 @@ mod tests {
         pool.put(c, p.reuse_hash(), &p, None);
         drop(pool);
         closed(&mut s, Duration::from_secs(10), "closed").await;
+    }
+
+    #[test]
+    fn plain_keys_tell_plain_peers_apart_as_reuse_hashes_do() {
+        let addrs = [
+            "127.0.0.1:80",
+            "127.0.0.1:81",
+            "127.0.0.2:80",
+            "10.1.2.3:9080",
+            "[::1]:80",
+            "[::1]:81",
+            "[fe80::1%2]:80",
+            "[fe80::1%3]:80",
+        ];
+        let mut keys = std::collections::HashSet::new();
+        for a in addrs {
+            let addr: std::net::SocketAddr = a.parse().expect("addr");
+            for group in [0u64, 1, 0xdead_beef] {
+                let mut p = HttpPeer::new(addr, false, String::new());
+                p.group_key = group;
+                let key = plain_key(p.address(), p.group_key);
+                // The same peer made again: the same key, as its reuse hash is the same.
+                let mut again = HttpPeer::new(addr, false, String::new());
+                again.group_key = group;
+                assert_eq!(p.reuse_hash(), again.reuse_hash());
+                assert_eq!(key, plain_key(again.address(), again.group_key));
+                assert!(keys.insert(key), "{a} {group}: a key twice");
+            }
+        }
+        // Spread for the map: the top seven bits (hashbrown's control byte) differ too.
+        let tops: std::collections::HashSet<u64> = keys.iter().map(|k| k >> 57).collect();
+        assert!(tops.len() > keys.len() / 2, "{tops:?}");
+    }
+
+    #[tokio::test]
+    async fn plain_keys_find_what_they_put() {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let p = peer(&l);
+        let pool = Pool::new(8);
+        let (c, _s) = pair(&l).await;
+        let key = plain_key(p.address(), p.group_key);
+        pool.put(c, key, &p, None);
+        let mut grouped = peer(&l);
+        grouped.group_key = 7;
+        let other = plain_key(grouped.address(), grouped.group_key);
+        assert!(pool.take(other, &grouped, Instant::now()).is_none());
+        assert!(pool.take(key, &p, Instant::now()).is_some());
     }
 }

@@ -253,6 +253,7 @@ impl Gateway {
             _ => None,
         };
         let direct = internal.is_none();
+        ctx.plain_peer = false;
         // Made in its box: built on the stack, it was copied twice (out of the match and into
         // the box), 672 bytes each, on every request.
         let mut peer = match (internal, tls) {
@@ -268,7 +269,13 @@ impl Gateway {
                     .map(|a| (a.clone(), cluster.def.http2));
                 Box::new(upstream_tls::peer(tls, alpn, cluster.def.connect_timeout)?)
             }
-            (None, None) => super::in_box(|| HttpPeer::new(addr, false, String::new())),
+            (None, None) => {
+                ctx.plain_peer = true;
+                match ctx.spare_peer.take() {
+                    Some(p) => refill_plain(p, addr),
+                    None => super::in_box(|| HttpPeer::new(addr, false, String::new())),
+                }
+            }
         };
         peer.options.connection_timeout = Some(cluster.def.connect_timeout);
         // Approximates Envoy's timeouts: the upstream must answer within the per-try timeout
@@ -321,6 +328,18 @@ impl Gateway {
         }
         Ok(peer)
     }
+}
+
+/// A plain peer a request before made (`Ctx::spare_peer`), as `HttpPeer::new(addr, false,
+/// "")` makes one: of what `choose_peer` changes on a plain peer, the address and what it
+/// sets only for some clusters (bind address, keepalive) are put back; the timeouts it sets
+/// on every peer. A peer for HTTP/2 is never kept (`h1::proxy_to_upstream`).
+fn refill_plain(mut p: Box<HttpPeer>, addr: SocketAddr) -> Box<HttpPeer> {
+    p._address = pingora_core::protocols::l4::socket::SocketAddr::Inet(addr);
+    p.group_key = 0;
+    p.options.bind_to = None;
+    p.options.tcp_keepalive = None;
+    p
 }
 
 /// pingora's `connected_to_upstream`: counts the request on its connection, which it closes
@@ -531,4 +550,46 @@ pub(super) fn response_headers(
         resp.append_header(http::header::SET_COOKIE, c)?;
     }
     super::envoy_reason_phrase(session, resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pingora_core::upstreams::peer::Peer;
+
+    #[test]
+    fn a_refilled_peer_is_a_new_one() {
+        let first: SocketAddr = "10.0.0.1:80".parse().expect("addr");
+        let next: SocketAddr = "10.0.0.2:8080".parse().expect("addr");
+        // What `choose_peer` sets on a plain peer for some clusters, and on every one.
+        let mut p = Box::new(HttpPeer::new(first, false, String::new()));
+        let mut bind = pingora_core::connectors::l4::BindTo::default();
+        bind.addr = Some("10.9.9.9:0".parse().expect("addr"));
+        p.options.bind_to = Some(bind);
+        p.group_key = 42;
+        p.options.tcp_keepalive = Some(tcp_keepalive(crate::snapshot::cluster::TcpKeepalive {
+            probes: Some(3),
+            time: Some(60),
+            interval: None,
+        }));
+        p.options.connection_timeout = Some(std::time::Duration::from_secs(3));
+        p.options.read_timeout = Some(std::time::Duration::from_secs(4));
+        p.options.idle_timeout = Some(std::time::Duration::from_secs(5));
+        let refilled = refill_plain(p, next);
+        let fresh = HttpPeer::new(next, false, String::new());
+        assert_eq!(refilled.address(), fresh.address());
+        assert_eq!(refilled.reuse_hash(), fresh.reuse_hash());
+        assert_eq!(refilled.group_key, 0);
+        assert!(refilled.options.bind_to.is_none());
+        assert!(refilled.options.tcp_keepalive.is_none());
+        assert!(!refilled.is_tls());
+        assert_eq!(refilled.sni, fresh.sni);
+        // The rest of the options as a new peer's, but for the three timeouts `choose_peer`
+        // sets on every peer (written over here to compare the rest).
+        let mut opts = refilled.options.clone();
+        opts.connection_timeout = None;
+        opts.read_timeout = None;
+        opts.idle_timeout = None;
+        assert_eq!(format!("{opts:?}"), format!("{:?}", fresh.options));
+    }
 }
