@@ -228,7 +228,6 @@ pub(crate) async fn process(
         let mut ctx = d.gw.new_ctx();
         ctx.own_loop = true;
         ctx.read_timer = std::mem::take(read_timer);
-        ctx.spare_peer = spare.peer.take();
         let s = match own {
             Some((req, raw)) => {
                 let c = spare.conn(if told { None } else { plain.keepalive() });
@@ -284,7 +283,6 @@ pub(crate) async fn process(
         d.gw.state.stats.h1_loop_requests.fetch_add(1, Relaxed);
         let s = process_request(d, s, &mut ctx).await;
         *read_timer = std::mem::take(&mut ctx.read_timer);
-        spare.peer = ctx.spare_peer.take();
         ended = ctx
             .info
             .last_downstream_tx
@@ -318,8 +316,6 @@ pub(crate) async fn process(
 pub(crate) struct Spare {
     session: Option<Box<Session>>,
     conn: Option<Arc<Conn>>,
-    /// The last request's plain upstream peer (`Ctx::spare_peer`).
-    peer: Option<Box<HttpPeer>>,
 }
 
 impl Spare {
@@ -583,7 +579,7 @@ async fn proxy_to_upstream(
             }
             let error = error.map(|e| gw.error_while_proxy(&peer, s, e, ctx, client_reused));
             if plain {
-                ctx.spare_peer = Some(peer);
+                super::upstream::keep_plain(peer);
             }
             (server_reused, error)
         }

@@ -257,12 +257,9 @@ pub struct Ctx {
     upstream_h2: bool,
     /// This attempt's peer is a plain TCP one (no TLS, no internal listener): its settings are
     /// the cluster's timeouts, keepalive and bind address only (`choose_peer`), so the own
-    /// loop keys its pool by `pool::plain_key` and keeps the peer's box for the next request.
+    /// loop keys its pool by `pool::plain_key` and keeps the peer's box for a next request
+    /// (`upstream::keep_plain`).
     plain_peer: bool,
-    /// The own loop's last plain peer (`plain_peer`) on this connection, refilled by the next
-    /// request's `choose_peer` in place of a new one: making a peer (672 bytes), boxing it and
-    /// dropping it cost about 250 instructions a request.
-    spare_peer: Option<Box<HttpPeer>>,
     /// The request's record for access logs, metrics and traces (`observe`).
     pub(crate) info: crate::telemetry::StreamInfo,
     /// The request carried `x-envoy-peer-metadata-id` / `x-envoy-peer-metadata` (the
