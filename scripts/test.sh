@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The test command from README.md (and what CI runs): set-up, lint, release build, every
+# The test command from README.md (and what CI runs): set-up, lint, the test build, every
 # example validated by Portico and by Envoy, unit and integration tests against Portico, then
 # the same integration tests against the real Envoy to prove they describe Envoy's behaviour.
+# No release build: the tests run the test profile's binary, and a release build only to
+# validate the examples cost a clean CI run 8.5 of its 30 minutes on 2 cores (the release
+# binary validates as the test build does: one source, one validator).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --with-envoy
@@ -15,10 +18,10 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
-step "release build"
-cargo build --release --quiet
+step "test build (unit and integration tests, benches as tests, the portico binary)"
+cargo test --all-targets --no-run --quiet
 step "validate gateway-examples with Portico and Envoy"
-portico_bin="${CARGO_TARGET_DIR:-target}/release/portico"
+portico_bin="${CARGO_TARGET_DIR:-target}/debug/portico"
 for f in gateway-examples/bootstraps/*.yaml; do
   "$portico_bin" --mode validate -c "$f" --log-level error
   "$envoy_bin" --mode validate -c "$f" --log-level error >/dev/null
