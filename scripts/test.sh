@@ -3,8 +3,9 @@
 # example validated by Portico and by Envoy, unit and integration tests against Portico, then
 # the same integration tests against the real Envoy to prove they describe Envoy's behaviour.
 # No release build: the tests run the test profile's binary, and a release build only to
-# validate the examples cost a clean CI run 8.5 of its 30 minutes on 2 cores (the release
-# binary validates as the test build does: one source, one validator).
+# validate the examples cost a fresh clone's run 8.5 of its 29 minutes on 2 cores (README,
+# Quick start; the release binary validates as the test build's does: one source, one
+# validator).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --with-envoy
